@@ -1,0 +1,163 @@
+"""The architecture description: independent parameters from TOML, derived figures in one place.
+
+A preset is a TOML file in ``isa/presets``; a user passes ``--arch NAME`` or ``--arch FILE.toml``.
+Nothing else in the code base reads a machine number from anywhere but an :class:`Arch` handed
+to it explicitly.
+"""
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, fields
+from functools import cached_property
+from importlib import resources
+from pathlib import Path
+
+MODES = ("w8", "w4", "w2")
+MODE_BITS = {"w8": 8, "w4": 4, "w2": 2}
+# Resident N x N weight tiles one pass holds in each mode (ADiP asymmetric multi-matrix).
+MODE_TILES = {"w8": 1, "w4": 2, "w2": 4}
+DATAFLOWS = ("dip", "ws")
+
+
+class ArchError(ValueError):
+    """A malformed or unknown architecture description."""
+
+
+@dataclass(frozen=True)
+class Arch:
+    """Independent parameters of one machine (see ../shared/MACHINE.md for their meaning)."""
+
+    name: str
+    description: str
+    # chip
+    legions: int
+    clock_ghz: float
+    dram_gbps: float
+    dram_latency_cycles: int
+    noc_link_gbps: float
+    multicast: bool
+    # Legion
+    cores: int
+    parallel_accumulators: bool
+    act_kib: int
+    wgt_kib: int
+    acc_kib: int
+    vec_kib: int
+    vector_lanes: int
+    vector_transcendental_cycles: int
+    # core
+    array: int
+    modes: tuple[str, ...]
+    dataflow: str
+    double_buffered_weights: bool
+
+    def __post_init__(self):
+        bad = [m for m in self.modes if m not in MODES]
+        if bad or not self.modes:
+            raise ArchError(f"{self.name}: modes must be a non-empty subset of {MODES}, got {self.modes}")
+        if self.dataflow not in DATAFLOWS:
+            raise ArchError(f"{self.name}: dataflow must be one of {DATAFLOWS}, got {self.dataflow!r}")
+        for f in ("legions", "cores", "array", "vector_lanes", "act_kib", "wgt_kib", "acc_kib", "vec_kib"):
+            if getattr(self, f) <= 0:
+                raise ArchError(f"{self.name}: {f} must be positive")
+        if self.legions > 64:
+            raise ArchError(f"{self.name}: at most 64 Legions (the multicast set is a 64-bit mask)")
+
+    @cached_property
+    def derived(self) -> "Derived":
+        return derive(self)
+
+
+@dataclass(frozen=True)
+class Derived:
+    """Figures computed from an :class:`Arch`; the only place they are computed."""
+
+    pes_per_core: int
+    macs_per_cycle: dict          # mode -> MACs per cycle for the whole chip
+    peak_tops: dict               # mode -> tera-ops per second (2 ops per MAC)
+    dram_bytes_per_cycle: float
+    link_bytes_per_cycle: float
+    spad_elems: dict              # space -> capacity in elements per Legion
+    pass_overhead: int            # cycles a pass adds to its M streamed rows: N (DiP) or 2N (WS)
+    weight_load_cycles: int       # cycles to load one window of weight tiles
+
+
+ELEM_BYTES = {"act": 1, "wgt": 1, "acc": 4, "vec": 4}
+
+
+def derive(a: Arch) -> Derived:
+    pes = a.array * a.array
+    macs = {m: a.legions * a.cores * pes * MODE_TILES[m] for m in a.modes}
+    kib = {"act": a.act_kib, "wgt": a.wgt_kib, "acc": a.acc_kib, "vec": a.vec_kib}
+    return Derived(
+        pes_per_core=pes,
+        macs_per_cycle=macs,
+        peak_tops={m: 2 * v * a.clock_ghz / 1000.0 for m, v in macs.items()},
+        dram_bytes_per_cycle=a.dram_gbps / a.clock_ghz,
+        link_bytes_per_cycle=a.noc_link_gbps / a.clock_ghz,
+        spad_elems={s: kib[s] * 1024 // ELEM_BYTES[s] for s in kib},
+        pass_overhead=a.array if a.dataflow == "dip" else 2 * a.array,
+        weight_load_cycles=a.array,
+    )
+
+
+def _flatten(doc: dict, source: str) -> dict:
+    flat = {"name": doc.get("name"), "description": doc.get("description", "")}
+    for section in ("chip", "legion", "core"):
+        part = doc.get(section)
+        if not isinstance(part, dict):
+            raise ArchError(f"{source}: missing table [{section}]")
+        flat.update(part)
+    return flat
+
+
+def from_toml_text(text: str, source: str) -> Arch:
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ArchError(f"{source}: {e}") from None
+    flat = _flatten(doc, source)
+    names = {f.name for f in fields(Arch)}
+    unknown = sorted(set(flat) - names)
+    missing = sorted(names - set(flat))
+    if unknown:
+        raise ArchError(f"{source}: unknown parameter(s) {', '.join(unknown)}")
+    if missing:
+        raise ArchError(f"{source}: missing parameter(s) {', '.join(missing)}")
+    flat["modes"] = tuple(flat["modes"])
+    return Arch(**flat)
+
+
+def preset_names() -> list[str]:
+    return sorted(p.name.removesuffix(".toml") for p in resources.files("isa.presets").iterdir()
+                  if p.name.endswith(".toml"))
+
+
+def load(spec: str | Path, base: Path | None = None) -> Arch:
+    """Load a preset by name, or a TOML file (relative paths resolved against ``base``)."""
+    spec = str(spec)
+    if not spec.endswith(".toml"):
+        if spec not in preset_names():
+            raise ArchError(f"unknown architecture {spec!r}; presets: {', '.join(preset_names())}")
+        text = resources.files("isa.presets").joinpath(spec + ".toml").read_text()
+        return from_toml_text(text, spec)
+    path = Path(spec) if base is None or Path(spec).is_absolute() else base / spec
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ArchError(f"{spec}: cannot read architecture file ({e.strerror})") from None
+    return from_toml_text(text, spec)
+
+
+def summary(a: Arch) -> str:
+    """Derived figures of a machine, for users to check against the published ones."""
+    d = a.derived
+    lines = [f"{a.name}: {a.description}",
+             f"  {a.legions} Legions x {a.cores} cores x {a.array}x{a.array} PEs, {a.dataflow}, "
+             f"{a.clock_ghz:g} GHz",
+             f"  DRAM {d.dram_bytes_per_cycle:g} B/cycle, latency {a.dram_latency_cycles} cycles; "
+             f"link {d.link_bytes_per_cycle:g} B/cycle; multicast {'on' if a.multicast else 'off'}; "
+             f"parallel accumulators {'on' if a.parallel_accumulators else 'off'}"]
+    for m in a.modes:
+        lines.append(f"  {m}: {d.macs_per_cycle[m]} MACs/cycle, peak {d.peak_tops[m]:.2f} TOPS")
+    return "\n".join(lines)

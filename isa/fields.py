@@ -1,0 +1,350 @@
+"""Operand kinds: how one instruction field is encoded in bits, printed as text and parsed.
+
+Each instruction declares its fields with one of these kinds (see ``isa/instructions.py``).
+The grammar, the binary encoder, the printer and the SPEC tables are all generated from the
+kinds, so an instruction's text syntax and encoding cannot drift apart.
+
+Text forms (``name`` is the field's name):
+
+========================  ==========================  =====================================
+kind                      text                        value in Python
+========================  ==========================  =====================================
+Legion                    ``L3``                      int
+LegionSet                 ``{0-3,5}``                 frozenset[int]
+Sem                       ``s12``                     int
+UInt (keyed)              ``name=12``                 int
+Keyword (keyed)           ``name=w2``                 str
+View                      ``vec[addr,rs,cs]``         View(space, addr, rs, cs)
+OptAddr (keyed)           ``name=vec[addr]``/``none`` int or None
+Dram                      ``@tensor[offset,rs]``      DramRef(tensor index, offset, rs)
+OptTensor (keyed)         ``name=@tensor``/``none``   int (tensor index) or None
+ViewOrImm                 a View or ``#1.5``          View or float (an fp32 value)
+========================  ==========================  =====================================
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+# Scratchpad spaces of a Legion and the element each holds.
+SPACES = ("act", "wgt", "acc", "vec")
+SPACE_DTYPE = {"act": "int8", "wgt": "uint8", "acc": "int32", "vec": "float32"}
+SPACE_DOC = {
+    "act": "activation scratchpad, int8 elements",
+    "wgt": "weight scratchpad, bytes (packed w2/w4 weights or int8 w8 weights)",
+    "acc": "accumulator scratchpad, int32 elements",
+    "vec": "vector scratchpad, fp32 elements",
+}
+ADDR_BITS = 24
+
+
+@dataclass(frozen=True)
+class View:
+    """A 2-D strided window of a Legion scratchpad: element (i, j) is at addr + i*rs + j*cs."""
+
+    space: str
+    addr: int
+    rs: int
+    cs: int = 1
+
+    def __str__(self) -> str:
+        return f"{self.space}[{self.addr},{self.rs},{self.cs}]"
+
+
+@dataclass(frozen=True)
+class DramRef:
+    """Row-strided DRAM access: element (i, j) of tensor ``tensor`` is at offset + i*rs + j."""
+
+    tensor: int
+    offset: int
+    rs: int
+
+
+def f32(x: float) -> float:
+    """Round a Python float to the nearest fp32 value (immediates are fp32)."""
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def f32_bits(x: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+def bits_f32(b: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", b))[0]
+
+
+def f32_text(x: float) -> str:
+    """Shortest text that parses back to the same fp32 value."""
+    if x != x:
+        return "nan"
+    if x in (float("inf"), float("-inf")):
+        return "inf" if x > 0 else "-inf"
+    for digits in range(1, 18):
+        s = f"{x:.{digits}g}"
+        if f32(float(s)) == x:
+            return s
+    return repr(x)
+
+
+class Kind:
+    """Base class of operand kinds. ``keyed`` kinds print as ``name=value``."""
+
+    bits: int = 0
+    keyed: bool = False
+    grammar: str = ""           # Lark expression for the value part of the text
+
+    def encode(self, v) -> int:
+        raise NotImplementedError
+
+    def decode(self, x: int):
+        raise NotImplementedError
+
+    def text(self, v, names) -> str:
+        """``names`` maps a tensor index to its name."""
+        raise NotImplementedError
+
+    def check(self, v) -> str | None:
+        """Why ``v`` cannot be encoded in this kind, or None."""
+        return None
+
+
+def _uint_fits(v, bits: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < (1 << bits)
+
+
+class Legion(Kind):
+    bits = 8
+    grammar = "LEGION"
+
+    def encode(self, v):
+        return v
+
+    def decode(self, x):
+        return x
+
+    def text(self, v, names):
+        return f"L{v}"
+
+    def check(self, v):
+        return None if _uint_fits(v, self.bits) else f"Legion index {v!r} out of range"
+
+
+class LegionSet(Kind):
+    bits = 64
+    grammar = "legion_set"
+
+    def encode(self, v):
+        return sum(1 << i for i in v)
+
+    def decode(self, x):
+        return frozenset(i for i in range(self.bits) if x >> i & 1)
+
+    def text(self, v, names):
+        parts, run = [], []
+        for i in sorted(v):
+            if run and i == run[-1] + 1:
+                run.append(i)
+                continue
+            if run:
+                parts.append(_run_text(run))
+            run = [i]
+        if run:
+            parts.append(_run_text(run))
+        return "{" + ",".join(parts) + "}"
+
+    def check(self, v):
+        if not isinstance(v, frozenset) or not v:
+            return "Legion set must be a non-empty frozenset"
+        return None if all(_uint_fits(i, 6) for i in v) else f"Legion set {sorted(v)} out of range"
+
+
+def _run_text(run: list[int]) -> str:
+    return str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}"
+
+
+class Sem(Kind):
+    bits = 16
+    grammar = "SEM"
+
+    def encode(self, v):
+        return v
+
+    def decode(self, x):
+        return x
+
+    def text(self, v, names):
+        return f"s{v}"
+
+    def check(self, v):
+        return None if _uint_fits(v, self.bits) else f"semaphore {v!r} out of range"
+
+
+class UInt(Kind):
+    keyed = True
+    grammar = "INT"
+
+    def __init__(self, bits: int):
+        self.bits = bits
+
+    def encode(self, v):
+        return v
+
+    def decode(self, x):
+        return x
+
+    def text(self, v, names):
+        return str(v)
+
+    def check(self, v):
+        return None if _uint_fits(v, self.bits) else f"{v!r} does not fit in {self.bits} bits"
+
+
+class Keyword(Kind):
+    keyed = True
+
+    def __init__(self, *choices: str):
+        self.choices = choices
+        self.bits = max(1, (len(choices) - 1).bit_length())
+        self.grammar = "(" + " | ".join(f'"{c}"' for c in choices) + ")"
+
+    def encode(self, v):
+        return self.choices.index(v)
+
+    def decode(self, x):
+        return self.choices[x]
+
+    def text(self, v, names):
+        return v
+
+    def check(self, v):
+        return None if v in self.choices else f"{v!r} is not one of {', '.join(self.choices)}"
+
+
+class ViewKind(Kind):
+    """A scratchpad view; ``spaces`` restricts which spaces the operand may name."""
+
+    rs_bits = 16
+    cs_bits = 16
+    bits = 2 + ADDR_BITS + rs_bits + cs_bits
+    grammar = "view"
+
+    def __init__(self, *spaces: str):
+        self.spaces = spaces or SPACES
+
+    def encode(self, v):
+        x = SPACES.index(v.space)
+        x |= v.addr << 2
+        x |= v.rs << (2 + ADDR_BITS)
+        return x | v.cs << (2 + ADDR_BITS + self.rs_bits)
+
+    def decode(self, x):
+        addr = x >> 2 & ((1 << ADDR_BITS) - 1)
+        rs = x >> (2 + ADDR_BITS) & ((1 << self.rs_bits) - 1)
+        cs = x >> (2 + ADDR_BITS + self.rs_bits) & ((1 << self.cs_bits) - 1)
+        return View(SPACES[x & 3], addr, rs, cs)
+
+    def text(self, v, names):
+        return str(v)
+
+    def check(self, v):
+        if not isinstance(v, View):
+            return f"expected a scratchpad view, got {v!r}"
+        if v.space not in self.spaces:
+            return f"space {v.space!r} not allowed here (allowed: {', '.join(self.spaces)})"
+        for part, bits in (("addr", ADDR_BITS), ("rs", self.rs_bits), ("cs", self.cs_bits)):
+            if not _uint_fits(getattr(v, part), bits):
+                return f"view {part} {getattr(v, part)!r} does not fit in {bits} bits"
+        return None
+
+
+class OptAddr(Kind):
+    """An optional address in one fixed space (a vector of per-row or per-column values)."""
+
+    keyed = True
+    bits = 1 + ADDR_BITS
+
+    def __init__(self, space: str):
+        self.space = space
+        self.grammar = f'(NONE | "{space}[" INT "]")'
+
+    def encode(self, v):
+        return 0 if v is None else 1 | v << 1
+
+    def decode(self, x):
+        return None if not x & 1 else x >> 1
+
+    def text(self, v, names):
+        return "none" if v is None else f"{self.space}[{v}]"
+
+    def check(self, v):
+        return None if v is None or _uint_fits(v, ADDR_BITS) else f"address {v!r} out of range"
+
+
+class Dram(Kind):
+    tensor_bits, offset_bits, rs_bits = 12, 32, 24
+    bits = tensor_bits + offset_bits + rs_bits
+    grammar = "dram"
+
+    def encode(self, v):
+        return v.tensor | v.offset << self.tensor_bits | v.rs << (self.tensor_bits + self.offset_bits)
+
+    def decode(self, x):
+        t = x & ((1 << self.tensor_bits) - 1)
+        off = x >> self.tensor_bits & ((1 << self.offset_bits) - 1)
+        return DramRef(t, off, x >> (self.tensor_bits + self.offset_bits))
+
+    def text(self, v, names):
+        return f"@{names[v.tensor]}[{v.offset},{v.rs}]"
+
+    def check(self, v):
+        if not isinstance(v, DramRef):
+            return f"expected a DRAM reference, got {v!r}"
+        ok = (_uint_fits(v.tensor, self.tensor_bits) and _uint_fits(v.offset, self.offset_bits)
+              and _uint_fits(v.rs, self.rs_bits))
+        return None if ok else f"DRAM reference {v} out of range"
+
+
+class OptTensor(Kind):
+    keyed = True
+    bits = 1 + Dram.tensor_bits
+    grammar = '(NONE | "@" NAME)'
+
+    def encode(self, v):
+        return 0 if v is None else 1 | v << 1
+
+    def decode(self, x):
+        return None if not x & 1 else x >> 1
+
+    def text(self, v, names):
+        return "none" if v is None else f"@{names[v]}"
+
+    def check(self, v):
+        return None if v is None or _uint_fits(v, Dram.tensor_bits) else f"tensor {v!r} out of range"
+
+
+class ViewOrImm(Kind):
+    """Second operand of a binary vector op: a view, or an fp32 immediate broadcast everywhere."""
+
+    bits = 1 + ViewKind.bits
+    grammar = '(view | IMM)'
+
+    def __init__(self, *spaces: str):
+        self.view = ViewKind(*spaces)
+
+    def encode(self, v):
+        if isinstance(v, View):
+            return self.view.encode(v) << 1
+        return 1 | f32_bits(v) << 1
+
+    def decode(self, x):
+        return bits_f32(x >> 1 & 0xFFFFFFFF) if x & 1 else self.view.decode(x >> 1)
+
+    def text(self, v, names):
+        return str(v) if isinstance(v, View) else "#" + f32_text(v)
+
+    def check(self, v):
+        if isinstance(v, View):
+            return self.view.check(v)
+        if isinstance(v, float) and (v != v or f32(v) == v):
+            return None
+        return f"immediate {v!r} is not an fp32 value"

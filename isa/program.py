@@ -1,0 +1,139 @@
+"""A D-Legion program: the DRAM tensors it declares and its instruction stream.
+
+DRAM holds named tensors. Instructions address a tensor by its index in ``Program.tensors``
+and an offset in *storage elements*: the dtype's element for f32/i64/i32/i8/u8, a byte for
+the packed weight types w2 (four 2-bit weights a byte, lowest bits first) and w4 (two 4-bit
+weights a byte, low nibble first), both two's complement.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from isa.instructions import Instr
+
+DTYPES = ("f32", "i64", "i32", "i8", "u8", "w2", "w4")
+STORAGE = {"f32": np.float32, "i64": np.int64, "i32": np.int32, "i8": np.int8, "u8": np.uint8,
+           "w2": np.uint8, "w4": np.uint8}
+PACK = {"w2": 4, "w4": 2}          # logical elements per storage byte
+KINDS = ("input", "output", "const", "scratch")
+
+# Which DRAM dtypes a DMA may move into (load) or out of (store) each scratchpad space.
+# Loads into vec convert to fp32; stores from vec round half to even and saturate to ints.
+LOADS = {"vec": {"f32", "i64", "i32", "i8", "u8"}, "act": {"i8"}, "wgt": {"w2", "w4", "i8", "u8"},
+         "acc": {"i32"}}
+STORES = {"vec": {"f32", "i64", "i32", "i8", "u8"}, "act": {"i8"}, "wgt": {"w2", "w4", "i8", "u8"},
+          "acc": {"i32"}}
+
+
+class ProgramError(ValueError):
+    """A program that is malformed or cannot run; the message names file and line."""
+
+
+@dataclass
+class Tensor:
+    """A DRAM tensor. ``io_name`` binds inputs/outputs to graph names; ``offset`` is the byte
+    offset of a constant's bytes in the data file; ``range`` bounds random integer inputs."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    kind: str
+    io_name: str | None = None
+    offset: int | None = None
+    range: tuple[int, int] | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def storage_elems(self) -> int:
+        pack = PACK.get(self.dtype, 1)
+        return -(-self.numel // pack)
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage_elems * np.dtype(STORAGE[self.dtype]).itemsize
+
+
+@dataclass
+class Program:
+    arch: str
+    tensors: list[Tensor] = field(default_factory=list)
+    instrs: list[Instr] = field(default_factory=list)
+    data_file: str | None = None
+    # Where each instruction came from, for messages; not part of a program's identity.
+    lines: list[int] = field(default_factory=list, compare=False, repr=False)
+    source: str = field(default="<program>", compare=False, repr=False)
+    data: bytes | None = field(default=None, compare=False, repr=False)
+
+    def tensor_index(self, name: str) -> int:
+        for i, t in enumerate(self.tensors):
+            if t.name == name:
+                return i
+        known = ", ".join(t.name for t in self.tensors) or "none"
+        raise ProgramError(f"{self.source}: unknown tensor {name!r} (declared: {known})")
+
+    def names(self) -> list[str]:
+        return [t.name for t in self.tensors]
+
+    def where(self, i: int) -> str:
+        """Location of instruction ``i`` for messages: ``file:line`` or ``file: instruction i``."""
+        if i < len(self.lines) and self.lines[i]:
+            return f"{self.source}:{self.lines[i]}"
+        return f"{self.source}: instruction {i}"
+
+    def const_bytes(self, t: Tensor) -> bytes:
+        """The initial bytes of constant tensor ``t`` from the data file."""
+        if self.data is None:
+            raise ProgramError(f"{self.source}: tensor {t.name!r} needs the data file "
+                               f"{self.data_file!r}, which was not loaded")
+        end = t.offset + t.nbytes
+        if end > len(self.data):
+            raise ProgramError(f"{self.source}: tensor {t.name!r} needs bytes {t.offset}..{end} "
+                               f"of {self.data_file!r}, which has {len(self.data)}")
+        return self.data[t.offset:end]
+
+    def inputs(self) -> list[Tensor]:
+        return [t for t in self.tensors if t.kind == "input"]
+
+    def outputs(self) -> list[Tensor]:
+        return [t for t in self.tensors if t.kind == "output"]
+
+
+def pack(values: np.ndarray, dtype: str) -> np.ndarray:
+    """Pack signed weights (any int array) into the storage bytes of ``dtype``, row-major."""
+    if dtype not in PACK:
+        return np.ascontiguousarray(values, dtype=STORAGE[dtype]).reshape(-1)
+    per = PACK[dtype]
+    bits = 8 // per
+    v = np.asarray(values, dtype=np.int64).reshape(-1)
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    if v.size and (v.min() < lo or v.max() > hi):
+        raise ValueError(f"values outside [{lo}, {hi}] cannot be packed as {dtype}")
+    v = np.concatenate([v, np.zeros(-v.size % per, np.int64)]).reshape(-1, per)
+    u = (v & ((1 << bits) - 1)).astype(np.uint8)
+    shifts = (np.arange(per) * bits).astype(np.uint8)
+    return np.bitwise_or.reduce(u << shifts, axis=1).astype(np.uint8)
+
+
+def _unpack_table(bits: int) -> np.ndarray:
+    per = 8 // bits
+    b = np.arange(256, dtype=np.int64)[:, None] >> (np.arange(per) * bits)
+    u = b & ((1 << bits) - 1)
+    return np.where(u >= 1 << (bits - 1), u - (1 << bits), u).astype(np.int8)
+
+
+UNPACK = {"w2": _unpack_table(2), "w4": _unpack_table(4)}
+
+
+def unpack(storage: np.ndarray, dtype: str, count: int | None = None) -> np.ndarray:
+    """Inverse of :func:`pack`: storage bytes to int8 weights (the last axis expands)."""
+    if dtype not in PACK:
+        return storage.view(np.int8) if storage.dtype == np.uint8 else storage
+    out = UNPACK[dtype][storage]
+    out = out.reshape(*storage.shape[:-1], storage.shape[-1] * PACK[dtype])
+    return out if count is None else out[..., :count]
