@@ -13,7 +13,7 @@ Legion                    ``L3``                      int
 LegionSet                 ``{0-3,5}``                 frozenset[int]
 Sem                       ``s12``                     int
 UInt (keyed)              ``name=12``                 int
-Keyword (keyed)           ``name=w2``                 str
+Keyword (keyed or bare)   ``name=w2`` or ``dma``      str
 View                      ``vec[addr,rs,cs]``         View(space, addr, rs, cs)
 OptAddr (keyed)           ``name=vec[addr]``/``none`` int or None
 Dram                      ``@tensor[offset,rs]``      DramRef(tensor index, offset, rs)
@@ -200,10 +200,11 @@ class UInt(Kind):
 
 
 class Keyword(Kind):
-    keyed = True
+    """One of a few words; ``keyed=False`` prints the bare word (``signal L0 dma s0``)."""
 
-    def __init__(self, *choices: str):
+    def __init__(self, *choices: str, keyed: bool = True):
         self.choices = choices
+        self.keyed = keyed
         self.bits = max(1, (len(choices) - 1).bit_length())
         self.grammar = "(" + " | ".join(f'"{c}"' for c in choices) + ")"
 

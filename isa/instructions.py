@@ -210,6 +210,20 @@ class VSelect(Instr):
     cols: int = F(UInt(16), "columns")
 
 
+@dataclass(frozen=True)
+class VMatMul(Instr):
+    """dst(m, n) = sum_k a(m, k) * b(k, n) for m < M, n < N, k < K, in fp32 on the vector lanes (float activation x activation products)"""
+
+    OPCODE, MNEMONIC, QUEUE = 0x31, "vmm", "vec"
+    legion: int = F(Legion(), "Legion")
+    dst: View = F(ViewKind("vec"), "destination, M x N")
+    a: View = F(ViewKind("vec"), "left operand, M x K")
+    b: View = F(ViewKind("vec"), "right operand, K x N")
+    M: int = F(UInt(16), "rows")
+    K: int = F(UInt(16), "contraction depth")
+    N: int = F(UInt(16), "columns")
+
+
 # --- synchronization -------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -218,7 +232,7 @@ class Signal(Instr):
 
     OPCODE, MNEMONIC = 0x40, "signal"
     legion: int = F(Legion(), "Legion of the signalling queue")
-    queue_name: str = F(Keyword(*QUEUES), "queue that signals")
+    queue_name: str = F(Keyword(*QUEUES, keyed=False), "queue that signals")
     sem: int = F(Sem(), "chip-wide semaphore")
 
 
@@ -228,7 +242,7 @@ class Wait(Instr):
 
     OPCODE, MNEMONIC = 0x41, "wait"
     legion: int = F(Legion(), "Legion of the waiting queue")
-    queue_name: str = F(Keyword(*QUEUES), "queue that waits")
+    queue_name: str = F(Keyword(*QUEUES, keyed=False), "queue that waits")
     sem: int = F(Sem(), "chip-wide semaphore")
     count: int = F(UInt(32), "value the semaphore must reach")
 
@@ -313,14 +327,15 @@ VECTOR_FUNCS: list[type] = (
     + [_define(VReduce, n, 0xB0 + i, d, fn, t) for i, (n, d, fn, t) in enumerate(REDUCE)]
 )
 
-INSTRUCTIONS: tuple[type, ...] = (DmaLoad, DmaStore, Gather, MatMul, Drain, VSelect, Signal, Wait,
+INSTRUCTIONS: tuple[type, ...] = (DmaLoad, DmaStore, Gather, MatMul, Drain, VSelect, VMatMul,
+                                  Signal, Wait,
                                   *VECTOR_FUNCS)
 BY_MNEMONIC = {c.MNEMONIC: c for c in INSTRUCTIONS}
 BY_OPCODE = {c.OPCODE: c for c in INSTRUCTIONS}
 TRANSCENDENTAL = frozenset(c for c in VECTOR_FUNCS if c.TRANSCENDENTAL)
 DMA_CLASSES = frozenset({DmaLoad, DmaStore, Gather})
 SYNC_CLASSES = frozenset({Signal, Wait})
-VECTOR_CLASSES = frozenset({Drain, VSelect, *VECTOR_FUNCS})
+VECTOR_CLASSES = frozenset({Drain, VSelect, VMatMul, *VECTOR_FUNCS})
 
 
 def family(cls: type) -> str:

@@ -1,0 +1,106 @@
+"""``dlegion-cc``: compile an ONNX model into a D-Legion program."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from isa import arch as arch_mod
+
+EXIT_BAD_INPUT = 2
+EMITS = ("asm", "bin", "ir")
+
+
+def _parse_dims(values: tuple[str, ...]) -> dict[str, int]:
+    dims = {}
+    for v in values:
+        name, sep, num = v.partition("=")
+        if not sep or not name or not num.isdigit() or int(num) <= 0:
+            raise click.BadParameter(f"{v!r} is not NAME=POSITIVE_INTEGER", param_hint="--dim")
+        dims[name] = int(num)
+    return dims
+
+
+def _dims_from_inputs(model: str, path: str) -> dict[str, int]:
+    """Bind symbolic dims from the shapes of the arrays a user will run with."""
+    import numpy as np
+    import onnx
+    graph = onnx.load(model, load_external_data=False).graph
+    with np.load(path) as npz:
+        shapes = {k: npz[k].shape for k in npz.files}
+    dims = {}
+    for inp in graph.input:
+        if inp.name not in shapes:
+            continue
+        for d, size in zip(inp.type.tensor_type.shape.dim, shapes[inp.name]):
+            if d.dim_param:
+                dims[d.dim_param] = int(size)
+    return dims
+
+
+def _print_after(selected: str | None):
+    if not selected:
+        return None
+
+    def hook(name, graph):
+        if selected in ("all", name):
+            click.echo(f"; --- IR after {name} ---", err=True)
+            click.echo(graph.text(), err=True, nl=False)
+    return hook
+
+
+def _write(program, graph, output: str, emit: str) -> None:
+    from isa.asm import save
+    from isa.files import atomic_write
+    if emit == "ir":
+        atomic_write(output, graph.text())
+        return
+    save(program, output, program.data, binary=(emit == "bin"))
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="Program to write (its constants go to OUTPUT.data beside it).")
+@click.option("--arch", default="dlegion-8x8", show_default=True, metavar="NAME|FILE.toml",
+              help="Target machine. Presets: " + ", ".join(arch_mod.preset_names()))
+@click.option("--dim", "dims", multiple=True, metavar="NAME=VALUE",
+              help="Bind a symbolic dimension (batch, sequence, ...). Repeatable.")
+@click.option("--inputs", "inputs_path", type=click.Path(dir_okay=False, exists=True), metavar="IN.npz",
+              help="Bind symbolic dimensions from the shapes of these inputs.")
+@click.option("--emit", type=click.Choice(EMITS), default="asm", show_default=True,
+              help="Write assembly text, binary instruction words, or the graph IR.")
+@click.option("--print-ir-after", "print_after", metavar="PASS|all",
+              help="Print the graph IR after a pass (to stderr). Passes: " + ", ".join(
+                  __import__("dlegion_cc.pipeline", fromlist=["PASS_NAMES"]).PASS_NAMES))
+def compile_command(model, output, arch, dims, inputs_path, emit, print_after):
+    """Compile MODEL (ONNX) into a D-Legion program for ``dlegion-run``."""
+    from dlegion_cc.pipeline import Options, compile_model
+    bound = _dims_from_inputs(model, inputs_path) if inputs_path else {}
+    bound.update(_parse_dims(dims))
+    machine = arch_mod.load(arch)
+    data_file = Path(output).name + ".data"
+    graph, program = compile_model(model, Options(machine, bound), data_file, _print_after(print_after))
+    _write(program, graph, output, emit)
+    click.echo(f"{output}: {len(program.instrs)} instructions for {machine.name}", err=True)
+
+
+def main() -> None:
+    from dlegion_cc.errors import CompileError
+    from isa.program import ProgramError
+    try:
+        compile_command.main(standalone_mode=False)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(EXIT_BAD_INPUT)
+    except click.exceptions.Abort:
+        sys.exit(EXIT_BAD_INPUT)
+    except (CompileError, ProgramError, arch_mod.ArchError) as e:
+        click.echo(f"dlegion-cc: error: {e}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    except OSError as e:
+        click.echo(f"dlegion-cc: error: {e.filename or ''}: {e.strerror or e}", err=True)
+        sys.exit(EXIT_BAD_INPUT)

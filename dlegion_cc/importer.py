@@ -1,0 +1,176 @@
+"""Import: ONNX file -> checked, shape-inferred, constant-folded :class:`Graph`.
+
+Shapes come from ONNX's own shape inference (onnxruntime's symbolic shape inference for
+models with contrib ops such as com.microsoft.MatMulNBits); constants are folded with ONNX's
+reference evaluator. Weight-only subgraphs (transposes, casts, scale products) and shape
+computations therefore disappear before any pass sees the graph.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import external_data_helper, helper, numpy_helper, shape_inference
+
+from dlegion_cc.errors import CompileError
+from dlegion_cc.ir import Graph, Node, Value
+
+NOT_FOLDED = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
+              "Bernoulli"}
+MAX_FOLD_ROUNDS = 8
+
+
+def import_model(path: str | Path, dims: dict[str, int] | None = None) -> Graph:
+    """Load ``path``, bind symbolic dims, infer shapes and fold constants."""
+    source = str(path)
+    model = _load(Path(path))
+    _check(model, source)
+    _bind_dims(model, dims or {}, source)
+    for _ in range(MAX_FOLD_ROUNDS):
+        model = _infer(model, source)
+        if not _fold(model, source):
+            break
+    return _to_graph(model, source)
+
+
+def _load(path: Path) -> onnx.ModelProto:
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except FileNotFoundError:
+        raise CompileError(f"{path}: no such file") from None
+    except Exception as e:  # protobuf decode errors have no common base class
+        raise CompileError(f"{path}: not an ONNX model ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    base = path.parent.resolve()
+    for t in external_data_helper._get_all_tensors(model):
+        if not external_data_helper.uses_external_data(t):
+            continue
+        info = external_data_helper.ExternalDataInfo(t)
+        where = (base / info.location).resolve()
+        if Path(info.location).is_absolute() or base not in where.parents:
+            raise CompileError(f"{path}: external data {info.location!r} of tensor '{t.name}' "
+                               f"lies outside the model's folder")
+        if not where.is_file():
+            raise CompileError(f"{path}: external data file {info.location!r} of tensor '{t.name}' is missing")
+    external_data_helper.load_external_data_for_model(model, str(base))
+    return model
+
+
+def _check(model: onnx.ModelProto, source: str) -> None:
+    try:
+        onnx.checker.check_model(model)
+    except (onnx.checker.ValidationError, ValueError) as e:
+        raise CompileError(f"{source}: invalid ONNX model: {str(e).strip().splitlines()[0]}") from None
+
+
+def _bind_dims(model: onnx.ModelProto, dims: dict[str, int], source: str) -> None:
+    unbound = []
+    for inp in model.graph.input:
+        for d in inp.type.tensor_type.shape.dim:
+            if d.HasField("dim_value"):
+                continue
+            name = d.dim_param or "?"
+            if name not in dims:
+                unbound.append(f"'{name}' of input '{inp.name}'")
+                continue
+            d.dim_value = int(dims[name])
+    if unbound:
+        names = sorted({u.split("'")[1] for u in unbound})
+        raise CompileError(f"{source}: unbound symbolic dimension {', '.join(unbound)}; "
+                           f"pass {' '.join(f'--dim {n}=N' for n in names)} or --inputs")
+
+
+def _has_contrib_ops(model: onnx.ModelProto) -> bool:
+    return any(n.domain not in ("", "ai.onnx") for n in model.graph.node)
+
+
+def _infer(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
+    try:
+        if _has_contrib_ops(model):
+            from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+            return SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+        return shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
+    except Exception as e:  # shape inference raises InferenceError and plain exceptions
+        raise CompileError(f"{source}: shape inference failed: {str(e).strip().splitlines()[0]}") from None
+
+
+def _static_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
+    out = {}
+    for vi in [*model.graph.input, *model.graph.value_info, *model.graph.output]:
+        dims = vi.type.tensor_type.shape.dim
+        if vi.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
+            out[vi.name] = tuple(d.dim_value for d in dims)
+    return out
+
+
+def _fold(model: onnx.ModelProto, source: str) -> bool:
+    """Evaluate every node whose inputs are all known; True when anything was folded."""
+    g = model.graph
+    known = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+    shapes = _static_shapes(model)
+    kept, folded = [], False
+    for node in g.node:
+        values = _evaluate(node, known, shapes, source)
+        if values is None:
+            kept.append(node)
+            continue
+        known.update(values)
+        folded = True
+    if not folded:
+        return False
+    used = {i for n in kept for i in n.input} | {o.name for o in g.output}
+    del g.node[:]
+    g.node.extend(kept)
+    del g.initializer[:]
+    g.initializer.extend(numpy_helper.from_array(np.asarray(v), k) for k, v in known.items() if k in used)
+    graph_outputs = {o.name for o in g.output}
+    for name in graph_outputs & set(known):
+        raise CompileError(f"{source}: graph output '{name}' is a constant; nothing to compute")
+    del g.value_info[:]
+    return True
+
+
+def _evaluate(node, known, shapes, source) -> dict[str, np.ndarray] | None:
+    if node.op_type == "Shape" and node.input[0] in shapes:
+        return {node.output[0]: _shape_value(node, shapes[node.input[0]])}
+    if node.domain not in ("", "ai.onnx") or node.op_type in NOT_FOLDED:
+        return None
+    if not all(i == "" or i in known for i in node.input):
+        return None
+    from onnx.reference import ReferenceEvaluator
+    try:
+        results = ReferenceEvaluator(node).run(None, {i: known[i] for i in node.input if i})
+    except Exception as e:  # the evaluator raises whatever numpy raises
+        raise CompileError(f"{source}: node '{node.name}' ({node.op_type}): cannot fold constant "
+                           f"inputs: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    return {o: np.asarray(r) for o, r in zip(node.output, results) if o}
+
+
+def _shape_value(node, shape: tuple[int, ...]) -> np.ndarray:
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    start, end = attrs.get("start", 0), attrs.get("end", len(shape))
+    return np.array(shape[slice(start, end)], dtype=np.int64)
+
+
+def _to_graph(model: onnx.ModelProto, source: str) -> Graph:
+    g = model.graph
+    values: dict[str, Value] = {}
+    for t in g.initializer:
+        arr = numpy_helper.to_array(t)
+        values[t.name] = Value(t.name, tuple(arr.shape), arr.dtype, arr)
+    shapes = _static_shapes(model)
+    for vi in [*g.input, *g.value_info, *g.output]:
+        if vi.name in values or vi.name not in shapes:
+            continue
+        dtype = helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
+        values[vi.name] = Value(vi.name, shapes[vi.name], np.dtype(dtype))
+    nodes = [Node(n.op_type, n.name or f"{n.op_type}_{k}", list(n.input), list(n.output),
+                  {a.name: helper.get_attribute_value(a) for a in n.attribute}, n.domain)
+             for k, n in enumerate(g.node)]
+    for n in nodes:
+        missing = [o for o in n.outputs if o and o not in values]
+        if missing:
+            raise CompileError(f"{source}: node '{n.name}' ({n.op}): output '{missing[0]}' has no "
+                               f"static shape after shape inference")
+    inputs = [i.name for i in g.input if i.name not in values or values[i.name].const is None]
+    return Graph(g.name or "main", source, values, nodes, inputs, [o.name for o in g.output])

@@ -1,0 +1,1 @@
+"""Lowering graph nodes to D-Legion instructions; one module per family of ONNX ops."""

@@ -1,0 +1,150 @@
+"""Float matrix products (MatMul, Gemm) in fp32 on the vector unit (``vmm``).
+
+Graphs keep activation x activation products (QK^T, PV) and unquantized heads in float; ONNX
+semantics ask for fp32, so they run on the vector lanes, not the int8 systolic arrays.
+"""
+from __future__ import annotations
+
+import math
+
+from isa.fields import DramRef, View
+from isa.instructions import BY_MNEMONIC, DmaLoad, DmaStore, VMatMul
+from dlegion_cc.lower.context import Lowering, lowers
+from dlegion_cc.lower.emitter import Emitter
+from dlegion_cc.lower.layout import Operand, broadcast, outer_indices
+from dlegion_cc.lower.rowwise import Arg, rowwise
+
+TILE = 64       # rows and columns of an output block, before the scratchpad limits them
+
+
+def _load_matrix(em: Emitter, legion: int, addr: int, op: Operand, r0: int, c0: int,
+                 rows: int, cols: int) -> View:
+    """Load op[r0:r0+rows, c0:c0+cols] into a row-major block at ``addr``; transposed
+    sources (unit row stride) are turned around by the scratchpad view."""
+    rs, cs = op.strides[-2:]
+    base = op.offset + r0 * rs + c0 * cs
+    if cs in (0, 1) and not (cs == 0 and cols > 1):
+        em.emit(DmaLoad(legion, frozenset({legion}), View("vec", addr, cols, 1),
+                        DramRef(op.tensor, base, rs), rows, cols))
+    elif rs in (0, 1) and not (rs == 0 and rows > 1):
+        em.emit(DmaLoad(legion, frozenset({legion}), View("vec", addr, 1, cols),
+                        DramRef(op.tensor, base, cs), cols, rows))
+    else:
+        raise ValueError("a matrix operand with neither unit row nor unit column stride")
+    return View("vec", addr, cols, 1)
+
+
+def _blocks(em: Emitter, M: int, K: int, N: int) -> tuple[int, int, int]:
+    cap = em.capacity("vec")
+    mb, nb = min(M, TILE), min(N, TILE)
+    kb = min(K, (cap - 2 * mb * nb) // (mb + nb))
+    if kb < 1:
+        raise ValueError(f"a {mb}x{nb} output block does not fit the vector scratchpad")
+    return mb, kb, nb
+
+
+def matmul_blocks(em: Emitter, a: Operand, b: Operand, out: Operand, M: int, K: int, N: int) -> None:
+    """out[M, N] = a[M, K] @ b[K, N] for 2-D operands (strided views)."""
+    mb, kb, nb = _blocks(em, M, K, N)
+    for m0 in range(0, M, mb):
+        for n0 in range(0, N, nb):
+            _block(em, a, b, out, m0, n0, min(mb, M - m0), K, min(nb, N - n0), kb)
+
+
+def _block(em, a, b, out, m0, n0, m, K, n, kb) -> None:
+    legion = em.next_legion()
+    o = View("vec", 0, n, 1)
+    tmp = View("vec", m * n, n, 1)
+    base = 2 * m * n
+    for k0 in range(0, K, kb):
+        k = min(kb, K - k0)
+        va = _load_matrix(em, legion, base, a, m0, k0, m, k)
+        vb = _load_matrix(em, legion, base + m * k, b, k0, n0, k, n)
+        em.depend((legion, "dma"), (legion, "vec"))
+        em.emit(VMatMul(legion, o if k0 == 0 else tmp, va, vb, m, k, n))
+        if k0:
+            em.emit(BY_MNEMONIC["vadd"](legion, o, o, tmp, m, n))
+        em.depend((legion, "vec"), (legion, "dma"))
+    rs = out.strides[-2]
+    em.emit(DmaStore(legion, DramRef(out.tensor, out.offset + m0 * rs + n0, rs), o, m, n))
+
+
+def _as_matrix(low: Lowering, name: str, batch: tuple[int, ...], vector_as_row: bool):
+    """The operand as [*batch, rows, cols] strides (1-D operands become a row or a column)."""
+    shape, op = low.shape(name), low.operand(name)
+    if len(shape) == 1:
+        shape = (1, shape[0]) if vector_as_row else (shape[0], 1)
+        op = Operand(op.tensor, op.offset, (0, op.strides[0]) if vector_as_row else (op.strides[0], 0))
+    return _batched(op, shape, batch), shape[-2:]
+
+
+def _batched(op: Operand, shape, batch) -> Operand:
+    lead = broadcast(Operand(op.tensor, op.offset, op.strides[:-2]), shape[:-2], batch)
+    return Operand(op.tensor, op.offset, lead.strides + op.strides[-2:])
+
+
+@lowers("MatMul")
+def matmul(low: Lowering, node) -> None:
+    a_name, b_name = node.inputs
+    a_shape, b_shape = low.shape(a_name), low.shape(b_name)
+    batch = _batch_shape(a_shape, b_shape)
+    a, (M, K) = _as_matrix(low, a_name, batch, vector_as_row=True)
+    b, (_, N) = _as_matrix(low, b_name, batch, vector_as_row=False)
+    dst = low.result(node.outputs[0])
+    out = Operand(dst.tensor, 0, _contiguous(batch + (M, N)))
+    for idx in outer_indices(batch + (1, 1)):
+        matmul_blocks(low.em, a.at(idx), b.at(idx), out.at(idx), M, K, N)
+
+
+def _batch_shape(a_shape, b_shape) -> tuple[int, ...]:
+    a_b = a_shape[:-2] if len(a_shape) > 1 else ()
+    b_b = b_shape[:-2] if len(b_shape) > 1 else ()
+    rank = max(len(a_b), len(b_b))
+    a_b, b_b = (1,) * (rank - len(a_b)) + a_b, (1,) * (rank - len(b_b)) + b_b
+    return tuple(max(x, y) for x, y in zip(a_b, b_b))
+
+
+def _contiguous(shape) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= d
+    return tuple(reversed(strides))
+
+
+@lowers("Gemm")
+def gemm(low: Lowering, node) -> None:
+    a_name, b_name = node.inputs[:2]
+    c_name = node.inputs[2] if len(node.inputs) > 2 else ""
+    alpha, beta = node.attrs.get("alpha", 1.0), node.attrs.get("beta", 1.0)
+    a, b = low.operand(a_name), low.operand(b_name)
+    if node.attrs.get("transA", 0):
+        a = Operand(a.tensor, a.offset, a.strides[::-1])
+    if node.attrs.get("transB", 0):
+        b = Operand(b.tensor, b.offset, b.strides[::-1])
+    out_name = node.outputs[0]
+    M, N = low.shape(out_name)
+    K = low.shape(a_name)[0 if node.attrs.get("transA", 0) else 1]
+    dst = low.result(out_name)
+    matmul_blocks(low.em, a, b, dst, M, K, N)
+    if alpha == 1.0 and (not c_name or beta == 0.0):
+        return
+    low.em.barrier()
+    _scale_and_add(low, node, dst, c_name, float(alpha), float(beta))
+
+
+def _scale_and_add(low: Lowering, node, dst: Operand, c_name: str, alpha: float, beta: float) -> None:
+    shape = low.shape(node.outputs[0])
+    args = [Arg("y", dst), Arg("out", dst, out=True)]
+    if c_name and beta != 0.0:
+        args.insert(1, Arg("c", broadcast(low.operand(c_name), low.shape(c_name), shape)))
+
+    def body(em, legion, v, rows, cols):
+        em.emit(BY_MNEMONIC["vmul"](legion, v["out"], v["y"], alpha, rows, cols))
+        if "c" not in v:
+            return
+        em.emit(BY_MNEMONIC["vmul"](legion, v["c_scaled"], v["c"], beta, rows, cols))
+        em.emit(BY_MNEMONIC["vadd"](legion, v["out"], v["out"], v["c_scaled"], rows, cols))
+    if c_name and beta != 0.0:
+        args.append(Arg("c_scaled"))
+    rowwise(low.em, shape, args, body, where=f"node '{node.name}': ")

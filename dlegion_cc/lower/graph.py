@@ -1,0 +1,52 @@
+"""Lowering a whole graph: nodes in order, each followed by a barrier when it emitted work."""
+from __future__ import annotations
+
+from isa.arch import Arch
+from isa.program import Program
+from dlegion_cc.errors import UnsupportedNodes
+from dlegion_cc.ir import Graph
+from dlegion_cc.lower import elementwise, fmatmul, movement, qmatmul, reduce  # noqa: F401 (registers)
+from dlegion_cc.lower.context import LOWERINGS, Lowering
+from dlegion_cc.lower.emitter import Emitter
+from dlegion_cc.lower.layout import whole
+from dlegion_cc.lower.movement import nd_copy
+
+
+def lower_graph(graph: Graph, arch: Arch, data_file: str | None) -> Program:
+    em = Emitter(arch, graph.source)
+    low = Lowering(graph, em)
+    low.declare_inputs()
+    problems = []
+    for node in graph.nodes:
+        fn = LOWERINGS.get((node.domain, node.op))
+        if fn is None:
+            problems.append((node.name, node.op, "no lowering for this operator"))
+            continue
+        before = len(em.instrs)
+        try:
+            fn(low, node)
+        except KeyError:
+            continue      # an input whose producer already failed; that failure is reported
+        except (ValueError, MemoryError) as e:
+            problems.append((node.name, node.op, str(e)))
+            continue
+        if len(em.instrs) > before:
+            em.barrier()
+        em.release()
+    if problems:
+        raise UnsupportedNodes(graph.source, problems)
+    _materialize_outputs(low)
+    return em.program(data_file)
+
+
+def _materialize_outputs(low: Lowering) -> None:
+    """Graph outputs that no node wrote (an input passed through): copy them."""
+    declared = {t.io_name for t in low.em.tensors if t.kind == "output"}
+    for name in low.graph.outputs:
+        if name in declared:
+            continue
+        src = low.operands[name] if name in low.operands else low.operand(name)
+        low.operands.pop(name, None)
+        dst = low.result(name)
+        nd_copy(low.em, dst, src, low.shape(name))
+        low.em.barrier()

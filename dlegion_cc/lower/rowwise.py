@@ -1,0 +1,121 @@
+"""Row-block kernels on the vector unit: load, compute, store, block after block.
+
+A kernel names its operands (:class:`Arg`) in one N-D frame and a ``body`` that emits vector
+instructions on their scratchpad views. ``rowwise`` merges dimensions, cuts the 2-D loop into
+row blocks that fit a Legion's vector scratchpad, deals the blocks round-robin to the Legions,
+and for each block loads the inputs (dma queue), runs the body (vec queue) and stores the
+outputs (dma queue), with the dependencies in between.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from isa.fields import DramRef, View
+from isa.instructions import DmaLoad, DmaStore
+from dlegion_cc.errors import CompileError
+from dlegion_cc.lower.emitter import Emitter
+from dlegion_cc.lower.layout import Operand, coalesce, outer_indices
+
+
+@dataclass(frozen=True)
+class Arg:
+    """A kernel operand: a DRAM view (input or output), or a scratch temp when ``operand`` is None.
+
+    Temps are a full block (``col=False``) or one value per row (``col=True``).
+    """
+
+    name: str
+    operand: Operand | None = None
+    out: bool = False
+    col: bool = False
+
+
+Body = Callable[[Emitter, int, dict, int, int], None]   # (em, legion, views, rows, cols)
+
+
+def _shape_of(rs: int, cs: int, col_temp: bool) -> tuple[bool, bool]:
+    """(per row?, full width?) of an operand's block in the scratchpad."""
+    if col_temp:
+        return True, False
+    return rs != 0, cs != 0
+
+
+def _footprint(arg: Arg, rs: int, cs: int, rows: int, cols: int) -> int:
+    per_row, full = _shape_of(rs, cs, arg.operand is None and arg.col)
+    return (rows if per_row else 1) * (cols if full else 1)
+
+
+def _view(addr: int, rs: int, cs: int, cols: int, col_temp: bool) -> View:
+    per_row, full = _shape_of(rs, cs, col_temp)
+    if full:
+        return View("vec", addr, cols if per_row else 0, 1)
+    return View("vec", addr, 1 if per_row else 0, 0)
+
+
+def rowwise(em: Emitter, shape: tuple[int, ...], args: list[Arg], body: Body,
+            keep_last: bool = False, where: str = "") -> None:
+    """Emit ``body`` over every row block of the frame ``shape``."""
+    ops = [a.operand for a in args if a.operand is not None]
+    shape2, ops2 = coalesce(shape, ops, keep_last)
+    bound = dict(zip([a.name for a in args if a.operand is not None], ops2))
+    rows, cols = shape2[-2], shape2[-1]
+    strides = {a.name: (bound[a.name].strides[-2:] if a.name in bound else (1, 1)) for a in args}
+    block = _rows_per_block(em, args, strides, rows, cols, where)
+    for outer in outer_indices(shape2):
+        at = {n: op.at(outer) for n, op in bound.items()}
+        for r0 in range(0, rows, block):
+            _emit_block(em, args, at, strides, r0, min(block, rows - r0), cols, body)
+
+
+def _rows_per_block(em, args, strides, rows, cols, where) -> int:
+    cap = em.capacity("vec")
+    fixed = sum(_footprint(a, *strides[a.name], 0, cols) for a in args)
+    per_row = sum(_footprint(a, *strides[a.name], 1, cols) for a in args) - fixed
+    if fixed + per_row > cap:
+        raise CompileError(f"{where}a row of {cols} elements needs {fixed + per_row} vector "
+                           f"scratchpad elements, more than the {cap} a Legion has")
+    return max(1, min(rows, (cap - fixed) // max(per_row, 1)))
+
+
+def _emit_block(em, args, at, strides, r0, n, cols, body) -> None:
+    legion = em.next_legion()
+    views, addr = {}, 0
+    for a in args:
+        rs, cs = strides[a.name]
+        views[a.name] = _view(addr, rs, cs, cols, a.operand is None and a.col)
+        addr += _footprint(a, rs, cs, n, cols)
+    for a in args:
+        if a.operand is not None and not a.out:
+            _load(em, legion, views[a.name], at[a.name], r0, n, cols)
+    em.depend((legion, "dma"), (legion, "vec"))
+    body(em, legion, views, n, cols)
+    em.depend((legion, "vec"), (legion, "dma"))
+    for a in args:
+        if a.out:
+            _store(em, legion, views[a.name], at[a.name], r0, n, cols)
+
+
+def _dram(op: Operand, r0: int, per_row: bool) -> DramRef:
+    rs = op.strides[-2]
+    return DramRef(op.tensor, op.offset + (r0 * rs if per_row else 0), rs if per_row else 0)
+
+
+def _check_cols(op: Operand) -> None:
+    if op.strides[-1] not in (0, 1):
+        raise CompileError(f"internal: operand with column stride {op.strides[-1]} reached a row kernel")
+
+
+def _load(em, legion, view: View, op: Operand, r0, n, cols) -> None:
+    _check_cols(op)
+    per_row, full = op.strides[-2] != 0, op.strides[-1] != 0
+    dst = View("vec", view.addr, cols if full else 1, 1)
+    em.emit(DmaLoad(legion, frozenset({legion}), dst, _dram(op, r0, per_row),
+                    n if per_row else 1, cols if full else 1))
+
+
+def _store(em, legion, view: View, op: Operand, r0, n, cols) -> None:
+    _check_cols(op)
+    full = op.strides[-1] != 0
+    src = View("vec", view.addr, cols if full else 1, 1)
+    em.emit(DmaStore(legion, _dram(op, r0, True), src, n, cols if full else 1))

@@ -1,0 +1,1 @@
+"""Graph passes: each recognizes one source construct and rewrites it (one pass per file)."""

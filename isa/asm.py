@@ -1,0 +1,540 @@
+"""Text format: parse programs with the LALR grammar ``grammar.lark``, print them canonically,
+and load/save program files (text or binary) with their sidecar data file.
+
+The parser runs the callbacks below while it reduces (no parse tree is built): operand rules
+turn into Python values, and each instruction rule builds its class from its fields, which are
+exactly one child each (see ``isa/gen.py`` for how the rules are named).
+"""
+from __future__ import annotations
+
+import difflib
+import functools
+import json
+import operator
+import os
+import re
+import tempfile
+import threading
+from importlib import resources
+from pathlib import Path
+
+import lark
+
+from isa import encoding, gen
+from isa.fields import DramRef, View, f32
+from isa.instructions import BY_MNEMONIC, INSTRUCTIONS, Instr
+from isa.program import Program, ProgramError, Tensor
+
+DIRECTIVES = (".arch", ".data", ".tensor")
+ARCH_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
+LEGION_SET_BITS = 64
+
+
+# --- building a program while parsing --------------------------------------------------------
+
+class _Builder:
+    """Collects one program, statement by statement in source order."""
+
+    def __init__(self, text: str, source: str):
+        self.text, self.source = text, source
+        self.p = Program(arch="", source=source)
+        self.index: dict[str, int] = {}
+
+    def error(self, tok, msg: str) -> ProgramError:
+        return located(self.text, self.source, tok.line, tok.column, msg)
+
+    def set_arch(self, tok) -> None:
+        self._directive_first(tok, ".arch")
+        if self.p.arch:
+            raise self.error(tok, "a second .arch directive")
+        self.p.arch = _string(self, tok) if tok.type == "STRING" else str(tok)
+
+    def set_data(self, tok) -> None:
+        self._directive_first(tok, ".data")
+        if self.p.data_file is not None:
+            raise self.error(tok, "a second .data directive")
+        self.p.data_file = _string(self, tok)
+
+    def add_tensor(self, tok, t: Tensor) -> None:
+        self._directive_first(tok, ".tensor")
+        if t.name in self.index:
+            raise self.error(tok, f"tensor {t.name!r} declared twice")
+        why = encoding.tensor_error(t)
+        if why:
+            raise self.error(tok, why)
+        self.index[t.name] = len(self.p.tensors)
+        self.p.tensors.append(t)
+
+    def _directive_first(self, tok, what: str) -> None:
+        if self.p.instrs:
+            raise self.error(tok, f"{what} after the first instruction (directives come first)")
+
+    def tensor(self, tok) -> int:
+        if tok not in self.index:
+            known = ", ".join(self.index) or "none"
+            raise self.error(tok, f"unknown tensor {str(tok)!r} (declared: {known})")
+        return self.index[tok]
+
+    def add_instr(self, op, i: Instr) -> None:
+        bad = encoding.field_errors(i)
+        if bad:
+            raise self.error(op, f"{i.MNEMONIC}: {'; '.join(bad)}")
+        self.p.instrs.append(i)
+        self.p.lines.append(op.line)
+
+    def finish(self) -> Program:
+        if not self.p.arch:
+            raise ProgramError(f"{self.source}: missing .arch directive")
+        return self.p
+
+
+def _string(b: _Builder, tok) -> str:
+    try:
+        return json.loads(tok)
+    except json.JSONDecodeError:
+        raise b.error(tok, f"bad escape in string {tok}") from None
+
+
+def _imm(b: _Builder, tok) -> float:
+    try:
+        return f32(float(tok[1:]))
+    except OverflowError:
+        raise b.error(tok, f"immediate {tok} is outside the fp32 range") from None
+
+
+def _index(tok) -> int:
+    return int(tok[1:])
+
+
+# Value of a field whose grammar symbol is a single token, by kind class; other kinds arrive
+# as values already built by their rule's callback.
+TOKEN_VALUE = {"Legion": _index, "Sem": _index, "UInt": int, "Keyword": str}
+
+# Callbacks of the wrapper rules gen.py generates, by kind class: (builder, kind, children).
+WRAPPED = {
+    "RowView": lambda b, k, ch: View(k.space, int(ch[0]), int(ch[1]), 1),
+    "OptAddr": lambda b, k, ch: None if ch[0].type == "NONE" else int(ch[0]),
+    "OptTensor": lambda b, k, ch: None if ch[0].type == "NONE" else b.tensor(ch[0]),
+    "ViewOrImm": lambda b, k, ch: ch[0] if isinstance(ch[0], View) else _imm(b, ch[0]),
+}
+
+
+def _by_class(table: dict, kind):
+    for base in type(kind).__mro__:
+        if base.__name__ in table:
+            return table[base.__name__]
+    return None
+
+
+class _Callbacks:
+    """Parser callbacks, one per grammar rule; ``b`` is the builder of the current parse."""
+
+    b: _Builder
+
+    def __init__(self):
+        for cls in INSTRUCTIONS:
+            setattr(self, gen.rule_name(cls), self._instr_callback(cls))
+        for kind in filter(gen.needs_wrapper, gen.all_kinds()):
+            setattr(self, gen.wrapper_rule(kind), self._wrapped_callback(kind))
+
+    def _instr_callback(self, cls: type):
+        convert = [_by_class(TOKEN_VALUE, gen.kind_of(f)) for f in cls.fields()]
+
+        def build(ch):
+            values = [v if c is None else c(v) for c, v in zip(convert, ch[1:])]
+            self.b.add_instr(ch[0], cls(*values))
+        return build
+
+    def _wrapped_callback(self, kind):
+        read = _by_class(WRAPPED, kind)
+        if read is None:
+            raise ProgramError(f"no parser callback for operand kind {type(kind).__name__}")
+        return lambda ch: read(self.b, kind, ch)
+
+    def start(self, ch):
+        return None
+
+    def arch(self, ch):
+        self.b.set_arch(ch[0])
+
+    def data(self, ch):
+        self.b.set_data(ch[0])
+
+    def tensor(self, ch):
+        name, dtype, shape, kind, io, offset, rng = ch
+        io = None if io is None else _string(self.b, io)
+        offset = None if offset is None else int(offset)
+        self.b.add_tensor(name, Tensor(str(name), str(dtype), shape, str(kind), io, offset, rng))
+
+    def shape(self, ch):
+        return tuple(int(c) for c in ch if c is not None)
+
+    def tensor_range(self, ch):
+        return int(ch[0]), int(ch[1])
+
+    def view(self, ch):
+        return View(ch[0][:-1], int(ch[1]), int(ch[2]), int(ch[3]))
+
+    def legion_set(self, ch):
+        return frozenset().union(*(c for c in ch if c is not None))
+
+    def legion_range(self, ch):
+        lo, hi = int(ch[0]), int(ch[1] if ch[1] is not None else ch[0])
+        if not lo <= hi < LEGION_SET_BITS:
+            raise self.b.error(ch[0], f"bad Legion range {lo}-{hi} (Legions 0..{LEGION_SET_BITS - 1})")
+        return range(lo, hi + 1)
+
+    def dram(self, ch):
+        return DramRef(self.b.tensor(ch[0]), int(ch[1]), int(ch[2]))
+
+
+@functools.cache
+def _parser() -> tuple[lark.Lark, _Callbacks]:
+    callbacks = _Callbacks()
+    grammar = resources.files("isa").joinpath("grammar.lark").read_text()
+    parser = lark.Lark(grammar, parser="lalr", lexer="contextual", maybe_placeholders=True,
+                       transformer=callbacks)
+    return parser, callbacks
+
+
+_LOCK = threading.Lock()   # the parser's callbacks hold the current builder
+
+
+def parse(text: str, source: str = "<text>") -> Program:
+    """Parse program text; errors are ProgramError naming ``source:line:col``."""
+    fast = _fast_parse(text, source)
+    return fast if fast is not None else _lark_parse(text, source).finish()
+
+
+def _lark_parse(text: str, source: str, b: _Builder | None = None) -> _Builder:
+    """Run the LALR parser over ``text``, collecting into ``b`` (a new builder by default)."""
+    parser, callbacks = _parser()
+    b = b or _Builder(text, source)
+    with _LOCK:
+        callbacks.b = b
+        try:
+            parser.parse(text)
+        except lark.exceptions.UnexpectedInput as e:
+            raise syntax_error(e, parser, b.text, source) from None
+        finally:
+            del callbacks.b
+    return b
+
+
+# --- fast path -------------------------------------------------------------------------------
+# The grammar above defines the text format, but Lark's pure-Python LALR parser spends about
+# twenty tokens on an instruction, which is too slow for the programs the compiler writes.
+# So each instruction line is first matched against one regex per class, built from the same
+# operand kinds, that accepts a subset of the grammar (single-line canonical spacing). Any line
+# outside that subset, any directive after the header, and every error send the whole text
+# through Lark, which alone decides what is wrong and says where.
+
+_NAME = r"[A-Za-z_][A-Za-z0-9_]*"
+_VIEW = r"(?:act|wgt|acc|vec)\[[0-9]+,[0-9]+,[0-9]+\]"
+_IMM = r"#[-+]?(?:inf|nan|(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)"
+
+
+def _view_text(s: str) -> View:
+    space, rest = s.split("[")
+    addr, rs, cs = rest[:-1].split(",")
+    return View(space, int(addr), int(rs), int(cs))
+
+
+def _row_view(space: str):
+    def convert(s: str) -> View:
+        addr, rs = s.split(",")
+        return View(space, int(addr), int(rs), 1)
+    return convert
+
+
+def _set_text(s: str) -> frozenset:
+    out: set[int] = set()
+    for part in s.split(","):
+        lo, _, hi = part.partition("-")
+        lo, hi = int(lo), int(hi or lo)
+        if not lo <= hi < LEGION_SET_BITS:
+            raise ValueError(part)
+        out.update(range(lo, hi + 1))
+    return frozenset(out)
+
+
+def _opt_int(s: str | None) -> int | None:
+    return None if s is None else int(s)
+
+
+def _imm_or_view(s: str):
+    return f32(float(s[1:])) if s[0] == "#" else _view_text(s)
+
+
+def _dram_text(index: dict, s: str) -> DramRef:
+    name, rest = s.split("[")
+    offset, rs = rest[:-1].split(",")
+    return DramRef(index[name], int(offset), int(rs))
+
+
+def _opt_tensor(index: dict, s: str | None) -> int | None:
+    return None if s is None else index[s]
+
+
+# By kind class: the kind -> (regex of the field's value with one capturing group, converter of
+# the group's text). Converters of Dram and OptTensor also take the tensor table (name -> index).
+FAST = {
+    "Legion": lambda k: (r"L([0-9]+)", int),
+    "Sem": lambda k: (r"s([0-9]+)", int),
+    "UInt": lambda k: (r"([0-9]+)", int),
+    "Keyword": lambda k: ("(" + "|".join(map(re.escape, k.choices)) + ")", str),
+    "LegionSet": lambda k: (r"\{([0-9,\-]*)\}", _set_text),
+    "RowView": lambda k: (re.escape(k.space) + r"\[([0-9]+,[0-9]+)\]", _row_view(k.space)),
+    "ViewKind": lambda k: (f"({_VIEW})", _view_text),
+    "OptAddr": lambda k: (r"(?:none|" + re.escape(k.space) + r"\[([0-9]+)\])", _opt_int),
+    "Dram": lambda k: (f"@({_NAME}" + r"\[[0-9]+,[0-9]+\])", _dram_text),
+    "OptTensor": lambda k: (f"(?:none|@({_NAME}))", _opt_tensor),
+    "ViewOrImm": lambda k: (f"({_VIEW}|{_IMM})", _imm_or_view),
+}
+NEEDS_TENSORS = {_dram_text, _opt_tensor}
+
+
+def _fast_line(cls: type):
+    """(class, regex of the line after the mnemonic, converters) for an instruction class."""
+    parts, converters = [], []
+    for f in cls.fields():
+        kind = gen.kind_of(f)
+        pattern, convert = _by_class(FAST, kind)(kind)
+        key = re.escape(f.name + "=") if kind.keyed else ""
+        parts.append(f"[ \\t]+{key}{pattern}")
+        converters.append(convert)
+    return cls, re.compile("".join(parts) + r"[ \t\r]*(?:;.*)?"), converters
+
+
+FAST_LINES = {cls.MNEMONIC: _fast_line(cls) for cls in INSTRUCTIONS}
+_FIRST_WORD = re.compile(r"[ \t\r]*([^\s;]*)")
+
+
+def _bind(index: dict) -> dict:
+    """FAST_LINES with the converters that name tensors bound to this program's tensor table."""
+    def bound(c):
+        return functools.partial(c, index) if c in NEEDS_TENSORS else c
+    return {m: (cls, regex, [bound(c) for c in cs]) for m, (cls, regex, cs) in FAST_LINES.items()}
+
+
+def _first_instr(lines: list[str]) -> int:
+    for n, line in enumerate(lines):
+        if _FIRST_WORD.match(line).group(1) in FAST_LINES:
+            return n
+    return len(lines)
+
+
+def _fast_parse(text: str, source: str) -> Program | None:
+    """The program if every instruction line is in the fast subset, else None."""
+    lines = text.split("\n")
+    first = _first_instr(lines)
+    b = _Builder(text, source)
+    try:
+        _lark_parse("\n".join(lines[:first]), source, b)
+        table = _bind(b.index)
+        for n in range(first, len(lines)):
+            _fast_instr(b.p, table, lines[n], n + 1)
+        return b.finish()
+    except (ValueError, LookupError, OverflowError):   # ProgramError is a ValueError
+        return None
+
+
+def _fast_instr(p: Program, table: dict, line: str, number: int) -> None:
+    head = line.partition(" ")[0]
+    if head not in table:
+        if line.strip() and not line.lstrip().startswith(";"):
+            raise ValueError(line)        # not a blank or comment line: let Lark decide
+        return
+    cls, regex, converters = table[head]
+    fields = regex.fullmatch(line, len(head))
+    if fields is None:
+        raise ValueError(line)
+    i = cls(*map(operator.call, converters, fields.groups()))
+    if encoding.field_errors(i):
+        raise ValueError(line)
+    p.instrs.append(i)
+    p.lines.append(number)
+
+
+# --- error messages --------------------------------------------------------------------------
+
+def located(text: str, source: str, line: int, col: int, msg: str) -> ProgramError:
+    """``file:line:col: msg``, then the offending line and a caret under the column."""
+    lines = text.splitlines()
+    src = lines[line - 1] if 0 < line <= len(lines) else ""
+    return ProgramError(f"{source}:{line}:{col}: {msg}\n  {src}\n  {' ' * (col - 1)}^")
+
+
+DESCRIBE = {
+    "LEGION": "a Legion (L0)", "SEM": "a semaphore (s0)", "INT": "an integer",
+    "SIGNED_INT": "an integer", "IMM": "an immediate (#1.5)", "NONE": "none",
+    "NAME": "a name", "ARCH_NAME": "an architecture name",
+    "STRING": "a quoted string", "_NL": "end of line", "$END": "end of input",
+}
+
+
+def _describe(name: str, parser: lark.Lark) -> str:
+    if name in DESCRIBE:
+        return DESCRIBE[name]
+    if name.startswith("OP_"):
+        return "an instruction"
+    pattern = parser.get_terminal(name).pattern
+    if name.startswith("KW_"):
+        return "one of " + pattern.value.split("(?:")[1].split(")")[0].replace("|", ", ")
+    return repr(pattern.value) if pattern.type == "str" else name
+
+
+def _position(e: lark.exceptions.UnexpectedInput, text: str) -> tuple[int, int]:
+    token = getattr(e, "token", None)
+    if token is not None and token.type == "$END" or e.line < 1:
+        last = text.rstrip("\n").split("\n")
+        return len(last), len(last[-1]) + 1
+    return e.line, e.column
+
+
+def _got(e: lark.exceptions.UnexpectedInput, text: str, line: int, col: int) -> str:
+    token = getattr(e, "token", None)
+    if token is not None and token.type in ("_NL", "$END"):
+        return DESCRIBE[token.type]
+    word = re.match(r"\S*", text.splitlines()[line - 1][col - 1:]).group()
+    return repr(word) if word else "end of line"
+
+
+def _unknown_word(line_text: str) -> tuple[int, str] | None:
+    """Column and message if the line starts with an unknown mnemonic or directive."""
+    m = re.match(r"\s*([^\s;]+)", line_text)
+    if not m or m.group(1) in BY_MNEMONIC or m.group(1) in DIRECTIVES:
+        return None
+    word = m.group(1)
+    known = DIRECTIVES if word.startswith(".") else list(BY_MNEMONIC)
+    what = "directive" if word.startswith(".") else "mnemonic"
+    close = difflib.get_close_matches(word, known, n=4, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    return m.start(1) + 1, f"unknown {what} {word!r}{hint}"
+
+
+def usage(cls: type) -> str:
+    return "usage: " + gen.syntax(cls)
+
+
+def syntax_error(e, parser: lark.Lark, text: str, source: str) -> ProgramError:
+    line, col = _position(e, text)
+    line_text = text.splitlines()[line - 1] if text.splitlines() else ""
+    unknown = _unknown_word(line_text)
+    if unknown:
+        return located(text, source, line, unknown[0], unknown[1])
+    expected = getattr(e, "expected", None) or getattr(e, "allowed", None) or set()
+    wanted = sorted({_describe(n, parser) for n in expected})
+    msg = f"unexpected {_got(e, text, line, col)}; expected {' or '.join(wanted) or 'nothing'}"
+    err = located(text, source, line, col, msg)
+    cls = BY_MNEMONIC.get(line_text.split()[0]) if line_text.split() else None
+    return ProgramError(f"{err}\n  {usage(cls)}") if cls else err
+
+
+# --- printing --------------------------------------------------------------------------------
+
+def format_instr(i: Instr, names: list[str]) -> str:
+    parts = [i.MNEMONIC]
+    for f in i.fields():
+        kind = gen.kind_of(f)
+        value = kind.text(getattr(i, f.name), names)
+        parts.append(f"{f.name}={value}" if kind.keyed else value)
+    return " ".join(parts)
+
+
+def format_tensor(t: Tensor) -> str:
+    parts = [".tensor", t.name, f"{t.dtype}[{','.join(map(str, t.shape))}]", t.kind]
+    if t.io_name is not None:
+        parts.append(json.dumps(t.io_name, ensure_ascii=False))
+    if t.offset is not None:
+        parts.append(str(t.offset))
+    if t.range is not None:
+        parts += ["range", str(t.range[0]), str(t.range[1])]
+    return " ".join(parts)
+
+
+def format_program(p: Program) -> str:
+    """Canonical text: directives, then one instruction per line."""
+    arch = p.arch if ARCH_NAME_RE.fullmatch(p.arch) else json.dumps(p.arch, ensure_ascii=False)
+    lines = [f".arch {arch}"]
+    if p.data_file is not None:
+        lines.append(f".data {json.dumps(p.data_file, ensure_ascii=False)}")
+    lines += [format_tensor(t) for t in p.tensors]
+    names = p.names()
+    for n, i in enumerate(p.instrs):
+        why = encoding.ref_error(i, len(names))
+        if why:
+            raise ProgramError(f"{p.where(n)}: {i.MNEMONIC}: {why}")
+        lines.append(format_instr(i, names))
+    return "\n".join(lines) + "\n"
+
+
+# --- files -----------------------------------------------------------------------------------
+
+def load(path, read_data: bool = True) -> Program:
+    """Read a program, text or binary (``DLGN`` magic), and its sidecar data file."""
+    source = str(path)
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise ProgramError(f"{source}: cannot read ({e.strerror})") from None
+    p = encoding.decode_program(raw, source) if raw.startswith(encoding.MAGIC) else _parse_bytes(raw, source)
+    if read_data and p.data_file is not None:
+        p.data = _read_data(Path(path).parent / p.data_file, p)
+    return p
+
+
+def _parse_bytes(raw: bytes, source: str) -> Program:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProgramError(f"{source}: neither UTF-8 program text nor a D-Legion binary") from None
+    return parse(text, source)
+
+
+def _read_data(path: Path, p: Program) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise ProgramError(f"{p.source}: cannot read data file {p.data_file!r} "
+                           f"({e.strerror})") from None
+
+
+def save(p: Program, path, data: bytes | None = None, binary: bool = False) -> None:
+    """Write ``p`` (and its data file when ``data`` is given) atomically: all or nothing."""
+    encoding.check_tensors(p)
+    encoding.check_instrs(p)
+    body = encoding.encode_program(p) if binary else format_program(p).encode()
+    files = [(Path(path), body)]
+    if data is not None:
+        if p.data_file is None:
+            raise ProgramError(f"{path}: data given but the program names no .data file")
+        files.append((Path(path).parent / p.data_file, bytes(data)))
+    _write_all(files)
+
+
+def _write_all(files: list[tuple[Path, bytes]]) -> None:
+    temps = []
+    try:
+        for target, body in files:
+            temps.append((_write_temp(target, body), target))
+        for temp, target in temps:
+            os.replace(temp, target)
+    except OSError as e:
+        raise ProgramError(f"{e.filename or files[0][0]}: cannot write ({e.strerror})") from None
+    finally:
+        for temp, _ in temps:
+            if os.path.exists(temp):
+                os.unlink(temp)
+
+
+def _write_temp(target: Path, body: bytes) -> str:
+    """A fully written temporary file in ``target``'s folder, ready to be renamed over it."""
+    fd, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(body)
+    except BaseException:
+        os.unlink(temp)
+        raise
+    return temp

@@ -1,0 +1,360 @@
+"""Binary format: a JSON header and one fixed 256-bit little-endian word per instruction.
+
+One generic packer serves every instruction: the opcode in the low bits, then each field of
+the class in declared order at its kind's width (``isa/fields.py``), lowest bits first. A file
+is ``DLGN``, u16 version, u16 reserved (0), u32 header length, the header (UTF-8 JSON: arch,
+data file, tensors), zero padding to a multiple of the word size, then the words.
+
+Decoding is strict: every word must re-encode to the same bytes, so disassembling and
+reassembling a file reproduces it exactly.
+"""
+from __future__ import annotations
+
+import json
+import operator
+import re
+import struct
+from operator import attrgetter
+
+from isa.fields import ADDR_BITS, Dram, DramRef, OptTensor, View, ViewOrImm, bits_f32, f32
+from isa.instructions import BY_OPCODE, INSTRUCTIONS, OPCODE_BITS, WORD_BITS, Instr
+from isa.program import DTYPES, KINDS, Program, ProgramError, Tensor
+
+MAGIC = b"DLGN"
+VERSION = 1
+WORD_BYTES = WORD_BITS // 8
+PREFIX = struct.Struct("<4sHHI")
+NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+# Per class: (field name, kind) in declared order; the packer walks this table.
+LAYOUT = {cls: tuple((f.name, f.metadata["kind"]) for f in cls.fields()) for cls in INSTRUCTIONS}
+
+# Fields that name a DRAM tensor by index, and how to read the index (None: no tensor).
+_TENSOR_OF = {Dram: lambda v: v.tensor, OptTensor: lambda v: v}
+TENSOR_FIELDS = {cls: tuple((name, _TENSOR_OF[type(kind)]) for name, kind in layout
+                            if type(kind) in _TENSOR_OF)
+                 for cls, layout in LAYOUT.items()}
+
+
+# --- field checks ----------------------------------------------------------------------------
+# ``Instr.bad_fields`` asks each kind's ``check``, which is the definition. Checking every
+# instruction twice (when parsed, when encoded) that way dominates the assembler's time, so a
+# quick test per kind runs first: it may only say "valid" when ``check`` would; anything it
+# doubts goes to ``check`` for the verdict and the message.
+
+def _uint(bits: int):
+    end = 1 << bits
+    return lambda v: type(v) is int and 0 <= v < end
+
+
+def _view_ok(kind, rowview: bool = False):
+    spaces, addr, rs, cs = frozenset(kind.spaces), _uint(ADDR_BITS), _uint(kind.rs_bits), _uint(kind.cs_bits)
+    return lambda v: (type(v) is View and v.space in spaces and addr(v.addr) and rs(v.rs)
+                      and cs(v.cs) and (v.cs == 1 or not rowview))
+
+
+def _legion_set_ok(kind):
+    member = _uint(6)
+    return lambda v: type(v) is frozenset and bool(v) and all(map(member, v))
+
+
+def _dram_ok(kind):
+    t, off, rs = _uint(kind.tensor_bits), _uint(kind.offset_bits), _uint(kind.rs_bits)
+    return lambda v: type(v) is DramRef and t(v.tensor) and off(v.offset) and rs(v.rs)
+
+
+def _optional(ok):
+    return lambda v: v is None or ok(v)
+
+
+def _fp32_ok(v) -> bool:
+    try:
+        return type(v) is float and (v != v or f32(v) == v)
+    except OverflowError:
+        return False
+
+
+def _imm_ok(kind):
+    view = _view_ok(kind.view)
+    return lambda v: _fp32_ok(v) or view(v)
+
+
+QUICK_OK = {
+    "Legion": lambda k: _uint(k.bits), "Sem": lambda k: _uint(k.bits), "UInt": lambda k: _uint(k.bits),
+    "Keyword": lambda k: lambda v, c=frozenset(k.choices): type(v) is str and v in c,
+    "LegionSet": _legion_set_ok, "RowView": lambda k: _view_ok(k, rowview=True), "ViewKind": _view_ok,
+    "OptAddr": lambda k: _optional(_uint(ADDR_BITS)), "Dram": _dram_ok,
+    "OptTensor": lambda k: _optional(_uint(Dram.tensor_bits)), "ViewOrImm": _imm_ok,
+}
+
+
+def quick_ok(kind):
+    for base in type(kind).__mro__:
+        if base.__name__ in QUICK_OK:
+            return QUICK_OK[base.__name__](kind)
+    return lambda v: False            # an unknown kind: always ask its check
+
+
+def _getter(names: list[str]):
+    """All of an instruction's field values as a tuple."""
+    return attrgetter(*names) if len(names) > 1 else lambda i: tuple(getattr(i, n) for n in names)
+
+
+_QUICK = {cls: (_getter([name for name, _ in layout]), tuple(quick_ok(k) for _, k in layout))
+          for cls, layout in LAYOUT.items()}
+
+
+def _check(kind, v) -> str | None:
+    try:
+        return kind.check(v)
+    except (OverflowError, TypeError, ValueError) as e:
+        return f"{v!r} cannot be encoded ({e})"
+
+
+def field_errors(i: Instr) -> list[str]:
+    """Same answer as ``i.bad_fields()``, quicker on valid instructions."""
+    get, oks = _QUICK[type(i)]
+    values = get(i)
+    if all(map(operator.call, oks, values)):
+        return []
+    return [f"{name}: {why}" for (name, kind), v in zip(LAYOUT[type(i)], values)
+            if (why := _check(kind, v))]
+
+
+def instr_error(i: Instr) -> str | None:
+    if type(i) not in LAYOUT:
+        return f"{type(i).__name__} is not an instruction of the table"
+    bad = field_errors(i)
+    return f"{i.MNEMONIC}: {'; '.join(bad)}" if bad else None
+
+
+def ref_error(i: Instr, n_tensors: int) -> str | None:
+    """Why instruction ``i`` names a tensor that is not declared, or None."""
+    for name, index in TENSOR_FIELDS.get(type(i), ()):
+        t = index(getattr(i, name))
+        if t is not None and t >= n_tensors:
+            return f"{name}: tensor index {t} but only {n_tensors} tensor(s) declared"
+    return None
+
+
+def check_instrs(p: Program) -> None:
+    for n, i in enumerate(p.instrs):
+        why = instr_error(i) or ref_error(i, len(p.tensors))
+        if why:
+            raise ProgramError(f"{p.where(n)}: {why}")
+
+
+# --- tensor checks (shared with the text format) ---------------------------------------------
+
+def tensor_error(t: Tensor) -> str | None:
+    """Why tensor ``t`` is malformed, or None."""
+    if not isinstance(t.name, str) or not NAME_RE.fullmatch(t.name):
+        return f"bad tensor name {t.name!r}"
+    if t.dtype not in DTYPES:
+        return f"tensor {t.name!r}: unknown dtype {t.dtype!r} (dtypes: {' '.join(DTYPES)})"
+    if t.kind not in KINDS:
+        return f"tensor {t.name!r}: unknown kind {t.kind!r} (kinds: {' '.join(KINDS)})"
+    if not t.shape or not all(_is_int(d) and d >= 1 for d in t.shape):
+        return f"tensor {t.name!r}: bad shape {list(t.shape)} (one or more dimensions, each >= 1)"
+    return _tensor_extras_error(t)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _tensor_extras_error(t: Tensor) -> str | None:
+    if t.io_name is not None and not isinstance(t.io_name, str):
+        return f"tensor {t.name!r}: graph name must be a string"
+    if (t.kind == "const") != (t.offset is not None):
+        return f"tensor {t.name!r}: a const tensor needs a data-file offset, and only a const has one"
+    if t.offset is not None and not (_is_int(t.offset) and t.offset >= 0):
+        return f"tensor {t.name!r}: bad data-file offset {t.offset!r}"
+    if t.range is None:
+        return None
+    lo_hi_ok = len(t.range) == 2 and all(map(_is_int, t.range)) and t.range[0] < t.range[1]
+    if t.kind != "input" or not lo_hi_ok:
+        return f"tensor {t.name!r}: range {t.range!r} needs an input tensor and lo < hi"
+    return None
+
+
+def check_tensors(p: Program) -> None:
+    seen = set()
+    for t in p.tensors:
+        why = tensor_error(t)
+        if why:
+            raise ProgramError(f"{p.source}: {why}")
+        if t.name in seen:
+            raise ProgramError(f"{p.source}: tensor {t.name!r} declared twice")
+        seen.add(t.name)
+
+
+# --- instruction words -----------------------------------------------------------------------
+
+CANONICAL_NAN = bits_f32(0x7FC00000)
+
+
+def _one_nan(v):
+    return CANONICAL_NAN if isinstance(v, float) and v != v else v
+
+
+# Kinds whose values have more than one bit pattern, and the value to encode instead: every NaN
+# immediate encodes as the quiet NaN, since the text form prints any NaN as #nan.
+_NORMALIZE = {ViewOrImm: _one_nan}
+
+# Per class, per field: (name, encoder, width, normalizer or None, quick check).
+_PACK = {cls: tuple((name, kind.encode, kind.bits, _NORMALIZE.get(type(kind)), quick_ok(kind))
+                    for name, kind in layout)
+         for cls, layout in LAYOUT.items()}
+
+
+def _pack(i: Instr, check: bool) -> bytes | None:
+    """The word of ``i``; None when ``check`` and a quick field check doubts a value."""
+    x, shift = i.OPCODE, OPCODE_BITS
+    for name, encode, bits, normalize, ok in _PACK[type(i)]:
+        v = getattr(i, name)
+        if check and not ok(v):
+            return None
+        x |= encode(normalize(v) if normalize else v) << shift
+        shift += bits
+    return x.to_bytes(WORD_BYTES, "little")
+
+
+def encode_instr(i: Instr) -> bytes:
+    word = _pack(i, check=True) if type(i) in _PACK else None
+    if word is not None:
+        return word
+    why = instr_error(i)
+    if why:
+        raise ProgramError(why)
+    return _pack(i, check=False)
+
+
+def decode_instr(b: bytes) -> Instr:
+    if len(b) != WORD_BYTES:
+        raise ProgramError(f"an instruction word is {WORD_BYTES} bytes, got {len(b)}")
+    x = int.from_bytes(b, "little")
+    cls = BY_OPCODE.get(x & ((1 << OPCODE_BITS) - 1))
+    if cls is None:
+        raise ProgramError(f"unknown opcode 0x{x & 0xFF:02x}")
+    i = _unpack(cls, x >> OPCODE_BITS)
+    why = instr_error(i)
+    if why:
+        raise ProgramError(why)
+    if _pack(i, check=False) != bytes(b):
+        raise ProgramError(f"{cls.MNEMONIC}: non-canonical word (unused bits set, or a field "
+                           "value with more than one encoding)")
+    return i
+
+
+def _unpack(cls: type, x: int) -> Instr:
+    values = []
+    for name, kind in LAYOUT[cls]:
+        try:
+            values.append(kind.decode(x & ((1 << kind.bits) - 1)))
+        except (IndexError, ValueError):
+            raise ProgramError(f"{cls.MNEMONIC}: field {name} has no valid value") from None
+        x >>= kind.bits
+    return cls(*values)
+
+
+# --- whole programs --------------------------------------------------------------------------
+
+def header(p: Program) -> dict:
+    tensors = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "kind": t.kind,
+                "io_name": t.io_name, "offset": t.offset,
+                "range": None if t.range is None else list(t.range)} for t in p.tensors]
+    return {"arch": p.arch, "data_file": p.data_file, "tensors": tensors}
+
+
+def encode_program(p: Program) -> bytes:
+    check_tensors(p)
+    head = json.dumps(header(p), separators=(",", ":"), ensure_ascii=False).encode()
+    out = bytearray(PREFIX.pack(MAGIC, VERSION, 0, len(head)) + head)
+    out += bytes(-len(out) % WORD_BYTES)
+    n_tensors = len(p.tensors)
+    for n, i in enumerate(p.instrs):
+        word = _pack(i, check=True) if type(i) in _PACK else None
+        if word is None or TENSOR_FIELDS[type(i)]:
+            word = _checked_word(p, n, n_tensors)
+        out += word
+    return bytes(out)
+
+
+def _checked_word(p: Program, n: int, n_tensors: int) -> bytes:
+    """The word of instruction ``n`` after the full checks, or a ProgramError naming it."""
+    i = p.instrs[n]
+    why = instr_error(i) or ref_error(i, n_tensors)
+    if why:
+        raise ProgramError(f"{p.where(n)}: {why}")
+    return _pack(i, check=False)
+
+
+def decode_program(b: bytes, source: str = "<binary>") -> Program:
+    start, head = _read_prefix(b, source)
+    p = _program_from_header(head, source)
+    check_tensors(p)
+    body = b[start:]
+    if len(body) % WORD_BYTES:
+        raise ProgramError(f"{source}: truncated: {len(body)} instruction bytes is not a multiple "
+                           f"of {WORD_BYTES}")
+    for n in range(len(body) // WORD_BYTES):
+        p.instrs.append(_decode_at(body, n, len(p.tensors), source))
+    return p
+
+
+def _decode_at(body: bytes, n: int, n_tensors: int, source: str) -> Instr:
+    try:
+        i = decode_instr(body[n * WORD_BYTES:(n + 1) * WORD_BYTES])
+    except ProgramError as e:
+        raise ProgramError(f"{source}: instruction {n}: {e}") from None
+    why = ref_error(i, n_tensors)
+    if why:
+        raise ProgramError(f"{source}: instruction {n}: {i.MNEMONIC}: {why}")
+    return i
+
+
+def _read_prefix(b: bytes, source: str) -> tuple[int, dict]:
+    """Offset of the first instruction word, and the parsed header."""
+    if len(b) < PREFIX.size or b[:4] != MAGIC:
+        raise ProgramError(f"{source}: not a D-Legion binary (no {MAGIC.decode()} header)")
+    _, version, reserved, n = PREFIX.unpack_from(b)
+    if version != VERSION or reserved:
+        raise ProgramError(f"{source}: unsupported binary version {version}.{reserved} "
+                           f"(this tool reads {VERSION}.0)")
+    end = PREFIX.size + n
+    start = end + (-end % WORD_BYTES)
+    if len(b) < start:
+        raise ProgramError(f"{source}: truncated header ({len(b)} bytes, header needs {start})")
+    if any(b[end:start]):
+        raise ProgramError(f"{source}: corrupt header padding")
+    try:
+        return start, json.loads(b[PREFIX.size:end].decode())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ProgramError(f"{source}: corrupt header ({e})") from None
+
+
+# Header keys and the Python types their values may have.
+_HEAD_KEYS = {"arch": (str,), "data_file": (str, type(None)), "tensors": (list,)}
+_TENSOR_KEYS = {"name": (str,), "dtype": (str,), "shape": (list,), "kind": (str,),
+                "io_name": (str, type(None)), "offset": (int, type(None)), "range": (list, type(None))}
+
+
+def _typed(d, keys: dict, what: str, source: str) -> dict:
+    if not isinstance(d, dict) or set(d) != set(keys):
+        raise ProgramError(f"{source}: corrupt header: {what} needs exactly the keys {', '.join(keys)}")
+    for k, types in keys.items():
+        if not isinstance(d[k], types) or isinstance(d[k], bool):
+            raise ProgramError(f"{source}: corrupt header: {what} {k} {d[k]!r}")
+    return d
+
+
+def _program_from_header(head, source: str) -> Program:
+    head = _typed(head, _HEAD_KEYS, "header", source)
+    p = Program(arch=head["arch"], data_file=head["data_file"], source=source)
+    for d in head["tensors"]:
+        d = _typed(d, _TENSOR_KEYS, "tensor", source)
+        rng = None if d["range"] is None else tuple(d["range"])
+        p.tensors.append(Tensor(d["name"], d["dtype"], tuple(d["shape"]), d["kind"], d["io_name"],
+                                d["offset"], rng))
+    return p

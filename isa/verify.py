@@ -1,0 +1,335 @@
+"""Static checks of a program against an architecture, before it runs.
+
+:func:`check` returns one line per problem, ``"{location}: {mnemonic}: {what is wrong}"``;
+:func:`verify` raises a :class:`ProgramError` listing them. Each instruction family has one
+small check function registered by class; the vector functions are found through their base
+class (``VUnary``, ``VBinary``, ``VReduce``) on the MRO. Whole-program checks cover the tensor
+declarations. Everything that depends only on the program text and the machine is checked
+here; what depends on data (gathered row indices) is left to the emulator.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from isa.arch import MODE_BITS, Arch
+from isa.fields import View
+from isa.instructions import (DmaLoad, DmaStore, Drain, Gather, Instr, MatMul, Signal, VBinary, VMatMul,
+                              VReduce, VSelect, VUnary, Wait)
+from isa.program import DTYPES, KINDS, LOADS, STORES, Program, ProgramError, Tensor
+
+MAX_SHOWN = 20          # problems listed in a ProgramError before "... and N more"
+
+Problems = Iterator[str]
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a family check may look at besides its instruction."""
+
+    program: Program
+    arch: Arch
+    signals: Counter    # semaphore -> number of Signal instructions on it in the whole program
+
+    def tensor(self, index: int) -> Tensor | None:
+        tensors = self.program.tensors
+        return tensors[index] if 0 <= index < len(tensors) else None
+
+
+CHECKS: dict[type, Callable[[Instr, Context], Problems]] = {}
+
+
+def register(*classes: type):
+    """Register a family check for ``classes`` and their subclasses."""
+    def add(fn):
+        for cls in classes:
+            CHECKS[cls] = fn
+        return fn
+    return add
+
+
+def family_check(cls: type) -> Callable[[Instr, Context], Problems] | None:
+    for base in cls.__mro__:
+        if base in CHECKS:
+            return CHECKS[base]
+    return None
+
+
+# --- public API ------------------------------------------------------------------------------
+
+def check(program: Program, arch: Arch) -> list[str]:
+    """Every problem of ``program`` on ``arch``, one line each; empty when it may run."""
+    signals = Counter(ins.sem for ins in program.instrs if isinstance(ins, Signal))
+    ctx = Context(program, arch, signals)
+    out = list(tensor_problems(program))
+    for i, ins in enumerate(program.instrs):
+        head = f"{program.where(i)}: {ins.MNEMONIC}"
+        out += [f"{head}: {what}" for what in instr_problems(ins, ctx)]
+    return out
+
+
+def verify(program: Program, arch: Arch) -> None:
+    """Raise :class:`ProgramError` listing the problems of ``program`` on ``arch``, if any."""
+    problems = check(program, arch)
+    if not problems:
+        return
+    shown = problems[:MAX_SHOWN]
+    if len(problems) > MAX_SHOWN:
+        shown.append(f"... and {len(problems) - MAX_SHOWN} more")
+    raise ProgramError("\n".join(shown))
+
+
+def instr_problems(ins: Instr, ctx: Context) -> Problems:
+    bad = ins.bad_fields()
+    if bad:
+        # The family checks assume well-formed fields; an unencodable one is the problem to fix.
+        yield from bad
+        return
+    fn = family_check(type(ins))
+    if fn is None:
+        yield f"{type(ins).__name__} is not an instruction of the table"
+        return
+    yield from legion(ins.legion, ctx.arch)
+    yield from fn(ins, ctx)
+
+
+# --- operand helpers -------------------------------------------------------------------------
+
+def legion(index: int, arch: Arch) -> Problems:
+    if index >= arch.legions:
+        yield f"Legion L{index} does not exist ({arch.name} has {arch.legions})"
+
+
+def bounds(what: str, space: str, last: int | None, arch: Arch) -> Problems:
+    """``last`` is the largest element index touched (None: nothing is touched)."""
+    cap = arch.derived.spad_elems[space]
+    if last is not None and last >= cap:
+        yield f"{what} reaches {space} element {last}, past the {cap} it holds"
+
+
+def view(name: str, v, rows: int, cols: int, arch: Arch, dest: bool = False) -> Problems:
+    """A rows x cols view lies inside its scratchpad; a written one does not alias itself."""
+    if not isinstance(v, View):
+        return      # an fp32 immediate
+    last = None if rows <= 0 or cols <= 0 else v.addr + (rows - 1) * v.rs + (cols - 1) * v.cs
+    yield from bounds(f"{name} {v} over {rows}x{cols}", v.space, last, arch)
+    if not dest:
+        return
+    if v.rs == 0 and rows > 1:
+        yield f"{name} {v} writes {rows} rows with row stride 0"
+    if v.cs == 0 and cols > 1:
+        yield f"{name} {v} writes {cols} columns with column stride 0"
+
+
+def vector(name: str, addr: int | None, n: int, space: str, arch: Arch) -> Problems:
+    """An optional contiguous vector of ``n`` elements (Drain's per-row/per-column operands)."""
+    if addr is None:
+        return
+    last = addr + n - 1 if n > 0 else None
+    yield from bounds(f"{name} {space}[{addr}] of {n} elements", space, last, arch)
+
+
+def tensor_ref(name: str, index: int, ctx: Context) -> Problems:
+    if ctx.tensor(index) is None:
+        yield f"{name} names tensor {index}, but only {len(ctx.program.tensors)} are declared"
+
+
+def dram(name: str, ref, rows: int, cols: int, ctx: Context) -> Problems:
+    """A rows x cols DRAM access lies inside its tensor's storage."""
+    yield from tensor_ref(name, ref.tensor, ctx)
+    t = ctx.tensor(ref.tensor)
+    if t is None or rows <= 0 or cols <= 0:
+        return
+    end = ref.offset + (rows - 1) * ref.rs + cols
+    if end > t.storage_elems:
+        yield (f"{name} @{t.name}[{ref.offset},{ref.rs}] over {rows}x{cols} reaches storage "
+               f"element {end - 1} of tensor {t.name!r}, which has {t.storage_elems}")
+
+
+def dtype_moves(name: str, t: Tensor | None, table: dict, space: str, verb: str) -> Problems:
+    """The DMA can convert between the tensor's dtype and the space's element."""
+    if t is None or t.dtype in table[space]:
+        return
+    allowed = ", ".join(sorted(table[space]))
+    yield (f"{name} tensor {t.name!r} is {t.dtype}, which cannot be {verb} {space} "
+           f"(allowed: {allowed})")
+
+
+# --- DMA queue -------------------------------------------------------------------------------
+
+@register(DmaLoad)
+def dma_load(ins: DmaLoad, ctx: Context) -> Problems:
+    arch = ctx.arch
+    for dest in sorted(ins.dests):
+        yield from (f"dests: {p}" for p in legion(dest, arch))
+    if len(ins.dests) > 1 and not arch.multicast:
+        yield f"dests multicast to {len(ins.dests)} Legions, but {arch.name} has no multicast"
+    yield from view("dst", ins.dst, ins.rows, ins.cols, arch, dest=True)
+    yield from dram("src", ins.src, ins.rows, ins.cols, ctx)
+    yield from dtype_moves("src", ctx.tensor(ins.src.tensor), LOADS, ins.dst.space, "loaded into")
+
+
+@register(DmaStore)
+def dma_store(ins: DmaStore, ctx: Context) -> Problems:
+    yield from view("src", ins.src, ins.rows, ins.cols, ctx.arch)
+    yield from dram("dst", ins.dst, ins.rows, ins.cols, ctx)
+    t = ctx.tensor(ins.dst.tensor)
+    yield from dtype_moves("dst", t, STORES, ins.src.space, "stored from")
+    if t is not None and t.kind in ("const", "input"):
+        yield f"dst tensor {t.name!r} is {t.kind}: programs may not write it"
+
+
+@register(Gather)
+def gather(ins: Gather, ctx: Context) -> Problems:
+    # The table rows read depend on the ids, so their range is checked when the program runs.
+    yield from view("dst", ins.dst, ins.rows, ins.cols, ctx.arch, dest=True)
+    yield from view("ids", ins.ids, ins.rows, 1, ctx.arch)
+    yield from tensor_ref("table", ins.table.tensor, ctx)
+    table = ctx.tensor(ins.table.tensor)
+    yield from dtype_moves("table", table, LOADS, ins.dst.space, "loaded into")
+
+
+# --- matrix queue ----------------------------------------------------------------------------
+
+@register(MatMul)
+def matmul(ins: MatMul, ctx: Context) -> Problems:
+    arch = ctx.arch
+    if ins.mode not in arch.modes:
+        yield f"mode {ins.mode} is not supported by {arch.name} (modes: {', '.join(arch.modes)})"
+    if ins.split == "k" and arch.cores > 1 and not arch.parallel_accumulators:
+        yield (f"split=k sums the psums of {arch.cores} cores in the parallel accumulators, "
+               f"which {arch.name} lacks")
+    empty = [f"{d}=0" for d in ("M", "K", "N") if getattr(ins, d) == 0]
+    if empty:
+        yield f"empty matrix multiplication ({', '.join(empty)})"
+        return
+    yield from view("acc", ins.acc, ins.M, ins.N, arch, dest=True)
+    yield from view("act", ins.act, ins.M, ins.K, arch)
+    yield from weights(ins, arch)
+    yield from mask(ins, ctx)
+
+
+def weights(ins: MatMul, arch: Arch) -> Problems:
+    """The weights are K rows of N packed weights; a row must be whole bytes."""
+    row_bits = ins.N * MODE_BITS[ins.mode]
+    if row_bits % 8:
+        yield f"N={ins.N} weights of mode {ins.mode} are {row_bits} bits a row, not whole bytes"
+        return
+    yield from view("wgt", ins.wgt, ins.K, row_bits // 8, arch)
+
+
+def mask(ins: MatMul, ctx: Context) -> Problems:
+    """The sparsity mask holds one u8 per array x array weight block, fixed before the run."""
+    if ins.mask is None:
+        return
+    yield from tensor_ref("mask", ins.mask, ctx)
+    t = ctx.tensor(ins.mask)
+    if t is None:
+        return
+    if t.kind != "const":
+        yield f"mask tensor {t.name!r} is {t.kind}, not const"
+    if t.dtype != "u8":
+        yield f"mask tensor {t.name!r} is {t.dtype}, not u8"
+    blocks = math.ceil(ins.K / ctx.arch.array) * math.ceil(ins.N / ctx.arch.array)
+    if t.numel < blocks:
+        yield (f"mask tensor {t.name!r} has {t.numel} elements, "
+               f"fewer than the {blocks} weight blocks")
+
+
+# --- vector queue ----------------------------------------------------------------------------
+
+@register(Drain)
+def drain(ins: Drain, ctx: Context) -> Problems:
+    arch = ctx.arch
+    yield from view("dst", ins.dst, ins.M, ins.N, arch, dest=True)
+    yield from view("acc", ins.acc, ins.M, ins.N, arch)
+    yield from vector("zp", ins.zp, ins.N, "acc", arch)
+    yield from vector("rscale", ins.rscale, ins.M, "vec", arch)
+    yield from vector("cscale", ins.cscale, ins.N, "vec", arch)
+    yield from vector("bias", ins.bias, ins.N, "vec", arch)
+
+
+@register(VUnary)
+def unary(ins: VUnary, ctx: Context) -> Problems:
+    yield from view("dst", ins.dst, ins.rows, ins.cols, ctx.arch, dest=True)
+    yield from view("a", ins.a, ins.rows, ins.cols, ctx.arch)
+
+
+@register(VBinary)
+def binary(ins: VBinary, ctx: Context) -> Problems:
+    yield from unary(ins, ctx)
+    yield from view("b", ins.b, ins.rows, ins.cols, ctx.arch)
+
+
+@register(VReduce)
+def reduce(ins: VReduce, ctx: Context) -> Problems:
+    yield from view("dst", ins.dst, ins.rows, 1, ctx.arch, dest=True)
+    yield from view("a", ins.a, ins.rows, ins.cols, ctx.arch)
+
+
+@register(VSelect)
+def select(ins: VSelect, ctx: Context) -> Problems:
+    yield from view("dst", ins.dst, ins.rows, ins.cols, ctx.arch, dest=True)
+    yield from view("cond", ins.cond, ins.rows, ins.cols, ctx.arch)
+    yield from view("a", ins.a, ins.rows, ins.cols, ctx.arch)
+
+
+# --- synchronization -------------------------------------------------------------------------
+
+@register(VMatMul)
+def vmatmul(ins: VMatMul, ctx: Context) -> Problems:
+    yield from view("dst", ins.dst, ins.M, ins.N, ctx.arch, dest=True)
+    yield from view("a", ins.a, ins.M, ins.K, ctx.arch)
+    yield from view("b", ins.b, ins.K, ins.N, ctx.arch)
+
+
+@register(Signal)
+def signal(ins: Signal, ctx: Context) -> Problems:
+    return iter(())     # only its Legion, checked for every instruction
+
+
+@register(Wait)
+def wait(ins: Wait, ctx: Context) -> Problems:
+    # Semaphores only count up, so a wait for more signals than the program holds deadlocks.
+    n = ctx.signals[ins.sem]
+    if n < ins.count:
+        times = "time" if n == 1 else "times"
+        yield (f"s{ins.sem} count={ins.count} can never be satisfied: "
+               f"s{ins.sem} is signalled {n} {times}")
+
+
+# --- tensors ---------------------------------------------------------------------------------
+
+def tensor_problems(program: Program) -> Problems:
+    head = program.source
+    for t in program.tensors:
+        yield from (f"{head}: tensor {t.name!r}: {p}" for p in tensor_decl(t, program))
+    for name, n in Counter(t.name for t in program.tensors).items():
+        if n > 1:
+            yield f"{head}: tensor name {name!r} is declared {n} times"
+    for kind in ("input", "output"):
+        bound = Counter(t.io_name for t in program.tensors if t.kind == kind and t.io_name)
+        for io_name, n in bound.items():
+            if n > 1:
+                yield f"{head}: {kind} name {io_name!r} is bound to {n} tensors"
+
+
+def tensor_decl(t: Tensor, program: Program) -> Problems:
+    if t.dtype not in DTYPES:
+        yield f"unknown dtype {t.dtype!r} (dtypes: {', '.join(DTYPES)})"
+        return
+    if t.kind not in KINDS:
+        yield f"unknown kind {t.kind!r} (kinds: {', '.join(KINDS)})"
+        return
+    if t.kind in ("input", "output") and not t.io_name:
+        yield f"{t.kind} tensor has no io_name to bind it to the graph"
+    if t.kind != "const":
+        return
+    if t.offset is None:
+        yield "const tensor has no offset in the data file"
+        return
+    if program.data is not None and t.offset + t.nbytes > len(program.data):
+        yield (f"const bytes {t.offset}..{t.offset + t.nbytes} lie beyond the data file "
+               f"{program.data_file!r}, which has {len(program.data)}")

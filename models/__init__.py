@@ -1,0 +1,1 @@
+"""Generators of quantized LLM ONNX graphs in the patterns real exporters and quantizers write."""

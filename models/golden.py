@@ -1,0 +1,66 @@
+"""Golden outputs: seeded inputs, one onnxruntime run, stored as byte-stable .npz files."""
+from __future__ import annotations
+
+import io
+import platform
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # zip entries carry no wall-clock time, so reruns give the same bytes
+ELEM_TYPES = {onnx.TensorProto.INT64: np.int64, onnx.TensorProto.FLOAT: np.float32}
+
+
+def session(path: str | Path):
+    """A single-threaded CPU session: thread count changes how some kernels split their sums."""
+    import onnxruntime as ort
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def seeded_inputs(model: onnx.ModelProto, seq: int, vocab: int, seed: int) -> dict[str, np.ndarray]:
+    """Token ids in [0, vocab) for every int64 graph input, shape [1, seq]."""
+    rng = np.random.default_rng(seed)
+    inputs = {}
+    for value in model.graph.input:
+        if value.type.tensor_type.elem_type != onnx.TensorProto.INT64:
+            raise ValueError(f"graph input {value.name!r} is not int64 token ids")
+        inputs[value.name] = rng.integers(0, vocab, (1, seq), dtype=np.int64)
+    return inputs
+
+
+def run(path: str | Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Graph outputs by name from a fresh onnxruntime session."""
+    sess = session(path)
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, inputs)))
+
+
+def write_npz(path: str | Path, arrays: dict[str, np.ndarray]) -> None:
+    """Like numpy.savez, but with fixed entry times and sorted names."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
+        for name in sorted(arrays):
+            entry = zipfile.ZipInfo(f"{name}.npy", date_time=FIXED_TIME)
+            with archive.open(entry, "w") as handle:
+                np.lib.format.write_array(handle, np.ascontiguousarray(arrays[name]), allow_pickle=False)
+    Path(path).write_bytes(buffer.getvalue())
+
+
+def read_npz(path: str | Path) -> dict[str, np.ndarray]:
+    with np.load(path, allow_pickle=False) as data:
+        return {name: data[name] for name in data.files}
+
+
+def machine() -> str:
+    """The CPU model, which decides which onnxruntime kernels run (and so the last bits of float results)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()

@@ -1,0 +1,228 @@
+"""What one instruction costs: pure functions of the instruction, the arch and the program's tensors.
+
+One function per instruction family (``COSTS``), each ``f(instr, arch, env) -> Cost``. A
+:class:`Cost` gives the time the instruction holds its queue (or, for a DMA, the bytes of its
+DRAM flow, whose time depends on who else shares DRAM) and the counters it adds to the report.
+The formulas are the timing model's; ``runtime/timing.py`` documents the model as a whole.
+
+MatMul (array Na x Na = ``arch.array``, ``t`` tiles a window by mode, ``C`` cores):
+  the K x N weights are ceil(K/Na) x ceil(N/Na) blocks; a mask zeroes some. Each K-slice packs its
+  nonzero blocks into ceil(nonzero / t) windows (partially-sparse windows are compacted); one
+  pass holds one window. split=k gives core c the K-slices kb % C == c; split=n gives core c
+  window w of every K-slice with w % C == c. The busiest core sets the time:
+  passes_max * (M + pass_overhead) plus the weight loads it cannot hide (one when the weight
+  registers are double-buffered, else one per pass).
+  Psum traffic per column block with nk nonzero K-slices: ceil(nk / C) accumulator updates
+  when split=k and the parallel accumulators sum the cores' outputs, else nk; each update
+  reads and writes M x width int32s, except that the first update of a `set` only writes.
+
+DMA: rows * cols elements of the DRAM tensor's storage dtype; a multicast load is one read.
+Scratchpad traffic (``spad_bytes``, apart from psum traffic): what each instruction reads from
+and writes to the Legion scratchpads; a pass streams M x Na activation bytes and loads one
+window of Na x Na weight bytes (every mode packs a window into Na x Na bytes).
+Vector unit (``vector_lanes`` lanes): ceil(elements / lanes) lane-ops, each costing
+``vector_transcendental_cycles`` for a transcendental function, else 1; a drain moves M x N
+elements; ``vmm`` does M x K x N multiply-adds.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+
+from isa.arch import ELEM_BYTES, MODE_TILES, Arch
+from isa.instructions import TRANSCENDENTAL, DmaLoad, DmaStore, Gather, Instr, VMatMul, family
+from isa.program import STORAGE
+
+ACC_BYTES = 4          # an accumulator scratchpad element is int32
+
+# DMA class -> (field naming its DRAM side, counter of the bytes it moves)
+DMA_SIDE = {DmaLoad: ("src", "dram_read_bytes"), DmaStore: ("dst", "dram_write_bytes"),
+            Gather: ("table", "dram_read_bytes")}
+
+
+class CostError(ValueError):
+    """An instruction whose cost cannot be computed (the caller adds its location)."""
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Which weight blocks of a MatMul are nonzero: a hashable bool matrix [K-slices, column blocks]."""
+
+    shape: tuple[int, int]
+    bits: bytes
+
+    @classmethod
+    def from_mask(cls, mask: np.ndarray) -> "Blocks":
+        nz = np.ascontiguousarray(np.asarray(mask) != 0)
+        return cls(tuple(nz.shape), nz.tobytes())
+
+    def array(self) -> np.ndarray:
+        return np.frombuffer(self.bits, dtype=bool).reshape(self.shape)
+
+
+@dataclass(frozen=True)
+class Env:
+    """What costs need from the program: its tensors and the decoded MatMul masks by tensor index."""
+
+    tensors: tuple
+    masks: dict
+
+
+@dataclass(frozen=True)
+class Cost:
+    cycles: int = 0                   # time on its queue (not used for a DMA)
+    flow_bytes: int | None = None     # a DMA: bytes its DRAM flow moves
+    counters: dict = field(default_factory=dict)
+    detail: dict | None = None        # a per-instruction report row (MatMul)
+
+
+# --- DMA -------------------------------------------------------------------------------------
+
+def dma(i: Instr, arch: Arch, env: Env) -> Cost:
+    ref_field, counter = DMA_SIDE[type(i)]
+    ref = getattr(i, ref_field)
+    if ref.tensor >= len(env.tensors):
+        raise CostError(f"tensor index {ref.tensor} out of range ({len(env.tensors)} tensors)")
+    tensor = env.tensors[ref.tensor]
+    nbytes = i.rows * i.cols * np.dtype(STORAGE[tensor.dtype]).itemsize
+    fanout = len(getattr(i, "dests", ())) or 1      # only a load has several receivers
+    spad = i.rows * i.cols * ELEM_BYTES[_spad_view(i).space] * fanout
+    if not arch.multicast:
+        # Without multicast every receiving Legion needs its own read.
+        return Cost(flow_bytes=nbytes * fanout, counters={counter: nbytes * fanout, "spad_bytes": spad})
+    return Cost(flow_bytes=nbytes,
+                counters={counter: nbytes, "multicast_saved_bytes": nbytes * (fanout - 1),
+                          "spad_bytes": spad})
+
+
+def _spad_view(i: Instr):
+    return i.src if isinstance(i, DmaStore) else i.dst
+
+
+# --- MatMul ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BlockStats:
+    """Figures of a MatMul's block structure that do not depend on M."""
+
+    passes: int          # windows over all cores
+    passes_max: int      # windows of the busiest core
+    block_macs: int      # MACs per streamed input row
+    psum_rmw: int        # accumulator elements read+written per input row (2 per update)
+    psum_first: int      # of those, first updates per row (a `set` only writes them)
+
+
+def _edges(total: int, na: int) -> np.ndarray:
+    """Width of each N-wide block of a dimension of ``total`` (the last one may be narrower)."""
+    starts = np.arange(-(-total // na), dtype=np.int64) * na
+    return np.minimum(na, total - starts)
+
+
+def _core_passes(windows: np.ndarray, cores: int, split: str) -> np.ndarray:
+    c = np.arange(cores, dtype=np.int64)
+    if split == "k":
+        return np.bincount(np.arange(windows.size) % cores, weights=windows,
+                           minlength=cores).astype(np.int64)
+    # Core c takes windows c, c + C, ... of each K-slice: ceil((W - c) / C) of them.
+    return np.clip((windows[:, None] - c[None, :] + cores - 1) // cores, 0, None).sum(axis=0)
+
+
+@lru_cache(maxsize=4096)
+def block_stats(K: int, N: int, na: int, tiles: int, cores: int, split: str, kreduce: bool,
+                blocks: Blocks | None) -> BlockStats:
+    rows, cols = _edges(K, na), _edges(N, na)
+    nz = np.ones((rows.size, cols.size), bool) if blocks is None else blocks.array()
+    windows = -(-nz.sum(axis=1, dtype=np.int64) // tiles)
+    per_core = _core_passes(windows, cores, split)
+    nk = nz.sum(axis=0, dtype=np.int64)
+    # The parallel accumulators add the C cores' outputs of one column block in one update.
+    updates = -(-nk // cores) if kreduce else nk
+    return BlockStats(passes=int(windows.sum()), passes_max=int(per_core.max(initial=0)),
+                      block_macs=int(rows @ nz.astype(np.int64) @ cols),
+                      psum_rmw=int((cols * 2 * updates).sum()),
+                      psum_first=int((cols * (updates > 0)).sum()))
+
+
+def pass_cycles(arch: Arch, M: int, passes_max: int) -> int:
+    if passes_max == 0:
+        return 0
+    loads = 1 if arch.double_buffered_weights else passes_max
+    return passes_max * (M + arch.derived.pass_overhead) + loads * arch.derived.weight_load_cycles
+
+
+def _mask_blocks(i: Instr, arch: Arch, env: Env) -> Blocks | None:
+    if i.mask is None:
+        return None
+    if i.mask not in env.masks:
+        raise CostError(f"mask tensor index {i.mask} is not a u8 const tensor")
+    blocks = env.masks[i.mask]
+    want = (-(-i.K // arch.array), -(-i.N // arch.array))
+    if blocks.shape != want:
+        raise CostError(f"mask @{env.tensors[i.mask].name} has shape {list(blocks.shape)}, "
+                        f"expected {list(want)} for K={i.K} N={i.N} on a {arch.array}-wide array")
+    return blocks
+
+
+def matmul(i: Instr, arch: Arch, env: Env) -> Cost:
+    kreduce = i.split == "k" and arch.parallel_accumulators
+    shape = (i.K, i.N, arch.array, MODE_TILES[i.mode], arch.cores, i.split, kreduce)
+    s = block_stats(*shape, _mask_blocks(i, arch, env))
+    d = block_stats(*shape, None)
+    cycles, dense_cycles = pass_cycles(arch, i.M, s.passes_max), pass_cycles(arch, i.M, d.passes_max)
+    first = s.psum_first if i.accumulate == "set" else 0
+    counters = {"macs": i.M * s.block_macs, "dense_macs": i.M * i.K * i.N,
+                "passes": s.passes, "dense_passes": d.passes,
+                "windows_skipped": d.passes - s.passes,
+                "sparsity_cycles_saved": dense_cycles - cycles,
+                "psum_bytes": ACC_BYTES * i.M * (s.psum_rmw - first),
+                "spad_bytes": s.passes * (i.M * arch.array + arch.array * arch.array)}
+    detail = {"mode": i.mode, "split": i.split, "M": i.M, "K": i.K, "N": i.N,
+              "passes_max": s.passes_max, "cycles": cycles, "dense_cycles": dense_cycles,
+              **counters}
+    return Cost(cycles=cycles, counters=counters, detail=detail)
+
+
+# --- vector unit and sync --------------------------------------------------------------------
+
+def drain(i: Instr, arch: Arch, env: Env) -> Cost:
+    elems = i.M * i.N
+    written = elems * ELEM_BYTES[i.dst.space] * (2 if i.accumulate == "add" else 1)
+    return Cost(cycles=-(-elems // arch.vector_lanes),
+                counters={"vector_elems": elems, "spad_bytes": elems * ACC_BYTES + written})
+
+
+def vector(i: Instr, arch: Arch, env: Env) -> Cost:
+    elems = i.rows * i.cols
+    per_op = arch.vector_transcendental_cycles if type(i) in TRANSCENDENTAL else 1
+    views = [v for v in (getattr(i, n, None) for n in ("dst", "a", "b", "cond")) if hasattr(v, "space")]
+    spad = i.rows * sum(ELEM_BYTES[v.space] for v in views) * i.cols
+    return Cost(cycles=-(-elems // arch.vector_lanes) * per_op,
+                counters={"vector_elems": elems, "spad_bytes": spad})
+
+
+def vector_matmul(i: Instr, arch: Arch, env: Env) -> Cost:
+    # fp32 products on the lanes, one multiply-add per lane per cycle
+    elems = i.M * i.K * i.N
+    spad = 4 * (i.M * i.K + i.K * i.N + i.M * i.N)
+    return Cost(cycles=-(-elems // arch.vector_lanes), counters={"vector_elems": elems, "spad_bytes": spad})
+
+
+def sync(i: Instr, arch: Arch, env: Env) -> Cost:
+    return Cost()
+
+
+# By family; a class listed in BY_CLASS has a formula of its own within its family.
+COSTS = {"dma": dma, "matrix": matmul, "drain": drain, "vector": vector, "sync": sync}
+BY_CLASS = {VMatMul: vector_matmul}
+
+
+def cost(i: Instr, arch: Arch, env: Env) -> Cost:
+    return BY_CLASS.get(type(i), COSTS[family(type(i))])(i, arch, env)
+
+
+def ceil_cycles(x: float) -> int:
+    """Whole cycles covering ``x``, forgiving the rounding of float arithmetic."""
+    return math.ceil(x - 1e-9 * max(1.0, abs(x)))

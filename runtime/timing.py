@@ -1,0 +1,288 @@
+"""Event-driven timing model: when each instruction starts and completes, and in what order.
+
+The model (every number comes from the :class:`~isa.arch.Arch` passed in, or its ``derived``):
+
+- **Dispatch.** The program's instructions go, in order, to queues keyed (Legion, queue): the
+  class's ``QUEUE``, or the queue a ``signal``/``wait`` names. A queue runs its instructions
+  in order, one at a time; queues run concurrently.
+- **Times.** Each instruction has a ``start``, a ``free`` time (its queue may start the next
+  one) and a ``done`` time (its effect is visible). A DMA (load, store, gather) is a *flow*
+  through the shared DRAM from ``start``; ``free`` is when its last byte leaves DRAM and
+  ``done = free + dram_latency_cycles``: the DMA engine is pipelined, each request arrives one
+  latency after its data left. Any other instruction holds its queue for its duration
+  (``runtime/costs.py``): ``free = done = start + duration``.
+- **Sync.** A ``signal`` at the head of its queue fires once the queue is free and every
+  earlier instruction of that queue is done: sem += 1, taking no time. A ``wait`` blocks its
+  queue until sem >= count and passes the moment that holds, taking no time.
+- **DRAM** is a fluid shared server: the n active flows share ``dram_bytes_per_cycle``
+  equally, each capped by one Legion link (``link_bytes_per_cycle``), so each moves at
+  min(link, dram / n); rates change whenever a flow starts or ends. A multicast load is one
+  flow: one DRAM read delivered over the receivers' links in parallel.
+
+All flows move at the same rate, so one "bytes served per flow" clock orders their ends in a
+heap: simulation costs O(log) per event, and nothing loops per cycle.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from isa.arch import Arch
+from isa.instructions import Signal, Wait, family
+from isa.program import Program
+from runtime.costs import Blocks, CostError, Env, ceil_cycles, cost
+
+INF = float("inf")
+FAMILIES = ("dma", "matrix", "drain", "vector", "sync")
+SUMMED = ("dram_read_bytes", "dram_write_bytes", "multicast_saved_bytes", "macs", "dense_macs",
+          "passes", "dense_passes", "windows_skipped", "sparsity_cycles_saved", "psum_bytes", "spad_bytes",
+          "vector_elems")
+
+
+class Deadlock(Exception):
+    """Some queue waits on a semaphore that no remaining signal can raise."""
+
+
+class TimingError(ValueError):
+    """A program the timing model cannot cost (the message names the instruction)."""
+
+
+@dataclass
+class Timeline:
+    cycles: int                 # ceil of the last completion
+    start: np.ndarray           # per instruction, in cycles (float)
+    free: np.ndarray            # per instruction: its queue may start the next one
+    done: np.ndarray            # per instruction: its effect is visible
+    busy: dict                  # (legion, queue) -> cycles the queue was occupied
+    counters: dict
+
+
+# --- shared DRAM -----------------------------------------------------------------------------
+
+class _Dram:
+    """Active flows sharing DRAM; ``served`` is the bytes every active flow has moved so far."""
+
+    def __init__(self, total: float, link: float):
+        self.total, self.link = total, link
+        self.t = 0.0
+        self.served = 0.0
+        self.flows: list[tuple[float, int]] = []    # (served level at which it ends, instruction)
+
+    def rate(self) -> float:
+        return min(self.link, self.total / len(self.flows)) if self.flows else 0.0
+
+    def advance(self, t: float) -> None:
+        self.served += self.rate() * (t - self.t)
+        self.t = t
+
+    def add(self, k: int, nbytes: int, t: float) -> None:
+        self.advance(t)
+        heapq.heappush(self.flows, (self.served + nbytes, k))
+
+    def next_end(self) -> float:
+        if not self.flows:
+            return INF
+        return self.t + max(0.0, self.flows[0][0] - self.served) / self.rate()
+
+    def finish(self, t: float) -> list[int]:
+        """Flows ending at ``t`` (the first is due by construction; others within rounding)."""
+        self.advance(t)
+        ended = [heapq.heappop(self.flows)[1]]
+        while self.flows and self.flows[0][0] <= self.served + 1e-9 * max(1.0, self.served):
+            ended.append(heapq.heappop(self.flows)[1])
+        return ended
+
+
+# --- queues ----------------------------------------------------------------------------------
+
+class _Queue:
+    __slots__ = ("key", "items", "head", "busy", "outstanding")
+
+    def __init__(self, key):
+        self.key = key
+        self.items: list[int] = []
+        self.head = 0
+        self.busy = False          # running an instruction (a DMA: until its flow ends)
+        self.outstanding = 0       # started but not yet done
+
+
+def _queue_key(i) -> tuple[int, str]:
+    return i.legion, i.queue()
+
+
+class _Sim:
+    def __init__(self, program: Program, arch: Arch, costs: list, execute):
+        n = len(program.instrs)
+        self.program, self.costs, self.execute = program, costs, execute
+        self.start, self.free, self.done = (np.full(n, np.nan) for _ in range(3))
+        self.queues: dict[tuple, _Queue] = {}
+        self.queue_of: list[_Queue] = []
+        for k, i in enumerate(program.instrs):
+            q = self.queues.setdefault(_queue_key(i), _Queue(_queue_key(i)))
+            q.items.append(k)
+            self.queue_of.append(q)
+        self.sems: dict[int, int] = defaultdict(int)
+        self.waiters: dict[int, dict] = defaultdict(dict)     # sem -> queues blocked on it
+        self.events: list[tuple[float, int]] = []              # (done time, instruction)
+        self.dram = _Dram(arch.derived.dram_bytes_per_cycle, arch.derived.link_bytes_per_cycle)
+        self.latency = arch.dram_latency_cycles
+        self.handlers = {Signal: self._signal, Wait: self._wait}
+
+    def run(self) -> None:
+        for q in self.queues.values():
+            self._advance(q, 0.0)
+        while True:
+            t_event = self.events[0][0] if self.events else INF
+            t_flow = self.dram.next_end()
+            if t_event == INF and t_flow == INF:
+                break
+            if t_flow <= t_event:
+                self._flows_end(t_flow)
+                continue
+            t, k = heapq.heappop(self.events)
+            self._complete(k, t)
+        self._check_deadlock()
+
+    # Events. Ties in time pop in program order, and an instruction that waits on another is
+    # only scheduled after that one completed, so `execute` always sees a valid order.
+
+    def _flows_end(self, t: float) -> None:
+        for k in self.dram.finish(t):
+            q = self.queue_of[k]
+            self.free[k] = t
+            q.busy = False
+            heapq.heappush(self.events, (t + self.latency, k))
+            self._advance(q, t)
+
+    def _complete(self, k: int, t: float) -> None:
+        q = self.queue_of[k]
+        self.done[k] = t
+        q.outstanding -= 1
+        if self.costs[k].flow_bytes is None:
+            q.busy = False
+        if self.execute is not None:
+            self.execute(k)
+        self._advance(q, t)
+
+    # Issuing: run a queue as far as it can go at time t; signals may wake other queues.
+
+    def _advance(self, q: _Queue, t: float) -> None:
+        work = [q]
+        while work:
+            work.extend(self._step(work.pop(), t))
+
+    def _step(self, q: _Queue, t: float) -> list[_Queue]:
+        woken: list[_Queue] = []
+        while not q.busy and q.head < len(q.items):
+            k = q.items[q.head]
+            handler = self.handlers.get(type(self.program.instrs[k]), self._issue)
+            if not handler(q, k, t, woken):
+                break
+            q.head += 1
+        return woken
+
+    def _mark(self, k: int, t: float) -> None:
+        self.start[k] = self.free[k] = self.done[k] = t
+
+    def _signal(self, q: _Queue, k: int, t: float, woken: list) -> bool:
+        if q.outstanding:
+            return False            # retried when the queue's last instruction completes
+        sem = self.program.instrs[k].sem
+        self.sems[sem] += 1
+        self._mark(k, t)
+        woken.extend(self.waiters.pop(sem, {}).values())
+        return True
+
+    def _wait(self, q: _Queue, k: int, t: float, woken: list) -> bool:
+        i = self.program.instrs[k]
+        if self.sems[i.sem] < i.count:
+            self.waiters[i.sem][q.key] = q
+            return False
+        self._mark(k, t)
+        return True
+
+    def _issue(self, q: _Queue, k: int, t: float, woken: list) -> bool:
+        c = self.costs[k]
+        self.start[k] = t
+        q.busy = True
+        q.outstanding += 1
+        if c.flow_bytes is not None:
+            self.dram.add(k, c.flow_bytes, t)
+            return True
+        self.free[k] = t + c.cycles
+        heapq.heappush(self.events, (t + c.cycles, k))
+        return True
+
+    def _check_deadlock(self) -> None:
+        stuck = sorted(q.items[q.head] for q in self.queues.values() if q.head < len(q.items))
+        if not stuck:
+            return
+        k, i = stuck[0], self.program.instrs[stuck[0]]
+        others = f"; {len(stuck) - 1} other queue(s) blocked too" if len(stuck) > 1 else ""
+        raise Deadlock(f"{self.program.where(k)}: wait L{i.legion} {i.queue_name} s{i.sem} "
+                       f"count={i.count} never satisfied (s{i.sem} reached {self.sems[i.sem]})"
+                       f"{others}")
+
+
+# --- costs and counters ----------------------------------------------------------------------
+
+def _masks(program: Program) -> dict:
+    """Decoded block masks of the u8 const tensors MatMuls name."""
+    used = {getattr(i, "mask", None) for i in program.instrs} - {None}
+    out = {}
+    for m in sorted(used):
+        t = program.tensors[m] if m < len(program.tensors) else None
+        if t is None or t.dtype != "u8" or t.kind != "const":
+            continue                # costs.matmul reports it against the instruction
+        raw = np.frombuffer(program.const_bytes(t), dtype=np.uint8).reshape(t.shape)
+        out[m] = Blocks.from_mask(raw)
+    return out
+
+
+def _costs(program: Program, arch: Arch) -> list:
+    env = Env(tuple(program.tensors), _masks(program))
+    out = []
+    for k, i in enumerate(program.instrs):
+        try:
+            out.append(cost(i, arch, env))
+        except CostError as e:
+            raise TimingError(f"{program.where(k)}: {e}") from None
+    return out
+
+
+def _counters(program: Program, costs: list, sim: _Sim) -> tuple[dict, dict]:
+    counters = dict.fromkeys(SUMMED, 0)
+    counters |= {f"count_{f}": 0 for f in FAMILIES} | {f"busy_{f}": 0.0 for f in FAMILIES}
+    busy: dict = defaultdict(float)
+    per_instr = []
+    held = sim.free - sim.start
+    for k, (i, c) in enumerate(zip(program.instrs, costs)):
+        fam = family(type(i))
+        counters[f"count_{fam}"] += 1
+        counters[f"busy_{fam}"] += held[k]
+        busy[_queue_key(i)] += held[k]
+        for name, v in c.counters.items():
+            counters[name] += v
+        if c.detail is not None:
+            per_instr.append({"index": k, "legion": i.legion, **c.detail,
+                              "start": float(sim.start[k]), "done": float(sim.done[k])})
+    counters |= {f"busy_{f}": ceil_cycles(counters[f"busy_{f}"]) for f in FAMILIES}
+    counters["per_instr"] = per_instr
+    return counters, {key: ceil_cycles(v) for key, v in busy.items()}
+
+
+def simulate(program: Program, arch: Arch, execute=None) -> Timeline:
+    """Time ``program`` on ``arch``; ``execute(i)`` is called for each non-sync instruction at
+    its completion, in nondecreasing completion time (ties in program order)."""
+    if arch.derived.dram_bytes_per_cycle <= 0 or arch.derived.link_bytes_per_cycle <= 0:
+        raise TimingError(f"{arch.name}: DRAM and link bandwidth must be positive")
+    costs = _costs(program, arch)
+    sim = _Sim(program, arch, costs, execute)
+    sim.run()
+    counters, busy = _counters(program, costs, sim)
+    last = float(sim.done.max()) if len(sim.done) else 0.0
+    return Timeline(cycles=ceil_cycles(last), start=sim.start, free=sim.free, done=sim.done,
+                    busy=busy, counters=counters)

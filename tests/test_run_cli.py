@@ -1,0 +1,94 @@
+"""The dlegion-run command contract: options, outputs, exit statuses."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+def dlegion_run(*args):
+    code = "import sys; from runtime.cli import main; sys.argv[0] = 'dlegion-run'; main()"
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True)
+
+
+def _softmax_model(path):
+    node = helper.make_node("Softmax", ["x"], ["y"], axis=1)
+    g = helper.make_graph([node], "softmax", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 32])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, 32])])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+
+
+def test_outputs_json_and_trace(tmp_path):
+    out, js, trace = tmp_path / "out.npz", tmp_path / "r.json", tmp_path / "t.json"
+    r = dlegion_run(EXAMPLES / "softmax.s", "--out", out, "--json", js, "--trace", trace, "--report")
+    assert r.returncode == 0, r.stderr
+    assert "cycles" in r.stdout
+    numbers = json.loads(js.read_text())
+    for key in ("cycles", "dram_read_bytes", "dram_write_bytes", "macs", "arch"):
+        assert key in numbers
+    assert numbers["dram_read_bytes"] == numbers["dram_write_bytes"] == 8 * 32 * 4
+    with np.load(out) as npz:
+        assert npz["y"].shape == (8, 32)
+        np.testing.assert_allclose(npz["y"].sum(axis=1), 1.0, rtol=1e-5)
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["name"] for e in spans} >= {"dma.ld", "vexp", "dma.st"}
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+
+
+def test_inputs_and_check_against_onnxruntime(tmp_path):
+    model = tmp_path / "softmax.onnx"
+    _softmax_model(model)
+    inputs = tmp_path / "in.npz"
+    np.savez(inputs, x=np.random.default_rng(1).standard_normal((8, 32)).astype(np.float32))
+    r = dlegion_run(EXAMPLES / "softmax.s", "--inputs", inputs, "--check", model)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ok" in r.stdout
+
+
+def test_check_mismatch_exits_1(tmp_path):
+    model = tmp_path / "neg.onnx"
+    node = helper.make_node("Neg", ["x"], ["y"])
+    g = helper.make_graph([node], "neg", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 32])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, 32])])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), model)
+    r = dlegion_run(EXAMPLES / "softmax.s", "--check", model)
+    assert r.returncode == 1
+    assert "MISMATCH" in r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["missing.s"], "missing.s"),
+    (["{ex}/softmax.s", "--arch", "no-such-arch"], "unknown architecture"),
+    (["{ex}/softmax.s", "--inputs", "nowhere.npz"], "nowhere.npz"),
+    (["{ex}/softmax.s", "--bogus"], "--bogus"),
+])
+def test_bad_input_exits_2_without_traceback(args, message):
+    r = dlegion_run(*[a.format(ex=EXAMPLES) for a in args])
+    assert r.returncode == 2
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_fault_names_the_instruction(tmp_path):
+    prog = tmp_path / "bad.s"
+    prog.write_text((EXAMPLES / "softmax.s").read_text().replace(
+        "vrmax L0 vec[256,1,0] vec[0,32,1]", "vrmax L0 vec[256,1,0] vec[4000,32,1]"))
+    r = dlegion_run(prog)
+    assert r.returncode == 2
+    assert "bad.s:10: vrmax: read of never-written" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_deadlock_is_reported(tmp_path):
+    prog = tmp_path / "dead.s"
+    prog.write_text((EXAMPLES / "softmax.s").read_text().replace("wait L0 vec s0 count=1", "wait L0 vec s1 count=1"))
+    r = dlegion_run(prog)
+    assert r.returncode == 2
+    assert "never satisfied" in r.stderr

@@ -1,0 +1,303 @@
+"""Timing model: hand-computed cycle counts for passes, sparsity, DRAM sharing and sync."""
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+
+from isa.arch import load
+from isa.fields import DramRef, View
+from isa.instructions import BY_MNEMONIC, DmaLoad, DmaStore, Drain, MatMul, Signal, VMatMul, Wait
+from isa.program import Program, Tensor
+from runtime.timing import Deadlock, TimingError, simulate
+
+TINY = load("dlegion-tiny")          # 2 Legions x 2 cores, 8x8 arrays, 16 lanes
+ONE_CORE = dataclasses.replace(TINY, cores=1)
+
+
+def mm(M, K, N, mode="w8", split="n", accumulate="set", mask=None, legion=0):
+    return MatMul(legion, View("acc", 0, N), View("act", 0, K), View("wgt", 0, N),
+                  M, K, N, mode, split, accumulate, mask)
+
+
+def prog(instrs, tensors=(), data=None):
+    return Program("test", list(tensors), list(instrs), data=data)
+
+
+def load_x(legion=0, dests=None, rows=1, cols=1):
+    dests = frozenset({legion} if dests is None else dests)
+    return DmaLoad(legion, dests, View("act", 0, cols), DramRef(0, 0, cols), rows, cols)
+
+
+def x_tensor(rows, cols, dtype="i8"):
+    return Tensor("x", dtype, (rows, cols), "input")
+
+
+def cycles(arch, *instrs, tensors=(), data=None):
+    return simulate(prog(instrs, tensors, data), arch).cycles
+
+
+def masked(arch, mask, **kw):
+    """One MatMul with a u8 block mask; returns its timeline."""
+    mask = np.asarray(mask, np.uint8)
+    t = Tensor("m", "u8", mask.shape, "const", offset=0)
+    return simulate(prog([mm(mask=0, **kw)], [t], mask.tobytes()), arch)
+
+
+# --- matrix passes ---------------------------------------------------------------------------
+
+def test_dip_pass_is_m_plus_n_and_ws_pass_m_plus_2n():
+    ws = dataclasses.replace(ONE_CORE, dataflow="ws")
+    # one pass of 64 rows on an 8x8 array, one exposed weight load of 8 cycles
+    assert cycles(ONE_CORE, mm(64, 8, 8)) == 64 + 8 + 8
+    assert cycles(ws, mm(64, 8, 8)) == 64 + 16 + 8
+
+
+def test_weight_loads_overlap_only_when_double_buffered():
+    exposed = dataclasses.replace(ONE_CORE, double_buffered_weights=False)
+    # K=32 -> 4 K-slices, 1 window each: 4 passes of 16 + 8 cycles
+    assert cycles(ONE_CORE, mm(16, 32, 8)) == 4 * 24 + 8
+    assert cycles(exposed, mm(16, 32, 8)) == 4 * 24 + 4 * 8
+
+
+def test_ws32_gemm_matches_scalesim():
+    t = simulate(prog([mm(256, 256, 256)]), load("ws-32"))
+    assert t.cycles == 64 * (256 + 64) + 32 * 64 == 22528
+    assert abs(t.cycles - 22399) / 22399 < 0.05          # SCALE-Sim v3, WS 32x32
+    assert t.counters["passes"] == 64
+    assert t.counters["macs"] == t.counters["dense_macs"] == 256 ** 3
+
+
+def test_split_k_and_split_n_spread_passes_differently():
+    # K=24 -> 3 K-slices of one window each. split=k: cores hold slices {0,2},{1} -> 2 passes.
+    # split=n: window 0 of every slice goes to core 0 -> 3 passes.
+    assert cycles(TINY, mm(16, 24, 8, split="k")) == 2 * 24 + 8
+    assert cycles(TINY, mm(16, 24, 8, split="n")) == 3 * 24 + 8
+    # N=24 -> 3 windows per slice: split=n gives core 0 two of them per slice (2 slices -> 4)
+    four = dataclasses.replace(TINY, cores=4)
+    assert cycles(TINY, mm(16, 16, 24, split="n")) == 4 * 24 + 8
+    assert cycles(four, mm(16, 16, 24, split="n")) == 2 * 24 + 8
+    assert cycles(four, mm(16, 16, 24, split="k")) == 3 * 24 + 8
+
+
+def test_modes_hold_several_tiles_a_window():
+    # N=64 -> 8 column blocks: w8 8 windows, w4 4, w2 2 per K-slice
+    for mode, windows in (("w8", 8), ("w4", 4), ("w2", 2)):
+        assert cycles(ONE_CORE, mm(16, 8, 64, mode=mode)) == windows * 24 + 8
+
+
+def test_mask_compacts_partial_windows_in_w2():
+    # one K-slice with 3 of 8 blocks nonzero: 1 window of 4 tiles, not 2
+    t = masked(ONE_CORE, [[1, 0, 1, 0, 0, 0, 1, 0]], M=16, K=8, N=64, mode="w2")
+    c = t.counters
+    assert t.cycles == 1 * 24 + 8
+    assert (c["passes"], c["dense_passes"], c["windows_skipped"]) == (1, 2, 1)
+    assert c["sparsity_cycles_saved"] == (2 * 24 + 8) - (1 * 24 + 8)
+    assert c["macs"] == 16 * 3 * 8 * 8 and c["dense_macs"] == 16 * 8 * 64
+
+
+def test_mask_skips_fully_sparse_windows_and_empty_matmuls():
+    # K=20 -> slices of 8, 8, 4 rows; N=12 -> blocks of 8, 4 columns
+    t = masked(ONE_CORE, [[1, 1], [0, 0], [0, 1]], M=4, K=20, N=12)
+    assert t.cycles == 3 * (4 + 8) + 8
+    assert t.counters["windows_skipped"] == 3
+    assert t.counters["macs"] == 4 * (8 * 8 + 8 * 4 + 4 * 4)
+    assert masked(ONE_CORE, [[0, 0]], M=4, K=8, N=12).cycles == 0
+
+
+def test_mask_of_wrong_shape_names_instruction_and_tensor():
+    with pytest.raises(TimingError, match=r"instruction 0: mask @m has shape \[1, 1\], expected \[1, 2\]"):
+        masked(ONE_CORE, [[1]], M=4, K=8, N=12)
+
+
+def test_psum_bytes_with_and_without_parallel_accumulators():
+    # K=32 -> 4 K-slices; N=12 -> column blocks of 8 and 4; M=4; 2 cores
+    def psum(arch, split, accumulate="set"):
+        t = simulate(prog([mm(4, 32, 12, split=split, accumulate=accumulate)]), arch)
+        return t.counters["psum_bytes"]
+    # split=k: ceil(4/2) = 2 updates per block, the first of a `set` only writes
+    assert psum(TINY, "k") == 4 * 4 * 12 * (2 * 2 - 1)
+    assert psum(TINY, "n") == 4 * 4 * 12 * (2 * 4 - 1)
+    assert psum(TINY, "n", "add") == 4 * 4 * 12 * (2 * 4)
+    no_tree = dataclasses.replace(TINY, parallel_accumulators=False)
+    assert psum(no_tree, "k") == psum(TINY, "n")
+
+
+# --- vector unit -----------------------------------------------------------------------------
+
+def vop(name, rows, cols):
+    cls = BY_MNEMONIC[name]
+    views = len(cls.fields()) - 3            # all but legion, rows, cols
+    return cls(0, *[View("vec", 0, cols)] * views, rows, cols)
+
+
+@pytest.mark.parametrize("name, expect", [("vadd", 2), ("vexp", 8), ("vdiv", 8), ("vrsum", 2),
+                                          ("vrsqrt", 8), ("vsel", 2)])
+def test_vector_cycles(name, expect):
+    # 3 x 10 = 30 elements on 16 lanes: 2 lane-ops; transcendental ones cost 4 cycles each
+    t = simulate(prog([vop(name, 3, 10)]), TINY)
+    assert t.cycles == expect
+    assert t.counters["vector_elems"] == 30 and t.counters["count_vector"] == 1
+
+
+def test_drain_cycles():
+    d = Drain(0, View("vec", 0, 7), View("acc", 0, 7), 5, 7, None, None, None, None, "set")
+    assert cycles(TINY, d) == 3          # ceil(35 / 16)
+
+
+def test_vector_matmul_cycles():
+    v = View("vec", 0, 8)
+    t = simulate(prog([VMatMul(0, v, v, v, 3, 5, 7)]), TINY)
+    assert t.cycles == 7                 # ceil(3 * 5 * 7 / 16) multiply-adds
+    assert t.counters["count_vector"] == 1 and t.counters["vector_elems"] == 105
+
+
+# --- DRAM ------------------------------------------------------------------------------------
+
+def test_one_legion_dma_runs_at_link_rate_plus_latency():
+    a = load("dlegion-8x8")
+    t = simulate(prog([load_x(rows=12, cols=256)], [x_tensor(12, 256)]), a)
+    assert t.done[0] == pytest.approx(3072 / 256 + 200)
+    assert t.cycles == 12 + 200
+    assert t.counters["dram_read_bytes"] == 3072
+
+
+def test_eight_legions_share_dram_bandwidth():
+    a = load("dlegion-8x8")
+    loads = [load_x(legion=l, rows=12, cols=256) for l in range(8)]
+    t = simulate(prog(loads, [x_tensor(12, 256)]), a)
+    # each flow gets min(256, 614 / 8) bytes/cycle
+    assert t.done == pytest.approx(np.full(8, 8 * 3072 / 614 + 200))
+    assert t.cycles == 41 + 200
+    assert t.busy[(3, "dma")] == 41
+
+
+def test_multicast_costs_one_read():
+    a = load("dlegion-8x8")
+    t = simulate(prog([load_x(dests=range(8), rows=12, cols=256)], [x_tensor(12, 256)]), a)
+    assert t.cycles == 12 + 200
+    assert t.counters["dram_read_bytes"] == 3072
+    assert t.counters["multicast_saved_bytes"] == 7 * 3072
+    unicast = dataclasses.replace(a, multicast=False)
+    assert simulate(prog([load_x(dests=range(8), rows=12, cols=256)], [x_tensor(12, 256)]),
+                    unicast).counters["dram_read_bytes"] == 8 * 3072
+
+
+def vec_load(legion, nbytes):
+    n = nbytes // 4                        # f32 elements
+    return DmaLoad(legion, frozenset({legion}), View("vec", 0, n), DramRef(0, 0, n), 1, n)
+
+
+def test_flow_rates_change_when_flows_start_and_end():
+    # tiny with 3 Legions: DRAM 64 B/cycle, links 32. A and B (640 B each) start at 0 at
+    # 32 B/cycle. C (320 B) starts at 5, after a 5-cycle vector op: from then on each gets
+    # 64/3, so C ends at 5 + 320/(64/3) = 20, when A and B have 160 B left at 32 -> 25.
+    three = dataclasses.replace(TINY, legions=3)
+    delay = dataclasses.replace(vop("vadd", 1, 80), legion=2)
+    instrs = [vec_load(0, 640), vec_load(1, 640), delay, Signal(2, "vec", 0),
+              Wait(2, "dma", 0, 1), vec_load(2, 320)]
+    t = simulate(prog(instrs, [x_tensor(1, 160, "f32")]), three)
+    assert t.start[5] == 5
+    assert t.free[[0, 1, 5]] == pytest.approx([25, 25, 20])
+    assert t.done[5] == pytest.approx(20 + 20)
+
+
+def test_store_counts_write_bytes():
+    st = DmaStore(0, DramRef(0, 0, 16), View("vec", 0, 16), 2, 16)
+    t = simulate(prog([st], [x_tensor(2, 16, "i32")]), TINY)
+    assert t.counters["dram_write_bytes"] == 2 * 16 * 4
+    assert t.cycles == 128 // 32 + 20
+
+
+# --- queues and synchronization --------------------------------------------------------------
+
+def test_independent_queues_overlap_and_signal_wait_serializes():
+    x = [x_tensor(1, 320)]
+    dma = load_x(cols=320)                  # 320 B at 32 B/cycle + 20 latency = 30
+    work = mm(16, 8, 8)                     # 1 pass: 16 + 8 + 8 = 32
+    assert cycles(TINY, dma, work, tensors=x) == 32
+    ordered = [dma, Signal(0, "dma", 0), Wait(0, "mat", 0, 1), work]
+    t = simulate(prog(ordered, x), TINY)
+    assert t.start[3] == 30 and t.cycles == 30 + 32
+
+
+def test_signal_waits_for_earlier_dmas_latency():
+    x = [x_tensor(1, 320)]
+    instrs = [load_x(cols=320), Signal(0, "dma", 0), Wait(0, "vec", 0, 1), vop("vadd", 1, 16)]
+    t = simulate(prog(instrs, x), TINY)
+    assert t.free[0] == 10 and t.done[0] == 30
+    assert t.start[1] == 30 and t.start[3] == 30
+
+
+def test_next_dma_starts_when_previous_flow_ends():
+    x = [x_tensor(1, 320)]
+    t = simulate(prog([load_x(cols=320), load_x(cols=320)], x), TINY)
+    assert t.start[1] == 10 and t.done[1] == 40
+    assert t.busy[(0, "dma")] == 20 and t.counters["busy_dma"] == 20
+
+
+def test_deadlock_names_the_blocked_wait():
+    instrs = [Signal(0, "vec", 3), Wait(0, "mat", 3, 2), mm(4, 8, 8), Wait(1, "vec", 4, 1)]
+    with pytest.raises(Deadlock) as e:
+        simulate(prog(instrs), TINY)
+    assert str(e.value) == ("<program>: instruction 1: wait L0 mat s3 count=2 never satisfied "
+                            "(s3 reached 1); 1 other queue(s) blocked too")
+
+
+def test_execute_order_respects_dependencies_and_time():
+    x = [x_tensor(1, 320)]
+    instrs = [vop("vadd", 1, 16),            # 0: L0 vec, done at 1
+              Wait(0, "vec", 0, 1),          # 1
+              vop("vexp", 1, 16),            # 2: after the DMA, done at 34
+              load_x(cols=320),              # 3: L0 dma, done at 30
+              Signal(0, "dma", 0),           # 4
+              mm(16, 8, 8)]                  # 5: L0 mat, done at 32
+    seen = []
+    t = simulate(prog(instrs, x), TINY, seen.append)
+    assert seen == [0, 3, 5, 2]
+    assert list(np.diff(t.done[seen]) >= 0) == [True] * 3
+
+
+def test_zero_time_dependent_runs_after_what_it_waits_for():
+    # an empty matmul and vector op take no time; the vector op (index 1) is earlier in
+    # program order but waits on the matmul (index 2) through the signal
+    instrs = [Wait(0, "vec", 0, 1), vop("vadd", 0, 16), mm(4, 0, 8), Signal(0, "mat", 0)]
+    seen = []
+    simulate(prog(instrs), TINY, seen.append)
+    assert seen == [2, 1]
+
+
+def test_execute_exception_propagates():
+    def boom(i):
+        raise RuntimeError(f"bad {i}")
+    with pytest.raises(RuntimeError, match="bad 0"):
+        simulate(prog([mm(4, 8, 8)]), TINY, boom)
+
+
+def test_counts_per_family_and_per_matmul_rows():
+    x = [x_tensor(1, 16)]
+    instrs = [load_x(cols=16), Signal(0, "dma", 0), Wait(0, "mat", 0, 1), mm(4, 8, 8, mode="w4"),
+              vop("vexp", 1, 16)]
+    c = simulate(prog(instrs, x), TINY).counters
+    assert [c[f"count_{f}"] for f in ("dma", "matrix", "drain", "vector", "sync")] == [1, 1, 0, 1, 2]
+    (row,) = c["per_instr"]
+    assert (row["index"], row["mode"], row["macs"], row["cycles"]) == (3, "w4", 256, 4 + 8 + 8)
+
+
+def test_twenty_thousand_instructions_simulate_fast():
+    a = load("dlegion-8x8")
+    block = []
+    for l in range(8):
+        block += [load_x(legion=l, dests={l}, rows=4, cols=64), Signal(l, "dma", l),
+                  Wait(l, "mat", l, 1), mm(16, 64, 64, legion=l), Signal(l, "mat", 8 + l),
+                  Wait(l, "vec", 8 + l, 1), Drain(l, View("vec", 0, 64), View("acc", 0, 64),
+                                                  16, 64, None, None, None, None, "set")]
+    reps = 20000 // len(block) + 1
+    # semaphores count up: wait for the k-th signal in repetition k
+    instrs = [dataclasses.replace(i, count=r + 1) if isinstance(i, Wait) else i
+              for r in range(reps) for i in block]
+    p = prog(instrs, [x_tensor(4, 64)])
+    t0 = time.perf_counter()
+    t = simulate(p, a)
+    assert time.perf_counter() - t0 < 1.0
+    assert t.counters["count_matrix"] == 8 * reps
