@@ -15,7 +15,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from isa import asm, encoding  # noqa: E402
-from isa.fields import SPACES, DramRef, View  # noqa: E402
+from isa.encoding import kind_entry  # noqa: E402
+from isa.fields import DramRef, View  # noqa: E402
 from isa.instructions import INSTRUCTIONS  # noqa: E402
 from isa.program import Program, Tensor  # noqa: E402
 
@@ -52,10 +53,10 @@ VALUES = {
 
 
 def value(r: random.Random, kind, n_tensors: int):
-    for base in type(kind).__mro__:
-        if base.__name__ in VALUES:
-            return VALUES[base.__name__](r, kind, n_tensors)
-    raise KeyError(type(kind).__name__)
+    make = kind_entry(VALUES, kind)
+    if make is None:
+        raise KeyError(type(kind).__name__)
+    return make(r, kind, n_tensors)
 
 
 def random_program(count: int, seed: int = 0) -> Program:

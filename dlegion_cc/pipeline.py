@@ -11,11 +11,19 @@ from dlegion_cc.importer import import_model
 from dlegion_cc.ir import Graph
 from dlegion_cc.lower.graph import lower_graph
 from dlegion_cc.passes.bitlinear import RecognizeBitLinear
+from dlegion_cc.passes.fuse import FuseRowwise
+from dlegion_cc.passes.dynamic_int8 import RecognizeDynamicInt8
 from dlegion_cc.passes.legalize import Legalize
+from dlegion_cc.passes.matmul_nbits import RecognizeMatMulNBits
+from dlegion_cc.passes.qdq import RecognizeQDQMatMul
 
 # Graph passes in order; each has a ``name`` (for --print-ir-after) and ``run(graph, options)``.
 PASSES = (
     RecognizeBitLinear(),       # absmax-quantized x ternary MatMul -> one w2 matmul
+    RecognizeDynamicInt8(),     # MatMulInteger + Cast + Mul(scale) -> one w8 matmul
+    RecognizeMatMulNBits(),     # blockwise 4-bit weights -> per-row int8 x w4, drained per block
+    RecognizeQDQMatMul(),       # DQ(int activations) x DQ(int weights) MatMul -> one w8/w4 matmul
+    FuseRowwise(),              # runs of row-local ops -> one kernel per row block
     Legalize(),                 # every remaining node has a lowering and supported dtypes
 )
 PASS_NAMES = ("import",) + tuple(p.name for p in PASSES)

@@ -8,10 +8,6 @@
 
 dma.ld L0 {0} act[0,32,1] @x[0,32] rows=16 cols=32
 dma.ld L0 {0} wgt[0,24,1] @w[0,24] rows=32 cols=24
-signal L0 dma s0
-wait L0 mat s0 count=1
-mm L0 acc[0,24] act[0,32] wgt[0,24] M=16 K=16 N=24 mode=w8 split=n accumulate=set mask=none
+mm L0 acc[0,24] act[0,32] wgt[0,24] M=16 K=16 N=24 mode=w8 split=n accumulate=set mask=none wait=L0.dma>=2
 mm L0 acc[0,24] act[16,32] wgt[384,24] M=16 K=16 N=24 mode=w8 split=n accumulate=add mask=none
-signal L0 mat s1
-wait L0 dma s1 count=1
-dma.st L0 @y[0,24] acc[0,24,1] rows=16 cols=24
+dma.st L0 @y[0,24] acc[0,24,1] rows=16 cols=24 wait=L0.mat>=2

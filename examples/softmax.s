@@ -5,13 +5,9 @@
 .tensor y f32[8,32] output "y"
 
 dma.ld L0 {0} vec[0,32,1] @x[0,32] rows=8 cols=32
-signal L0 dma s0
-wait L0 vec s0 count=1
-vrmax L0 vec[256,1,0] vec[0,32,1] rows=8 cols=32
+vrmax L0 vec[256,1,0] vec[0,32,1] rows=8 cols=32 wait=L0.dma>=1
 vsub L0 vec[0,32,1] vec[0,32,1] vec[256,1,0] rows=8 cols=32
 vexp L0 vec[0,32,1] vec[0,32,1] rows=8 cols=32
 vrsum L0 vec[256,1,0] vec[0,32,1] rows=8 cols=32
 vdiv L0 vec[0,32,1] vec[0,32,1] vec[256,1,0] rows=8 cols=32
-signal L0 vec s1
-wait L0 dma s1 count=1
-dma.st L0 @y[0,32] vec[0,32,1] rows=8 cols=32
+dma.st L0 @y[0,32] vec[0,32,1] rows=8 cols=32 wait=L0.vec>=5

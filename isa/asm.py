@@ -7,13 +7,13 @@ exactly one child each (see ``isa/gen.py`` for how the rules are named).
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
+import gc
 import json
 import operator
-import os
 import re
-import tempfile
 import threading
 from importlib import resources
 from pathlib import Path
@@ -21,13 +21,14 @@ from pathlib import Path
 import lark
 
 from isa import encoding, gen
-from isa.fields import DramRef, View, f32
+from isa.files import atomic_write_all
+from isa.fields import Cond, DramRef, Keyword, LegionSet, View, f32
 from isa.instructions import BY_MNEMONIC, INSTRUCTIONS, Instr
 from isa.program import Program, ProgramError, Tensor
 
 DIRECTIVES = (".arch", ".data", ".tensor")
 ARCH_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
-LEGION_SET_BITS = 64
+LEGION_SET_BITS = LegionSet.bits
 
 
 # --- building a program while parsing --------------------------------------------------------
@@ -39,9 +40,10 @@ class _Builder:
         self.text, self.source = text, source
         self.p = Program(arch="", source=source)
         self.index: dict[str, int] = {}
+        self.offset = 0             # lines of ``text`` before the piece being parsed
 
     def error(self, tok, msg: str) -> ProgramError:
-        return located(self.text, self.source, tok.line, tok.column, msg)
+        return located(self.text, self.source, tok.line + self.offset, tok.column, msg)
 
     def set_arch(self, tok) -> None:
         self._directive_first(tok, ".arch")
@@ -80,7 +82,7 @@ class _Builder:
         if bad:
             raise self.error(op, f"{i.MNEMONIC}: {'; '.join(bad)}")
         self.p.instrs.append(i)
-        self.p.lines.append(op.line)
+        self.p.lines.append(op.line + self.offset)
 
     def finish(self) -> Program:
         if not self.p.arch:
@@ -106,9 +108,18 @@ def _index(tok) -> int:
     return int(tok[1:])
 
 
+def _cond(text: str | None):
+    """``L0.dma>=5`` as a Cond (None for an optional condition that is absent)."""
+    if text is None:
+        return None
+    where, _, count = text.partition(">=")
+    legion, _, queue = where.partition(".")
+    return Cond(int(legion[1:]), queue, int(count))
+
+
 # Value of a field whose grammar symbol is a single token, by kind class; other kinds arrive
 # as values already built by their rule's callback.
-TOKEN_VALUE = {"Legion": _index, "Sem": _index, "UInt": int, "Keyword": str}
+TOKEN_VALUE = {"Legion": _index, "Until": lambda tok: _cond(str(tok)), "UInt": int, "Keyword": str}
 
 # Callbacks of the wrapper rules gen.py generates, by kind class: (builder, kind, children).
 WRAPPED = {
@@ -117,13 +128,6 @@ WRAPPED = {
     "OptTensor": lambda b, k, ch: None if ch[0].type == "NONE" else b.tensor(ch[0]),
     "ViewOrImm": lambda b, k, ch: ch[0] if isinstance(ch[0], View) else _imm(b, ch[0]),
 }
-
-
-def _by_class(table: dict, kind):
-    for base in type(kind).__mro__:
-        if base.__name__ in table:
-            return table[base.__name__]
-    return None
 
 
 class _Callbacks:
@@ -138,15 +142,15 @@ class _Callbacks:
             setattr(self, gen.wrapper_rule(kind), self._wrapped_callback(kind))
 
     def _instr_callback(self, cls: type):
-        convert = [_by_class(TOKEN_VALUE, gen.kind_of(f)) for f in cls.fields()]
+        convert = [encoding.kind_entry(TOKEN_VALUE, gen.kind_of(f)) for f in cls.fields()]
 
         def build(ch):
-            values = [v if c is None else c(v) for c, v in zip(convert, ch[1:])]
+            values = [v if c is None or v is None else c(v) for c, v in zip(convert, ch[1:])]
             self.b.add_instr(ch[0], cls(*values))
         return build
 
     def _wrapped_callback(self, kind):
-        read = _by_class(WRAPPED, kind)
+        read = encoding.kind_entry(WRAPPED, kind)
         if read is None:
             raise ProgramError(f"no parser callback for operand kind {type(kind).__name__}")
         return lambda ch: read(self.b, kind, ch)
@@ -202,32 +206,48 @@ _LOCK = threading.Lock()   # the parser's callbacks hold the current builder
 
 def parse(text: str, source: str = "<text>") -> Program:
     """Parse program text; errors are ProgramError naming ``source:line:col``."""
-    fast = _fast_parse(text, source)
-    return fast if fast is not None else _lark_parse(text, source).finish()
+    b = _Builder(text, source)
+    lines = text.split("\n")
+    first = _first_instr(lines)
+    with _collector_paused():
+        _lark_parse("\n".join(lines[:first]), b)
+        _instrs(b, lines, first)
+    return b.finish()
 
 
-def _lark_parse(text: str, source: str, b: _Builder | None = None) -> _Builder:
-    """Run the LALR parser over ``text``, collecting into ``b`` (a new builder by default)."""
+@contextlib.contextmanager
+def _collector_paused():
+    """A program is many small objects without cycles; the cyclic garbage collector would
+    rescan them again and again while they are made (over a tenth of the parse time) for nothing."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _lark_parse(text: str, b: _Builder, first_line: int = 1) -> None:
+    """Run the LALR parser over ``text``, the part of ``b.text`` from line ``first_line`` on."""
     parser, callbacks = _parser()
-    b = b or _Builder(text, source)
     with _LOCK:
-        callbacks.b = b
+        callbacks.b, b.offset = b, first_line - 1
         try:
             parser.parse(text)
         except lark.exceptions.UnexpectedInput as e:
-            raise syntax_error(e, parser, b.text, source) from None
+            raise syntax_error(e, parser, text, b) from None
         finally:
             del callbacks.b
-    return b
 
 
 # --- fast path -------------------------------------------------------------------------------
 # The grammar above defines the text format, but Lark's pure-Python LALR parser spends about
 # twenty tokens on an instruction, which is too slow for the programs the compiler writes.
 # So each instruction line is first matched against one regex per class, built from the same
-# operand kinds, that accepts a subset of the grammar (single-line canonical spacing). Any line
-# outside that subset, any directive after the header, and every error send the whole text
-# through Lark, which alone decides what is wrong and says where.
+# operand kinds, that accepts a subset of the grammar (canonical spacing, valid values). Any
+# other line (a directive after the header, other spacing, any error) goes to Lark, which alone
+# decides what is wrong and says where. Statements never span lines, so this is the same parse.
 
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*"
 _VIEW = r"(?:act|wgt|acc|vec)\[[0-9]+,[0-9]+,[0-9]+\]"
@@ -250,9 +270,9 @@ def _row_view(space: str):
 def _set_text(s: str) -> frozenset:
     out: set[int] = set()
     for part in s.split(","):
-        lo, _, hi = part.partition("-")
-        lo, hi = int(lo), int(hi or lo)
-        if not lo <= hi < LEGION_SET_BITS:
+        bounds = part.split("-")
+        lo, hi = int(bounds[0]), int(bounds[-1])
+        if len(bounds) > 2 or not lo <= hi < LEGION_SET_BITS:
             raise ValueError(part)
         out.update(range(lo, hi + 1))
     return frozenset(out)
@@ -280,7 +300,7 @@ def _opt_tensor(index: dict, s: str | None) -> int | None:
 # the group's text). Converters of Dram and OptTensor also take the tensor table (name -> index).
 FAST = {
     "Legion": lambda k: (r"L([0-9]+)", int),
-    "Sem": lambda k: (r"s([0-9]+)", int),
+    "Until": lambda k: (r"(L[0-9]+\.(?:dma|mat|vec)>=[0-9]+)", _cond),
     "UInt": lambda k: (r"([0-9]+)", int),
     "Keyword": lambda k: ("(" + "|".join(map(re.escape, k.choices)) + ")", str),
     "LegionSet": lambda k: (r"\{([0-9,\-]*)\}", _set_text),
@@ -299,9 +319,10 @@ def _fast_line(cls: type):
     parts, converters = [], []
     for f in cls.fields():
         kind = gen.kind_of(f)
-        pattern, convert = _by_class(FAST, kind)(kind)
+        pattern, convert = encoding.kind_entry(FAST, kind)(kind)
         key = re.escape(f.name + "=") if kind.keyed else ""
-        parts.append(f"[ \\t]+{key}{pattern}")
+        part = f"[ \\t]+{key}{pattern}"
+        parts.append(f"(?:{part})?" if kind.optional else part)
         converters.append(convert)
     return cls, re.compile("".join(parts) + r"[ \t\r]*(?:;.*)?"), converters
 
@@ -324,53 +345,52 @@ def _first_instr(lines: list[str]) -> int:
     return len(lines)
 
 
-def _fast_parse(text: str, source: str) -> Program | None:
-    """The program if every instruction line is in the fast subset, else None."""
-    lines = text.split("\n")
-    first = _first_instr(lines)
-    b = _Builder(text, source)
-    try:
-        _lark_parse("\n".join(lines[:first]), source, b)
-        table = _bind(b.index)
-        for n in range(first, len(lines)):
-            _fast_instr(b.p, table, lines[n], n + 1)
-        return b.finish()
-    except (ValueError, LookupError, OverflowError):   # ProgramError is a ValueError
-        return None
+def _instrs(b: _Builder, lines: list[str], first: int) -> None:
+    """Add the statements of ``lines[first:]``: each by its regex, or else by Lark."""
+    table = _bind(b.index)
+    for n in range(first, len(lines)):
+        i = _fast_instr(table, lines[n])
+        if i is not None:
+            b.p.instrs.append(i)
+            b.p.lines.append(n + 1)
+        elif lines[n].strip() and not lines[n].lstrip().startswith(";"):
+            _lark_parse(lines[n], b, n + 1)
 
 
-def _fast_instr(p: Program, table: dict, line: str, number: int) -> None:
+def _fast_instr(table: dict, line: str) -> Instr | None:
+    """The instruction on ``line`` if it is in the fast subset and valid, else None."""
     head = line.partition(" ")[0]
     if head not in table:
-        if line.strip() and not line.lstrip().startswith(";"):
-            raise ValueError(line)        # not a blank or comment line: let Lark decide
-        return
+        return None
     cls, regex, converters = table[head]
     fields = regex.fullmatch(line, len(head))
     if fields is None:
-        raise ValueError(line)
-    i = cls(*map(operator.call, converters, fields.groups()))
-    if encoding.field_errors(i):
-        raise ValueError(line)
-    p.instrs.append(i)
-    p.lines.append(number)
+        return None
+    try:
+        values = list(map(operator.call, converters, fields.groups()))
+    except (ValueError, LookupError, OverflowError):     # Lark will say what is wrong
+        return None
+    return None if encoding.values_errors(cls, values) else cls(*values)
 
 
 # --- error messages --------------------------------------------------------------------------
 
 def located(text: str, source: str, line: int, col: int, msg: str) -> ProgramError:
     """``file:line:col: msg``, then the offending line and a caret under the column."""
-    lines = text.splitlines()
-    src = lines[line - 1] if 0 < line <= len(lines) else ""
+    lines = text.split("\n")
+    src = lines[line - 1].rstrip("\r") if 0 < line <= len(lines) else ""
     return ProgramError(f"{source}:{line}:{col}: {msg}\n  {src}\n  {' ' * (col - 1)}^")
 
 
 DESCRIBE = {
-    "LEGION": "a Legion (L0)", "SEM": "a semaphore (s0)", "INT": "an integer",
+    "LEGION": "a Legion (L0)", "COND": "a condition (L0.dma>=5)", "INT": "an integer",
     "SIGNED_INT": "an integer", "IMM": "an immediate (#1.5)", "NONE": "none",
     "NAME": "a name", "ARCH_NAME": "an architecture name",
-    "STRING": "a quoted string", "_NL": "end of line", "$END": "end of input",
+    "STRING": "a quoted string", "_NL": "end of line", "$END": "end of line",
 }
+
+
+KEYWORD_CHOICES = {gen.kw_terminal(k): k.choices for k in gen.all_kinds() if isinstance(k, Keyword)}
 
 
 def _describe(name: str, parser: lark.Lark) -> str:
@@ -378,25 +398,25 @@ def _describe(name: str, parser: lark.Lark) -> str:
         return DESCRIBE[name]
     if name.startswith("OP_"):
         return "an instruction"
+    if name in KEYWORD_CHOICES:
+        return "one of " + ", ".join(KEYWORD_CHOICES[name])
     pattern = parser.get_terminal(name).pattern
-    if name.startswith("KW_"):
-        return "one of " + pattern.value.split("(?:")[1].split(")")[0].replace("|", ", ")
     return repr(pattern.value) if pattern.type == "str" else name
 
 
 def _position(e: lark.exceptions.UnexpectedInput, text: str) -> tuple[int, int]:
     token = getattr(e, "token", None)
-    if token is not None and token.type == "$END" or e.line < 1:
+    if (token is not None and token.type == "$END") or e.line < 1:
         last = text.rstrip("\n").split("\n")
         return len(last), len(last[-1]) + 1
     return e.line, e.column
 
 
-def _got(e: lark.exceptions.UnexpectedInput, text: str, line: int, col: int) -> str:
+def _got(e: lark.exceptions.UnexpectedInput, line_text: str, col: int) -> str:
     token = getattr(e, "token", None)
     if token is not None and token.type in ("_NL", "$END"):
         return DESCRIBE[token.type]
-    word = re.match(r"\S*", text.splitlines()[line - 1][col - 1:]).group()
+    word = re.match(r"\S*", line_text[col - 1:]).group()
     return repr(word) if word else "end of line"
 
 
@@ -413,21 +433,34 @@ def _unknown_word(line_text: str) -> tuple[int, str] | None:
     return m.start(1) + 1, f"unknown {what} {word!r}{hint}"
 
 
+def _expected(e: lark.exceptions.UnexpectedInput) -> set[str]:
+    """Terminals the parser could take here. LALR merges states that end an operand, so the
+    error's own set is a union over every context; replaying the parser gives the exact one."""
+    parser = getattr(e, "interactive_parser", None)
+    if parser is not None:
+        try:
+            return parser.accepts()
+        except (lark.exceptions.LarkError, KeyError):
+            pass
+    return set(getattr(e, "expected", None) or getattr(e, "allowed", None) or ())
+
+
 def usage(cls: type) -> str:
     return "usage: " + gen.syntax(cls)
 
 
-def syntax_error(e, parser: lark.Lark, text: str, source: str) -> ProgramError:
+def syntax_error(e, parser: lark.Lark, text: str, b: _Builder) -> ProgramError:
+    """A clear message for a Lark error in ``text``, the part of ``b.text`` after ``b.offset`` lines."""
     line, col = _position(e, text)
-    line_text = text.splitlines()[line - 1] if text.splitlines() else ""
+    line_text = text.split("\n")[line - 1]
     unknown = _unknown_word(line_text)
     if unknown:
-        return located(text, source, line, unknown[0], unknown[1])
-    expected = getattr(e, "expected", None) or getattr(e, "allowed", None) or set()
-    wanted = sorted({_describe(n, parser) for n in expected})
-    msg = f"unexpected {_got(e, text, line, col)}; expected {' or '.join(wanted) or 'nothing'}"
-    err = located(text, source, line, col, msg)
-    cls = BY_MNEMONIC.get(line_text.split()[0]) if line_text.split() else None
+        return located(b.text, b.source, line + b.offset, unknown[0], unknown[1])
+    wanted = sorted({_describe(n, parser) for n in _expected(e)})
+    msg = f"unexpected {_got(e, line_text, col)}; expected {' or '.join(wanted) or 'nothing'}"
+    err = located(b.text, b.source, line + b.offset, col, msg)
+    words = line_text.split()
+    cls = BY_MNEMONIC.get(words[0]) if words else None
     return ProgramError(f"{err}\n  {usage(cls)}") if cls else err
 
 
@@ -437,6 +470,8 @@ def format_instr(i: Instr, names: list[str]) -> str:
     parts = [i.MNEMONIC]
     for f in i.fields():
         kind = gen.kind_of(f)
+        if kind.optional and getattr(i, f.name) is None:
+            continue
         value = kind.text(getattr(i, f.name), names)
         parts.append(f"{f.name}={value}" if kind.keyed else value)
     return " ".join(parts)
@@ -478,7 +513,8 @@ def load(path, read_data: bool = True) -> Program:
         raw = Path(path).read_bytes()
     except OSError as e:
         raise ProgramError(f"{source}: cannot read ({e.strerror})") from None
-    p = encoding.decode_program(raw, source) if raw.startswith(encoding.MAGIC) else _parse_bytes(raw, source)
+    binary = raw.startswith(encoding.MAGIC)
+    p = encoding.decode_program(raw, source) if binary else _parse_bytes(raw, source)
     if read_data and p.data_file is not None:
         p.data = _read_data(Path(path).parent / p.data_file, p)
     return p
@@ -502,9 +538,7 @@ def _read_data(path: Path, p: Program) -> bytes:
 
 def save(p: Program, path, data: bytes | None = None, binary: bool = False) -> None:
     """Write ``p`` (and its data file when ``data`` is given) atomically: all or nothing."""
-    encoding.check_tensors(p)
-    encoding.check_instrs(p)
-    body = encoding.encode_program(p) if binary else format_program(p).encode()
+    body = encoding.encode_program(p) if binary else _checked_text(p).encode()
     files = [(Path(path), body)]
     if data is not None:
         if p.data_file is None:
@@ -513,28 +547,14 @@ def save(p: Program, path, data: bytes | None = None, binary: bool = False) -> N
     _write_all(files)
 
 
+def _checked_text(p: Program) -> str:
+    encoding.check_tensors(p)
+    encoding.check_instrs(p)
+    return format_program(p)
+
+
 def _write_all(files: list[tuple[Path, bytes]]) -> None:
-    temps = []
     try:
-        for target, body in files:
-            temps.append((_write_temp(target, body), target))
-        for temp, target in temps:
-            os.replace(temp, target)
+        atomic_write_all(files)
     except OSError as e:
         raise ProgramError(f"{e.filename or files[0][0]}: cannot write ({e.strerror})") from None
-    finally:
-        for temp, _ in temps:
-            if os.path.exists(temp):
-                os.unlink(temp)
-
-
-def _write_temp(target: Path, body: bytes) -> str:
-    """A fully written temporary file in ``target``'s folder, ready to be renamed over it."""
-    fd, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(body)
-    except BaseException:
-        os.unlink(temp)
-        raise
-    return temp

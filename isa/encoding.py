@@ -36,6 +36,16 @@ TENSOR_FIELDS = {cls: tuple((name, _TENSOR_OF[type(kind)]) for name, kind in lay
                  for cls, layout in LAYOUT.items()}
 
 
+def kind_entry(table: dict, kind):
+    """The entry of ``table`` (keyed by operand-kind class name) for ``kind``, looked up along
+    its class's bases, so a subclass such as RowView may have its own entry or share its base's.
+    None if there is none."""
+    for base in type(kind).__mro__:
+        if base.__name__ in table:
+            return table[base.__name__]
+    return None
+
+
 # --- field checks ----------------------------------------------------------------------------
 # ``Instr.bad_fields`` asks each kind's ``check``, which is the definition. Checking every
 # instruction twice (when parsed, when encoded) that way dominates the assembler's time, so a
@@ -48,9 +58,12 @@ def _uint(bits: int):
 
 
 def _view_ok(kind, rowview: bool = False):
-    spaces, addr, rs, cs = frozenset(kind.spaces), _uint(ADDR_BITS), _uint(kind.rs_bits), _uint(kind.cs_bits)
-    return lambda v: (type(v) is View and v.space in spaces and addr(v.addr) and rs(v.rs)
-                      and cs(v.cs) and (v.cs == 1 or not rowview))
+    # Written out rather than composed from _uint: this runs for every view operand.
+    spaces, a, r, c = frozenset(kind.spaces), 1 << ADDR_BITS, 1 << kind.rs_bits, 1 << kind.cs_bits
+    return lambda v: (type(v) is View and v.space in spaces
+                      and type(v.addr) is int and 0 <= v.addr < a
+                      and type(v.rs) is int and 0 <= v.rs < r
+                      and type(v.cs) is int and 0 <= v.cs < c and (v.cs == 1 or not rowview))
 
 
 def _legion_set_ok(kind):
@@ -59,8 +72,10 @@ def _legion_set_ok(kind):
 
 
 def _dram_ok(kind):
-    t, off, rs = _uint(kind.tensor_bits), _uint(kind.offset_bits), _uint(kind.rs_bits)
-    return lambda v: type(v) is DramRef and t(v.tensor) and off(v.offset) and rs(v.rs)
+    t, o, r = 1 << kind.tensor_bits, 1 << kind.offset_bits, 1 << kind.rs_bits
+    return lambda v: (type(v) is DramRef and type(v.tensor) is int and 0 <= v.tensor < t
+                      and type(v.offset) is int and 0 <= v.offset < o
+                      and type(v.rs) is int and 0 <= v.rs < r)
 
 
 def _optional(ok):
@@ -80,7 +95,7 @@ def _imm_ok(kind):
 
 
 QUICK_OK = {
-    "Legion": lambda k: _uint(k.bits), "Sem": lambda k: _uint(k.bits), "UInt": lambda k: _uint(k.bits),
+    "Legion": lambda k: _uint(k.bits), "Until": lambda k: lambda v: k.check(v) is None, "UInt": lambda k: _uint(k.bits),
     "Keyword": lambda k: lambda v, c=frozenset(k.choices): type(v) is str and v in c,
     "LegionSet": _legion_set_ok, "RowView": lambda k: _view_ok(k, rowview=True), "ViewKind": _view_ok,
     "OptAddr": lambda k: _optional(_uint(ADDR_BITS)), "Dram": _dram_ok,
@@ -89,10 +104,8 @@ QUICK_OK = {
 
 
 def quick_ok(kind):
-    for base in type(kind).__mro__:
-        if base.__name__ in QUICK_OK:
-            return QUICK_OK[base.__name__](kind)
-    return lambda v: False            # an unknown kind: always ask its check
+    make = kind_entry(QUICK_OK, kind)
+    return make(kind) if make else lambda v: False    # an unknown kind: always ask its check
 
 
 def _getter(names: list[str]):
@@ -114,11 +127,14 @@ def _check(kind, v) -> str | None:
 def field_errors(i: Instr) -> list[str]:
     """Same answer as ``i.bad_fields()``, quicker on valid instructions."""
     get, oks = _QUICK[type(i)]
-    values = get(i)
-    if all(map(operator.call, oks, values)):
+    return values_errors(type(i), get(i))
+
+
+def values_errors(cls: type, values) -> list[str]:
+    """``field_errors`` of ``cls(*values)``, without building the instruction."""
+    if all(map(operator.call, _QUICK[cls][1], values)):
         return []
-    return [f"{name}: {why}" for (name, kind), v in zip(LAYOUT[type(i)], values)
-            if (why := _check(kind, v))]
+    return [f"{name}: {why}" for (name, kind), v in zip(LAYOUT[cls], values) if (why := _check(kind, v))]
 
 
 def instr_error(i: Instr) -> str | None:
@@ -202,20 +218,25 @@ def _one_nan(v):
 # immediate encodes as the quiet NaN, since the text form prints any NaN as #nan.
 _NORMALIZE = {ViewOrImm: _one_nan}
 
-# Per class, per field: (name, encoder, width, normalizer or None, quick check).
-_PACK = {cls: tuple((name, kind.encode, kind.bits, _NORMALIZE.get(type(kind)), quick_ok(kind))
-                    for name, kind in layout)
+
+def _encoder(kind):
+    normalize = _NORMALIZE.get(type(kind))
+    return (lambda v: kind.encode(normalize(v))) if normalize else kind.encode
+
+
+# Per class: the field getter, and per field (encoder, width, quick check).
+_PACK = {cls: (_QUICK[cls][0], tuple((_encoder(k), k.bits, quick_ok(k)) for _, k in layout))
          for cls, layout in LAYOUT.items()}
 
 
 def _pack(i: Instr, check: bool) -> bytes | None:
     """The word of ``i``; None when ``check`` and a quick field check doubts a value."""
+    get, fields = _PACK[type(i)]
     x, shift = i.OPCODE, OPCODE_BITS
-    for name, encode, bits, normalize, ok in _PACK[type(i)]:
-        v = getattr(i, name)
+    for v, (encode, bits, ok) in zip(get(i), fields):
         if check and not ok(v):
             return None
-        x |= encode(normalize(v) if normalize else v) << shift
+        x |= encode(v) << shift
         shift += bits
     return x.to_bytes(WORD_BYTES, "little")
 

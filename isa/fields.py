@@ -11,7 +11,6 @@ kind                      text                        value in Python
 ========================  ==========================  =====================================
 Legion                    ``L3``                      int
 LegionSet                 ``{0-3,5}``                 frozenset[int]
-Sem                       ``s12``                     int
 UInt (keyed)              ``name=12``                 int
 Keyword (keyed or bare)   ``name=w2`` or ``dma``      str
 View                      ``vec[addr,rs,cs]``         View(space, addr, rs, cs)
@@ -19,7 +18,12 @@ OptAddr (keyed)           ``name=vec[addr]``/``none`` int or None
 Dram                      ``@tensor[offset,rs]``      DramRef(tensor index, offset, rs)
 OptTensor (keyed)         ``name=@tensor``/``none``   int (tensor index) or None
 ViewOrImm                 a View or ``#1.5``          View or float (an fp32 value)
+Until                     ``L0.dma>=5``               Cond(legion, queue, count)
+After (keyed, optional)   ``wait=L0.dma>=5`` or       Cond or None
+                          nothing
 ========================  ==========================  =====================================
+
+An *optional* kind's field is left out of the text when its value is None.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 
 # Scratchpad spaces of a Legion and the element each holds.
 SPACES = ("act", "wgt", "acc", "vec")
+QUEUES = ("dma", "mat", "vec")     # the queues of a Legion
 SPACE_DTYPE = {"act": "int8", "wgt": "uint8", "acc": "int32", "vec": "float32"}
 SPACE_DOC = {
     "act": "activation scratchpad, int8 elements",
@@ -81,8 +86,11 @@ def f32_text(x: float) -> str:
         return "inf" if x > 0 else "-inf"
     for digits in range(1, 18):
         s = f"{x:.{digits}g}"
-        if f32(float(s)) == x:
-            return s
+        try:
+            if f32(float(s)) == x:
+                return s
+        except OverflowError:      # rounding up past the largest fp32
+            continue
     return repr(x)
 
 
@@ -91,6 +99,7 @@ class Kind:
 
     bits: int = 0
     keyed: bool = False
+    optional: bool = False      # left out of the text when None
     grammar: str = ""           # Lark expression for the value part of the text
 
     def encode(self, v) -> int:
@@ -160,23 +169,6 @@ class LegionSet(Kind):
 
 def _run_text(run: list[int]) -> str:
     return str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}"
-
-
-class Sem(Kind):
-    bits = 16
-    grammar = "SEM"
-
-    def encode(self, v):
-        return v
-
-    def decode(self, x):
-        return x
-
-    def text(self, v, names):
-        return f"s{v}"
-
-    def check(self, v):
-        return None if _uint_fits(v, self.bits) else f"semaphore {v!r} out of range"
 
 
 class UInt(Kind):
@@ -346,6 +338,62 @@ class ViewOrImm(Kind):
     def check(self, v):
         if isinstance(v, View):
             return self.view.check(v)
-        if isinstance(v, float) and (v != v or f32(v) == v):
-            return None
-        return f"immediate {v!r} is not an fp32 value"
+        if not isinstance(v, float):
+            return f"immediate {v!r} is not an fp32 value"
+        try:
+            return None if v != v or f32(v) == v else f"immediate {v!r} is not an fp32 value"
+        except OverflowError:
+            return f"immediate {v!r} is outside the fp32 range"
+
+
+@dataclass(frozen=True)
+class Cond:
+    """Queue (legion, queue) has completed at least ``count`` instructions, in order."""
+
+    legion: int
+    queue: str
+    count: int
+
+    def __str__(self) -> str:
+        return f"L{self.legion}.{self.queue}>={self.count}"
+
+
+class Until(Kind):
+    """A progress condition on one queue: ``L0.dma>=5``."""
+
+    count_bits = 24
+    bits = 8 + 2 + count_bits
+    grammar = "COND"
+
+    def encode(self, v):
+        return v.legion | QUEUES.index(v.queue) << 8 | v.count << 10
+
+    def decode(self, x):
+        return Cond(x & 0xFF, QUEUES[x >> 8 & 3], x >> 10 & ((1 << self.count_bits) - 1))
+
+    def text(self, v, names):
+        return str(v)
+
+    def check(self, v):
+        if not isinstance(v, Cond) or v.queue not in QUEUES:
+            return f"expected a condition like L0.dma>=5, got {v!r}"
+        if not (_uint_fits(v.legion, 8) and _uint_fits(v.count, self.count_bits)):
+            return f"condition {v} out of range"
+        return None
+
+
+class After(Until):
+    """The optional ``wait=`` of an instruction: it starts only once the condition holds."""
+
+    keyed = True
+    optional = True
+    bits = 1 + Until.bits
+
+    def encode(self, v):
+        return 0 if v is None else 1 | super().encode(v) << 1
+
+    def decode(self, x):
+        return None if not x & 1 else super().decode(x >> 1)
+
+    def check(self, v):
+        return None if v is None else super().check(v)

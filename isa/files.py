@@ -1,4 +1,4 @@
-"""Writing outputs atomically: a reader never sees a half-written file."""
+"""Writing outputs atomically: a reader never sees a half-written file, nor half of a set."""
 from __future__ import annotations
 
 import os
@@ -7,24 +7,40 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+def _temp_beside(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    return Path(tmp)
+
+
 @contextmanager
 def atomic_path(path: str | Path):
     """Yield a temporary path beside ``path``; on success it replaces ``path``, on error it is removed."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
-    os.close(fd)
+    tmp = _temp_beside(path)
     try:
-        yield Path(tmp)
+        yield tmp
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
+def atomic_write_all(files: list[tuple[Path, bytes]]) -> None:
+    """Write every (path, bytes) pair, or none: all are written to temporaries, then renamed."""
+    temps: list[tuple[Path, Path]] = []
+    try:
+        for target, body in files:
+            tmp = _temp_beside(Path(target))
+            temps.append((tmp, Path(target)))
+            tmp.write_bytes(body)
+        for tmp, target in temps:
+            os.replace(tmp, target)
+    finally:
+        for tmp, _ in temps:
+            tmp.unlink(missing_ok=True)
+
+
 def atomic_write(path: str | Path, data: bytes | str) -> None:
-    with atomic_path(path) as tmp:
-        if isinstance(data, str):
-            tmp.write_text(data)
-        else:
-            tmp.write_bytes(data)
+    atomic_write_all([(Path(path), data.encode() if isinstance(data, str) else data)])

@@ -14,10 +14,14 @@ Grammar naming (shared with the parser in ``isa/asm.py``):
 """
 from __future__ import annotations
 
+import logging
 import re
 import sys
 from pathlib import Path
 
+import lark
+
+from isa.encoding import kind_entry
 from isa.fields import Keyword
 from isa.instructions import INSTRUCTIONS, OPCODE_BITS, WORD_BITS
 
@@ -80,7 +84,8 @@ def _word(pattern: str) -> str:
 def field_expr(f) -> str:
     kind = kind_of(f)
     key = f'"{f.name}=" ' if kind.keyed else ""
-    return key + value_symbol(kind)
+    expr = key + value_symbol(kind)
+    return f"[{expr}]" if kind.optional else expr
 
 
 def instr_rule(cls: type) -> str:
@@ -98,9 +103,9 @@ def wrapper_rules() -> dict[str, str]:
 
 
 def keyword_terminals() -> dict[str, str]:
-    kws = {kw_terminal(k): k for k in all_kinds() if isinstance(k, Keyword)}
-    return {name: _word("(?:" + "|".join(re.escape(c) for c in sorted(k.choices, key=len, reverse=True)) + ")")
-            for name, k in kws.items()}
+    kws = {kw_terminal(k): k.choices for k in all_kinds() if isinstance(k, Keyword)}
+    return {name: _word("(?:" + "|".join(map(re.escape, sorted(choices, key=len, reverse=True))) + ")")
+            for name, choices in kws.items()}
 
 
 def grammar_section() -> str:
@@ -122,9 +127,10 @@ def _spaces(kind) -> str:
 TEXT_FORMS = {
     "Legion": lambda k, n: "`L<i>`",
     "LegionSet": lambda k, n: "`{0-3,5}`",
-    "Sem": lambda k, n: "`s<i>`",
+    "Until": lambda k, n: "`L<i>.dma\\|mat\\|vec>=<count>`",
+    "After": lambda k, n: f"`{n}=L<i>.<queue>>=<count>` (optional: left out when absent)",
     "UInt": lambda k, n: f"`{n}=<u{k.bits}>`",
-    "Keyword": lambda k, n: f"`{n}=` " + " \\| ".join(f"`{c}`" for c in k.choices),
+    "Keyword": lambda k, n: " \\| ".join(f"`{n}={c}`" if k.keyed else f"`{c}`" for c in k.choices),
     "RowView": lambda k, n: f"`{k.space}[addr,rs]`",
     "ViewKind": lambda k, n: f"`{_spaces(k)}[addr,rs,cs]`",
     "OptAddr": lambda k, n: f"`{n}={k.space}[addr]` \\| `{n}=none`",
@@ -135,14 +141,19 @@ TEXT_FORMS = {
 
 
 def text_form(kind, name: str) -> str:
-    for base in type(kind).__mro__:
-        if base.__name__ in TEXT_FORMS:
-            return TEXT_FORMS[base.__name__](kind, name)
-    raise ValueError(f"no text form for operand kind {type(kind).__name__}")
+    form = kind_entry(TEXT_FORMS, kind)
+    if form is None:
+        raise ValueError(f"no text form for operand kind {type(kind).__name__}")
+    return form(kind, name)
 
 
 def queue_text(cls: type) -> str:
     return f"`{cls.QUEUE}`" if cls.QUEUE else "named by `queue_name`"
+
+
+def _cell(text: str) -> str:
+    """Text safe inside a markdown table cell."""
+    return text.replace("|", "\\|")
 
 
 def field_rows(cls: type) -> list[str]:
@@ -151,7 +162,7 @@ def field_rows(cls: type) -> list[str]:
         kind = kind_of(f)
         hi = lo + kind.bits - 1
         rows.append(f"| `{f.name}` | {type(kind).__name__}: {text_form(kind, f.name)} "
-                    f"| {lo}..{hi} ({kind.bits}) | {f.metadata['doc']} |")
+                    f"| {lo}..{hi} ({kind.bits}) | {_cell(f.metadata['doc'])} |")
         lo = hi + 1
     return rows
 
@@ -165,7 +176,7 @@ def syntax(cls: type) -> str:
 def instr_section(cls: type) -> list[str]:
     return [f"### `{cls.MNEMONIC}` ({cls.__name__})", "",
             f"opcode `0x{cls.OPCODE:02x}`, queue {queue_text(cls)}; syntax `{syntax(cls)}`", "",
-            cls.doc().replace("|", "\\|"), "",
+            "```", cls.doc(), "```", "",
             "| field | kind: text | bits | meaning |", "| --- | --- | --- | --- |",
             *field_rows(cls), ""]
 
@@ -206,6 +217,31 @@ def targets() -> list[tuple[Path, str]]:
             (SPEC, splice(s, SPEC_MARKERS, spec_section(), SPEC.name))]
 
 
+class _Collect(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def lalr_conflicts(text: str) -> list[str]:
+    """Conflicts Lark finds building an LALR parser for ``text`` (it resolves shift/reduce
+    conflicts silently, only logging them in debug mode, so they are collected from its log)."""
+    collect, handlers, level = _Collect(), lark.logger.handlers[:], lark.logger.level
+    lark.logger.handlers[:] = [collect]
+    lark.logger.setLevel(logging.WARNING)
+    try:
+        lark.Lark(text, parser="lalr", lexer="contextual", debug=True)
+    except lark.exceptions.GrammarError as e:          # reduce/reduce conflicts are errors
+        collect.messages.append(str(e))
+    finally:
+        lark.logger.handlers[:] = handlers
+        lark.logger.setLevel(level)
+    return [m for m in collect.messages if "conflict" in m.lower() or "collision" in m.lower()]
+
+
 def stale() -> list[Path]:
     return [path for path, text in targets() if path.read_text() != text]
 
@@ -218,7 +254,10 @@ def main(argv: list[str]) -> int:
         old = stale()
         for path in old:
             print(f"{path.name} is stale: run `python -m isa.gen`", file=sys.stderr)
-        return 1 if old else 0
+        conflicts = lalr_conflicts(GRAMMAR.read_text())
+        for c in conflicts:
+            print(f"{GRAMMAR.name}: {c}", file=sys.stderr)
+        return 1 if old or conflicts else 0
     for path, text in targets():
         path.write_text(text)
     return 0

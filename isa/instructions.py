@@ -13,17 +13,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from isa.fields import (Dram, Keyword, Legion, LegionSet, OptAddr, OptTensor, Sem, UInt, View,
-                        ViewKind, ViewOrImm)
+from isa.fields import (QUEUES, After, Dram, Keyword, Legion, LegionSet, OptAddr, OptTensor, UInt,
+                        Until, View, ViewKind, ViewOrImm)
 
-WORD_BITS = 256
+WORD_BITS = 320
 OPCODE_BITS = 8
-QUEUES = ("dma", "mat", "vec")
+WAIT_DOC = "start only once that queue has completed that many instructions"
 
 
-def F(kind, doc: str):
+def F(kind, doc: str, default=dataclasses.MISSING):
     """Declare an instruction field of operand kind ``kind``."""
-    return field(metadata={"kind": kind, "doc": doc})
+    return field(default=default, metadata={"kind": kind, "doc": doc})
+
+
+def WAIT():
+    """The optional dependency every non-sync instruction carries as its last field."""
+    return F(After(), WAIT_DOC, default=None)
 
 
 class RowView(ViewKind):
@@ -66,6 +71,7 @@ class Instr:
         return " ".join((cls.__doc__ or "").split())
 
     def queue(self) -> str:
+        """The queue that runs it; ``*`` for a barrier, which every queue runs."""
         return self.QUEUE or self.queue_name
 
     def bad_fields(self) -> list[str]:
@@ -91,6 +97,7 @@ class DmaLoad(Instr):
     src: object = F(Dram(), "source tensor, element offset and row stride")
     rows: int = F(UInt(16), "rows transferred")
     cols: int = F(UInt(16), "elements per row")
+    wait: object = WAIT()
 
 
 @dataclass(frozen=True)
@@ -103,6 +110,7 @@ class DmaStore(Instr):
     src: View = F(ViewKind(), "source view")
     rows: int = F(UInt(16), "rows transferred")
     cols: int = F(UInt(16), "elements per row")
+    wait: object = WAIT()
 
 
 @dataclass(frozen=True)
@@ -116,6 +124,7 @@ class Gather(Instr):
     ids: View = F(ViewKind("vec"), "row indices, one per destination row (exact integers)")
     rows: int = F(UInt(16), "rows gathered")
     cols: int = F(UInt(16), "elements per row")
+    wait: object = WAIT()
 
 
 # --- matrix queue ----------------------------------------------------------------------------
@@ -136,6 +145,7 @@ class MatMul(Instr):
     split: str = F(Keyword("k", "n"), "how passes spread over cores: K-slices summed by the parallel accumulators, or output windows")
     accumulate: str = F(Keyword("set", "add"), "overwrite or add to the accumulators")
     mask: object = F(OptTensor(), "u8 tensor [ceil(K/array), ceil(N/array)]: 0 marks an all-zero weight block")
+    wait: object = WAIT()
 
 
 # --- vector queue ----------------------------------------------------------------------------
@@ -155,6 +165,7 @@ class Drain(Instr):
     cscale: object = F(OptAddr("vec"), "fp32 per-column scale (weight scale per channel or block)")
     bias: object = F(OptAddr("vec"), "fp32 per-column bias")
     accumulate: str = F(Keyword("set", "add"), "overwrite or add to dst")
+    wait: object = WAIT()
 
 
 @dataclass(frozen=True)
@@ -168,6 +179,7 @@ class VUnary(Instr):
     a: View = F(ViewKind(), "operand (a stride of 0 broadcasts)")
     rows: int = F(UInt(16), "rows")
     cols: int = F(UInt(16), "columns")
+    wait: object = WAIT()
 
 
 @dataclass(frozen=True)
@@ -182,6 +194,7 @@ class VBinary(Instr):
     b: object = F(ViewOrImm(), "second operand, or #immediate")
     rows: int = F(UInt(16), "rows")
     cols: int = F(UInt(16), "columns")
+    wait: object = WAIT()
 
 
 @dataclass(frozen=True)
@@ -195,6 +208,7 @@ class VReduce(Instr):
     a: View = F(ViewKind(), "operand")
     rows: int = F(UInt(16), "rows")
     cols: int = F(UInt(16), "columns reduced")
+    wait: object = WAIT()
 
 
 @dataclass(frozen=True)
@@ -208,6 +222,7 @@ class VSelect(Instr):
     a: object = F(ViewOrImm(), "value taken where cond is not 0, or #immediate")
     rows: int = F(UInt(16), "rows")
     cols: int = F(UInt(16), "columns")
+    wait: object = WAIT()
 
 
 @dataclass(frozen=True)
@@ -222,29 +237,26 @@ class VMatMul(Instr):
     M: int = F(UInt(16), "rows")
     K: int = F(UInt(16), "contraction depth")
     N: int = F(UInt(16), "columns")
+    wait: object = WAIT()
 
 
 # --- synchronization -------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Signal(Instr):
-    """once every earlier instruction of queue (legion, queue_name) has completed: sem += 1"""
-
-    OPCODE, MNEMONIC = 0x40, "signal"
-    legion: int = F(Legion(), "Legion of the signalling queue")
-    queue_name: str = F(Keyword(*QUEUES, keyed=False), "queue that signals")
-    sem: int = F(Sem(), "chip-wide semaphore")
-
-
-@dataclass(frozen=True)
 class Wait(Instr):
-    """queue (legion, queue_name) issues nothing further until sem >= count"""
+    """queue (legion, queue_name) issues nothing further until queue until.legion/until.queue has completed until.count instructions"""
 
     OPCODE, MNEMONIC = 0x41, "wait"
     legion: int = F(Legion(), "Legion of the waiting queue")
     queue_name: str = F(Keyword(*QUEUES, keyed=False), "queue that waits")
-    sem: int = F(Sem(), "chip-wide semaphore")
-    count: int = F(UInt(32), "value the semaphore must reach")
+    until: object = F(Until(), "the progress it waits for")
+
+
+@dataclass(frozen=True)
+class Barrier(Instr):
+    """every queue of every Legion stops here until all of them have completed every earlier instruction"""
+
+    OPCODE, MNEMONIC, QUEUE = 0x42, "barrier", "*"
 
 
 # --- vector functions: one row each, numpy is the definition ---------------------------------
@@ -328,13 +340,13 @@ VECTOR_FUNCS: list[type] = (
 )
 
 INSTRUCTIONS: tuple[type, ...] = (DmaLoad, DmaStore, Gather, MatMul, Drain, VSelect, VMatMul,
-                                  Signal, Wait,
+                                  Wait, Barrier,
                                   *VECTOR_FUNCS)
 BY_MNEMONIC = {c.MNEMONIC: c for c in INSTRUCTIONS}
 BY_OPCODE = {c.OPCODE: c for c in INSTRUCTIONS}
 TRANSCENDENTAL = frozenset(c for c in VECTOR_FUNCS if c.TRANSCENDENTAL)
 DMA_CLASSES = frozenset({DmaLoad, DmaStore, Gather})
-SYNC_CLASSES = frozenset({Signal, Wait})
+SYNC_CLASSES = frozenset({Wait, Barrier})
 VECTOR_CLASSES = frozenset({Drain, VSelect, VMatMul, *VECTOR_FUNCS})
 
 

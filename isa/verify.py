@@ -16,7 +16,8 @@ from typing import Callable, Iterator
 
 from isa.arch import MODE_BITS, Arch
 from isa.fields import View
-from isa.instructions import (DmaLoad, DmaStore, Drain, Gather, Instr, MatMul, Signal, VBinary, VMatMul,
+from isa.fields import QUEUES
+from isa.instructions import (Barrier, DmaLoad, DmaStore, Drain, Gather, Instr, MatMul, VBinary, VMatMul,
                               VReduce, VSelect, VUnary, Wait)
 from isa.program import DTYPES, KINDS, LOADS, STORES, Program, ProgramError, Tensor
 
@@ -31,7 +32,7 @@ class Context:
 
     program: Program
     arch: Arch
-    signals: Counter    # semaphore -> number of Signal instructions on it in the whole program
+    lengths: Counter    # (legion, queue) -> instructions that queue runs in the whole program
 
     def tensor(self, index: int) -> Tensor | None:
         tensors = self.program.tensors
@@ -61,8 +62,7 @@ def family_check(cls: type) -> Callable[[Instr, Context], Problems] | None:
 
 def check(program: Program, arch: Arch) -> list[str]:
     """Every problem of ``program`` on ``arch``, one line each; empty when it may run."""
-    signals = Counter(ins.sem for ins in program.instrs if isinstance(ins, Signal))
-    ctx = Context(program, arch, signals)
+    ctx = Context(program, arch, queue_lengths(program, arch))
     out = list(tensor_problems(program))
     for i, ins in enumerate(program.instrs):
         head = f"{program.where(i)}: {ins.MNEMONIC}"
@@ -91,8 +91,12 @@ def instr_problems(ins: Instr, ctx: Context) -> Problems:
     if fn is None:
         yield f"{type(ins).__name__} is not an instruction of the table"
         return
-    yield from legion(ins.legion, ctx.arch)
+    if hasattr(ins, "legion"):
+        yield from legion(ins.legion, ctx.arch)
     yield from fn(ins, ctx)
+    cond = getattr(ins, "wait", None)
+    if cond is not None:
+        yield from condition(cond, ctx)
 
 
 # --- operand helpers -------------------------------------------------------------------------
@@ -285,19 +289,35 @@ def vmatmul(ins: VMatMul, ctx: Context) -> Problems:
     yield from view("b", ins.b, ins.K, ins.N, ctx.arch)
 
 
-@register(Signal)
-def signal(ins: Signal, ctx: Context) -> Problems:
-    return iter(())     # only its Legion, checked for every instruction
+@register(Barrier)
+def barrier(ins: Barrier, ctx: Context) -> Problems:
+    return iter(())     # every queue takes part; nothing to check
 
 
 @register(Wait)
 def wait(ins: Wait, ctx: Context) -> Problems:
-    # Semaphores only count up, so a wait for more signals than the program holds deadlocks.
-    n = ctx.signals[ins.sem]
-    if n < ins.count:
-        times = "time" if n == 1 else "times"
-        yield (f"s{ins.sem} count={ins.count} can never be satisfied: "
-               f"s{ins.sem} is signalled {n} {times}")
+    yield from condition(ins.until, ctx)
+
+
+def queue_lengths(program: Program, arch: Arch) -> Counter:
+    """Instructions each queue runs: its own, plus every barrier."""
+    out = Counter((i.legion, i.queue()) for i in program.instrs if not isinstance(i, Barrier))
+    barriers = sum(isinstance(i, Barrier) for i in program.instrs)
+    for legion_ in range(arch.legions):
+        for q in QUEUES:
+            out[(legion_, q)] += barriers
+    return out
+
+
+def condition(cond, ctx: Context) -> Problems:
+    """A progress condition names a real queue and a count that queue can reach."""
+    if cond.legion >= ctx.arch.legions:
+        yield f"condition {cond} names Legion L{cond.legion} ({ctx.arch.name} has {ctx.arch.legions})"
+        return
+    n = ctx.lengths[(cond.legion, cond.queue)]
+    if n < cond.count:
+        yield (f"condition {cond} can never be satisfied: L{cond.legion}.{cond.queue} runs "
+               f"{n} instruction{'' if n == 1 else 's'}")
 
 
 # --- tensors ---------------------------------------------------------------------------------

@@ -37,6 +37,8 @@ class DecoderSpec:
         return self.hidden // self.heads
 
     def check(self) -> None:
+        if min(self.hidden, self.heads, self.kv_heads, self.ffn, self.vocab) < 1:
+            raise ValueError(f"decoder sizes must be positive: {self}")
         if self.hidden % self.heads or self.heads % self.kv_heads:
             raise ValueError(f"hidden {self.hidden}, heads {self.heads}, kv heads {self.kv_heads} do not divide")
         if self.head_dim % 2:
@@ -141,7 +143,7 @@ def rotary_4d(b: GraphBuilder, t: Tables) -> tuple[str, str]:
             t.once("sin", lambda: b.op("Unsqueeze", t.sin, b.const([1]))))
 
 
-def split_heads(b: GraphBuilder, x: str, spec: DecoderSpec, heads: int, t: Tables) -> str:
+def split_heads(b: GraphBuilder, x: str, spec: DecoderSpec, heads: int) -> str:
     """[1,S,heads*D] -> [1,heads,S,D]: Reshape then Transpose(0,2,1,3)."""
     shape = [1, -1, heads, spec.head_dim] if spec.dynamic else [1, spec.seq, -1, spec.head_dim]
     return b.op("Transpose", b.op("Reshape", x, b.const(shape), allowzero=1), perm=[0, 2, 1, 3])
@@ -181,9 +183,9 @@ def attention(b: GraphBuilder, x: str, spec: DecoderSpec, t: Tables, proj: Proje
     h, kv, d = spec.hidden, spec.kv_heads, spec.head_dim
     with b.scoped("self_attn"):
         xq = proj.prepare(b, x)
-        q = split_heads(b, proj.project(b, xq, "q_proj", h, spec.heads * d), spec, spec.heads, t)
-        k = split_heads(b, proj.project(b, xq, "k_proj", h, kv * d), spec, kv, t)
-        v = split_heads(b, proj.project(b, xq, "v_proj", h, kv * d), spec, kv, t)
+        q = split_heads(b, proj.project(b, xq, "q_proj", h, spec.heads * d), spec, spec.heads)
+        k = split_heads(b, proj.project(b, xq, "k_proj", h, kv * d), spec, kv)
+        v = split_heads(b, proj.project(b, xq, "v_proj", h, kv * d), spec, kv)
         q, k = rotate(b, q, spec, t), rotate(b, k, spec, t)
         k, v = repeat_kv(b, k, spec, t), repeat_kv(b, v, spec, t)
         scores = b.op("MatMul", q, b.op("Transpose", k, perm=[0, 1, 3, 2]))

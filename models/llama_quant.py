@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,12 +124,23 @@ def build_quantized(config: LlamaConfig, variant: str) -> onnx.ModelProto:
     """The float decoder passed through onnxruntime's quantizer for ``variant``."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown Llama variant {variant!r}; known: {', '.join(VARIANTS)}")
-    logging.getLogger().setLevel(logging.ERROR)  # the quantizers log every node at INFO
-    with tempfile.TemporaryDirectory() as work:
+    with quiet_root_logger(), tempfile.TemporaryDirectory() as work:
         model = VARIANTS[variant](build_llama(config), config, Path(work))
         model = onnx.ModelProto.FromString(model.SerializeToString())  # detach from files in ``work``
     model.producer_name = "dlegion.models"
     return model
+
+
+@contextmanager
+def quiet_root_logger():
+    """The quantizers advise pre-processing through the root logger on every call; keep that off stderr."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        root.setLevel(level)
 
 
 @click.command(help="Generate a small Llama-style decoder quantized by onnxruntime's tools.")

@@ -130,6 +130,10 @@ def chrome_trace(result) -> dict:
     events = _trace_names(arch.legions, dram_pid)
     for i, ins in enumerate(program.instrs):
         queue = ins.queue()
+        if queue == "*":            # a barrier: a moment, not a span
+            events.append({"name": "barrier", "ph": "i", "s": "g", "pid": 0, "tid": 0,
+                           "ts": float(tl.start[i]) * us})
+            continue
         start, done = float(tl.start[i]), float(tl.done[i])
         events.append({"name": ins.MNEMONIC, "ph": "X", "pid": ins.legion, "tid": QUEUES.index(queue),
                        "ts": start * us, "dur": max(done - start, 0.0) * us,

@@ -15,7 +15,7 @@ import numpy as np
 
 from isa.arch import MODE_BITS
 from isa.fields import SPACE_DTYPE, View
-from isa.instructions import (DmaLoad, DmaStore, Drain, Gather, Instr, MatMul, Signal, VBinary,
+from isa.instructions import (Barrier, DmaLoad, DmaStore, Drain, Gather, Instr, MatMul, VBinary,
                               VMatMul, VReduce, VSelect, VUnary, Wait)
 from isa.program import LOADS, STORAGE, STORES, UNPACK, Tensor
 from runtime.state import Machine, Trap, move
@@ -251,7 +251,7 @@ def vmatmul(m: Machine, i: VMatMul) -> None:
 
 # --- synchronization -------------------------------------------------------------------------
 
-@handles(Signal)
+@handles(Barrier)
 @handles(Wait)
 def no_effect(m: Machine, i: Instr) -> None:
     """Ordering is the timing model's job; the functional state does not change."""

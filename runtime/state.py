@@ -2,7 +2,7 @@
 
 Every access is bounds-checked and fails with a :class:`Trap` naming the space or tensor, the
 address range and the capacity. Scratchpads remember which elements were ever written, so a
-program that reads data it never produced (often a missing signal/wait) fails loudly instead
+program that reads data it never produced (often a missing wait) fails loudly instead
 of computing on zeros.
 """
 from __future__ import annotations

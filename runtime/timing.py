@@ -3,17 +3,19 @@
 The model (every number comes from the :class:`~isa.arch.Arch` passed in, or its ``derived``):
 
 - **Dispatch.** The program's instructions go, in order, to queues keyed (Legion, queue): the
-  class's ``QUEUE``, or the queue a ``signal``/``wait`` names. A queue runs its instructions
-  in order, one at a time; queues run concurrently.
+  class's ``QUEUE``, or the queue a ``wait`` names; a ``barrier`` goes to every queue. A queue
+  runs its instructions in order, one at a time; queues run concurrently.
 - **Times.** Each instruction has a ``start``, a ``free`` time (its queue may start the next
   one) and a ``done`` time (its effect is visible). A DMA (load, store, gather) is a *flow*
   through the shared DRAM from ``start``; ``free`` is when its last byte leaves DRAM and
   ``done = free + dram_latency_cycles``: the DMA engine is pipelined, each request arrives one
   latency after its data left. Any other instruction holds its queue for its duration
   (``runtime/costs.py``): ``free = done = start + duration``.
-- **Sync.** A ``signal`` at the head of its queue fires once the queue is free and every
-  earlier instruction of that queue is done: sem += 1, taking no time. A ``wait`` blocks its
-  queue until sem >= count and passes the moment that holds, taking no time.
+- **Sync.** Each queue counts its *completed prefix*: how many of its instructions, from the
+  first, are done. An instruction with ``wait=L0.dma>=5`` (or a ``wait`` instruction) starts
+  only once queue (L0, dma) has a completed prefix of at least 5; a ``wait`` then passes,
+  taking no time. A ``barrier`` holds every queue until all of them have reached it with
+  everything before it done, then releases them all at once.
 - **DRAM** is a fluid shared server: the n active flows share ``dram_bytes_per_cycle``
   equally, each capped by one Legion link (``link_bytes_per_cycle``), so each moves at
   min(link, dram / n); rates change whenever a flow starts or ends. A multicast load is one
@@ -31,7 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from isa.arch import Arch
-from isa.instructions import Signal, Wait, family
+from isa.fields import QUEUES
+from isa.instructions import Barrier, Wait, family
 from isa.program import Program
 from runtime.costs import Blocks, CostError, Env, ceil_cycles, cost
 
@@ -43,7 +46,7 @@ SUMMED = ("dram_read_bytes", "dram_write_bytes", "multicast_saved_bytes", "macs"
 
 
 class Deadlock(Exception):
-    """Some queue waits on a semaphore that no remaining signal can raise."""
+    """Some queue waits for progress that the remaining instructions never make."""
 
 
 class TimingError(ValueError):
@@ -99,18 +102,24 @@ class _Dram:
 # --- queues ----------------------------------------------------------------------------------
 
 class _Queue:
-    __slots__ = ("key", "items", "head", "busy", "outstanding")
+    __slots__ = ("key", "items", "head", "busy", "prefix")
 
     def __init__(self, key):
         self.key = key
         self.items: list[int] = []
         self.head = 0
         self.busy = False          # running an instruction (a DMA: until its flow ends)
-        self.outstanding = 0       # started but not yet done
+        self.prefix = 0            # leading instructions that are done
 
 
-def _queue_key(i) -> tuple[int, str]:
-    return i.legion, i.queue()
+def _queue_keys(i, arch: Arch) -> list[tuple[int, str]]:
+    if isinstance(i, Barrier):
+        return [(legion, q) for legion in range(arch.legions) for q in QUEUES]
+    return [(i.legion, i.queue())]
+
+
+def _condition(i):
+    return i.until if isinstance(i, Wait) else getattr(i, "wait", None)
 
 
 class _Sim:
@@ -118,18 +127,22 @@ class _Sim:
         n = len(program.instrs)
         self.program, self.costs, self.execute = program, costs, execute
         self.start, self.free, self.done = (np.full(n, np.nan) for _ in range(3))
-        self.queues: dict[tuple, _Queue] = {}
+        self.is_done = np.zeros(n, bool)
+        self.queues: dict[tuple, _Queue] = {k: _Queue(k) for k in _queue_keys(Barrier(), arch)}
+        # The queues a barrier holds: the machine's. An instruction on a Legion it lacks (an
+        # unverified program) gets a queue of its own, which holds no barrier.
+        self.parties = list(self.queues.values())
         self.queue_of: list[_Queue] = []
         for k, i in enumerate(program.instrs):
-            q = self.queues.setdefault(_queue_key(i), _Queue(_queue_key(i)))
-            q.items.append(k)
-            self.queue_of.append(q)
-        self.sems: dict[int, int] = defaultdict(int)
-        self.waiters: dict[int, dict] = defaultdict(dict)     # sem -> queues blocked on it
+            for key in _queue_keys(i, arch):
+                self.queues.setdefault(key, _Queue(key)).items.append(k)
+            self.queue_of.append(self.queues[_queue_keys(i, arch)[0]])
+        self.waiters: dict[tuple, dict] = defaultdict(dict)   # queue key -> queues waiting on it
+        self.arrived: dict[int, set] = defaultdict(set)        # barrier -> queues that reached it
         self.events: list[tuple[float, int]] = []              # (done time, instruction)
         self.dram = _Dram(arch.derived.dram_bytes_per_cycle, arch.derived.link_bytes_per_cycle)
         self.latency = arch.dram_latency_cycles
-        self.handlers = {Signal: self._signal, Wait: self._wait}
+        self.handlers = {Wait: self._wait, Barrier: self._barrier}
 
     def run(self) -> None:
         for q in self.queues.values():
@@ -160,55 +173,87 @@ class _Sim:
     def _complete(self, k: int, t: float) -> None:
         q = self.queue_of[k]
         self.done[k] = t
-        q.outstanding -= 1
         if self.costs[k].flow_bytes is None:
             q.busy = False
         if self.execute is not None:
             self.execute(k)
+        self._finish(k)
         self._advance(q, t)
+        self._wake(q, t)
 
-    # Issuing: run a queue as far as it can go at time t; signals may wake other queues.
+    # Issuing: run a queue as far as it can go at time t; progress may wake other queues.
 
     def _advance(self, q: _Queue, t: float) -> None:
         work = [q]
         while work:
             work.extend(self._step(work.pop(), t))
 
+    def _wake(self, q: _Queue, t: float) -> None:
+        for waiting in list(self.waiters.pop(q.key, {}).values()):
+            self._advance(waiting, t)
+
+    def _finish(self, k: int) -> None:
+        """Mark ``k`` done and move the completed prefix of its queue(s)."""
+        self.is_done[k] = True
+        for q in self._queues_of(k):
+            while q.prefix < len(q.items) and self.is_done[q.items[q.prefix]]:
+                q.prefix += 1
+
+    def _queues_of(self, k: int) -> list[_Queue]:
+        if isinstance(self.program.instrs[k], Barrier):
+            return self.parties
+        return [self.queue_of[k]]
+
     def _step(self, q: _Queue, t: float) -> list[_Queue]:
         woken: list[_Queue] = []
         while not q.busy and q.head < len(q.items):
             k = q.items[q.head]
-            handler = self.handlers.get(type(self.program.instrs[k]), self._issue)
+            i = self.program.instrs[k]
+            cond = _condition(i)
+            if cond is not None and not self._holds(q, cond):
+                break
+            handler = self.handlers.get(type(i), self._issue)
             if not handler(q, k, t, woken):
                 break
             q.head += 1
         return woken
 
+    def _holds(self, q: _Queue, cond) -> bool:
+        """True when ``cond`` holds; else ``q`` is woken when the named queue progresses."""
+        target = self.queues.get((cond.legion, cond.queue))
+        if target is not None and target.prefix >= cond.count:
+            return True
+        if target is not None:
+            self.waiters[target.key][q.key] = q
+        return False
+
     def _mark(self, k: int, t: float) -> None:
         self.start[k] = self.free[k] = self.done[k] = t
 
-    def _signal(self, q: _Queue, k: int, t: float, woken: list) -> bool:
-        if q.outstanding:
-            return False            # retried when the queue's last instruction completes
-        sem = self.program.instrs[k].sem
-        self.sems[sem] += 1
+    def _wait(self, q: _Queue, k: int, t: float, woken: list) -> bool:
         self._mark(k, t)
-        woken.extend(self.waiters.pop(sem, {}).values())
+        self._finish(k)
+        woken.extend(self.waiters.pop(q.key, {}).values())
         return True
 
-    def _wait(self, q: _Queue, k: int, t: float, woken: list) -> bool:
-        i = self.program.instrs[k]
-        if self.sems[i.sem] < i.count:
-            self.waiters[i.sem][q.key] = q
-            return False
+    def _barrier(self, q: _Queue, k: int, t: float, woken: list) -> bool:
+        if q.prefix < q.head:
+            return False            # retried when the queue's earlier work completes
+        self.arrived[k].add(q.key)
+        if len(self.arrived[k]) < len(self.parties):
+            return False            # released by the last queue to arrive
         self._mark(k, t)
+        self._finish(k)
+        for other in self.parties:
+            if other is not q:
+                other.head += 1
+                woken.append(other)
         return True
 
     def _issue(self, q: _Queue, k: int, t: float, woken: list) -> bool:
         c = self.costs[k]
         self.start[k] = t
         q.busy = True
-        q.outstanding += 1
         if c.flow_bytes is not None:
             self.dram.add(k, c.flow_bytes, t)
             return True
@@ -217,14 +262,26 @@ class _Sim:
         return True
 
     def _check_deadlock(self) -> None:
-        stuck = sorted(q.items[q.head] for q in self.queues.values() if q.head < len(q.items))
+        stuck = sorted(((q.items[q.head], q) for q in self.queues.values() if q.head < len(q.items)),
+                       key=lambda x: x[0])
         if not stuck:
             return
-        k, i = stuck[0], self.program.instrs[stuck[0]]
-        others = f"; {len(stuck) - 1} other queue(s) blocked too" if len(stuck) > 1 else ""
-        raise Deadlock(f"{self.program.where(k)}: wait L{i.legion} {i.queue_name} s{i.sem} "
-                       f"count={i.count} never satisfied (s{i.sem} reached {self.sems[i.sem]})"
-                       f"{others}")
+        k, q = stuck[0]
+        others = len({kk for kk, _ in stuck}) - 1
+        more = f"; {others} other instruction(s) blocked too" if others else ""
+        raise Deadlock(f"{self.program.where(k)}: {self._why_stuck(k, q)}{more}")
+
+    def _why_stuck(self, k: int, q: _Queue) -> str:
+        i = self.program.instrs[k]
+        cond = _condition(i)
+        if cond is not None:
+            target = self.queues.get((cond.legion, cond.queue))
+            reached = target.prefix if target is not None else 0
+            return (f"{i.MNEMONIC} on L{q.key[0]} {q.key[1]} waits for {cond}, never satisfied "
+                    f"(L{cond.legion}.{cond.queue} completed {reached})")
+        missing = sorted({p.key for p in self.parties} - self.arrived[k])
+        names = ", ".join(f"L{l}.{n}" for l, n in missing[:4])
+        return f"barrier never reached by {names}{' and others' if len(missing) > 4 else ''}"
 
 
 # --- costs and counters ----------------------------------------------------------------------
@@ -263,7 +320,8 @@ def _counters(program: Program, costs: list, sim: _Sim) -> tuple[dict, dict]:
         fam = family(type(i))
         counters[f"count_{fam}"] += 1
         counters[f"busy_{fam}"] += held[k]
-        busy[_queue_key(i)] += held[k]
+        if fam != "sync":
+            busy[(i.legion, i.queue())] += held[k]
         for name, v in c.counters.items():
             counters[name] += v
         if c.detail is not None:

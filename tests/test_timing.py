@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from isa.arch import load
-from isa.fields import DramRef, View
-from isa.instructions import BY_MNEMONIC, DmaLoad, DmaStore, Drain, MatMul, Signal, VMatMul, Wait
+from isa.fields import Cond, DramRef, View
+from isa.instructions import BY_MNEMONIC, Barrier, DmaLoad, DmaStore, Drain, MatMul, VMatMul, Wait
 from isa.program import Program, Tensor
 from runtime.timing import Deadlock, TimingError, simulate
 
@@ -15,18 +15,18 @@ TINY = load("dlegion-tiny")          # 2 Legions x 2 cores, 8x8 arrays, 16 lanes
 ONE_CORE = dataclasses.replace(TINY, cores=1)
 
 
-def mm(M, K, N, mode="w8", split="n", accumulate="set", mask=None, legion=0):
+def mm(M, K, N, mode="w8", split="n", accumulate="set", mask=None, legion=0, wait=None):
     return MatMul(legion, View("acc", 0, N), View("act", 0, K), View("wgt", 0, N),
-                  M, K, N, mode, split, accumulate, mask)
+                  M, K, N, mode, split, accumulate, mask, wait)
 
 
 def prog(instrs, tensors=(), data=None):
     return Program("test", list(tensors), list(instrs), data=data)
 
 
-def load_x(legion=0, dests=None, rows=1, cols=1):
+def load_x(legion=0, dests=None, rows=1, cols=1, wait=None):
     dests = frozenset({legion} if dests is None else dests)
-    return DmaLoad(legion, dests, View("act", 0, cols), DramRef(0, 0, cols), rows, cols)
+    return DmaLoad(legion, dests, View("act", 0, cols), DramRef(0, 0, cols), rows, cols, wait)
 
 
 def x_tensor(rows, cols, dtype="i8"):
@@ -125,10 +125,10 @@ def test_psum_bytes_with_and_without_parallel_accumulators():
 
 # --- vector unit -----------------------------------------------------------------------------
 
-def vop(name, rows, cols):
+def vop(name, rows, cols, legion=0, wait=None):
     cls = BY_MNEMONIC[name]
-    views = len(cls.fields()) - 3            # all but legion, rows, cols
-    return cls(0, *[View("vec", 0, cols)] * views, rows, cols)
+    views = len(cls.fields()) - 4            # all but legion, rows, cols, wait
+    return cls(legion, *[View("vec", 0, cols)] * views, rows, cols, wait)
 
 
 @pytest.mark.parametrize("name, expect", [("vadd", 2), ("vexp", 8), ("vdiv", 8), ("vrsum", 2),
@@ -193,13 +193,13 @@ def test_flow_rates_change_when_flows_start_and_end():
     # 32 B/cycle. C (320 B) starts at 5, after a 5-cycle vector op: from then on each gets
     # 64/3, so C ends at 5 + 320/(64/3) = 20, when A and B have 160 B left at 32 -> 25.
     three = dataclasses.replace(TINY, legions=3)
-    delay = dataclasses.replace(vop("vadd", 1, 80), legion=2)
-    instrs = [vec_load(0, 640), vec_load(1, 640), delay, Signal(2, "vec", 0),
-              Wait(2, "dma", 0, 1), vec_load(2, 320)]
+    delay = vop("vadd", 1, 80, legion=2)
+    c = dataclasses.replace(vec_load(2, 320), wait=Cond(2, "vec", 1))
+    instrs = [vec_load(0, 640), vec_load(1, 640), delay, c]
     t = simulate(prog(instrs, [x_tensor(1, 160, "f32")]), three)
-    assert t.start[5] == 5
-    assert t.free[[0, 1, 5]] == pytest.approx([25, 25, 20])
-    assert t.done[5] == pytest.approx(20 + 20)
+    assert t.start[3] == 5
+    assert t.free[[0, 1, 3]] == pytest.approx([25, 25, 20])
+    assert t.done[3] == pytest.approx(20 + 20)
 
 
 def test_store_counts_write_bytes():
@@ -211,60 +211,135 @@ def test_store_counts_write_bytes():
 
 # --- queues and synchronization --------------------------------------------------------------
 
-def test_independent_queues_overlap_and_signal_wait_serializes():
-    x = [x_tensor(1, 320)]
-    dma = load_x(cols=320)                  # 320 B at 32 B/cycle + 20 latency = 30
+X320 = [x_tensor(1, 320)]       # load_x(cols=320): 320 B at 32 B/cycle, flow ends at 10, done at 30
+
+
+def test_independent_queues_overlap_and_a_wait_serializes():
+    dma = load_x(cols=320)
     work = mm(16, 8, 8)                     # 1 pass: 16 + 8 + 8 = 32
-    assert cycles(TINY, dma, work, tensors=x) == 32
-    ordered = [dma, Signal(0, "dma", 0), Wait(0, "mat", 0, 1), work]
-    t = simulate(prog(ordered, x), TINY)
-    assert t.start[3] == 30 and t.cycles == 30 + 32
+    assert cycles(TINY, dma, work, tensors=X320) == 32
+    t = simulate(prog([dma, dataclasses.replace(work, wait=Cond(0, "dma", 1))], X320), TINY)
+    assert t.start[1] == 30 and t.cycles == 30 + 32
 
 
-def test_signal_waits_for_earlier_dmas_latency():
-    x = [x_tensor(1, 320)]
-    instrs = [load_x(cols=320), Signal(0, "dma", 0), Wait(0, "vec", 0, 1), vop("vadd", 1, 16)]
-    t = simulate(prog(instrs, x), TINY)
-    assert t.free[0] == 10 and t.done[0] == 30
-    assert t.start[1] == 30 and t.start[3] == 30
+def test_wait_for_the_nth_dma_starts_after_it_is_done_latency_included():
+    # the second load starts when the first one's flow ends, at 10; it is done at 20 + 20
+    instrs = [load_x(cols=320), load_x(cols=320),
+              vop("vadd", 1, 16, wait=Cond(0, "dma", 1)), vop("vadd", 1, 16, wait=Cond(0, "dma", 2))]
+    t = simulate(prog(instrs, X320), TINY)
+    assert list(t.free[:2]) == [10, 20] and list(t.done[:2]) == [30, 40]
+    assert list(t.start[2:]) == [30, 40]
+
+
+def test_progress_counts_only_the_completed_prefix():
+    # the wait on L0 dma passes at 10, when the load's flow ends and the queue is free, but
+    # the queue's completed prefix reaches 2 only when the load is done, at 30
+    instrs = [vop("vadd", 1, 16),                              # L0 vec, done at 1
+              load_x(cols=320),
+              Wait(0, "dma", Cond(0, "vec", 1)),
+              vop("vexp", 1, 16, wait=Cond(0, "dma", 2))]
+    t = simulate(prog(instrs, X320), TINY)
+    assert t.start[2] == t.done[2] == 10
+    assert t.start[3] == 30
 
 
 def test_next_dma_starts_when_previous_flow_ends():
-    x = [x_tensor(1, 320)]
-    t = simulate(prog([load_x(cols=320), load_x(cols=320)], x), TINY)
+    t = simulate(prog([load_x(cols=320), load_x(cols=320)], X320), TINY)
     assert t.start[1] == 10 and t.done[1] == 40
     assert t.busy[(0, "dma")] == 20 and t.counters["busy_dma"] == 20
 
 
-def test_deadlock_names_the_blocked_wait():
-    instrs = [Signal(0, "vec", 3), Wait(0, "mat", 3, 2), mm(4, 8, 8), Wait(1, "vec", 4, 1)]
+def test_embedded_and_standalone_waits_time_the_same():
+    # a standalone wait is one more instruction of its queue, so later counts of it move by one
+    embedded = [load_x(cols=320), mm(16, 8, 8, wait=Cond(0, "dma", 1)),
+                vop("vadd", 1, 16, wait=Cond(0, "mat", 1))]
+    standalone = [load_x(cols=320), Wait(0, "mat", Cond(0, "dma", 1)), mm(16, 8, 8),
+                  Wait(0, "vec", Cond(0, "mat", 2)), vop("vadd", 1, 16)]
+    a, b = (simulate(prog(p, X320), TINY) for p in (embedded, standalone))
+    work = [0, 2, 4]                # the standalone program's non-sync instructions
+    for times in ("start", "free", "done"):
+        assert list(getattr(a, times)) == list(getattr(b, times)[work])
+    assert list(a.start) == [0, 30, 62] and a.cycles == b.cycles == 63
+    assert list(b.start[[1, 3]]) == [30, 62]       # each wait passes once its condition holds
+
+
+def test_barrier_releases_every_queue_when_the_last_work_completes():
+    # before it: L0 dma done at 30 (its flow ends at 10, plus latency), L0 mat at 20, L0 vec
+    # at 1; Legion 1 is idle. Everything after it starts at 30, on both Legions.
+    before = [load_x(cols=320), mm(4, 8, 8), vop("vadd", 1, 16)]
+    after = [vop("vadd", 1, 16, legion=1), load_x(legion=1, cols=320), mm(16, 8, 8, legion=1),
+             vop("vexp", 1, 16)]
+    t = simulate(prog([*before, Barrier(), *after], X320), TINY)
+    assert list(t.done[:3]) == [30, 20, 1]
+    assert t.start[3] == t.done[3] == 30
+    assert list(t.start[4:]) == [30] * 4
+    assert t.cycles == 30 + 32
+
+
+def test_barrier_with_idle_queues_counts_in_every_queue():
+    # Only L0 mat works before the first barrier. L1 vec runs nothing but the barriers, so
+    # its completed prefix is 1 once the first one passes. A last barrier ends with the work.
+    instrs = [mm(16, 8, 8), Barrier(), vop("vadd", 1, 16, wait=Cond(1, "vec", 1)), Barrier()]
+    t = simulate(prog(instrs), TINY)
+    assert t.done[1] == 32 and t.start[2] == 32
+    assert t.start[3] == t.done[3] == 33 and t.cycles == 33
+    assert simulate(prog([Barrier(), Barrier()]), TINY).cycles == 0
+
+
+def test_deadlock_names_the_unsatisfiable_wait():
+    instrs = [vop("vadd", 1, 16), Wait(0, "mat", Cond(0, "vec", 2)), mm(4, 8, 8),
+              vop("vadd", 1, 16, legion=1, wait=Cond(0, "mat", 1))]
     with pytest.raises(Deadlock) as e:
         simulate(prog(instrs), TINY)
-    assert str(e.value) == ("<program>: instruction 1: wait L0 mat s3 count=2 never satisfied "
-                            "(s3 reached 1); 1 other queue(s) blocked too")
+    assert str(e.value) == ("<program>: instruction 1: wait on L0 mat waits for L0.vec>=2, never "
+                            "satisfied (L0.vec completed 1); 1 other instruction(s) blocked too")
+
+
+def test_deadlock_names_an_unsatisfiable_embedded_wait():
+    with pytest.raises(Deadlock) as e:
+        simulate(prog([mm(4, 8, 8, wait=Cond(1, "dma", 1))]), TINY)
+    assert str(e.value) == ("<program>: instruction 0: mm on L0 mat waits for L1.dma>=1, never "
+                            "satisfied (L1.dma completed 0)")
+
+
+def test_deadlock_behind_a_barrier():
+    # the matmul waits for L0 dma's second instruction, the barrier, which the matmul's own
+    # queue can only reach after the matmul; every other queue is held at the barrier
+    instrs = [load_x(cols=320), mm(4, 8, 8, wait=Cond(0, "dma", 2)), Barrier(), vop("vadd", 1, 16)]
+    with pytest.raises(Deadlock) as e:
+        simulate(prog(instrs, X320), TINY)
+    assert str(e.value) == ("<program>: instruction 1: mm on L0 mat waits for L0.dma>=2, never "
+                            "satisfied (L0.dma completed 1); 1 other instruction(s) blocked too")
+
+
+def test_barrier_holds_only_the_queues_of_the_machine():
+    # An instruction on a Legion the machine lacks (the verifier rejects it) has a queue of
+    # its own, which holds no barrier: the barrier must not wait for it, nor skip its work.
+    instrs = [vop("vadd", 1, 16, legion=5), Barrier(), vop("vadd", 1, 16, legion=5), mm(4, 8, 8)]
+    t = simulate(prog(instrs), TINY)
+    assert list(t.start) == [0, 0, 1, 0]
 
 
 def test_execute_order_respects_dependencies_and_time():
-    x = [x_tensor(1, 320)]
-    instrs = [vop("vadd", 1, 16),            # 0: L0 vec, done at 1
-              Wait(0, "vec", 0, 1),          # 1
-              vop("vexp", 1, 16),            # 2: after the DMA, done at 34
-              load_x(cols=320),              # 3: L0 dma, done at 30
-              Signal(0, "dma", 0),           # 4
-              mm(16, 8, 8)]                  # 5: L0 mat, done at 32
+    instrs = [vop("vadd", 1, 16),                               # 0: L0 vec, done at 1
+              vop("vexp", 1, 16, wait=Cond(0, "dma", 1)),       # 1: after the DMA, done at 34
+              load_x(cols=320),                                 # 2: L0 dma, done at 30
+              Barrier(),                                        # 3: at 34, no effect to execute
+              mm(16, 8, 8)]                                     # 4: L0 mat, from 34 to 66
     seen = []
-    t = simulate(prog(instrs, x), TINY, seen.append)
-    assert seen == [0, 3, 5, 2]
+    t = simulate(prog(instrs, X320), TINY, seen.append)
+    assert seen == [0, 2, 1, 4]
     assert list(np.diff(t.done[seen]) >= 0) == [True] * 3
+    assert t.done[3] == 34 and t.done[4] == 34 + 32
 
 
 def test_zero_time_dependent_runs_after_what_it_waits_for():
-    # an empty matmul and vector op take no time; the vector op (index 1) is earlier in
-    # program order but waits on the matmul (index 2) through the signal
-    instrs = [Wait(0, "vec", 0, 1), vop("vadd", 0, 16), mm(4, 0, 8), Signal(0, "mat", 0)]
+    # an empty matmul and vector op take no time; the vector op (index 0) is earlier in
+    # program order but waits on the matmul (index 1)
+    instrs = [vop("vadd", 0, 16, wait=Cond(0, "mat", 1)), mm(4, 0, 8)]
     seen = []
     simulate(prog(instrs), TINY, seen.append)
-    assert seen == [2, 1]
+    assert seen == [1, 0]
 
 
 def test_execute_exception_propagates():
@@ -276,28 +351,33 @@ def test_execute_exception_propagates():
 
 def test_counts_per_family_and_per_matmul_rows():
     x = [x_tensor(1, 16)]
-    instrs = [load_x(cols=16), Signal(0, "dma", 0), Wait(0, "mat", 0, 1), mm(4, 8, 8, mode="w4"),
-              vop("vexp", 1, 16)]
+    instrs = [load_x(cols=16), Wait(0, "mat", Cond(0, "dma", 1)), mm(4, 8, 8, mode="w4"),
+              vop("vexp", 1, 16), Barrier()]
     c = simulate(prog(instrs, x), TINY).counters
     assert [c[f"count_{f}"] for f in ("dma", "matrix", "drain", "vector", "sync")] == [1, 1, 0, 1, 2]
+    assert c["busy_sync"] == 0
     (row,) = c["per_instr"]
-    assert (row["index"], row["mode"], row["macs"], row["cycles"]) == (3, "w4", 256, 4 + 8 + 8)
+    assert (row["index"], row["mode"], row["macs"], row["cycles"]) == (2, "w4", 256, 4 + 8 + 8)
 
 
 def test_twenty_thousand_instructions_simulate_fast():
     a = load("dlegion-8x8")
-    block = []
-    for l in range(8):
-        block += [load_x(legion=l, dests={l}, rows=4, cols=64), Signal(l, "dma", l),
-                  Wait(l, "mat", l, 1), mm(16, 64, 64, legion=l), Signal(l, "mat", 8 + l),
-                  Wait(l, "vec", 8 + l, 1), Drain(l, View("vec", 0, 64), View("acc", 0, 64),
-                                                  16, 64, None, None, None, None, "set")]
-    reps = 20000 // len(block) + 1
-    # semaphores count up: wait for the k-th signal in repetition k
-    instrs = [dataclasses.replace(i, count=r + 1) if isinstance(i, Wait) else i
-              for r in range(reps) for i in block]
-    p = prog(instrs, [x_tensor(4, 64)])
+    drain = Drain(0, View("vec", 0, 64), View("acc", 0, 64), 16, 64, None, None, None, None, "set")
+
+    def block(r):
+        # in repetition r each queue's (r + 1)-th instruction is the one waited for; a barrier
+        # ends every tenth repetition and counts once in every queue
+        n = r + 1 + r // 10
+        out = []
+        for l in range(8):
+            out += [load_x(legion=l, dests={l}, rows=4, cols=64),
+                    mm(16, 64, 64, legion=l, wait=Cond(l, "dma", n)),
+                    dataclasses.replace(drain, legion=l, wait=Cond(l, "mat", n))]
+        return out + [Barrier()] * (r % 10 == 9)
+
+    reps = 20000 // 24 + 1
+    p = prog([i for r in range(reps) for i in block(r)], [x_tensor(4, 64)])
     t0 = time.perf_counter()
     t = simulate(p, a)
     assert time.perf_counter() - t0 < 1.0
-    assert t.counters["count_matrix"] == 8 * reps
+    assert t.counters["count_matrix"] == 8 * reps and t.counters["count_sync"] == reps // 10

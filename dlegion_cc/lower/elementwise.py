@@ -15,6 +15,7 @@ UNARY = {"Abs": "vabs", "Neg": "vneg", "Exp": "vexp", "Log": "vlog", "Sqrt": "vs
 BINARY = {"Add": "vadd", "Sub": "vsub", "Mul": "vmul", "Div": "vdiv", "Pow": "vpow", "Max": "vmax",
           "Min": "vmin", "Equal": "veq", "Less": "vlt", "LessOrEqual": "vle", "Greater": "vgt",
           "GreaterOrEqual": "vge", "And": "vand", "Or": "vor"}
+VARIADIC = ("Max", "Min", "Sum", "Mean")
 # Casting to an integer type truncates toward zero; the store then writes exact integers.
 CAST_TO_INT = {np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.int64)}
 
@@ -59,16 +60,39 @@ def _binary_body(cls, a: str, b: str, imm: float | None):
 
 @lowers(*BINARY)
 def binary(low: Lowering, node) -> None:
-    cls = BY_MNEMONIC[BINARY[node.op]]
-    if len(node.inputs) == 1:        # variadic Max/Min with a single input
-        _kernel(low, node, node.inputs, lambda em, l, v, r, c: em.emit(BY_MNEMONIC["vmov"](l, v["out"], v[node.inputs[0]], r, c)))
-        return
-    if len(node.inputs) > 2:
-        raise ValueError(f"{node.op} with {len(node.inputs)} inputs is not supported")
     a, b = node.inputs
     imm = low.scalar(b)
-    inputs = [a] if imm is not None else [a, b]
-    _kernel(low, node, inputs, _binary_body(cls, a, b, imm))
+    body = _binary_body(BY_MNEMONIC[BINARY[node.op]], a, b, imm)
+    if node.op == "Div" and low.dtype(node.outputs[0]).kind in "iu":
+        body = _then_trunc(body)
+    _kernel(low, node, [a] if imm is not None else [a, b], body)
+
+
+def _then_trunc(body):
+    """Integer division truncates toward zero; fp32 a / b is exact enough for |a| < 2**24."""
+    def wrapped(em, legion, v, rows, cols):
+        body(em, legion, v, rows, cols)
+        em.emit(BY_MNEMONIC["vtrunc"](legion, v["out"], v["out"], rows, cols))
+    return wrapped
+
+
+@lowers(*VARIADIC)
+def variadic(low: Lowering, node) -> None:
+    """Max, Min, Sum, Mean of any number of inputs: one instruction per further input."""
+    cls = BY_MNEMONIC[BINARY.get(node.op, "vadd")]
+    first, rest = node.inputs[0], node.inputs[1:]
+    imms = {n: low.scalar(n) for n in rest}
+
+    def body(em, legion, v, rows, cols):
+        acc = v[first]
+        for n in rest:
+            em.emit(cls(legion, v["out"], acc, imms[n] if imms[n] is not None else v[n], rows, cols))
+            acc = v["out"]
+        if acc is v[first]:
+            em.emit(BY_MNEMONIC["vmov"](legion, v["out"], acc, rows, cols))
+        if node.op == "Mean":
+            em.emit(BY_MNEMONIC["vdiv"](legion, v["out"], v["out"], float(len(node.inputs)), rows, cols))
+    _kernel(low, node, [first] + [n for n in rest if imms[n] is None], body)
 
 
 @lowers("Mod")
@@ -119,8 +143,9 @@ def where(low: Lowering, node) -> None:
     _kernel(low, node, names, body)
 
 
-@lowers("Cast")
+@lowers("Cast", "CastLike")
 def cast(low: Lowering, node) -> None:
+    """Cast, and CastLike (its second input only gives the dtype, which the output has)."""
     x, out = node.inputs[0], node.outputs[0]
     to = low.dtype(out)
     if to == np.bool_:

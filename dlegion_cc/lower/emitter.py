@@ -1,18 +1,18 @@
 """Building a program: DRAM tensors, constant data, scratchpad space, dependencies.
 
-Dependencies between queues go through *channels*: one counting semaphore per ordered pair
-of (Legion, queue). ``depend(src, dst)`` makes ``dst`` wait for everything ``src`` has issued so
-far, with a signal on the source queue and a wait on the destination queue. Semaphore counts
-only grow, so a channel serves any number of dependencies.
+Every queue counts its completed instructions. ``depend(src, dst)`` makes the next instruction
+on ``dst`` wait (``wait=src>=n``) until ``src`` has completed the ``n`` instructions issued on it
+so far; a second pending dependency of the same instruction becomes a ``wait`` instruction.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from isa.arch import Arch
-from isa.instructions import QUEUES, Signal, Wait
+from isa.fields import QUEUES, Cond
+from isa.instructions import Barrier, Wait
 from isa.program import Program, Tensor, pack
 
 Queue = tuple[int, str]          # (Legion, queue name)
@@ -35,10 +35,8 @@ class Emitter:
     tensors: list[Tensor] = field(default_factory=list)
     instrs: list = field(default_factory=list)
     data: bytearray = field(default_factory=bytearray)
-    channels: dict = field(default_factory=dict)        # (src, dst) -> [sem, signals so far]
-    barrier_sem: int | None = None
-    barriers: int = 0
-    next_sem: int = 0
+    issued: dict = field(default_factory=dict)          # queue -> instructions issued on it
+    pending: dict = field(default_factory=dict)         # queue -> Cond for its next instruction
     spad_top: dict = field(default_factory=dict)        # (legion, space) -> next free element
     turn: int = 0                                       # round-robin position over Legions
 
@@ -71,43 +69,43 @@ class Emitter:
 
     # --- instructions and ordering ----------------------------------------------------------
     def emit(self, instr) -> None:
-        self.instrs.append(instr)
+        q = (instr.legion, instr.queue())
+        cond = self.pending.pop(q, None)
+        if cond is not None:
+            instr = replace(instr, wait=cond)
+        self._append(q, instr)
 
-    def sem(self) -> int:
-        self.next_sem += 1
-        return self.next_sem - 1
+    def _append(self, q: Queue, instr) -> None:
+        self.instrs.append(instr)
+        self.issued[q] = self.issued.get(q, 0) + 1
 
     def depend(self, src: Queue, dst: Queue) -> None:
-        """``dst`` issues nothing further until everything issued on ``src`` so far is done."""
-        if src == dst:
-            return  # a queue is in order
-        chan = self.channels.setdefault((src, dst), [self.sem(), 0])
-        chan[1] += 1
-        self.emit(Signal(src[0], src[1], chan[0]))
-        self.emit(Wait(dst[0], dst[1], chan[0], chan[1]))
+        """``dst`` starts nothing further until everything issued on ``src`` so far is done."""
+        need = self.issued.get(src, 0)
+        if need == 0:
+            return
+        cond = Cond(src[0], src[1], need)
+        cur = self.pending.get(dst)
+        if cur is not None and (cur.legion, cur.queue) != src:
+            self._append(dst, Wait(dst[0], dst[1], cur))     # the older dependency waits alone
+        self.pending[dst] = cond
+
+    def fence(self, queue: Queue) -> None:
+        """``queue`` waits until its own earlier work is done (a DMA's data has landed)."""
+        self.depend(queue, queue)
 
     def next_legion(self) -> int:
         """Deal independent blocks of work to the Legions in turn."""
         self.turn = (self.turn + 1) % self.arch.legions
         return self.turn
 
-    def fence(self, queue: Queue) -> None:
-        """``queue`` waits until its own earlier work is done (a DMA's data has landed)."""
-        chan = self.channels.setdefault((queue, queue), [self.sem(), 0])
-        chan[1] += 1
-        self.emit(Signal(queue[0], queue[1], chan[0]))
-        self.emit(Wait(queue[0], queue[1], chan[0], chan[1]))
-
     def barrier(self) -> None:
         """Every queue of every Legion waits until every queue has finished its work so far."""
-        if self.barrier_sem is None:
-            self.barrier_sem = self.sem()
-        queues = [(l, q) for l in range(self.arch.legions) for q in QUEUES]
-        self.barriers += 1
-        for legion, q in queues:
-            self.emit(Signal(legion, q, self.barrier_sem))
-        for legion, q in queues:
-            self.emit(Wait(legion, q, self.barrier_sem, self.barriers * len(queues)))
+        self.pending.clear()           # the barrier orders everything before it
+        self.instrs.append(Barrier())
+        for legion in range(self.arch.legions):
+            for q in QUEUES:
+                self.issued[(legion, q)] = self.issued.get((legion, q), 0) + 1
 
     # --- scratchpads ------------------------------------------------------------------------
     def capacity(self, space: str) -> int:

@@ -5,7 +5,7 @@ from isa.arch import Arch
 from isa.program import Program
 from dlegion_cc.errors import UnsupportedNodes
 from dlegion_cc.ir import Graph
-from dlegion_cc.lower import elementwise, fmatmul, movement, qmatmul, reduce  # noqa: F401 (registers)
+from dlegion_cc.lower import elementwise, fmatmul, fused, movement, qmatmul, quant, reduce  # noqa: F401
 from dlegion_cc.lower.context import LOWERINGS, Lowering
 from dlegion_cc.lower.emitter import Emitter
 from dlegion_cc.lower.layout import whole

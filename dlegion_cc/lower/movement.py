@@ -10,7 +10,7 @@ from isa.fields import DramRef, View
 from isa.instructions import BY_MNEMONIC, DmaLoad, DmaStore, Gather
 from dlegion_cc.lower.context import Lowering, lowers
 from dlegion_cc.lower.emitter import Emitter
-from dlegion_cc.lower.layout import Operand, broadcast, coalesce, outer_indices, whole
+from dlegion_cc.lower.layout import Operand, broadcast, coalesce, contiguous_strides, outer_indices, whole
 from dlegion_cc.lower.rowwise import Arg, rowwise
 
 
@@ -31,7 +31,8 @@ def _transpose_copy(em, shape, src: Operand, dst: Operand, where) -> None:
     last = len(shape) - 1
     j = next((d for d in range(last) if src.strides[d] == 1), None)
     if j is None:
-        raise ValueError(f"{where}copy with no contiguous source axis is not supported")
+        _element_rows(em, shape, src, dst, where)
+        return
     other = [d for d in range(last) if d != j]
     a_len, b_len = shape[last], shape[j]
     cap = em.capacity("vec")
@@ -50,6 +51,14 @@ def _transpose_copy(em, shape, src: Operand, dst: Operand, where) -> None:
                 dst_ref = DramRef(dst.tensor, d_base + b0 * dst.strides[j] + a0, dst.strides[j])
                 em.emit(DmaStore(legion, dst_ref, View("vec", 0, na, 1), nb, na))
                 em.fence((legion, "dma"))
+
+
+def _element_rows(em, shape, src: Operand, dst: Operand, where) -> None:
+    """No source axis is contiguous (a strided slice): move one element per DMA row."""
+    body = lambda e, l, v, r, c: e.emit(BY_MNEMONIC["vmov"](l, v["out"], v["src"], r, c))
+    args = [Arg("src", Operand(src.tensor, src.offset, src.strides + (1,))),
+            Arg("out", Operand(dst.tensor, dst.offset, dst.strides + (1,)), out=True)]
+    rowwise(em, tuple(shape) + (1,), args, body, keep_last=True, where=where)
 
 
 def _copy_into(low: Lowering, node, src: Operand) -> None:
@@ -81,30 +90,61 @@ def expand(low: Lowering, node) -> None:
     _copy_into(low, node, broadcast(low.operand(x), low.shape(x), low.shape(out)))
 
 
-def _slice_params(low: Lowering, node):
+def _slice_ranges(low: Lowering, node) -> dict[int, range]:
+    """The indices Slice picks along each sliced axis."""
     names = (node.inputs + ["", "", "", ""])[1:5]
     starts, ends, axes, steps = (low.const(n) if n else None for n in names)
     if starts is None or ends is None or any(n and low.const(n) is None for n in names):
         raise ValueError("Slice bounds computed at run time are not supported")
-    rank = len(low.shape(node.inputs[0]))
-    axes = list(range(len(starts))) if axes is None else [int(a) % rank for a in axes]
-    steps = [1] * len(starts) if steps is None else [int(s) for s in steps]
-    return [int(s) for s in starts], axes, steps
+    shape = low.shape(node.inputs[0])
+    axes = range(len(starts)) if axes is None else [int(a) % len(shape) for a in axes]
+    steps = [1] * len(starts) if steps is None else steps
+    return {a: _picks(int(s), int(e), int(k), shape[a]) for a, s, e, k in zip(axes, starts, ends, steps)}
+
+
+def _picks(start: int, end: int, step: int, dim: int) -> range:
+    """ONNX's clamping: a negative bound counts from the end; a negative step walks down to -1."""
+    if step == 0:
+        raise ValueError("Slice with a step of 0")
+    start, end = start + dim if start < 0 else start, end + dim if end < 0 else end
+    lo, hi = (0, dim) if step > 0 else (-1, dim - 1)
+    return range(min(max(start, lo), hi), min(max(end, lo), hi), step)
 
 
 @lowers("Slice")
 def slice_(low: Lowering, node) -> None:
-    x = node.inputs[0]
+    x, out = node.inputs[0], node.outputs[0]
     shape, op = low.shape(x), low.operand(x)
-    starts, axes, steps = _slice_params(low, node)
-    offset, strides = op.offset, list(op.strides)
-    for start, axis, step in zip(starts, axes, steps):
-        if step <= 0:
-            raise ValueError("Slice with a negative step is not supported")
-        start = min(max(start + shape[axis] if start < 0 else start, 0), shape[axis])
-        offset += start * op.strides[axis]
-        strides[axis] = op.strides[axis] * step
-    _copy_into(low, node, Operand(op.tensor, offset, tuple(strides)))
+    offset, strides, view = op.offset, list(op.strides), list(shape)
+    downward = []
+    for axis, picks in _slice_ranges(low, node).items():
+        if picks.step < 0:          # the same elements upward, reversed below
+            picks = picks[::-1]
+            downward.append(axis)
+        offset += (picks.start if len(picks) else 0) * op.strides[axis]
+        strides[axis] *= picks.step
+        view[axis] = len(picks)
+    src = Operand(op.tensor, offset, tuple(strides))
+    if not downward or math.prod(view) == 0:
+        _copy_into(low, node, src)
+        return
+    _reverse(low, node, src, tuple(view), downward)
+
+
+def _reverse(low: Lowering, node, src: Operand, shape, axes: list[int]) -> None:
+    """Copy ``src`` into the output with ``axes`` reversed: one gather of descending rows per axis."""
+    where = f"node '{node.name}': "
+    cur = whole(low.em.tensor(f"{node.outputs[0]}_up", "f32", shape, "scratch"), shape)
+    nd_copy(low.em, cur, src, shape, where)
+    for k, axis in enumerate(axes):
+        low.em.barrier()
+        last = k == len(axes) - 1
+        dst = low.result(node.outputs[0]) if last else whole(
+            low.em.tensor(f"{node.outputs[0]}_rev", "f32", shape, "scratch"), shape)
+        rows = np.arange(shape[axis] - 1, -1, -1, dtype=np.float32)
+        ids = whole(low.em.const(f"{node.outputs[0]}_rows", rows, "f32"), rows.shape)
+        gather_axis(low.em, dst, cur, shape, axis, ids, rows.size, wrap=False)
+        cur = dst
 
 
 @lowers("Concat")
@@ -137,53 +177,55 @@ def split(low: Lowering, node) -> None:
 @lowers("Gather")
 def gather(low: Lowering, node) -> None:
     data, indices = node.inputs
-    if low.const(indices) is not None:
-        _gather_const_indices(low, node)
-        return
-    if node.attrs.get("axis", 0) % len(low.shape(data)) != 0:
-        raise ValueError("Gather with run-time indices is supported along axis 0 only")
-    _gather_rows(low, node)
-
-
-def _gather_const_indices(low: Lowering, node) -> None:
-    data, indices = node.inputs
-    shape, op = low.shape(data), low.operand(data)
+    shape = low.shape(data)
     axis = node.attrs.get("axis", 0) % len(shape)
-    idx = np.asarray(low.const(indices)).reshape(-1)
-    dst = low.result(node.outputs[0])
-    piece = shape[:axis] + shape[axis + 1:]
-    step = math.prod(shape[axis + 1:])
-    for k, i in enumerate(idx):
-        i = int(i) % shape[axis]
-        src = Operand(op.tensor, op.offset + i * op.strides[axis], op.strides[:axis] + op.strides[axis + 1:])
-        out_strides = _gather_out_strides(shape, axis, len(idx))
-        part = Operand(dst.tensor, dst.offset + k * step, out_strides)
-        nd_copy(low.em, part, src, piece, where=f"node '{node.name}': ")
-
-
-def _gather_out_strides(shape, axis, n) -> tuple[int, ...]:
-    """Strides of one gathered slice inside the output [*shape[:axis], n, *shape[axis+1:]]."""
-    full = shape[:axis] + (n,) + shape[axis + 1:]
-    strides = whole(0, full).strides
-    return strides[:axis] + strides[axis + 1:]
-
-
-def _gather_rows(low: Lowering, node) -> None:
-    """Embedding lookup: rows of a DRAM table picked by run-time ids."""
-    data, indices = node.inputs
-    em, shape = low.em, low.shape(data)
-    row = math.prod(shape[1:])
     n = math.prod(low.shape(indices))
-    ids, table, dst = low.operand(indices), low.operand(data), low.result(node.outputs[0])
-    block = max(1, min(n, em.capacity("vec") // (row + 1)))
+    dst = low.result(node.outputs[0])
+    if n == 0 or math.prod(shape) == 0:
+        return
+    const = low.const(indices)
+    if const is None:       # run-time ids: negative ones are wrapped on the vector unit
+        gather_axis(low.em, dst, low.operand(data), shape, axis, low.operand(indices), n, wrap=True)
+        return
+    rows = (np.asarray(const, np.int64).reshape(-1) % shape[axis]).astype(np.float32)
+    ids = whole(low.em.const(f"{indices}_rows", rows, "f32"), rows.shape)
+    gather_axis(low.em, dst, low.operand(data), shape, axis, ids, n, wrap=False)
+
+
+def gather_axis(em: Emitter, dst: Operand, table: Operand, shape, axis: int, ids: Operand, n: int,
+                wrap: bool) -> None:
+    """dst[pre, i, post] = table[pre, ids[i], post] for contiguous ``dst`` and ``table`` of ``shape``.
+
+    Each block of ids is loaded once; every index of the axes before ``axis`` is then one
+    ``gather`` of rows ``post`` elements long. With ``wrap``, negative ids count from the end.
+    """
+    if table.strides != contiguous_strides(tuple(shape)):
+        raise ValueError("internal: gather from a table that is not contiguous")
+    pre, rows_in, post = math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
+    block = min(n, (em.capacity("vec") - 2) // (post + 2))
+    if block < 1:
+        raise ValueError(f"a gathered row of {post} elements does not fit the vector scratchpad")
     for r0 in range(0, n, block):
         rows, legion = min(block, n - r0), em.next_legion()
-        em.emit(DmaLoad(legion, frozenset({legion}), View("vec", 0, 1, 1),
-                        DramRef(ids.tensor, ids.offset + r0, 1), rows, 1))
-        em.fence((legion, "dma"))
-        em.emit(Gather(legion, View("vec", rows, row, 1), DramRef(table.tensor, table.offset, row),
-                       View("vec", 0, 1, 0), rows, row))
-        em.fence((legion, "dma"))
-        em.emit(DmaStore(legion, DramRef(dst.tensor, dst.offset + r0 * row, row),
-                         View("vec", rows, row, 1), rows, row))
-        em.fence((legion, "dma"))
+        idv, data = View("vec", 0, 1, 1), View("vec", 2 * rows, post, 1)
+        em.emit(DmaLoad(legion, frozenset({legion}), idv, DramRef(ids.tensor, ids.offset + r0, 1), rows, 1))
+        if wrap:
+            _wrap_ids(em, legion, idv, View("vec", rows, 1, 1), rows, rows_in)
+        else:
+            em.fence((legion, "dma"))
+        for p in range(pre):
+            src = DramRef(table.tensor, table.offset + p * rows_in * post, post)
+            em.emit(Gather(legion, data, src, View("vec", 0, 1, 0), rows, post))
+            em.fence((legion, "dma"))
+            out = DramRef(dst.tensor, dst.offset + (p * n + r0) * post, post)
+            em.emit(DmaStore(legion, out, data, rows, post))
+            em.fence((legion, "dma"))     # the next gather reuses the scratchpad rows
+
+
+def _wrap_ids(em: Emitter, legion: int, ids: View, tmp: View, rows: int, size: int) -> None:
+    """ids += size where ids < 0."""
+    em.depend((legion, "dma"), (legion, "vec"))
+    em.emit(BY_MNEMONIC["vlt"](legion, tmp, ids, 0.0, rows, 1))
+    em.emit(BY_MNEMONIC["vmul"](legion, tmp, tmp, float(size), rows, 1))
+    em.emit(BY_MNEMONIC["vadd"](legion, ids, ids, tmp, rows, 1))
+    em.depend((legion, "vec"), (legion, "dma"))

@@ -61,11 +61,27 @@ def rowwise(em: Emitter, shape: tuple[int, ...], args: list[Arg], body: Body,
     bound = dict(zip([a.name for a in args if a.operand is not None], ops2))
     rows, cols = shape2[-2], shape2[-1]
     strides = {a.name: (bound[a.name].strides[-2:] if a.name in bound else (1, 1)) for a in args}
-    block = _rows_per_block(em, args, strides, rows, cols, where)
+    width = cols if keep_last else _cols_per_block(em, args, strides, cols)
+    block = _rows_per_block(em, args, strides, rows, width, where)
     for outer in outer_indices(shape2):
         at = {n: op.at(outer) for n, op in bound.items()}
-        for r0 in range(0, rows, block):
-            _emit_block(em, args, at, strides, r0, min(block, rows - r0), cols, body)
+        for c0 in range(0, cols, width):
+            shifted = {n: _shift_cols(op, c0) for n, op in at.items()}
+            for r0 in range(0, rows, block):
+                _emit_block(em, args, shifted, strides, r0, min(block, rows - r0),
+                            min(width, cols - c0), body)
+
+
+def _shift_cols(op: Operand, c0: int) -> Operand:
+    return Operand(op.tensor, op.offset + c0 * op.strides[-1], op.strides)
+
+
+def _cols_per_block(em, args, strides, cols) -> int:
+    """Columns one block may hold: a row longer than the scratchpad is cut into chunks."""
+    cap = em.capacity("vec")
+    full = sum(1 for a in args if _shape_of(*strides[a.name], a.operand is None and a.col)[1])
+    narrow = len(args) - full
+    return max(1, min(cols, (cap - narrow) // max(full, 1)))
 
 
 def _rows_per_block(em, args, strides, rows, cols, where) -> int:

@@ -1,0 +1,182 @@
+"""Lowering ``dlegion.RowKernel``: a fused run of row-local ops over one row frame.
+
+Each value of the run lives in a scratchpad *slot* of its shape kind (a full row or one value
+per row). Slots are reused once their value is dead, and an op may write over an input that
+dies at that op, so a long chain needs only a few slots and blocks hold many rows.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from isa.instructions import BY_MNEMONIC, VSelect
+from dlegion_cc.ir import DLEGION, Node
+from dlegion_cc.lower.context import Lowering, lowers
+from dlegion_cc.lower.elementwise import BINARY, UNARY
+from dlegion_cc.lower.layout import Operand
+from dlegion_cc.lower.rowwise import Arg, rowwise
+from dlegion_cc.passes.fuse import ROW_REDUCE, shape_kind
+from dlegion_cc.lower.reduce import REDUCE
+
+STRIDES = {"full": lambda c: (c, 1), "col": lambda c: (1, 0), "row": lambda c: (0, 1), "scalar": lambda c: (0, 0)}
+NO_IN_PLACE = {"Where"}      # its first step overwrites the output before reading cond and x
+
+
+def _frame_operand(op: Operand, kind: str, cols: int) -> Operand:
+    return Operand(op.tensor, op.offset, STRIDES[kind](cols))
+
+
+class _Slots:
+    """Scratchpad slots by kind, handed out and taken back as values live and die."""
+
+    def __init__(self):
+        self.free: dict[str, list[str]] = {"full": [], "col": []}
+        self.temps: list[Arg] = []
+
+    def take(self, kind: str) -> str:
+        if self.free[kind]:
+            return self.free[kind].pop()
+        name = f"#t{len(self.temps)}"
+        self.temps.append(Arg(name, col=(kind == "col")))
+        return name
+
+    def give(self, kind: str, slot: str) -> None:
+        self.free[kind].append(slot)
+
+
+def _plan(node: Node, kinds: dict, scalars: dict, inputs: set, outputs: set) -> tuple[dict, list[Arg]]:
+    """Slot of every value: inputs and outputs have their own; the rest share temps."""
+    subs = node.attrs["nodes"]
+    last = {}
+    for k, n in enumerate(subs):
+        for i in n.inputs:
+            last[i] = k
+    slot = {v: v for v in inputs | outputs if v not in scalars}
+    slots = _Slots()
+    for k, n in enumerate(subs):
+        dying = [i for i in dict.fromkeys(n.inputs) if last.get(i) == k and i in slot
+                 and i not in outputs and kinds.get(i) in ("full", "col")]
+        if n.op not in NO_IN_PLACE:
+            for i in dying:
+                slots.give(kinds[i], slot[i])
+        for o in n.outputs:
+            if o not in outputs:
+                slot[o] = slots.take(kinds[o])
+        if n.op in NO_IN_PLACE:
+            for i in dying:
+                slots.give(kinds[i], slot[i])
+        if n.op == "Softmax":
+            slot[n.outputs[0] + "#stat"] = slots.take("col")
+    return slot, slots.temps
+
+
+@lowers("RowKernel", domain=DLEGION)
+def row_kernel(low: Lowering, node) -> None:
+    frame, values = node.attrs["frame"], node.attrs["values"]
+    kinds = {n: shape_kind(v.shape, frame) for n, v in values.items()}
+    scalars = {n: float(np.float32(v.const.reshape(()))) for n, v in values.items()
+               if v.const is not None and v.const.size == 1}
+    ins = [n for n in node.inputs if n not in scalars]
+    slot, temps = _plan(node, kinds, scalars, set(ins), set(node.outputs))
+    args = [Arg(n, _frame_operand(low.operand(n), kinds[n], frame.cols)) for n in ins]
+    args += [Arg(n, _frame_operand(low.result(n), kinds[n], frame.cols), out=True) for n in node.outputs]
+    args += temps
+    widths = {n: (frame.cols if kinds.get(n) in ("full", "row") else 1) for n in values}
+
+    def body(em, legion, views, rows, cols):
+        view = {v: views[s] for v, s in slot.items()}
+        for n in node.attrs["nodes"]:
+            emit_op(em, legion, n, view, scalars, rows, cols if widths[n.outputs[0]] > 1 else 1)
+    keep = any(k in ("col", "row") for k in kinds.values()) or any(
+        n.op in ROW_REDUCE or n.op == "Softmax" for n in node.attrs["nodes"])
+    rowwise(low.em, (frame.rows, frame.cols), args, body, keep_last=keep, where=f"node '{node.name}': ")
+
+
+def emit_op(em, legion: int, n: Node, view: dict, scalars: dict, rows: int, cols: int) -> None:
+    """The vector instructions of one row-local node on scratchpad views."""
+    out = view[n.outputs[0]]
+
+    def arg(name):
+        return scalars[name] if name in scalars else view[name]
+    OPS[_family(n.op)](em, legion, n, out, arg, rows, cols)
+
+
+def _family(op: str) -> str:
+    if op in UNARY:
+        return "unary"
+    if op in BINARY:
+        return "binary"
+    if op in REDUCE:
+        return "reduce"
+    return op
+
+
+def _unary(em, l, n, out, arg, rows, cols):
+    em.emit(BY_MNEMONIC[UNARY[n.op]](l, out, arg(n.inputs[0]), rows, cols))
+
+
+# An immediate can only be the second operand: ops that allow it swap, flipping comparisons.
+SWAPPED = {"Add": "Add", "Mul": "Mul", "Max": "Max", "Min": "Min", "Equal": "Equal", "And": "And",
+           "Or": "Or", "Less": "Greater", "Greater": "Less", "LessOrEqual": "GreaterOrEqual",
+           "GreaterOrEqual": "LessOrEqual"}
+
+
+def _binary(em, l, n, out, arg, rows, cols):
+    op, a, b = n.op, arg(n.inputs[0]), arg(n.inputs[1])
+    if isinstance(a, float) and op in SWAPPED:
+        op, a, b = SWAPPED[op], b, a
+    elif isinstance(a, float) and op == "Sub":            # a - b = -(b - a), exactly
+        em.emit(BY_MNEMONIC["vsub"](l, out, b, a, rows, cols))
+        em.emit(BY_MNEMONIC["vneg"](l, out, out, rows, cols))
+        return
+    elif isinstance(a, float):                             # fill with a first
+        em.emit(BY_MNEMONIC["vmul"](l, out, b, 0.0, rows, cols))
+        em.emit(BY_MNEMONIC["vadd"](l, out, out, a, rows, cols))
+        a = out
+    em.emit(BY_MNEMONIC[BINARY[op]](l, out, a, b, rows, cols))
+
+
+def _reduce(em, l, n, out, arg, rows, cols):
+    x = arg(n.inputs[0])
+    width = x.rs if x.rs else 1
+    em.emit(BY_MNEMONIC[REDUCE[n.op]](l, out, x, rows, width))
+    if n.op == "ReduceMean":
+        em.emit(BY_MNEMONIC["vdiv"](l, out, out, float(width), rows, 1))
+
+
+def _softmax(em, l, n, out, arg, rows, cols):
+    x, stat = arg(n.inputs[0]), arg(n.outputs[0] + "#stat")
+    em.emit(BY_MNEMONIC["vrmax"](l, stat, x, rows, cols))
+    em.emit(BY_MNEMONIC["vsub"](l, out, x, stat, rows, cols))
+    em.emit(BY_MNEMONIC["vexp"](l, out, out, rows, cols))
+    em.emit(BY_MNEMONIC["vrsum"](l, stat, out, rows, cols))
+    em.emit(BY_MNEMONIC["vdiv"](l, out, out, stat, rows, cols))
+
+
+def _clip(em, l, n, out, arg, rows, cols):
+    x, lo, hi = (n.inputs + ["", ""])[:3]
+    src = arg(x)
+    for name, mnemonic in ((lo, "vmax"), (hi, "vmin")):
+        if name:
+            em.emit(BY_MNEMONIC[mnemonic](l, out, src, arg(name), rows, cols))
+            src = out
+    if src is not out:
+        em.emit(BY_MNEMONIC["vmov"](l, out, src, rows, cols))
+
+
+def _where(em, l, n, out, arg, rows, cols):
+    cond, x, y = (arg(i) for i in n.inputs)
+    if isinstance(y, float):
+        em.emit(BY_MNEMONIC["vmul"](l, out, cond, 0.0, rows, cols))
+        em.emit(BY_MNEMONIC["vadd"](l, out, out, y, rows, cols))
+    else:
+        em.emit(BY_MNEMONIC["vmov"](l, out, y, rows, cols))
+    em.emit(VSelect(l, out, cond, x, rows, cols))
+
+
+def _cast(em, l, n, out, arg, rows, cols):
+    x = arg(n.inputs[0])
+    em.emit(BY_MNEMONIC["vmov"](l, out, x, rows, cols))
+
+
+OPS = {"unary": _unary, "binary": _binary, "reduce": _reduce, "Softmax": _softmax, "Clip": _clip,
+       "Where": _where, "Cast": _cast}

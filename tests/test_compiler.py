@@ -1,0 +1,160 @@
+"""dlegion-cc: the command contract, the IR views, errors, and small graphs against onnxruntime."""
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from isa import arch
+from isa.asm import load
+from dlegion_cc.errors import CompileError
+from dlegion_cc.pipeline import Options, compile_model
+from runtime.check import compare, onnx_reference
+from runtime.emulator import random_inputs, run
+
+ROOT = Path(__file__).parent.parent
+TINY = arch.load("dlegion-tiny")
+
+
+def dlegion_cc(*args):
+    code = "import sys; from dlegion_cc.cli import main; sys.argv[0] = 'dlegion-cc'; main()"
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True)
+
+
+def _model(path, nodes, inputs, outputs, inits=(), opset=20):
+    g = helper.make_graph(nodes, "g", inputs, outputs, [numpy_helper.from_array(a, n) for n, a in inits])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)]), path)
+    return path
+
+
+def _bitlinear(path, seq="seq", k=32, n=24, seed=0):
+    w = np.random.default_rng(seed).integers(-1, 2, (n, k)).astype(np.float32)
+    nodes = [helper.make_node("Abs", ["x"], ["ax"]),
+             helper.make_node("ReduceMax", ["ax", "axes"], ["mx"], keepdims=1),
+             helper.make_node("Clip", ["mx", "eps"], ["mxc"]),
+             helper.make_node("Reciprocal", ["mxc"], ["r"]),
+             helper.make_node("Mul", ["r", "c127"], ["s"]),
+             helper.make_node("Mul", ["x", "s"], ["xs"]),
+             helper.make_node("Round", ["xs"], ["xr"]),
+             helper.make_node("Clip", ["xr", "lo", "hi"], ["q"]),
+             helper.make_node("Div", ["q", "s"], ["xq"]),
+             helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]),
+             helper.make_node("MatMul", ["xq", "wt"], ["y0"]),
+             helper.make_node("Mul", ["y0", "ws"], ["y"])]
+    inits = [("axes", np.array([-1], np.int64)), ("eps", np.array(1e-5, np.float32)),
+             ("c127", np.array(127, np.float32)), ("lo", np.array(-128, np.float32)),
+             ("hi", np.array(127, np.float32)), ("w", w), ("ws", np.array(0.25, np.float32))]
+    return _model(path, nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, seq, k])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, seq, n])], inits)
+
+
+def _check(path, machine=TINY, dims=None):
+    graph, program = compile_model(path, Options(machine, dims or {}))
+    inputs = random_inputs(program, 0)
+    result = run(program, machine, inputs)
+    return graph, program, compare(result.outputs, onnx_reference(path, inputs))
+
+
+@pytest.mark.parametrize("machine", ["dlegion-tiny", "dlegion-8x8", "ws-64", "adip-64"])
+def test_bitlinear_becomes_one_quantized_matmul(tmp_path, machine):
+    graph, program, rows = _check(_bitlinear(tmp_path / "b.onnx"), arch.load(machine), {"seq": 9})
+    assert all(r.ok for r in rows), rows
+    assert [n.op for n in graph.nodes if n.op == "QMatMul"] == ["QMatMul"]
+    modes = {i.mode for i in program.instrs if i.MNEMONIC == "mm"}
+    assert modes == ({"w8"} if machine == "ws-64" else {"w2"})
+
+
+def test_cli_writes_program_and_data_and_runs(tmp_path):
+    model = _bitlinear(tmp_path / "b.onnx")
+    out = tmp_path / "out" / "b.s"
+    r = dlegion_cc(model, "-o", out, "--dim", "seq=5", "--arch", "dlegion-tiny")
+    assert r.returncode == 0, r.stderr
+    program = load(out)
+    assert program.data is not None and (tmp_path / "out" / "b.s.data").exists()
+    assert any(i.MNEMONIC == "mm" for i in program.instrs)
+
+
+def test_emit_ir_bin_and_print_after(tmp_path):
+    model = _bitlinear(tmp_path / "b.onnx")
+    r = dlegion_cc(model, "-o", tmp_path / "b.ir", "--emit", "ir", "--dim", "seq=4", "--print-ir-after", "all")
+    assert r.returncode == 0, r.stderr
+    assert "dlegion.QMatMul" in (tmp_path / "b.ir").read_text()
+    assert "IR after import" in r.stderr and "IR after bitlinear" in r.stderr
+    r = dlegion_cc(model, "-o", tmp_path / "b.bin", "--emit", "bin", "--dim", "seq=4")
+    assert r.returncode == 0 and (tmp_path / "b.bin").read_bytes().startswith(b"DLGN")
+
+
+def test_unbound_dimension_is_named(tmp_path):
+    r = dlegion_cc(_bitlinear(tmp_path / "b.onnx"), "-o", tmp_path / "b.s")
+    assert r.returncode == 2
+    assert "unbound symbolic dimension 'seq'" in r.stderr and "--dim seq=N" in r.stderr
+    assert not (tmp_path / "b.s").exists()
+
+
+def test_every_unsupported_node_is_listed(tmp_path):
+    nodes = [helper.make_node("Erf", ["x"], ["a"], name="erf1"),
+             helper.make_node("Relu", ["a"], ["b"], name="relu"),
+             helper.make_node("Hardmax", ["b"], ["y"], name="hardmax1")]
+    model = _model(tmp_path / "u.onnx", nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    r = dlegion_cc(model, "-o", tmp_path / "u.s")
+    assert r.returncode == 2
+    assert "node 'erf1' (Erf)" in r.stderr and "node 'hardmax1' (Hardmax)" in r.stderr
+    assert "relu" not in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "u.s").exists() and not (tmp_path / "u.s.data").exists()
+
+
+def test_bad_files(tmp_path):
+    r = dlegion_cc(tmp_path / "none.onnx", "-o", tmp_path / "x.s")
+    assert r.returncode == 2 and "no such file" in r.stderr
+    (tmp_path / "junk.onnx").write_bytes(b"\x00not a model")
+    r = dlegion_cc(tmp_path / "junk.onnx", "-o", tmp_path / "x.s")
+    assert r.returncode == 2 and "junk.onnx" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_external_data_must_stay_in_the_model_folder(tmp_path):
+    m = onnx.load(_bitlinear(tmp_path / "b.onnx"))
+    (tmp_path / "sub").mkdir()
+    onnx.save(m, tmp_path / "sub" / "ext.onnx", save_as_external_data=True, all_tensors_to_one_file=True,
+              location="ext.onnx.data", size_threshold=0)
+    moved = onnx.load(tmp_path / "sub" / "ext.onnx", load_external_data=False)
+    for t in moved.graph.initializer:
+        for entry in t.external_data:
+            if entry.key == "location":
+                entry.value = "../ext.onnx.data"
+    onnx.save(moved, tmp_path / "sub" / "ext.onnx")
+    (tmp_path / "sub" / "ext.onnx.data").rename(tmp_path / "ext.onnx.data")
+    with pytest.raises(CompileError, match="outside the model's folder"):
+        compile_model(tmp_path / "sub" / "ext.onnx", Options(TINY, {"seq": 2}))
+
+
+def test_float_graph_with_fusion_and_attention_matches(tmp_path):
+    S, D, H = 6, 16, 2
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("Pow", ["x", "two"], ["x2"]),
+             helper.make_node("ReduceMean", ["x2", "ax"], ["ms"], keepdims=1),
+             helper.make_node("Add", ["ms", "eps"], ["mse"]),
+             helper.make_node("Sqrt", ["mse"], ["rms"]),
+             helper.make_node("Reciprocal", ["rms"], ["inv"]),
+             helper.make_node("Mul", ["x", "inv"], ["xn"]),
+             helper.make_node("Mul", ["xn", "g"], ["xg"]),
+             helper.make_node("MatMul", ["xg", "W"], ["h"]),
+             helper.make_node("Reshape", ["h", "shp"], ["h4"]),
+             helper.make_node("Transpose", ["h4"], ["ht"], perm=[0, 2, 1, 3]),
+             helper.make_node("Transpose", ["h4"], ["hk"], perm=[0, 2, 3, 1]),
+             helper.make_node("MatMul", ["ht", "hk"], ["sc"]),
+             helper.make_node("Softmax", ["sc"], ["p"], axis=-1),
+             helper.make_node("MatMul", ["p", "ht"], ["o"]),
+             helper.make_node("Sub", ["one", "o"], ["y"])]
+    inits = [("two", np.array(2, np.float32)), ("ax", np.array([-1], np.int64)),
+             ("eps", np.array(1e-5, np.float32)), ("g", rng.standard_normal(D).astype(np.float32)),
+             ("W", rng.standard_normal((D, D)).astype(np.float32)), ("shp", np.array([1, S, H, D // H], np.int64)),
+             ("one", np.array(1.0, np.float32))]
+    path = _model(tmp_path / "f.onnx", nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, S, D])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, H, S, D // H])], inits)
+    graph, _, rows = _check(path)
+    assert all(r.ok for r in rows), rows
+    assert any(n.op == "RowKernel" for n in graph.nodes)

@@ -1,0 +1,211 @@
+"""Binary format: the generic packer, round trips, and strict decoding of bad files."""
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from isa import asm, encoding
+from isa.fields import DramRef, View, f32_bits
+from isa.instructions import BY_MNEMONIC, INSTRUCTIONS, WORD_BITS, word_bits
+from isa.program import Program, ProgramError, Tensor
+from strategies import instructions, instructions_of, programs
+
+Signal, Wait, VAdd, DmaStore = (BY_MNEMONIC[m] for m in ("signal", "wait", "vadd", "dma.st"))
+
+
+def word(i) -> int:
+    return int.from_bytes(encoding.encode_instr(i), "little")
+
+
+# --- instruction words -------------------------------------------------------------------------
+
+def test_fields_follow_the_opcode_in_declared_order():
+    # signal: opcode 8 bits, legion 8, queue_name 2 (dma, mat, vec), sem 16
+    assert word(Signal(3, "vec", 5)) == 0x40 | 3 << 8 | 2 << 16 | 5 << 18
+    # wait adds count (32 bits) after sem
+    assert word(Wait(1, "mat", 7, 9)) == 0x41 | 1 << 8 | 1 << 16 | 7 << 18 | 9 << 34
+
+
+def test_views_and_immediates_are_packed_by_their_kinds():
+    i = VAdd(2, View("vec", 5, 6, 7), View("act", 1, 0, 0), -1.5, 4, 64)
+    view_bits = 2 + 24 + 16 + 16
+    x = word(i)
+    assert x & 0xFF == i.OPCODE and x >> 8 & 0xFF == 2
+    dst = x >> 16 & ((1 << view_bits) - 1)
+    assert dst == 3 | 5 << 2 | 6 << 26 | 7 << 42
+    b = x >> (16 + 2 * view_bits) & ((1 << (1 + view_bits)) - 1)
+    assert b == 1 | f32_bits(-1.5) << 1
+    assert x >> (16 + 3 * view_bits + 1) == 4 | 64 << 16
+
+
+def test_every_class_fits_its_word():
+    assert all(word_bits(c) <= WORD_BITS for c in INSTRUCTIONS)
+    assert len({c.OPCODE for c in INSTRUCTIONS}) == len(INSTRUCTIONS)
+
+
+@settings(max_examples=300, deadline=None)
+@given(instructions(n_tensors=4))
+def test_decode_inverts_encode(i):
+    b = encoding.encode_instr(i)
+    assert len(b) == WORD_BITS // 8
+    assert encoding.decode_instr(b) == i
+
+
+@settings(max_examples=200, deadline=None)
+@given(instructions(n_tensors=4), st.integers(0, WORD_BITS - 1))
+def test_a_flipped_bit_decodes_to_another_instruction_or_fails_cleanly(i, bit):
+    x = word(i) ^ (1 << bit)
+    try:
+        j = encoding.decode_instr(x.to_bytes(32, "little"))
+    except ProgramError:
+        return
+    assert encoding.encode_instr(j) == x.to_bytes(32, "little")
+
+
+def test_unknown_opcode_and_bad_lengths():
+    with pytest.raises(ProgramError, match="unknown opcode 0xff"):
+        encoding.decode_instr(b"\xff" + bytes(31))
+    with pytest.raises(ProgramError, match="32 bytes, got 31"):
+        encoding.decode_instr(bytes(31))
+
+
+def test_unused_bits_and_keyword_codes_outside_the_choices_are_rejected():
+    good = word(Signal(3, "vec", 5))
+    with pytest.raises(ProgramError, match="non-canonical"):
+        encoding.decode_instr((good | 1 << 255).to_bytes(32, "little"))
+    with pytest.raises(ProgramError, match="queue_name has no valid value"):
+        encoding.decode_instr((good | 3 << 16).to_bytes(32, "little"))
+
+
+def test_nan_immediates_encode_as_the_quiet_nan():
+    nan = struct.unpack("<f", struct.pack("<I", 0xFFC00001))[0]
+    a = word(VAdd(0, View("vec", 0, 1, 1), View("vec", 0, 1, 1), nan, 1, 1))
+    b = word(VAdd(0, View("vec", 0, 1, 1), View("vec", 0, 1, 1), float("nan"), 1, 1))
+    assert a == b
+    other = a ^ (1 << (8 + 8 + 2 * 58 + 1))          # flip the lowest payload bit of the NaN
+    with pytest.raises(ProgramError, match="non-canonical"):
+        encoding.decode_instr(other.to_bytes(32, "little"))
+
+
+@pytest.mark.parametrize("i, match", [
+    (Signal(256, "vec", 0), "legion: Legion index 256 out of range"),
+    (Signal(0, "gpu", 0), "queue_name: 'gpu' is not one of"),
+    (VAdd(0, View("vec", 1 << 24, 1, 1), View("vec", 0, 1, 1), 1.0, 1, 1), "dst: view addr"),
+    (VAdd(0, View("vec", 0, 1, 1), View("vec", 0, 1, 1), 0.1, 1, 1), "b: immediate 0.1 is not an fp32"),
+    (VAdd(0, View("vec", 0, 1, 1), View("vec", 0, 1, 1), 1e39, 1, 1), "b: 1e\\+39 cannot be encoded"),
+    (VAdd(0, View("vec", 0, 1, 1), View("vec", 0, 1, 1), 1, 1, 1), "b: immediate 1 is not an fp32"),
+])
+def test_values_the_word_cannot_hold_are_errors(i, match):
+    with pytest.raises(ProgramError, match=match):
+        encoding.encode_instr(i)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(INSTRUCTIONS), st.data())
+def test_quick_field_checks_agree_with_bad_fields(cls, data):
+    # Corrupt one field of a valid instruction with a value of another field's kind.
+    i = data.draw(instructions_of(cls, 4))
+    names = [f.name for f in cls.fields()]
+    name = data.draw(st.sampled_from(names))
+    value = data.draw(st.one_of(st.integers(-2, 1 << 33), st.none(), st.floats(width=32),
+                                st.builds(View, st.sampled_from(["act", "vec", "acc", "wgt"]),
+                                          st.integers(0, 1 << 25), st.integers(0, 1 << 17), st.integers(0, 2)),
+                                st.sampled_from(["w8", "k", "set", "dma", "x"]),
+                                st.frozensets(st.integers(0, 70), max_size=3)))
+    j = cls(**{**{n: getattr(i, n) for n in names}, name: value})
+    try:
+        expected = j.bad_fields()
+    except (OverflowError, TypeError, ValueError):
+        expected = None                      # the kind's own check cannot judge this value
+    if expected is not None:
+        assert encoding.field_errors(j) == expected
+
+
+# --- whole programs ------------------------------------------------------------------------------
+
+@settings(max_examples=150, deadline=None)
+@given(programs())
+def test_program_binary_round_trip(p):
+    assert encoding.decode_program(encoding.encode_program(p)) == p
+
+
+@settings(max_examples=100, deadline=None)
+@given(programs())
+def test_disassembled_text_reassembles_to_the_same_bytes(p):
+    binary = encoding.encode_program(p)
+    text = asm.format_program(encoding.decode_program(binary))
+    assert encoding.encode_program(asm.parse(text)) == binary
+
+
+def test_file_layout():
+    p = Program(arch="dlegion-tiny", tensors=[Tensor("x", "f32", (2, 3), "input", "x")],
+                instrs=[Signal(0, "dma", 1), Wait(0, "vec", 1, 1)], data_file="d.bin")
+    b = encoding.encode_program(p)
+    magic, version, reserved, n = struct.unpack_from("<4sHHI", b)
+    assert (magic, version, reserved) == (b"DLGN", 1, 0)
+    head = json.loads(b[12:12 + n])
+    assert head == {"arch": "dlegion-tiny", "data_file": "d.bin", "tensors": [
+        {"name": "x", "dtype": "f32", "shape": [2, 3], "kind": "input", "io_name": "x", "offset": None,
+         "range": None}]}
+    start = -(-(12 + n) // 32) * 32
+    assert b[12 + n:start] == bytes(start - 12 - n)
+    assert len(b) == start + 64 and b[start:start + 32] == encoding.encode_instr(p.instrs[0])
+
+
+def test_every_truncation_fails_cleanly_or_is_a_shorter_program():
+    body = "signal L0 vec s1\ndma.st L1 @t[0,1] vec[0,1,1] rows=1 cols=1\n"
+    p = asm.parse(".arch a\n.tensor t f32[4] scratch\n" + body * 2)
+    b = encoding.encode_program(p)
+    for n in range(len(b)):
+        try:
+            q = encoding.decode_program(b[:n], "cut.bin")
+        except ProgramError as e:
+            assert str(e).startswith("cut.bin: ")
+            continue
+        assert q.instrs == p.instrs[:len(q.instrs)] and (len(b) - n) % 32 == 0
+
+
+@pytest.mark.parametrize("head, match", [
+    (b"{", "corrupt header"),
+    (b"[]", "corrupt header: header needs exactly the keys"),
+    (b'{"arch": 1, "data_file": null, "tensors": []}', "corrupt header: header arch 1"),
+    (b'{"arch": "a", "data_file": null, "tensors": [{"name": "x"}]}', "tensor needs exactly the keys"),
+    (b'{"arch": "a", "data_file": null, "tensors": [{"name": "x", "dtype": "f16", "shape": [1], '
+     b'"kind": "input", "io_name": null, "offset": null, "range": null}]}', "unknown dtype 'f16'"),
+    (b'{"arch": "a", "data_file": null, "tensors": [{"name": "x", "dtype": "f32", "shape": [1.5], '
+     b'"kind": "input", "io_name": null, "offset": null, "range": null}]}', "bad shape"),
+])
+def test_corrupt_headers_are_errors(head, match):
+    b = struct.pack("<4sHHI", b"DLGN", 1, 0, len(head)) + head
+    b += bytes(-len(b) % 32)
+    with pytest.raises(ProgramError, match=match):
+        encoding.decode_program(b, "x.bin")
+
+
+def test_version_and_references_are_checked():
+    p = Program(arch="a", tensors=[Tensor("t", "f32", (4,), "scratch")],
+                instrs=[DmaStore(0, DramRef(0, 0, 1), View("vec", 0, 1, 1), 1, 1)])
+    b = bytearray(encoding.encode_program(p))
+    with pytest.raises(ProgramError, match="unsupported binary version 2.0"):
+        encoding.decode_program(bytes(b[:4] + b"\x02" + b[5:]))
+    b[-32 + 2] = 5              # the tensor index of dst: bits 16.., after opcode and legion
+    with pytest.raises(ProgramError, match="instruction 0: dma.st: dst: tensor index 5 but only 1"):
+        encoding.decode_program(bytes(b))
+    p.instrs[0] = DmaStore(0, DramRef(1, 0, 1), View("vec", 0, 1, 1), 1, 1)
+    with pytest.raises(ProgramError, match="instruction 0: dst: tensor index 1"):
+        encoding.encode_program(p)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=200), st.integers(0, 400))
+def test_garbage_never_crashes(junk, cut):
+    head = encoding.encode_program(Program(arch="a", tensors=[Tensor("t", "f32", (4,), "scratch")]))
+    for b in (b"DLGN" + junk, head[:cut] + junk):
+        try:
+            encoding.decode_program(b)
+        except ProgramError:
+            pass
