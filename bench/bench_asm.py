@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from isa import asm, encoding  # noqa: E402
 from isa.encoding import kind_entry  # noqa: E402
-from isa.fields import DramRef, View  # noqa: E402
+from isa.fields import QUEUES, Cond, DramRef, View  # noqa: E402
 from isa.instructions import INSTRUCTIONS  # noqa: E402
 from isa.program import Program, Tensor  # noqa: E402
 
@@ -40,7 +40,8 @@ def _imm(r):
 VALUES = {
     "Legion": lambda r, k, n: _u(r, 3),
     "LegionSet": lambda r, k, n: frozenset(r.sample(range(64), r.randint(1, 8))),
-    "Sem": lambda r, k, n: _u(r, 16),
+    "Until": lambda r, k, n: Cond(_u(r, 3), r.choice(QUEUES), _u(r, 20)),
+    "After": lambda r, k, n: None if r.random() < 0.5 else Cond(_u(r, 3), r.choice(QUEUES), _u(r, 20)),
     "UInt": lambda r, k, n: _u(r, k.bits),
     "Keyword": lambda r, k, n: r.choice(k.choices),
     "RowView": lambda r, k, n: _view(r, (k.space,), 1),

@@ -1,4 +1,4 @@
-"""Binary format: a JSON header and one fixed 256-bit little-endian word per instruction.
+"""Binary format: a JSON header and one fixed ``WORD_BITS``-bit little-endian word per instruction.
 
 One generic packer serves every instruction: the opcode in the low bits, then each field of
 the class in declared order at its kind's width (``isa/fields.py``), lowest bits first. A file
@@ -21,7 +21,7 @@ from isa.instructions import BY_OPCODE, INSTRUCTIONS, OPCODE_BITS, WORD_BITS, In
 from isa.program import DTYPES, KINDS, Program, ProgramError, Tensor
 
 MAGIC = b"DLGN"
-VERSION = 1
+VERSION = 2          # 2: 320-bit words and progress-counter synchronization
 WORD_BYTES = WORD_BITS // 8
 PREFIX = struct.Struct("<4sHHI")
 NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

@@ -169,8 +169,13 @@ def field_rows(cls: type) -> list[str]:
 
 def syntax(cls: type) -> str:
     """One-line usage: ``vadd <legion> <dst> <a> <b> rows=<rows> cols=<cols>``."""
-    return " ".join([cls.MNEMONIC, *(f"{f.name}=<{f.name}>" if kind_of(f).keyed else f"<{f.name}>"
-                                     for f in cls.fields())])
+    return " ".join([cls.MNEMONIC, *(_usage(f) for f in cls.fields())])
+
+
+def _usage(f) -> str:
+    kind = kind_of(f)
+    text = f"{f.name}=<{f.name}>" if kind.keyed else f"<{f.name}>"
+    return f"[{text}]" if kind.optional else text
 
 
 def instr_section(cls: type) -> list[str]:

@@ -64,10 +64,32 @@ def check(program: Program, arch: Arch) -> list[str]:
     """Every problem of ``program`` on ``arch``, one line each; empty when it may run."""
     ctx = Context(program, arch, queue_lengths(program, arch))
     out = list(tensor_problems(program))
+    seen: Counter = Counter()         # instructions each queue has been given so far
     for i, ins in enumerate(program.instrs):
         head = f"{program.where(i)}: {ins.MNEMONIC}"
         out += [f"{head}: {what}" for what in instr_problems(ins, ctx)]
+        out += [f"{head}: {what}" for what in own_queue(ins, seen)]
+        _count(ins, seen, arch)
     return out
+
+
+def own_queue(ins: Instr, seen: Counter) -> Problems:
+    """A condition on the instruction's own queue can only wait for instructions before it."""
+    cond = ins.until if isinstance(ins, Wait) else getattr(ins, "wait", None)
+    if cond is None or not hasattr(ins, "legion") or (cond.legion, cond.queue) != (ins.legion, ins.queue()):
+        return
+    if cond.count > seen[(ins.legion, ins.queue())]:
+        yield (f"condition {cond} waits on its own queue for instructions after itself "
+               f"(only {seen[(ins.legion, ins.queue())]} come before it)")
+
+
+def _count(ins: Instr, seen: Counter, arch: Arch) -> None:
+    if isinstance(ins, Barrier):
+        for legion_ in range(arch.legions):
+            for q in QUEUES:
+                seen[(legion_, q)] += 1
+    elif hasattr(ins, "legion"):
+        seen[(ins.legion, ins.queue())] += 1
 
 
 def verify(program: Program, arch: Arch) -> None:

@@ -38,7 +38,7 @@ def _save_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
     atomic_write(path, buf.getvalue())
 
 
-def _check(model: str, inputs, result, tol: float) -> bool:
+def _check(model: str, inputs, result, tol: float, check_all: bool = False) -> bool:
     from runtime.check import compare, onnx_reference
     from runtime.report import print_comparisons
     try:
@@ -49,6 +49,13 @@ def _check(model: str, inputs, result, tol: float) -> bool:
     except Exception as e:  # onnxruntime raises its own exception types
         raise Failure(f"{model}: onnxruntime failed: {str(e).splitlines()[0]}") from None
     print_comparisons(rows, tol)
+    if check_all:
+        from runtime.check import compare_intermediates
+        from runtime.report import print_intermediates
+        try:
+            print_intermediates(compare_intermediates(model, inputs, result, tol), tol)
+        except Exception as e:  # onnxruntime raises its own exception types
+            raise Failure(f"{model}: onnxruntime failed on intermediates: {str(e).splitlines()[0]}") from None
     return all(r.ok for r in rows)
 
 
@@ -72,6 +79,9 @@ def _execute(prog_path, arch, inputs_path, seed):
               help="Write the outputs, keyed by graph output name.")
 @click.option("--check", "check_model", type=click.Path(dir_okay=False), metavar="MODEL.onnx",
               help="Run onnxruntime on the same inputs and compare every graph output; exit 1 on mismatch.")
+@click.option("--check-all", is_flag=True,
+              help="With --check: also compare every intermediate tensor that survives compilation "
+                   "and name the first that diverges.")
 @click.option("--tolerance", type=float, default=1e-4, show_default=True,
               help="Largest relative L2 error accepted for float outputs (integers must be exact).")
 @click.option("--report", is_flag=True, help="Print cycles, throughput, utilization and traffic.")
@@ -79,7 +89,7 @@ def _execute(prog_path, arch, inputs_path, seed):
               help="Write the report's numbers as JSON.")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False), metavar="FILE",
               help="Write a Chrome/Perfetto trace (one track per Legion queue, one for DRAM).")
-def run_command(program, arch, inputs_path, seed, out_path, check_model, tolerance,
+def run_command(program, arch, inputs_path, seed, out_path, check_model, check_all, tolerance,
                 report, json_path, trace_path):
     """Run PROGRAM (text .s or binary .bin) in the functional emulator and timing model.
 
@@ -97,7 +107,7 @@ def run_command(program, arch, inputs_path, seed, out_path, check_model, toleran
     if trace_path:
         with atomic_path(trace_path) as tmp:
             tmp.write_text(json.dumps(rep.chrome_trace(result)))
-    if check_model and not _check(check_model, inputs, result, tolerance):
+    if check_model and not _check(check_model, inputs, result, tolerance, check_all):
         sys.exit(EXIT_MISMATCH)
 
 

@@ -19,6 +19,7 @@ class RunResult:
     timeline: Timeline
     arch: Arch
     program: Program
+    machine: Machine          # the final state: DRAM tensors, scratchpads
 
 
 def run(program: Program, arch: Arch, inputs: dict[str, np.ndarray]) -> RunResult:
@@ -35,7 +36,7 @@ def run(program: Program, arch: Arch, inputs: dict[str, np.ndarray]) -> RunResul
 
     timeline = simulate(program, arch, execute)
     outputs = {t.io_name: machine.get(t.name) for t in program.outputs()}
-    return RunResult(outputs, timeline, arch, program)
+    return RunResult(outputs, timeline, arch, program, machine)
 
 
 def bind_inputs(machine: Machine, program: Program, inputs: dict[str, np.ndarray]) -> None:

@@ -156,3 +156,16 @@ def _trace_names(legions: int, dram_pid: int) -> list[dict]:
         events.append({"ph": "M", "name": "thread_name", "pid": dram_pid, "tid": legion,
                        "args": {"name": f"flows of Legion {legion}"}})
     return events
+
+
+def print_intermediates(rows, tol: float, console: Console | None = None, most: int = 20) -> None:
+    """Summary of the intermediate comparison: the first divergence and the worst ones."""
+    console = console or Console()
+    bad = [r for r in rows if not r.ok]
+    if not bad:
+        console.print(f"intermediates: all {len(rows)} within tolerance of onnxruntime")
+        return
+    console.print(f"intermediates: {len(bad)} of {len(rows)} diverge; the first is "
+                  f"[bold]{bad[0].name}[/bold] (relative L2 {bad[0].rel_l2:.3e}, "
+                  f"{bad[0].mismatches} element(s) differing)")
+    print_comparisons(bad[:most], tol, console)

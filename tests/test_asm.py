@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import re
 import struct
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -121,6 +122,23 @@ def test_arch_file_and_names_that_look_like_operands():
     assert p.instrs[0].mask == 0 and p.instrs[1].dst.tensor == 1
 
 
+def test_design_document_example_parses():
+    doc = (Path(__file__).parent.parent / "docs" / "DESIGN.md").read_text()
+    block = doc.split("## Text format", 1)[1].split("```")[1]
+    p = asm.parse(block)
+    assert [i.MNEMONIC for i in p.instrs] == [i.MNEMONIC for i in asm.parse(DESIGN_EXAMPLE).instrs]
+    assert p.instrs == asm.parse(DESIGN_EXAMPLE).instrs
+
+
+@pytest.mark.parametrize("parse", [asm.parse, lark_only])
+def test_optional_wait_absent_or_present(parse):
+    line = "vexp L0 vec[0,1,1] vec[0,1,1] rows=1 cols=1"
+    p = parse(f".arch a\n{line}\n{line} wait=L1.mat>=7 ; note\n{line}\twait=L0.dma>=0\n")
+    assert [i.wait for i in p.instrs] == [None, Cond(1, "mat", 7), Cond(0, "dma", 0)]
+    assert asm.format_program(p).splitlines()[1:] == [line, f"{line} wait=L1.mat>=7",
+                                                      f"{line} wait=L0.dma>=0"]
+
+
 # --- round trips ---------------------------------------------------------------------------------
 
 @settings(max_examples=150, deadline=None)
@@ -155,7 +173,8 @@ def test_regex_path_never_accepts_what_the_lalr_parser_rejects(i, data):
     for _ in range(data.draw(st.integers(1, 3))):
         at = data.draw(st.integers(0, len(line)))
         junk = data.draw(st.sampled_from(["", "-", ",", "0", "9", " ", "#", "e", "[", "]", "{", "}",
-                                          "none", "@t", "x", ";", "=", "L", "s", "."]))
+                                          "none", "@t", "x", ";", "=", "L", "s", ".", ">", ">=",
+                                          " wait=L0.dma>=1", "dma", "L1.", "barrier"]))
         cut = data.draw(st.integers(0, 2))
         line = line[:at] + junk + line[at + cut:]
     assert outcome(asm.parse, head + line) == outcome(lark_only, head + line)
@@ -235,7 +254,8 @@ def test_unknown_directive():
     (".arch a\nwait L0 vec L256.dma>=1\n", "t.s:2:1: wait: until: condition L256.dma>=1 out of range"),
     (".arch a\nvadd L0 vec[0,1,1] vec[0,1,1] #1 rows=1 cols=1 wait=L0.dma>=16777216\n",
      "t.s:2:1: vadd: wait: condition L0.dma>=16777216 out of range"),
-    (".arch a\nwait L0 vec L0.gpu>=1\n", "t.s:2:13: unexpected 'L0.gpu>=1'; expected a condition (L0.dma>=5)"),
+    (".arch a\nwait L0 vec L0.gpu>=1\n",
+     "t.s:2:13: unexpected 'L0.gpu>=1'; expected a condition (L0.dma>=5)"),
     (".arch a\nwait L0 vec L0.dma>1\n", "t.s:2:13: unexpected 'L0.dma>1'; expected a condition"),
     (".arch a\nvadd L0 vec[0,1,1] vec[0,1,1] #1 rows=1 cols=1 wait=\n",
      "t.s:2:53: unexpected end of line; expected a condition (L0.dma>=5)"),
@@ -250,7 +270,8 @@ def test_semantic_errors_name_file_line_and_column(text, expected):
 
 def test_an_error_far_into_a_long_program_has_the_right_line():
     body = "barrier\nwait L0 vec L1.dma>=1\n" * 1500
-    assert first_line(parse_error(".arch a\n" + body + "wait L0 vecc L1.dma>=1\n")).startswith("t.s:3002:9:")
+    msg = parse_error(".arch a\n" + body + "wait L0 vecc L1.dma>=1\n")
+    assert first_line(msg).startswith("t.s:3002:9:")
 
 
 # --- printing ------------------------------------------------------------------------------------

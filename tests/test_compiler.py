@@ -158,3 +158,14 @@ def test_float_graph_with_fusion_and_attention_matches(tmp_path):
     graph, _, rows = _check(path)
     assert all(r.ok for r in rows), rows
     assert any(n.op == "RowKernel" for n in graph.nodes)
+
+
+def test_check_all_compares_intermediates(tmp_path):
+    model = _bitlinear(tmp_path / "b.onnx", seq=7)
+    r = dlegion_cc(model, "-o", tmp_path / "b.s", "--arch", "dlegion-tiny")
+    assert r.returncode == 0, r.stderr
+    code = "import sys; from runtime.cli import main; main()"
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "b.s"), "--check", str(model), "--check-all"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "intermediates: all" in r.stdout and "within tolerance" in r.stdout

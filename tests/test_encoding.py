@@ -1,6 +1,7 @@
 """Binary format: the generic packer, round trips, and strict decoding of bad files."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 
@@ -9,12 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from isa import asm, encoding
-from isa.fields import DramRef, View, f32_bits
-from isa.instructions import BY_MNEMONIC, INSTRUCTIONS, WORD_BITS, word_bits
+from isa.fields import QUEUES, Cond, DramRef, View, f32_bits
+from isa.instructions import (BY_MNEMONIC, INSTRUCTIONS, WORD_BITS, Barrier, DmaStore, Wait,
+                              word_bits)
 from isa.program import Program, ProgramError, Tensor
 from strategies import instructions, instructions_of, programs
 
-Signal, Wait, VAdd, DmaStore = (BY_MNEMONIC[m] for m in ("signal", "wait", "vadd", "dma.st"))
+VAdd = BY_MNEMONIC["vadd"]
+WORD = WORD_BITS // 8           # bytes of an instruction word
+VIEW_BITS = 2 + 24 + 16 + 16
 
 
 def word(i) -> int:
@@ -24,22 +28,27 @@ def word(i) -> int:
 # --- instruction words -------------------------------------------------------------------------
 
 def test_fields_follow_the_opcode_in_declared_order():
-    # signal: opcode 8 bits, legion 8, queue_name 2 (dma, mat, vec), sem 16
-    assert word(Signal(3, "vec", 5)) == 0x40 | 3 << 8 | 2 << 16 | 5 << 18
-    # wait adds count (32 bits) after sem
-    assert word(Wait(1, "mat", 7, 9)) == 0x41 | 1 << 8 | 1 << 16 | 7 << 18 | 9 << 34
+    # wait: opcode 8 bits, legion 8, queue_name 2 (dma, mat, vec), then the condition: its
+    # Legion 8, its queue 2, its count 24
+    until = 7 | 2 << 8 | 9 << 10
+    assert word(Wait(1, "mat", Cond(7, "vec", 9))) == 0x41 | 1 << 8 | 1 << 16 | until << 18
+    assert word(Barrier()) == 0x42
 
 
-def test_views_and_immediates_are_packed_by_their_kinds():
+def test_views_immediates_and_the_optional_wait_are_packed_by_their_kinds():
     i = VAdd(2, View("vec", 5, 6, 7), View("act", 1, 0, 0), -1.5, 4, 64)
-    view_bits = 2 + 24 + 16 + 16
     x = word(i)
     assert x & 0xFF == i.OPCODE and x >> 8 & 0xFF == 2
-    dst = x >> 16 & ((1 << view_bits) - 1)
+    dst = x >> 16 & ((1 << VIEW_BITS) - 1)
     assert dst == 3 | 5 << 2 | 6 << 26 | 7 << 42
-    b = x >> (16 + 2 * view_bits) & ((1 << (1 + view_bits)) - 1)
+    b = x >> (16 + 2 * VIEW_BITS) & ((1 << (1 + VIEW_BITS)) - 1)
     assert b == 1 | f32_bits(-1.5) << 1
-    assert x >> (16 + 3 * view_bits + 1) == 4 | 64 << 16
+    rows_at = 16 + 3 * VIEW_BITS + 1
+    assert x >> rows_at == 4 | 64 << 16                 # no wait: its presence bit and all else 0
+    # the wait, last: a presence bit, then the condition
+    waited = word(dataclasses.replace(i, wait=Cond(3, "dma", 5)))
+    assert waited >> (rows_at + 32) == 1 | (3 | 0 << 8 | 5 << 10) << 1
+    assert waited & ((1 << (rows_at + 32)) - 1) == x
 
 
 def test_every_class_fits_its_word():
@@ -51,7 +60,7 @@ def test_every_class_fits_its_word():
 @given(instructions(n_tensors=4))
 def test_decode_inverts_encode(i):
     b = encoding.encode_instr(i)
-    assert len(b) == WORD_BITS // 8
+    assert len(b) == WORD
     assert encoding.decode_instr(b) == i
 
 
@@ -60,25 +69,38 @@ def test_decode_inverts_encode(i):
 def test_a_flipped_bit_decodes_to_another_instruction_or_fails_cleanly(i, bit):
     x = word(i) ^ (1 << bit)
     try:
-        j = encoding.decode_instr(x.to_bytes(32, "little"))
+        j = encoding.decode_instr(x.to_bytes(WORD, "little"))
     except ProgramError:
         return
-    assert encoding.encode_instr(j) == x.to_bytes(32, "little")
+    assert encoding.encode_instr(j) == x.to_bytes(WORD, "little")
 
 
 def test_unknown_opcode_and_bad_lengths():
     with pytest.raises(ProgramError, match="unknown opcode 0xff"):
-        encoding.decode_instr(b"\xff" + bytes(31))
-    with pytest.raises(ProgramError, match="32 bytes, got 31"):
-        encoding.decode_instr(bytes(31))
+        encoding.decode_instr(b"\xff" + bytes(WORD - 1))
+    with pytest.raises(ProgramError, match=f"{WORD} bytes, got 32"):
+        encoding.decode_instr(bytes(32))            # a word of the old 256-bit format
 
 
 def test_unused_bits_and_keyword_codes_outside_the_choices_are_rejected():
-    good = word(Signal(3, "vec", 5))
-    with pytest.raises(ProgramError, match="non-canonical"):
-        encoding.decode_instr((good | 1 << 255).to_bytes(32, "little"))
+    good = word(Wait(3, "vec", Cond(0, "dma", 5)))
+    for bad in (good | 1 << (WORD_BITS - 1), Barrier.OPCODE | 1 << 8):
+        with pytest.raises(ProgramError, match="non-canonical"):
+            encoding.decode_instr(bad.to_bytes(WORD, "little"))
     with pytest.raises(ProgramError, match="queue_name has no valid value"):
-        encoding.decode_instr((good | 3 << 16).to_bytes(32, "little"))
+        encoding.decode_instr((good | 3 << 16).to_bytes(WORD, "little"))
+    with pytest.raises(ProgramError, match="until has no valid value"):
+        encoding.decode_instr((good | 3 << (18 + 8)).to_bytes(WORD, "little"))
+
+
+def test_an_absent_wait_has_one_encoding():
+    i = VAdd(0, View("vec", 0, 1, 1), View("vec", 0, 1, 1), 1.0, 1, 1)
+    wait_at = 16 + 3 * VIEW_BITS + 1 + 32
+    payload = word(i) | 5 << (wait_at + 1)          # a condition without its presence bit
+    with pytest.raises(ProgramError, match="non-canonical"):
+        encoding.decode_instr(payload.to_bytes(WORD, "little"))
+    present = word(i) | 1 << wait_at
+    assert encoding.decode_instr(present.to_bytes(WORD, "little")).wait == Cond(0, "dma", 0)
 
 
 def test_nan_immediates_encode_as_the_quiet_nan():
@@ -88,15 +110,22 @@ def test_nan_immediates_encode_as_the_quiet_nan():
     assert a == b
     other = a ^ (1 << (8 + 8 + 2 * 58 + 1))          # flip the lowest payload bit of the NaN
     with pytest.raises(ProgramError, match="non-canonical"):
-        encoding.decode_instr(other.to_bytes(32, "little"))
+        encoding.decode_instr(other.to_bytes(WORD, "little"))
 
 
 @pytest.mark.parametrize("i, match", [
-    (Signal(256, "vec", 0), "legion: Legion index 256 out of range"),
-    (Signal(0, "gpu", 0), "queue_name: 'gpu' is not one of"),
+    (Wait(256, "vec", Cond(0, "dma", 1)), "legion: Legion index 256 out of range"),
+    (Wait(0, "gpu", Cond(0, "dma", 1)), "queue_name: 'gpu' is not one of"),
+    (Wait(0, "vec", Cond(0, "gpu", 1)), "until: expected a condition like L0.dma>=5"),
+    (Wait(0, "vec", None), "until: expected a condition like L0.dma>=5, got None"),
+    (Wait(0, "vec", Cond(256, "dma", 1)), "until: condition L256.dma>=1 out of range"),
+    (VAdd(0, View("vec", 0, 1, 1), View("vec", 0, 1, 1), 1.0, 1, 1, Cond(0, "dma", 1 << 24)),
+     "wait: condition L0.dma>=16777216 out of range"),
+    (VAdd(0, View("vec", 0, 1, 1), View("vec", 0, 1, 1), 1.0, 1, 1, 5), "wait: expected a condition"),
     (VAdd(0, View("vec", 1 << 24, 1, 1), View("vec", 0, 1, 1), 1.0, 1, 1), "dst: view addr"),
     (VAdd(0, View("vec", 0, 1, 1), View("vec", 0, 1, 1), 0.1, 1, 1), "b: immediate 0.1 is not an fp32"),
-    (VAdd(0, View("vec", 0, 1, 1), View("vec", 0, 1, 1), 1e39, 1, 1), "b: 1e\\+39 cannot be encoded"),
+    (VAdd(0, View("vec", 0, 1, 1), View("vec", 0, 1, 1), 1e39, 1, 1),
+     "b: immediate 1e\\+39 is outside the fp32 range"),
     (VAdd(0, View("vec", 0, 1, 1), View("vec", 0, 1, 1), 1, 1, 1), "b: immediate 1 is not an fp32"),
 ])
 def test_values_the_word_cannot_hold_are_errors(i, match):
@@ -105,7 +134,7 @@ def test_values_the_word_cannot_hold_are_errors(i, match):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.sampled_from(INSTRUCTIONS), st.data())
+@given(st.sampled_from([c for c in INSTRUCTIONS if c.fields()]), st.data())
 def test_quick_field_checks_agree_with_bad_fields(cls, data):
     # Corrupt one field of a valid instruction with a value of another field's kind.
     i = data.draw(instructions_of(cls, 4))
@@ -115,7 +144,9 @@ def test_quick_field_checks_agree_with_bad_fields(cls, data):
                                 st.builds(View, st.sampled_from(["act", "vec", "acc", "wgt"]),
                                           st.integers(0, 1 << 25), st.integers(0, 1 << 17), st.integers(0, 2)),
                                 st.sampled_from(["w8", "k", "set", "dma", "x"]),
-                                st.frozensets(st.integers(0, 70), max_size=3)))
+                                st.frozensets(st.integers(0, 70), max_size=3),
+                                st.builds(Cond, st.integers(-1, 300), st.sampled_from(QUEUES + ("gpu",)),
+                                          st.integers(-1, 1 << 25))))
     j = cls(**{**{n: getattr(i, n) for n in names}, name: value})
     try:
         expected = j.bad_fields()
@@ -143,21 +174,22 @@ def test_disassembled_text_reassembles_to_the_same_bytes(p):
 
 def test_file_layout():
     p = Program(arch="dlegion-tiny", tensors=[Tensor("x", "f32", (2, 3), "input", "x")],
-                instrs=[Signal(0, "dma", 1), Wait(0, "vec", 1, 1)], data_file="d.bin")
+                instrs=[Wait(0, "dma", Cond(1, "vec", 1)), Barrier()], data_file="d.bin")
     b = encoding.encode_program(p)
     magic, version, reserved, n = struct.unpack_from("<4sHHI", b)
-    assert (magic, version, reserved) == (b"DLGN", 1, 0)
+    assert (magic, version, reserved) == (b"DLGN", encoding.VERSION, 0)
     head = json.loads(b[12:12 + n])
     assert head == {"arch": "dlegion-tiny", "data_file": "d.bin", "tensors": [
         {"name": "x", "dtype": "f32", "shape": [2, 3], "kind": "input", "io_name": "x", "offset": None,
          "range": None}]}
-    start = -(-(12 + n) // 32) * 32
+    start = -(-(12 + n) // WORD) * WORD
     assert b[12 + n:start] == bytes(start - 12 - n)
-    assert len(b) == start + 64 and b[start:start + 32] == encoding.encode_instr(p.instrs[0])
+    assert len(b) == start + 2 * WORD and b[start:start + WORD] == encoding.encode_instr(p.instrs[0])
+    assert b[start + WORD:] == (Barrier.OPCODE).to_bytes(WORD, "little")
 
 
 def test_every_truncation_fails_cleanly_or_is_a_shorter_program():
-    body = "signal L0 vec s1\ndma.st L1 @t[0,1] vec[0,1,1] rows=1 cols=1\n"
+    body = "barrier\ndma.st L1 @t[0,1] vec[0,1,1] rows=1 cols=1 wait=L0.vec>=1\n"
     p = asm.parse(".arch a\n.tensor t f32[4] scratch\n" + body * 2)
     b = encoding.encode_program(p)
     for n in range(len(b)):
@@ -166,7 +198,7 @@ def test_every_truncation_fails_cleanly_or_is_a_shorter_program():
         except ProgramError as e:
             assert str(e).startswith("cut.bin: ")
             continue
-        assert q.instrs == p.instrs[:len(q.instrs)] and (len(b) - n) % 32 == 0
+        assert q.instrs == p.instrs[:len(q.instrs)] and (len(b) - n) % WORD == 0
 
 
 @pytest.mark.parametrize("head, match", [
@@ -180,8 +212,8 @@ def test_every_truncation_fails_cleanly_or_is_a_shorter_program():
      b'"kind": "input", "io_name": null, "offset": null, "range": null}]}', "bad shape"),
 ])
 def test_corrupt_headers_are_errors(head, match):
-    b = struct.pack("<4sHHI", b"DLGN", 1, 0, len(head)) + head
-    b += bytes(-len(b) % 32)
+    b = struct.pack("<4sHHI", b"DLGN", encoding.VERSION, 0, len(head)) + head
+    b += bytes(-len(b) % WORD)
     with pytest.raises(ProgramError, match=match):
         encoding.decode_program(b, "x.bin")
 
@@ -190,9 +222,9 @@ def test_version_and_references_are_checked():
     p = Program(arch="a", tensors=[Tensor("t", "f32", (4,), "scratch")],
                 instrs=[DmaStore(0, DramRef(0, 0, 1), View("vec", 0, 1, 1), 1, 1)])
     b = bytearray(encoding.encode_program(p))
-    with pytest.raises(ProgramError, match="unsupported binary version 2.0"):
-        encoding.decode_program(bytes(b[:4] + b"\x02" + b[5:]))
-    b[-32 + 2] = 5              # the tensor index of dst: bits 16.., after opcode and legion
+    with pytest.raises(ProgramError, match="unsupported binary version 3.0"):
+        encoding.decode_program(bytes(b[:4] + b"\x03" + b[5:]))
+    b[-WORD + 2] = 5            # the tensor index of dst: bits 16.., after opcode and legion
     with pytest.raises(ProgramError, match="instruction 0: dma.st: dst: tensor index 5 but only 1"):
         encoding.decode_program(bytes(b))
     p.instrs[0] = DmaStore(0, DramRef(1, 0, 1), View("vec", 0, 1, 1), 1, 1)

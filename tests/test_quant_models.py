@@ -111,7 +111,10 @@ def test_nbits_quantizes_each_input_once():
     assert ops["AbsmaxQuantize"] == 9
 
 
-@pytest.mark.parametrize("name", ["bitnet_tiny_relu2", "bitnet_tiny_silu_mha", "bitnet_tiny_sparse", "bitnet_tiny_gqa"])
+BITNET = ["bitnet_tiny_relu2", "bitnet_tiny_silu_mha", "bitnet_tiny_sparse", "bitnet_tiny_gqa"]
+
+
+@pytest.mark.parametrize("name", BITNET)
 def test_bitnet_still_matches(name):
     seq = golden(name)["input_ids"].shape[1] if name == "bitnet_tiny_gqa" else None
     graph, program, outputs = compiled(name, seq)

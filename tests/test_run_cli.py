@@ -82,13 +82,26 @@ def test_fault_names_the_instruction(tmp_path):
         "vrmax L0 vec[256,1,0] vec[0,32,1]", "vrmax L0 vec[256,1,0] vec[4000,32,1]"))
     r = dlegion_run(prog)
     assert r.returncode == 2
-    assert "bad.s:10: vrmax: read of never-written" in r.stderr
+    assert "bad.s:8: vrmax: read of never-written" in r.stderr
     assert "Traceback" not in r.stderr
 
 
 def test_deadlock_is_reported(tmp_path):
+    # vrmax now waits for the store, the second DMA, which itself waits for the vector queue
     prog = tmp_path / "dead.s"
-    prog.write_text((EXAMPLES / "softmax.s").read_text().replace("wait L0 vec s0 count=1", "wait L0 vec s1 count=1"))
+    prog.write_text((EXAMPLES / "softmax.s").read_text().replace("wait=L0.dma>=1", "wait=L0.dma>=2"))
     r = dlegion_run(prog)
     assert r.returncode == 2
-    assert "never satisfied" in r.stderr
+    assert ("dead.s:8: vrmax on L0 vec waits for L0.dma>=2, never satisfied (L0.dma completed 1); "
+            "1 other instruction(s) blocked too") in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_unsatisfiable_condition_is_rejected_before_running(tmp_path):
+    prog = tmp_path / "never.s"
+    prog.write_text((EXAMPLES / "softmax.s").read_text().replace("wait=L0.vec>=5", "wait=L0.vec>=6"))
+    r = dlegion_run(prog)
+    assert r.returncode == 2
+    assert ("never.s:13: dma.st: condition L0.vec>=6 can never be satisfied: L0.vec runs 5 "
+            "instructions") in r.stderr
+    assert "Traceback" not in r.stderr

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from isa.arch import MODE_BITS
-from isa.fields import DramRef, View
-from isa.instructions import (BY_MNEMONIC, INSTRUCTIONS, VECTOR_FUNCS, DmaLoad, DmaStore, Drain,
-                              Gather, Instr, MatMul, Signal, VBinary, VMatMul, VSelect, Wait)
+from isa.fields import Cond, DramRef, View
+from isa.instructions import (BY_MNEMONIC, INSTRUCTIONS, VECTOR_FUNCS, Barrier, DmaLoad, DmaStore,
+                              Drain, Gather, Instr, MatMul, VBinary, VMatMul, VSelect, Wait)
 from isa.program import ProgramError, pack, unpack
 from runtime.semantics import execute, handler_for
 from runtime.state import Trap, overlaps
@@ -412,10 +412,23 @@ def test_vmatmul_in_fp32():
 
 def test_sync_instructions_change_nothing():
     m = Builder().machine()
-    before = [s.data.copy() for s in m.spads[0].values()]
-    execute(m, Signal(L0, "dma", 3))
-    execute(m, Wait(1, "vec", 3, 1))
-    assert all((s.data == d).all() for s, d in zip(m.spads[0].values(), before))
+    put(m, L0, "vec", 0, 4, np.arange(8, dtype=np.float32).reshape(2, 4))
+    before = [s.data.copy() for legion in m.spads for s in legion.values()]
+    execute(m, Wait(1, "vec", Cond(L0, "dma", 3)))
+    execute(m, Barrier())
+    after = [s.data for legion in m.spads for s in legion.values()]
+    assert len(after) == len(before) and all((a == b).all() for a, b in zip(after, before))
+
+
+def test_a_wait_field_does_not_change_what_an_instruction_computes():
+    b = Builder()
+    vexp = BY_MNEMONIC["vexp"]
+    b.add(vexp(L0, View("vec", 100, 4), View("vec", 0, 4), 2, 4),
+          vexp(L0, View("vec", 200, 4), View("vec", 0, 4), 2, 4, wait=Cond(1, "mat", 7)))
+    m = b.machine()
+    put(m, L0, "vec", 0, 4, np.linspace(-2, 2, 8, dtype=np.float32).reshape(2, 4))
+    run(m)
+    np.testing.assert_array_equal(spad(m, L0, "vec", 100, 4, 2, 4), spad(m, L0, "vec", 200, 4, 2, 4))
 
 
 # --- traps and state -------------------------------------------------------------------------

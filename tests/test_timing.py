@@ -1,12 +1,15 @@
 """Timing model: hand-computed cycle counts for passes, sparsity, DRAM sharing and sync."""
 import dataclasses
 import time
+from collections import Counter
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from isa.arch import load
-from isa.fields import Cond, DramRef, View
+from isa.fields import QUEUES, Cond, DramRef, View
 from isa.instructions import BY_MNEMONIC, Barrier, DmaLoad, DmaStore, Drain, MatMul, VMatMul, Wait
 from isa.program import Program, Tensor
 from runtime.timing import Deadlock, TimingError, simulate
@@ -225,7 +228,8 @@ def test_independent_queues_overlap_and_a_wait_serializes():
 def test_wait_for_the_nth_dma_starts_after_it_is_done_latency_included():
     # the second load starts when the first one's flow ends, at 10; it is done at 20 + 20
     instrs = [load_x(cols=320), load_x(cols=320),
-              vop("vadd", 1, 16, wait=Cond(0, "dma", 1)), vop("vadd", 1, 16, wait=Cond(0, "dma", 2))]
+              vop("vadd", 1, 16, wait=Cond(0, "dma", 1)),
+              vop("vadd", 1, 16, wait=Cond(0, "dma", 2))]
     t = simulate(prog(instrs, X320), TINY)
     assert list(t.free[:2]) == [10, 20] and list(t.done[:2]) == [30, 40]
     assert list(t.start[2:]) == [30, 40]
@@ -381,3 +385,64 @@ def test_twenty_thousand_instructions_simulate_fast():
     t = simulate(p, a)
     assert time.perf_counter() - t0 < 1.0
     assert t.counters["count_matrix"] == 8 * reps and t.counters["count_sync"] == reps // 10
+
+
+# --- a property of every schedule ------------------------------------------------------------
+
+KEYS = [(legion, q) for legion in range(TINY.legions) for q in QUEUES]
+
+
+@st.composite
+def forward_programs(draw):
+    """Programs on TINY whose conditions name only instructions earlier in program order, so
+    that they cannot deadlock."""
+    dispatched = Counter()          # queue -> its instructions so far
+    instrs = []
+    for _ in range(draw(st.integers(1, 14))):
+        what = draw(st.sampled_from(["vadd", "mm", "dma.ld", "wait", "barrier"]))
+        if what == "barrier":
+            instrs.append(Barrier())
+            dispatched.update(KEYS)
+            continue
+        target = draw(st.sampled_from(KEYS))
+        cond = Cond(*target, draw(st.integers(0, dispatched[target])))
+        if what != "wait" and draw(st.booleans()):
+            cond = None
+        legion = draw(st.integers(0, TINY.legions - 1))
+        i = {"vadd": lambda: vop("vadd", 1, draw(st.integers(1, 48)), legion=legion, wait=cond),
+             "mm": lambda: mm(draw(st.integers(1, 16)), 8, 8, legion=legion, wait=cond),
+             "dma.ld": lambda: load_x(legion=legion, cols=draw(st.integers(1, 320)), wait=cond),
+             "wait": lambda: Wait(legion, draw(st.sampled_from(QUEUES)), cond)}[what]()
+        instrs.append(i)
+        dispatched[(i.legion, i.queue())] += 1
+    return prog(instrs, X320)
+
+
+def queue_items(p) -> dict:
+    items = {key: [] for key in KEYS}
+    for k, i in enumerate(p.instrs):
+        for key in KEYS if isinstance(i, Barrier) else [(i.legion, i.queue())]:
+            items[key].append(k)
+    return items
+
+
+@settings(max_examples=150, deadline=None)
+@given(forward_programs())
+def test_every_instruction_starts_as_soon_as_its_queue_and_condition_allow(p):
+    t = simulate(p, TINY)
+    items = queue_items(p)
+
+    def prefix_done(key, n):        # when queue ``key`` has completed its first n instructions
+        return max((t.done[k] for k in items[key][:n]), default=0.0)
+
+    for k, i in enumerate(p.instrs):
+        if isinstance(i, Barrier):
+            ready = max(prefix_done(key, items[key].index(k)) for key in KEYS)
+            assert t.start[k] == t.done[k] == ready, k
+            continue
+        key = (i.legion, i.queue())
+        at = items[key].index(k)
+        cond = i.until if isinstance(i, Wait) else i.wait
+        ready = max(t.free[items[key][at - 1]] if at else 0.0,
+                    prefix_done((cond.legion, cond.queue), cond.count) if cond else 0.0)
+        assert t.start[k] == ready, k

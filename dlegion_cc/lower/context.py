@@ -64,7 +64,7 @@ class Lowering:
             dtype = DRAM_DTYPE.get(self.dtype(name))
             idx = self.em.tensor(name, dtype or "f32", shape, "output", io_name=name)
         else:
-            idx = self.em.tensor(name, "f32", shape, "scratch")
+            idx = self.em.tensor(name, "f32", shape, "scratch", io_name=name)
         self.operands[name] = whole(idx, shape)
         return self.operands[name]
 

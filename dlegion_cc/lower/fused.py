@@ -85,18 +85,22 @@ def row_kernel(low: Lowering, node) -> None:
     def body(em, legion, views, rows, cols):
         view = {v: views[s] for v, s in slot.items()}
         for n in node.attrs["nodes"]:
-            emit_op(em, legion, n, view, scalars, rows, cols if widths[n.outputs[0]] > 1 else 1)
+            emit_op(em, legion, n, view, scalars, rows, cols, cols if widths[n.outputs[0]] > 1 else 1)
     keep = any(k in ("col", "row") for k in kinds.values()) or any(
         n.op in ROW_REDUCE or n.op == "Softmax" for n in node.attrs["nodes"])
     rowwise(low.em, (frame.rows, frame.cols), args, body, keep_last=keep, where=f"node '{node.name}': ")
 
 
-def emit_op(em, legion: int, n: Node, view: dict, scalars: dict, rows: int, cols: int) -> None:
-    """The vector instructions of one row-local node on scratchpad views."""
+def emit_op(em, legion: int, n: Node, view: dict, scalars: dict, rows: int, width: int, cols: int) -> None:
+    """The vector instructions of one row-local node on scratchpad views: ``width`` is the row
+    length of the block, ``cols`` that of the node's output (1 for a column)."""
     out = view[n.outputs[0]]
 
     def arg(name):
         return scalars[name] if name in scalars else view[name]
+    if n.op in REDUCE:
+        _reduce(em, legion, n, out, arg, rows, width)
+        return
     OPS[_family(n.op)](em, legion, n, out, arg, rows, cols)
 
 
@@ -105,8 +109,6 @@ def _family(op: str) -> str:
         return "unary"
     if op in BINARY:
         return "binary"
-    if op in REDUCE:
-        return "reduce"
     return op
 
 
@@ -135,10 +137,8 @@ def _binary(em, l, n, out, arg, rows, cols):
     em.emit(BY_MNEMONIC[BINARY[op]](l, out, a, b, rows, cols))
 
 
-def _reduce(em, l, n, out, arg, rows, cols):
-    x = arg(n.inputs[0])
-    width = x.rs if x.rs else 1
-    em.emit(BY_MNEMONIC[REDUCE[n.op]](l, out, x, rows, width))
+def _reduce(em, l, n, out, arg, rows, width):
+    em.emit(BY_MNEMONIC[REDUCE[n.op]](l, out, arg(n.inputs[0]), rows, width))
     if n.op == "ReduceMean":
         em.emit(BY_MNEMONIC["vdiv"](l, out, out, float(width), rows, 1))
 
@@ -178,5 +178,5 @@ def _cast(em, l, n, out, arg, rows, cols):
     em.emit(BY_MNEMONIC["vmov"](l, out, x, rows, cols))
 
 
-OPS = {"unary": _unary, "binary": _binary, "reduce": _reduce, "Softmax": _softmax, "Clip": _clip,
+OPS = {"unary": _unary, "binary": _binary, "Softmax": _softmax, "Clip": _clip,
        "Where": _where, "Cast": _cast}

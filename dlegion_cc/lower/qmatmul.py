@@ -13,7 +13,9 @@ themselves: one more pass streams a row holding e = zp - offset (always an int8)
 few constant weight rows whose column sums are -colsum(W), adding into the same accumulators.
 
 Per-block weight scales (``scales`` [groups, N], one row per ``block`` rows of W) drain once
-per block, accumulating into fp32.
+per block, accumulating into fp32. A weight wider than int8 (8-bit codes minus a zero point
+span [-255, 255]) is the sum of two or three int8 pieces, each streamed into the same
+accumulators; every piece runs in the narrowest mode that holds it.
 """
 from __future__ import annotations
 
@@ -57,12 +59,27 @@ def pick_mode(arch: Arch, wanted: str) -> str:
     return min(fits, key=lambda m: MODE_BITS[m])
 
 
+MAX_PIECES = 3
+
+
+def weight_pieces(values: np.ndarray) -> list[np.ndarray]:
+    """int8 matrices summing to ``values`` (just ``values`` when it is int8 already)."""
+    pieces, rest = [], values.astype(np.int64)
+    while not pieces or rest.any():
+        if len(pieces) == MAX_PIECES:
+            raise ValueError(f"weights spanning [{values.min()}, {values.max()}] need more than "
+                             f"{MAX_PIECES} int8 pieces")
+        pieces.append(np.clip(rest, -128, 127))
+        rest = rest - pieces[-1]
+    return pieces
+
+
 @dataclass(frozen=True)
 class Weights:
     """The constant operand as the arrays hold it, and the scales applied when draining."""
 
-    values: np.ndarray                 # int [K, N], inside ``mode``'s range
-    mode: str
+    values: np.ndarray                 # int [K, N] or [batches, K, N]; the narrowest mode holding
+                                       # each piece is used
     scales: np.ndarray | None = None   # fp32 [groups, N]: column scales of each group of rows
     block: int = 0                     # rows per group; 0: one group of all K rows
     bias: np.ndarray | None = None     # fp32 [N], added once
@@ -77,6 +94,7 @@ class Activations:
     zero_point: str | int = 0          # a graph value (scalar) or a constant
     rscale: str | None = None          # per-row or per-tensor scale applied when draining
     divisor: bool = False              # the drain multiplies by 1 / rscale
+    factor: float | None = None        # ... or by rscale * factor, rounded once to fp32
 
 
 @dataclass(frozen=True)
@@ -93,10 +111,10 @@ def qmatmul(low: Lowering, node) -> None:
     if scales is None and a.get("cscale") is not None:
         scales = np.asarray(a["cscale"], np.float32)[None, :]
     acts = Activations(q, a.get("act_offset", 0), zp or a.get("act_zero_point", 0), s or None,
-                       a.get("row_divisor", False))
-    weights = Weights(np.asarray(a["weight"]), a["mode"], scales, a.get("block", 0), a.get("bias"))
-    requant = a.get("requant")
-    lower_qmatmul(low, node.name, acts, weights, Output(node.outputs[0], None if requant is None else tuple(requant)))
+                       a.get("row_divisor", False), a.get("rscale_factor"))
+    weights = Weights(np.asarray(a["weight"]), scales, a.get("block", 0), a.get("bias"))
+    requant = None if a.get("requant") is None else tuple(a["requant"])
+    lower_qmatmul(low, node.name, acts, weights, Output(node.outputs[0], requant))
 
 
 @dataclass(frozen=True)
@@ -105,8 +123,7 @@ class Problem:
 
     a8: int                  # i8 [M, K] activations - offset
     rscale: int | None       # f32 [M]
-    weight: int              # [K, n_pad] at ``mode``
-    mode: str
+    weights: tuple           # ((tensor [K, n_pad], mode), ...): pieces summed into the accumulators
     scales: int | None       # f32 [groups, n_pad]
     groups: int
     block: int
@@ -118,29 +135,33 @@ class Problem:
     requant: tuple | None
     exact: bool              # store the int32 accumulators as they are
     out: int
-    M: int
+    rows: range              # the activation (and output) rows this weight multiplies
     K: int
     N: int
     n_pad: int
 
 
 def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: Output) -> None:
-    """Emit ``out = scale((acts - zp) . w)`` (see the module docstring)."""
+    """Emit ``out = scale((acts - zp) . w)`` (see the module docstring).
+
+    Batched weights [batches, K, N] multiply consecutive equal slices of the activation rows.
+    """
     em, arch = low.em, low.em.arch
-    K, N = w.values.shape
+    values = w.values if w.values.ndim == 3 else w.values[None]
+    batches, K, N = values.shape
     shape = low.shape(acts.name)
+    M = math.prod(shape[:-1])
     if not shape or shape[-1] != K:
         raise ValueError(f"activations '{acts.name}' of shape {list(shape)} do not have K={K} columns")
-    M = math.prod(shape[:-1])
-    mode = pick_mode(arch, w.mode)
+    if batches > 1 and math.prod(shape[:-2]) != batches:
+        raise ValueError(f"{batches} batches of weights but activations of shape {list(shape)}")
     block = w.block or K
-    groups = math.ceil(K / block)
     a8 = int8_rows(low, acts.name, acts.offset)
-    rscale = row_scales(low, acts.rscale, acts.divisor, M) if acts.rscale else None
-    corr = correction(low, name, acts, w.values, block)
+    rscale = row_scales(low, acts, M) if acts.rscale else None
+    corrs = [correction(low, f"{name}_{b}" if batches > 1 else name, acts, v, block) for b, v in enumerate(values)]
     em.barrier()                                        # every Legion reads what the vector unit wrote
     n_pad = math.ceil(N / arch.array) * arch.array
-    weight = em.const(f"{name}_w", _pad_cols(w.values, n_pad).astype(np.int8), WEIGHT_DTYPE[mode])
+    groups = math.ceil(K / block)
     scales = None if w.scales is None else em.const(f"{name}_scales", _pad_cols(
         np.broadcast_to(np.asarray(w.scales, np.float32).reshape(-1, N), (groups, N)), n_pad), "f32")
     bias = None if w.bias is None else em.const(f"{name}_bias", _pad_cols(
@@ -148,13 +169,22 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
     dst = low.result(out.name)
     exact = (low.dtype(out.name) == np.int32 and em.tensors[dst.tensor].dtype == "i32"
              and rscale is None and scales is None and bias is None and out.requant is None)
-    p = Problem(a8, rscale, weight, mode, scales, groups, block, bias, *corr, out.requant, exact,
-                dst.tensor, M, K, N, n_pad)
-    emit_tiles(em, p, plan_tiles(arch, p))
+    per = M // batches
+    for b, v in enumerate(values):
+        weights = tuple(_weight_const(em, f"{name}_w{b or ''}{i or ''}", piece, n_pad)
+                        for i, piece in enumerate(weight_pieces(v)))
+        p = Problem(a8, rscale, weights, scales, groups, block, bias, *corrs[b], out.requant, exact,
+                    dst.tensor, range(b * per, (b + 1) * per), K, N, n_pad)
+        emit_tiles(em, p, plan_tiles(arch, p))
 
 
 def _pad_cols(a: np.ndarray, n_pad: int) -> np.ndarray:
     return np.pad(a, ((0, 0), (0, n_pad - a.shape[1])))
+
+
+def _weight_const(em: Emitter, name: str, piece: np.ndarray, n_pad: int) -> tuple[int, str]:
+    mode = pick_mode(em.arch, mode_for(piece))
+    return em.const(name, _pad_cols(piece, n_pad).astype(np.int8), WEIGHT_DTYPE[mode]), mode
 
 
 # --- operands ------------------------------------------------------------------------------
@@ -190,12 +220,16 @@ def _per_row(low: Lowering, name: str, M: int) -> Operand:
     raise ValueError(f"scale '{name}' of shape {list(low.shape(name))} is neither per tensor nor per row")
 
 
-def row_scales(low: Lowering, s: str, divisor: bool, M: int) -> int:
-    """f32 [M]: the drain's per-row scale (1 / s when the graph divides by s)."""
-    em = low.em
+def row_scales(low: Lowering, acts: Activations, M: int) -> int:
+    """f32 [M]: the drain's per-row scale: s, 1 / s (the graph divides by s) or s * factor."""
+    em, s = low.em, acts.rscale
     rs = em.tensor(f"{s}_rscale", "f32", (M,), "scratch")
-    mnemonic = "vrecip" if divisor else "vmov"
-    body = lambda e, l, v, r, c: e.emit(BY_MNEMONIC[mnemonic](l, v["out"], v["s"], r, c))
+
+    def body(e, l, v, r, c):
+        if acts.factor is not None:
+            e.emit(BY_MNEMONIC["vmul"](l, v["out"], v["s"], float(np.float32(acts.factor)), r, c))
+        else:
+            e.emit(BY_MNEMONIC["vrecip" if acts.divisor else "vmov"](l, v["out"], v["s"], r, c))
     rowwise(em, (M, 1), [Arg("s", _per_row(low, s, M)), Arg("out", Operand(rs, 0, (1, 0)), out=True)], body)
     return rs
 
@@ -222,9 +256,9 @@ def correction(low: Lowering, name: str, acts: Activations, values: np.ndarray, 
     zp = acts.zero_point
     if isinstance(zp, str):
         c = low.const(zp)
-        if c is not None and c.size != 1 or c is None and math.prod(low.shape(zp)) != 1:
+        if (c.size if c is not None else math.prod(low.shape(zp))) != 1:
             raise ValueError(f"zero point '{zp}' is not per tensor (per-row zero points are not supported)")
-        zp = int(c.reshape(())) if c is not None else zp
+        zp = zp if c is None else int(c.reshape(()))
     if zp == acts.offset:
         return None, None, 0, "w8"
     mode = max(arch.modes, key=lambda m: MODE_BITS[m])
@@ -253,26 +287,33 @@ class Tiles:
     rows: int          # activation rows multicast at once (Mb)
     cols: int          # output columns one Legion handles per drain (nb)
     depth: int         # weight rows loaded at once (Kc), never across a scale group
+    corr_depth: int    # correction weight rows loaded at once
     per_legion: int    # output columns owned by each Legion
+
+
+def _depth(arch: Arch, cols: int, mode: str, most: int) -> int:
+    """Weight rows of ``cols`` columns the wgt scratchpad holds, whole arrays unless all ``most``."""
+    depth = min(most, arch.derived.spad_elems["wgt"] * 8 // (cols * MODE_BITS[mode]))
+    depth = depth if depth == most else depth // arch.array * arch.array
+    if depth < 1:
+        raise ValueError(f"a weight chunk of {cols} columns does not fit the wgt scratchpad of {arch.name}")
+    return depth
 
 
 def plan_tiles(arch: Arch, p: Problem) -> Tiles:
     d, na = arch.derived, arch.array
     cap = d.spad_elems
     per_legion = math.ceil(p.n_pad / na / arch.legions) * na
-    rows = min(p.M, (cap["act"] - p.k2) // p.K, cap["acc"] // na)
+    rows = min(len(p.rows), (cap["act"] - p.k2) // p.K, cap["acc"] // na)
     if rows < 1:
         raise ValueError(f"an activation row of {p.K} int8 does not fit the act scratchpad of {arch.name}")
     per_col = rows + p.groups + 1                      # result, group scales, bias
     cols = min(per_legion, cap["acc"] // rows, (cap["vec"] - rows) // per_col) // na * na
     if cols < na:
         raise ValueError(f"a {na}-column tile of {rows} rows does not fit the scratchpads of {arch.name}")
-    corr_bytes = p.k2 * cols * MODE_BITS[p.corr_mode] // 8
-    depth = min(p.block, (cap["wgt"] - corr_bytes) * 8 // (cols * MODE_BITS[p.mode]))
-    depth = depth if depth == p.block else depth // na * na
-    if depth < 1:
-        raise ValueError(f"a weight chunk of {cols} columns does not fit the wgt scratchpad of {arch.name}")
-    return Tiles(rows, cols, depth, per_legion)
+    corr_depth = _depth(arch, cols, p.corr_mode, p.k2) if p.k2 else 0
+    widest = max((mode for _, mode in p.weights), key=MODE_BITS.get)
+    return Tiles(rows, cols, _depth(arch, cols, widest, p.block), corr_depth, per_legion)
 
 
 @dataclass(frozen=True)
@@ -303,14 +344,14 @@ class VecLayout:
 def emit_tiles(em: Emitter, p: Problem, t: Tiles) -> None:
     owners = frozenset(l for l in range(em.arch.legions) if l * t.per_legion < p.n_pad)
     layout = VecLayout(t.rows, t.cols, p.groups)
-    if p.corr_row is not None:              # the zero-point row stays after the activation rows
-        em.emit(DmaLoad(0, owners, View("act", t.rows * p.K, p.k2, 1), DramRef(p.corr_row, 0, p.k2), 1, p.k2))
-    for m0 in range(0, p.M, t.rows):
-        m = min(t.rows, p.M - m0)
-        for l in sorted(owners):            # the previous block is done with act and rscale
-            if m0:
+    for m0 in range(p.rows.start, p.rows.stop, t.rows):
+        m = min(t.rows, p.rows.stop - m0)
+        if m0:                              # earlier blocks are done with act and rscale
+            for l in sorted(owners):
                 em.depend((l, "mat"), (0, "dma"))
                 em.depend((l, "vec"), (0, "dma"))
+        if m0 == p.rows.start and p.corr_row is not None:   # it stays after the activation rows
+            em.emit(DmaLoad(0, owners, View("act", t.rows * p.K, p.k2, 1), DramRef(p.corr_row, 0, p.k2), 1, p.k2))
         em.emit(DmaLoad(0, owners, View("act", 0, p.K, 1), DramRef(p.a8, m0 * p.K, p.K), m, p.K))
         if p.rscale is not None:
             em.emit(DmaLoad(0, owners, View("vec", layout.rscale, 1, 1), DramRef(p.rscale, m0, 1), m, 1))
@@ -353,30 +394,32 @@ def _split(em: Emitter) -> str:
 
 def _group_passes(em: Emitter, p: Problem, t: Tiles, l: int, m: int, n0: int, nb: int, g: int) -> None:
     """acc = (act rows of group g) . W_g [+ the zero-point correction of group g]."""
-    bits = MODE_BITS[p.mode]
-    row_bytes = p.n_pad * bits // 8
     g0, g1 = g * p.block, min(p.K, (g + 1) * p.block)
+    for i, (weight, mode) in enumerate(p.weights):
+        _stream(em, l, m, n0, nb, weight, mode, p.n_pad, range(g0, g1), 0, p.K, t.depth, i == 0)
+    if p.corr_row is not None:
+        # The row e = zp - offset, streamed to every accumulator row (row stride 0).
+        rows = range(g * p.k2, (g + 1) * p.k2)
+        _stream(em, l, m, n0, nb, p.corr_weight, p.corr_mode, p.n_pad, rows, t.rows * p.K - rows.start, 0,
+                t.corr_depth, False)
+
+
+def _stream(em: Emitter, l: int, m: int, n0: int, nb: int, weight: int, mode: str, n_pad: int, rows: range,
+            act_base: int, act_rs: int, depth: int, first_sets: bool) -> None:
+    """acc (+)= act . weight[rows, n0:n0+nb], loading ``depth`` weight rows at a time; weight row k
+    meets the activations at act[act_base + k]."""
+    bits = MODE_BITS[mode]
+    row_bytes = n_pad * bits // 8
     wgt = View("wgt", 0, nb * bits // 8, 1)
-    for k0 in range(g0, g1, t.depth):
-        kc = min(t.depth, g1 - k0)
+    for k0 in range(rows.start, rows.stop, depth):
+        kc = min(depth, rows.stop - k0)
         em.depend((l, "mat"), (l, "dma"))          # the weight buffer is free again
-        em.emit(DmaLoad(l, frozenset({l}), wgt, DramRef(p.weight, k0 * row_bytes + n0 * bits // 8, row_bytes),
+        em.emit(DmaLoad(l, frozenset({l}), wgt, DramRef(weight, k0 * row_bytes + n0 * bits // 8, row_bytes),
                         kc, nb * bits // 8))
         em.depend((l, "dma"), (l, "mat"))
-        em.emit(MatMul(l, View("acc", 0, nb, 1), View("act", k0, p.K, 1), wgt, m, kc, nb, p.mode, _split(em),
-                       "set" if k0 == g0 else "add", None))
-    if p.corr_row is None:
-        return
-    cbits = MODE_BITS[p.corr_mode]
-    cwgt = View("wgt", 0, nb * cbits // 8, 1)
-    crow_bytes = p.n_pad * cbits // 8
-    em.depend((l, "mat"), (l, "dma"))
-    em.emit(DmaLoad(l, frozenset({l}), cwgt, DramRef(p.corr_weight, g * p.k2 * crow_bytes + n0 * cbits // 8,
-                                                     crow_bytes), p.k2, nb * cbits // 8))
-    em.depend((l, "dma"), (l, "mat"))
-    # One row of e = zp - offset, streamed to every accumulator row (row stride 0).
-    em.emit(MatMul(l, View("acc", 0, nb, 1), View("act", t.rows * p.K, 0, 1), cwgt, m, p.k2, nb,
-                   p.corr_mode, _split(em), "add", None))
+        accumulate = "set" if first_sets and k0 == rows.start else "add"
+        em.emit(MatMul(l, View("acc", 0, nb, 1), View("act", act_base + k0, act_rs, 1), wgt, m, kc, nb, mode,
+                       _split(em), accumulate, None))
 
 
 def _drain_group(em: Emitter, p: Problem, layout: VecLayout, l: int, m: int, nb: int, g: int) -> None:
@@ -391,7 +434,8 @@ def _drain_group(em: Emitter, p: Problem, layout: VecLayout, l: int, m: int, nb:
     em.depend((l, "vec"), (l, "mat"))                  # the accumulators may be overwritten
 
 
-def _finish_and_store(em: Emitter, p: Problem, layout: VecLayout, l: int, m0: int, m: int, n0: int, nb: int) -> None:
+def _finish_and_store(em: Emitter, p: Problem, layout: VecLayout, l: int, m0: int, m: int, n0: int,
+                      nb: int) -> None:
     res = View("vec", layout.result, nb, 1)
     if p.requant is not None:
         zp, lo, hi = p.requant

@@ -15,13 +15,15 @@ from isa.instructions import BY_MNEMONIC, VSelect
 from dlegion_cc.ir import DLEGION
 from dlegion_cc.lower.context import Lowering, lowers
 from dlegion_cc.lower.layout import Operand, whole
-from dlegion_cc.lower.qmatmul import Activations, Output, Weights, lower_qmatmul, mode_for
+from dlegion_cc.lower.qmatmul import Activations, Output, Weights, lower_qmatmul
 from dlegion_cc.lower.rowwise import Arg, rowwise
 from dlegion_cc.passes.dynamic_int8 import integer_weights
+from dlegion_cc.passes.matmul_nbits import nbits_weights
+from dlegion_cc.passes.qdq import dequantize_constant
 
 MS = "com.microsoft"
 QRANGE = {"int8": (-128, 127), "uint8": (0, 255), "int4": (-8, 7), "uint4": (0, 15),
-          "int16": (-32768, 32767), "uint16": (0, 65535), "int32": (-2**31, 2**31 - 1)}
+          "int16": (-32768, 32767), "uint16": (0, 65535)}
 INT_DRAM = {"int8": "i8", "uint8": "u8", "int32": "i32"}
 OFFSET = {"uint8": 128, "int8": 0}       # int8 storage of each activation type: value - offset
 
@@ -31,12 +33,16 @@ def V(mnemonic: str):
 
 
 def int_result(low: Lowering, name: str) -> Operand:
-    """A DRAM tensor for an integer-valued result, stored exactly in its own integer type."""
-    dtype = INT_DRAM.get(low.dtype(name).name)
-    if name in low.graph.outputs or dtype is None:
-        return low.result(name)
+    """A DRAM tensor for a result, integer-valued ones stored exactly in their own integer type.
+
+    A scalar that is not a graph output gets a one-element tensor (DRAM tensors have a rank).
+    """
+    dtype = INT_DRAM.get(low.dtype(name).name, "f32")
     shape = low.shape(name)
-    low.operands[name] = whole(low.em.tensor(name, dtype, shape, "scratch"), shape)
+    if name in low.graph.outputs or (dtype == "f32" and shape):
+        return low.result(name)
+    idx = low.em.tensor(name, dtype, shape or (1,), "scratch")
+    low.operands[name] = Operand(idx, 0, whole(idx, shape).strides)
     return low.operands[name]
 
 
@@ -93,7 +99,8 @@ class Params:
             a = self.axis
             return Operand(op.tensor, op.offset, strides[:a + 1] + (0,) + strides[a + 1:])
         if not self.block and len(pshape) == 1 and pshape[0] == self.shape[self.axis]:
-            return Operand(op.tensor, op.offset, tuple(op.strides[0] if d == self.axis else 0 for d in range(rank)))
+            strides = tuple(op.strides[0] if d == self.axis else 0 for d in range(rank))
+            return Operand(op.tensor, op.offset, strides)
         raise ValueError(f"'{name}' of shape {list(pshape)} is neither per tensor, per axis {self.axis}"
                          f"{f', nor per block of {self.block}' if self.block else ''}")
 
@@ -163,7 +170,6 @@ def _fold_constant(low: Lowering, node) -> bool:
     out = node.outputs[0]
     if out in low.graph.outputs or any(low.const(i) is None for i in node.inputs if i):
         return False
-    from dlegion_cc.passes.qdq import dequantize_constant
     value = dequantize_constant(low.graph, node)
     low.operands[out] = whole(low.em.const(out, value, "f32"), value.shape)
     return True
@@ -179,7 +185,9 @@ def dynamic_quantize_linear(low: Lowering, node) -> None:
     y, scale, zp = node.outputs
     shape = low.shape(x) or (1,)
     M = math.prod(shape[:-1])
-    em = low.em
+    em, src = low.em, low.operand(x)
+    if src != whole(src.tensor, low.shape(x)):
+        raise ValueError(f"input '{x}' is not a contiguous tensor")
     lows, highs = (em.tensor(f"{x}_{k}", "f32", (M,), "scratch") for k in ("rmin", "rmax"))
     _row_min_max(low, x, shape, lows, highs, node.name)
     em.barrier()
@@ -193,12 +201,11 @@ def dynamic_quantize_linear(low: Lowering, node) -> None:
         e.emit(V("vadd")(l, v["out"], v["out"], v["z"], r, c))
         e.emit(V("vmax")(l, v["out"], v["out"], 0.0, r, c))
         e.emit(V("vmin")(l, v["out"], v["out"], 255.0, r, c))
-    src, dst = low.operand(x), int_result(low, y)
+    dst = int_result(low, y)
     args = [Arg("x", Operand(src.tensor, src.offset, (shape[-1], 1))),
-            Arg("s", Operand(s_op.tensor, s_op.offset, (0, 0))), Arg("z", Operand(z_op.tensor, z_op.offset, (0, 0))),
+            Arg("s", Operand(s_op.tensor, s_op.offset, (0, 0))),
+            Arg("z", Operand(z_op.tensor, z_op.offset, (0, 0))),
             Arg("out", Operand(dst.tensor, dst.offset, (shape[-1], 1)), out=True)]
-    if src != whole(src.tensor, low.shape(x)):
-        raise ValueError(f"input '{x}' is not a contiguous tensor")
     rowwise(em, frame, args, body, where=f"node '{node.name}': ")
 
 
@@ -231,9 +238,8 @@ def _scale_and_zero_point(low: Lowering, lows: int, highs: int, M: int, scale: s
         e.emit(V("vmax")(l, z, z, 0.0, r, 1))
         e.emit(V("vmin")(l, z, z, 255.0, r, 1))
         e.emit(V("vround")(l, z, z, r, 1))
-    s_op, z_op = low.result(scale) if scale else None, int_result(low, zp) if zp else None
-    s_op = s_op or whole(low.em.tensor(f"{name}_scale", "f32", (), "scratch"), ())
-    z_op = z_op or whole(low.em.tensor(f"{name}_zp", "f32", (), "scratch"), ())
+    s_op = int_result(low, scale) if scale else whole(low.em.tensor(f"{name}_scale", "f32", (1,), "scratch"), ())
+    z_op = int_result(low, zp) if zp else whole(low.em.tensor(f"{name}_zp", "f32", (1,), "scratch"), ())
     args = [Arg("lo", Operand(lows, 0, (0, 1))), Arg("hi", Operand(highs, 0, (0, 1))),
             Arg("lo_all", col=True), Arg("hi_all", col=True),
             Arg("s", Operand(s_op.tensor, s_op.offset, (0, 0)), out=True),
@@ -251,16 +257,12 @@ def activation_offset(low: Lowering, a: str) -> int:
     return OFFSET[kind]
 
 
-def constant_weights(low: Lowering, b: str, b_zp: str) -> np.ndarray:
-    return integer_weights(low.graph, b, b_zp)
-
-
 @lowers("MatMulInteger")
 def matmul_integer(low: Lowering, node) -> None:
     a, b, a_zp, b_zp = (node.inputs + ["", ""])[:4]
-    values = constant_weights(low, b, b_zp)
+    values = integer_weights(low.graph, b, b_zp)
     acts = Activations(a, activation_offset(low, a), a_zp or 0)
-    lower_qmatmul(low, node.name, acts, Weights(values, mode_for(values)), Output(node.outputs[0]))
+    lower_qmatmul(low, node.name, acts, Weights(values), Output(node.outputs[0]))
 
 
 @lowers("QLinearMatMul")
@@ -268,21 +270,21 @@ def qlinear_matmul(low: Lowering, node) -> None:
     """(a - a_zp) . (b - b_zp) * (a_scale * b_scale / y_scale), rounded, plus y_zp, saturated:
     onnxruntime's requantization, with its fp32 multiplier computed here."""
     a, sa, a_zp, b, sb, b_zp, sy, y_zp = node.inputs
-    values = constant_weights(low, b, b_zp)
+    values = integer_weights(low.graph, b, b_zp)
     consts = [low.const(n) for n in (sa, sb, sy, y_zp)]
     if any(c is None for c in consts):
         raise ValueError("scales and the output zero point computed at run time are not supported")
     a_scale, b_scale, y_scale, y_zero = consts
     if a_scale.size != 1 or y_scale.size != 1 or y_zero.size != 1:
         raise ValueError("per-row activation or output scales are not supported")
-    n = values.shape[1]
+    n = values.shape[-1]
     multiplier = (np.float32(a_scale.reshape(())) * b_scale.astype(np.float32).reshape(-1)
                   / np.float32(y_scale.reshape(()))).astype(np.float32)
     scales = np.broadcast_to(multiplier, (n,))[None, :]
     lo, hi = qrange(low, node.outputs[0])
     acts = Activations(a, activation_offset(low, a), a_zp or 0)
     out = Output(node.outputs[0], (float(y_zero.reshape(())), lo, hi))
-    lower_qmatmul(low, node.name, acts, Weights(values, mode_for(values), scales), out)
+    lower_qmatmul(low, node.name, acts, Weights(values, scales), out)
 
 
 # --- per-row absmax quantization (weight-only quantized matmuls) -----------------------------
@@ -315,6 +317,5 @@ ABSMAX_FLOOR = float(np.float32(1e-30))   # keeps 127 / floor finite; an all-zer
 @lowers("MatMulNBits", domain=MS)
 def matmul_nbits(low: Lowering, node) -> None:
     """Reached only when the MatMulNBits pass could not rewrite the node: say why."""
-    from dlegion_cc.passes.matmul_nbits import nbits_weights
     nbits_weights(low.graph, node)
-    raise ValueError("MatMulNBits was not rewritten to a quantized matmul")
+    raise ValueError("internal: a MatMulNBits the pass accepts was not rewritten")

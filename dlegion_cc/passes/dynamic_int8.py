@@ -6,9 +6,10 @@ Source construct (onnxruntime ``quantize_dynamic(weight_type=QInt8)``)::
     acc = MatMulInteger(xq, Wq, xz, wz)                 # Wq, wz: constants
     y   = Mul(Cast(acc, to=float), Mul(xs, w_scale))    # the scale product is a run-time scalar
 
-becomes ``y = dlegion.QMatMul(xq, scale, xz)`` with ``weight = Wq - wz`` (int8): the arrays
-multiply xq - 128 stored as int8, a correction pass adds (128 - xz) * colsum(W) exactly, and
-the drain converts the int32 sum to fp32 and multiplies by the scale once, as Cast + Mul do.
+becomes ``y = dlegion.QMatMul(xq, xs, xz)`` with ``weight = Wq - wz`` and
+``rscale_factor = w_scale``: the arrays multiply xq - 128 stored as int8, a correction pass adds
+(128 - xz) * colsum(W) exactly, and the drain converts the int32 sum to fp32 and multiplies it
+once by fp32(xs * w_scale), as Cast + Mul do.
 """
 from __future__ import annotations
 
@@ -23,21 +24,18 @@ OFFSET = {np.dtype(np.uint8): 128, np.dtype(np.int8): 0}
 
 
 def integer_weights(graph: Graph, b: str, b_zp: str) -> np.ndarray:
-    """B - b_zero_point for a constant 2-D B; raises ValueError when that is not an int8 matrix."""
+    """B - b_zero_point for a constant 2-D B (raises ValueError for anything else)."""
     w = graph.const(b)
     if w is None:
         raise ValueError(f"B '{b}' is computed at run time; the arrays take constant weights only")
-    if w.ndim != 2:
-        raise ValueError(f"B '{b}' has rank {w.ndim}; only 2-D weights are supported")
+    if w.ndim not in (2, 3):
+        raise ValueError(f"B '{b}' has rank {w.ndim}; only 2-D weights (or a batch of them) are supported")
     zp = graph.const(b_zp) if b_zp else None
     if b_zp and zp is None:
         raise ValueError(f"b_zero_point '{b_zp}' is computed at run time")
-    if zp is not None and zp.size not in (1, w.shape[1]):
+    if zp is not None and zp.size not in (1, w.shape[-1]):
         raise ValueError(f"b_zero_point of shape {list(zp.shape)} is neither per tensor nor per column")
-    values = w.astype(np.int64) - (0 if zp is None else zp.astype(np.int64).reshape(1, -1))
-    if mode_for(values) is None:
-        raise ValueError(f"B - b_zero_point spans [{values.min()}, {values.max()}], which does not fit int8")
-    return values
+    return w.astype(np.int64) - (0 if zp is None else zp.astype(np.int64).reshape(-1))
 
 
 def only_consumer(graph: Graph, name: str, op: str) -> Node | None:
@@ -63,6 +61,8 @@ class RecognizeDynamicInt8:
             values = integer_weights(graph, b, b_zp)
         except ValueError:
             return            # MatMulInteger's own lowering reports why
+        if values.ndim != 2:
+            return
         cast = only_consumer(graph, mmi.outputs[0], "Cast")
         if offset is None or cast is None or np.dtype(graph.values[cast.outputs[0]].dtype) != np.float32:
             return
@@ -70,12 +70,15 @@ class RecognizeDynamicInt8:
         scale = None if mul is None else _scale_operand(graph, mul, cast.outputs[0], values.shape[1])
         if scale is None:
             return
-        attrs = {"weight": values, "mode": mode_for(values), "act_offset": offset}
+        attrs = {"weight": values, "mode": mode_for(values) or "w8", "act_offset": offset}
         s = ""
         if graph.const(scale) is None:
-            s = scale
+            s, factor = _scale_product(graph, scale)
+            if factor is not None:
+                attrs["rscale_factor"] = factor
         else:
-            attrs["cscale"] = np.broadcast_to(graph.const(scale).astype(np.float32).reshape(-1), (values.shape[1],)).copy()
+            per_column = graph.const(scale).astype(np.float32).reshape(-1)
+            attrs["cscale"] = np.broadcast_to(per_column, (values.shape[1],)).copy()
         qmm = Node("QMatMul", mmi.name, [a, s, a_zp], list(mul.outputs), attrs, DLEGION)
         graph.nodes[graph.nodes.index(mmi)] = qmm
         graph.nodes.remove(cast)
@@ -92,3 +95,18 @@ def _scale_operand(graph: Graph, mul: Node, acc: str, n: int) -> str | None:
     if size == 1 or (v.const is not None and size == n and v.shape[-1] == n):
         return other
     return None
+
+
+def _scale_product(graph: Graph, scale: str) -> tuple[str, float | None]:
+    """(x_scale, w_scale) when ``scale`` = Mul(x_scale, constant w_scale) read only here: the
+    QMatMul forms the product itself (the same fp32 multiply), so no scalar node remains."""
+    mul = graph.producer(scale)
+    if mul is None or mul.op != "Mul" or mul.domain or len(graph.consumers(scale)) != 1 or scale in graph.outputs:
+        return scale, None
+    consts = [graph.const(i) for i in mul.inputs]
+    if sum(c is not None for c in consts) != 1:
+        return scale, None
+    k = 0 if consts[0] is not None else 1
+    if consts[k].size != 1 or graph.values[mul.inputs[1 - k]].shape != graph.values[scale].shape:
+        return scale, None
+    return mul.inputs[1 - k], float(np.float32(consts[k].reshape(())))

@@ -11,7 +11,8 @@ when absent). It becomes::
     xq, r = dlegion.AbsmaxQuantize(x)    # int8 per row: xq = round(x / r), r = max|x| / 127
     y = dlegion.QMatMul(xq, r)           # weight = q - zero_point, scales per block
 
-The weight is exact (w4 when it fits [-8, 7]); quantizing the float activations to int8 per
+The weight is exact (w4 when it fits [-8, 7], w8, or two w8 pieces for 8-bit codes with
+zero points); quantizing the float activations to int8 per
 row is this lowering's only approximation (onnxruntime's accuracy_level 4 quantizes them too,
 per block). One AbsmaxQuantize serves every MatMulNBits reading the same x.
 """
@@ -63,6 +64,9 @@ def nbits_weights(graph: Graph, node: Node) -> Weights:
     """The integer weight, per-block scales and bias of a MatMulNBits node; ValueError if none."""
     K, N = node.attrs["K"], node.attrs["N"]
     bits, block = node.attrs.get("bits", 4), node.attrs["block_size"]
+    kind = np.dtype(graph.values[node.inputs[0]].dtype)
+    if kind != np.float32:
+        raise ValueError(f"activations of type {kind.name} are not supported (float32)")
     if bits not in (2, 4, 8):
         raise ValueError(f"bits={bits} is not supported (2, 4 or 8)")
     blocks = math.ceil(K / block)
@@ -75,12 +79,8 @@ def nbits_weights(graph: Graph, node: Node) -> Weights:
         raise ValueError("a g_idx that reorders the rows is not supported")
     codes = unpack_codes(packed.reshape(N, blocks, -1), bits, block).reshape(N, -1)[:, :K]
     zp = np.repeat(_zero_points(graph, node, bits, N, blocks), block, axis=1)[:, :K]
-    values = (codes - zp).T
-    mode = mode_for(values)
-    if mode is None:
-        raise ValueError(f"codes minus zero points span [{values.min()}, {values.max()}], beyond int8")
     bias = _const(graph, node, 5, "bias")
-    return Weights(values, mode, scales.astype(np.float32).reshape(N, blocks).T.copy(), block,
+    return Weights((codes - zp).T, scales.astype(np.float32).reshape(N, blocks).T.copy(), block,
                    None if bias is None else bias.astype(np.float32).reshape(N))
 
 
@@ -100,15 +100,14 @@ class RecognizeMatMulNBits:
         except ValueError:
             return            # the MatMulNBits lowering reports why
         x = node.inputs[0]
-        if graph.values[x].dtype != np.float32:
-            return
         if x not in quantized:
             quantized[x] = _absmax_node(graph, x, graph.nodes.index(node))
         q, r = quantized[x]
-        attrs = {"weight": w.values, "mode": w.mode, "scales": w.scales, "block": w.block}
+        attrs = {"weight": w.values, "mode": mode_for(w.values) or "w8", "scales": w.scales, "block": w.block}
         if w.bias is not None:
             attrs["bias"] = w.bias
-        graph.nodes[graph.nodes.index(node)] = Node("QMatMul", node.name, [q, r], list(node.outputs), attrs, DLEGION)
+        qmm = Node("QMatMul", node.name, [q, r], list(node.outputs), attrs, DLEGION)
+        graph.nodes[graph.nodes.index(node)] = qmm
 
 
 def _absmax_node(graph: Graph, x: str, at: int) -> tuple[str, str]:

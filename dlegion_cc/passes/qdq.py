@@ -61,7 +61,8 @@ def dq_weights(graph: Graph, node: Node):
     """(values [K, N], scales [groups, N], block) of a DequantizeLinear of a constant 2-D weight
     with scales per tensor, per column or per block of rows; None otherwise."""
     x, s, z = _params(graph, node)
-    if x is None or s is None or x.ndim != 2 or (node.inputs[2:3] and node.inputs[2] and z is None):
+    z_named = len(node.inputs) > 2 and node.inputs[2]
+    if x is None or s is None or x.ndim != 2 or (z_named and z is None):
         return None
     K, N = x.shape
     axis, block = node.attrs.get("axis", 1) % 2, node.attrs.get("block_size", 0)
@@ -95,7 +96,8 @@ def _fit(cols: np.ndarray, absmax: np.ndarray):
             s = _ulps((absmax[todo] / np.float32(top)).astype(np.float32), steps)
             with np.errstate(all="ignore"):
                 q = np.rint(cols[:, todo] / s)
-            good = (np.abs(q) <= LARGEST_CODE).all(axis=0) & (q.astype(np.float32) * s == cols[:, todo]).all(axis=0)
+            exact = (q.astype(np.float32) * s == cols[:, todo]).all(axis=0)
+            good = exact & (np.abs(q) <= LARGEST_CODE).all(axis=0)
             codes[:, todo[good]], scales[todo[good]] = q[:, good].astype(np.int64), s[good]
             ok[todo[good]] = True
     return codes, scales, ok
@@ -150,10 +152,10 @@ class RecognizeQDQMatMul:
     def _rewrite(self, graph: Graph, mm: Node) -> None:
         act = activation_of(graph, mm.inputs[0])
         w = None if act is None else weight_of(graph, mm.inputs[1])
-        if w is None or mode_for(w[0]) is None:
+        if w is None:
             return
         q, sa, za = act
         values, scales, block = w
-        attrs = {"weight": values, "mode": mode_for(values), "scales": (sa * scales).astype(np.float32),
+        attrs = {"weight": values, "mode": mode_for(values) or "w8", "scales": (sa * scales).astype(np.float32),
                  "block": block, "act_offset": OFFSET[np.dtype(graph.values[q].dtype)], "act_zero_point": za}
         graph.nodes[graph.nodes.index(mm)] = Node("QMatMul", mm.name, [q], list(mm.outputs), attrs, DLEGION)

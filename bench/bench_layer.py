@@ -1,0 +1,60 @@
+"""One BitNet-2B4T decoder layer on dlegion-8x8: program size against the ISA's budget, and
+how fast the compiler and the timing model handle it.
+
+    python bench/bench_layer.py [--seq 512] [--arch dlegion-8x8]
+
+Prints the instruction count by family (budget: 20,000 at sequence 512), the simulated
+cycles, and the wall time of compiling and of timing the program (median of 3).
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import click
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+
+from isa import arch as arch_mod                               # noqa: E402
+from isa.instructions import family                           # noqa: E402
+from dlegion_cc.pipeline import Options, compile_model        # noqa: E402
+from models.bitnet import build_bitnet, preset, save          # noqa: E402
+from runtime.timing import simulate                           # noqa: E402
+
+BUDGET = 20_000
+
+
+def _median_time(fn, runs: int = 3):
+    times, out = [], None
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+@click.command()
+@click.option("--seq", default=512, show_default=True)
+@click.option("--arch", "arch_name", default="dlegion-8x8", show_default=True)
+def main(seq: int, arch_name: str) -> None:
+    machine = arch_mod.load(arch_name)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "layer.onnx"
+        save(build_bitnet(preset("2b4t", layers=1, seq=seq, vocab=512)), path, external_data=True)
+        t_compile, (_, program) = _median_time(lambda: compile_model(path, Options(machine)), runs=1)
+    t_time, timeline = _median_time(lambda: simulate(program, machine))
+    counts = Counter(family(type(i)) for i in program.instrs)
+    n = len(program.instrs)
+    print(f"2B4T layer, sequence {seq}, {machine.name}: {n:,} instructions "
+          f"({n / BUDGET:.2f}x the {BUDGET:,} budget)")
+    print("  by family: " + ", ".join(f"{f} {c:,}" for f, c in counts.most_common()))
+    print(f"  {timeline.cycles:,} cycles; compile {t_compile:.1f} s; timing model {t_time:.2f} s "
+          f"({timeline.cycles / t_time / 1e6:.1f} M simulated cycles/s, {n / t_time:,.0f} instructions/s)")
+
+
+if __name__ == "__main__":
+    main()
