@@ -170,8 +170,8 @@ def tensor_error(t: Tensor) -> str | None:
         return f"tensor {t.name!r}: unknown dtype {t.dtype!r} (dtypes: {' '.join(DTYPES)})"
     if t.kind not in KINDS:
         return f"tensor {t.name!r}: unknown kind {t.kind!r} (kinds: {' '.join(KINDS)})"
-    if not t.shape or not all(_is_int(d) and d >= 1 for d in t.shape):
-        return f"tensor {t.name!r}: bad shape {list(t.shape)} (one or more dimensions, each >= 1)"
+    if not all(_is_int(d) and d >= 1 for d in t.shape):
+        return f"tensor {t.name!r}: bad shape {list(t.shape)} (dimensions >= 1; [] for a scalar)"
     return _tensor_extras_error(t)
 
 

@@ -227,7 +227,6 @@ def test_unknown_directive():
     (".arch a\n.tensor x f16[4] input\n", "t.s:2:9: tensor 'x': unknown dtype 'f16'"),
     (".arch a\n.tensor x f32[4] buffer\n", "t.s:2:9: tensor 'x': unknown kind 'buffer'"),
     (".arch a\n.tensor x f32[4,0] input\n", "t.s:2:9: tensor 'x': bad shape [4, 0]"),
-    (".arch a\n.tensor x f32[] input\n", "t.s:2:9: tensor 'x': bad shape []"),
     (".arch a\n.tensor x f32[4] const\n", "t.s:2:9: tensor 'x': a const tensor needs a data-file offset"),
     (".arch a\n.tensor x f32[4] input 3\n", "t.s:2:9: tensor 'x': a const tensor needs a data-file offset"),
     (".arch a\n.tensor x f32[4] output range 0 1\n", "t.s:2:9: tensor 'x': range (0, 1) needs an input"),
@@ -405,7 +404,7 @@ def test_assembler_errors_exit_2_with_the_location_first(tmp_path):
 def test_missing_input_and_corrupt_binary_exit_2(tmp_path):
     result = run(cli.disassemble_main, tmp_path / "nope.bin")
     assert result.exit_code == 2 and "nope.bin: cannot read" in result.stderr
-    (tmp_path / "bad.bin").write_bytes(b"DLGN\x01\x00\x00\x00\xff\x00\x00\x00{")
+    (tmp_path / "bad.bin").write_bytes(b"DLGN\x02\x00\x00\x00\xff\x00\x00\x00{")
     result = run(cli.disassemble_main, tmp_path / "bad.bin")
     assert result.exit_code == 2 and "truncated header" in result.stderr
 
@@ -427,3 +426,9 @@ def test_arch_tool(tmp_path):
 def test_help(main):
     result = run(main, "--help")
     assert result.exit_code == 0 and "Exit status" in result.stdout
+
+
+def test_scalar_tensors_round_trip():
+    p = asm.parse('.arch a\n.tensor s f32[] output "scale"\n', "t.s")
+    assert p.tensors[0].shape == () and p.tensors[0].numel == 1
+    assert asm.parse(asm.format_program(p), "t.s") == p

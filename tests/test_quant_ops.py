@@ -204,6 +204,14 @@ def test_matmul_integer_wide_weights_run_as_int8_pieces(tmp_path, b_zp, pieces):
     assert len(weight_passes) == pieces * len({i.legion for i in weight_passes})
 
 
+def test_matmul_integer_batched_constant_weights(tmp_path):
+    b = rng.integers(-63, 64, (2, 32, 16)).astype(np.int8)
+    node = helper.make_node("MatMulInteger", ["a", "b", "az"], ["y"])
+    m = model([node], [("a", TP.UINT8, [2, 5, 32]), ("az", TP.UINT8, [])], [("y", TP.INT32, [2, 5, 16])],
+              [const("b", b)])
+    check_exact(tmp_path, m, {"a": rng.integers(0, 256, (2, 5, 32)).astype(np.uint8), "az": np.array(0, np.uint8)})
+
+
 def test_matmul_integer_errors_name_the_node(tmp_path):
     node = helper.make_node("MatMulInteger", ["a", "b"], ["y"], name="mmi")
     m = model([node], [("a", TP.UINT8, [4, 8]), ("b", TP.INT8, [8, 8])], [("y", TP.INT32, [4, 8])])
