@@ -67,3 +67,19 @@ def test_onnxruntime_runs_both_alike(pair):
     ours = golden.run(generated, ids)["logits"]
     assert theirs.shape == ours.shape == (1, seq, config.vocab)
     np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_dlegion_compiles_the_torch_export_and_matches(pair):
+    """The real export, as users bring it, through dlegion-cc and the emulator."""
+    from isa import arch
+    from dlegion_cc.pipeline import Options, compile_model
+    from runtime.check import compare, onnx_reference
+    from runtime.emulator import random_inputs, run
+
+    config, exported, _ = pair
+    machine = arch.load("dlegion-tiny")
+    graph, program = compile_model(exported, Options(machine, {"sequence": config.seq} if config.dynamic else {}))
+    assert sum(n.op == "QMatMul" for n in graph.nodes) == 7 * config.layers   # every BitLinear on the arrays
+    inputs = random_inputs(program, 0)
+    [row] = compare(run(program, machine, inputs).outputs, onnx_reference(exported, inputs))
+    assert row.ok, f"relative L2 {row.rel_l2:.2e}"
