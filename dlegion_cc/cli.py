@@ -1,14 +1,12 @@
 """``dlegion-cc``: compile an ONNX model into a D-Legion program."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
 
 from isa import arch as arch_mod
 
-EXIT_BAD_INPUT = 2
 EMITS = ("asm", "bin", "ir")
 
 
@@ -88,19 +86,6 @@ def compile_command(model, output, arch, dims, inputs_path, emit, print_after):
 
 def main() -> None:
     from dlegion_cc.errors import CompileError
+    from isa.console import run_script
     from isa.program import ProgramError
-    try:
-        compile_command.main(standalone_mode=False)
-    except click.exceptions.Exit as e:
-        sys.exit(e.exit_code)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(EXIT_BAD_INPUT)
-    except click.exceptions.Abort:
-        sys.exit(EXIT_BAD_INPUT)
-    except (CompileError, ProgramError, arch_mod.ArchError) as e:
-        click.echo(f"dlegion-cc: error: {e}", err=True)
-        sys.exit(EXIT_BAD_INPUT)
-    except OSError as e:
-        click.echo(f"dlegion-cc: error: {e.filename or ''}: {e.strerror or e}", err=True)
-        sys.exit(EXIT_BAD_INPUT)
+    run_script(compile_command, "dlegion-cc", (CompileError, ProgramError, arch_mod.ArchError))

@@ -7,7 +7,7 @@ to it explicitly.
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
@@ -50,6 +50,8 @@ class Arch:
     modes: tuple[str, ...]
     dataflow: str
     double_buffered_weights: bool
+    # published figures to compare with (not parameters: nothing is computed from them)
+    published_peak_tops: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
         bad = [m for m in self.modes if m not in MODES]
@@ -102,7 +104,8 @@ def derive(a: Arch) -> Derived:
 
 
 def _flatten(doc: dict, source: str) -> dict:
-    flat = {"name": doc.get("name"), "description": doc.get("description", "")}
+    flat = {"name": doc.get("name"), "description": doc.get("description", ""),
+            "published_peak_tops": dict(doc.get("published", {}).get("peak_tops", {}))}
     for section in ("chip", "legion", "core"):
         part = doc.get(section)
         if not isinstance(part, dict):
@@ -159,5 +162,9 @@ def summary(a: Arch) -> str:
              f"link {d.link_bytes_per_cycle:g} B/cycle; multicast {'on' if a.multicast else 'off'}; "
              f"parallel accumulators {'on' if a.parallel_accumulators else 'off'}"]
     for m in a.modes:
-        lines.append(f"  {m}: {d.macs_per_cycle[m]} MACs/cycle, peak {d.peak_tops[m]:.2f} TOPS")
+        line = f"  {m}: {d.macs_per_cycle[m]} MACs/cycle, peak {d.peak_tops[m]:.2f} TOPS"
+        if m in a.published_peak_tops:
+            pub = a.published_peak_tops[m]
+            line += f" (published {pub:g}; ours {100 * (d.peak_tops[m] / pub - 1):+.1f}%, reports use ours)"
+        lines.append(line)
     return "\n".join(lines)

@@ -14,7 +14,6 @@ from isa.asm import load
 from isa.files import atomic_path, atomic_write
 
 EXIT_MISMATCH = 1
-EXIT_BAD_INPUT = 2
 
 
 class Failure(Exception):
@@ -111,25 +110,9 @@ def run_command(program, arch, inputs_path, seed, out_path, check_model, check_a
         sys.exit(EXIT_MISMATCH)
 
 
-def _fail(message: str) -> None:
-    click.echo(f"dlegion-run: error: {message}", err=True)
-    sys.exit(EXIT_BAD_INPUT)
-
-
 def main() -> None:
+    from isa.console import run_script
     from isa.program import ProgramError
     from runtime.state import Trap
     from runtime.timing import Deadlock
-    try:
-        run_command.main(standalone_mode=False)
-    except click.exceptions.Exit as e:
-        sys.exit(e.exit_code)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(EXIT_BAD_INPUT)
-    except click.exceptions.Abort:
-        _fail("aborted")
-    except (ProgramError, arch_mod.ArchError, Trap, Deadlock, Failure) as e:
-        _fail(str(e) or type(e).__name__)
-    except OSError as e:
-        _fail(f"{e.filename or ''}: {e.strerror or e}")
+    run_script(run_command, "dlegion-run", (ProgramError, arch_mod.ArchError, Trap, Deadlock, Failure))
