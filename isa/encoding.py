@@ -16,7 +16,7 @@ import re
 import struct
 from operator import attrgetter
 
-from isa.fields import ADDR_BITS, Dram, DramRef, OptTensor, View, ViewOrImm, bits_f32, f32
+from isa.fields import ADDR_BITS, QUEUES, Cond, Dram, DramRef, OptTensor, View, ViewOrImm, bits_f32, f32
 from isa.instructions import BY_OPCODE, INSTRUCTIONS, OPCODE_BITS, WORD_BITS, Instr
 from isa.program import DTYPES, KINDS, Program, ProgramError, Tensor
 
@@ -89,13 +89,20 @@ def _fp32_ok(v) -> bool:
         return False
 
 
+def _cond_ok(kind):
+    queues, end = frozenset(QUEUES), 1 << kind.count_bits
+    return lambda v: (type(v) is Cond and v.queue in queues and type(v.legion) is int and 0 <= v.legion < 256
+                      and type(v.count) is int and 0 <= v.count < end)
+
+
 def _imm_ok(kind):
     view = _view_ok(kind.view)
     return lambda v: _fp32_ok(v) or view(v)
 
 
 QUICK_OK = {
-    "Legion": lambda k: _uint(k.bits), "Until": lambda k: lambda v: k.check(v) is None, "UInt": lambda k: _uint(k.bits),
+    "Legion": lambda k: _uint(k.bits), "UInt": lambda k: _uint(k.bits),
+    "Until": _cond_ok, "After": lambda k: _optional(_cond_ok(k)),
     "Keyword": lambda k: lambda v, c=frozenset(k.choices): type(v) is str and v in c,
     "LegionSet": _legion_set_ok, "RowView": lambda k: _view_ok(k, rowview=True), "ViewKind": _view_ok,
     "OptAddr": lambda k: _optional(_uint(ADDR_BITS)), "Dram": _dram_ok,
