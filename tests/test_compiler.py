@@ -169,3 +169,12 @@ def test_check_all_compares_intermediates(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "intermediates: all" in r.stdout and "within tolerance" in r.stdout
+
+
+def test_inputs_bind_symbolic_dimensions(tmp_path):
+    model = _bitlinear(tmp_path / "b.onnx")
+    np.savez(tmp_path / "in.npz", x=np.zeros((1, 11, 32), np.float32))
+    r = dlegion_cc(model, "-o", tmp_path / "b.s", "--inputs", tmp_path / "in.npz", "--arch", "dlegion-tiny")
+    assert r.returncode == 0, r.stderr
+    [x] = [t for t in load(tmp_path / "b.s").tensors if t.kind == "input"]
+    assert x.shape == (1, 11, 32)
