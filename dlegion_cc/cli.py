@@ -88,4 +88,5 @@ def main() -> None:
     from dlegion_cc.errors import CompileError
     from isa.console import run_script
     from isa.program import ProgramError
-    run_script(compile_command, "dlegion-cc", (CompileError, ProgramError, arch_mod.ArchError))
+    run_script(compile_command, "dlegion-cc", (CompileError, ProgramError, arch_mod.ArchError),
+               listed=(CompileError,))

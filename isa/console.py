@@ -8,13 +8,25 @@ import click
 EXIT_BAD_INPUT = 2
 
 
-def fail(name: str, message: str) -> None:
-    click.echo(f"{name}: error: {message}", err=True)
+def fail(name: str, message: str, whole: bool = False) -> None:
+    click.echo(f"{name}: error: {message if whole else summary(message)}", err=True)
     sys.exit(EXIT_BAD_INPUT)
 
 
-def run_script(command: click.Command, name: str, errors: tuple[type, ...]) -> None:
-    """Run ``command``; usage errors, ``errors`` and OS errors exit 2 without a traceback."""
+def summary(message: str) -> str:
+    """The first problem with its indented context (a parse error's line and caret); further
+    problems (a verifier's list) are counted, not printed."""
+    lines = message.splitlines() or [""]
+    head = [lines[0]] + [l for l in lines[1:] if l.startswith(" ")][:2]
+    rest = [l for l in lines[1:] if not l.startswith(" ")]
+    more = f" (and {len(rest)} more problem{'s' if len(rest) != 1 else ''})" if rest else ""
+    return head[0] + more + "".join("\n" + l for l in head[1:])
+
+
+def run_script(command: click.Command, name: str, errors: tuple[type, ...],
+               listed: tuple[type, ...] = ()) -> None:
+    """Run ``command``; usage errors, ``errors`` and OS errors exit 2 without a traceback.
+    Errors of the ``listed`` types are printed whole: each of their lines is a culprit."""
     try:
         command.main(prog_name=name, standalone_mode=False)
     except click.exceptions.Exit as e:
@@ -24,6 +36,8 @@ def run_script(command: click.Command, name: str, errors: tuple[type, ...]) -> N
         sys.exit(EXIT_BAD_INPUT)
     except click.exceptions.Abort:
         fail(name, "aborted")
+    except listed as e:
+        fail(name, str(e), whole=True)
     except errors as e:
         fail(name, str(e) or type(e).__name__)
     except OSError as e:
