@@ -1,7 +1,6 @@
 """Golden outputs: every committed BitNet model compiles, runs, and matches onnxruntime's output."""
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from isa import arch

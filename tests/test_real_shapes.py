@@ -7,7 +7,6 @@ about 1e-3 (relative L2) on the logits. The test measures that disagreement on t
 requires dlegion to be no further from onnxruntime than twice it, and the first quantized
 activation to be exact.
 """
-import numpy as np
 import onnxruntime as ort
 import pytest
 

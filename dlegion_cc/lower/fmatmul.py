@@ -5,7 +5,6 @@ semantics ask for fp32, so they run on the vector lanes, not the int8 systolic a
 """
 from __future__ import annotations
 
-import math
 
 from isa.fields import DramRef, View
 from isa.instructions import BY_MNEMONIC, DmaLoad, DmaStore, VMatMul

@@ -113,7 +113,7 @@ def _picks(start: int, end: int, step: int, dim: int) -> range:
 
 @lowers("Slice")
 def slice_(low: Lowering, node) -> None:
-    x, out = node.inputs[0], node.outputs[0]
+    x = node.inputs[0]
     shape, op = low.shape(x), low.operand(x)
     offset, strides, view = op.offset, list(op.strides), list(shape)
     downward = []

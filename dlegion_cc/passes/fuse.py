@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dlegion_cc.ir import DLEGION, Graph, Node, Value
+from dlegion_cc.ir import DLEGION, Graph, Node
 
 ELEMENTWISE = {"Abs", "Neg", "Exp", "Log", "Sqrt", "Reciprocal", "Relu", "Sigmoid", "Tanh", "Floor",
                "Ceil", "Round", "Sign", "IsNaN", "Not", "Sin", "Cos", "Identity", "Add", "Sub", "Mul",
