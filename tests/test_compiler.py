@@ -178,3 +178,15 @@ def test_inputs_bind_symbolic_dimensions(tmp_path):
     assert r.returncode == 0, r.stderr
     [x] = [t for t in load(tmp_path / "b.s").tensors if t.kind == "input"]
     assert x.shape == (1, 11, 32)
+
+
+def test_blocks_never_exceed_what_one_instruction_can_name(tmp_path):
+    # 153,600 contiguous elements coalesce into one row; ws-64's 1 MiB vector scratchpad would
+    # hold it whole, but rows, columns and strides are 16-bit fields.
+    nodes = [helper.make_node("Add", ["x", "x"], ["y"])]
+    shape = [1, 300, 512]
+    path = _model(tmp_path / "a.onnx", nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, shape)])
+    _, program, rows = _check(path, arch.load("ws-64"))
+    assert all(r.ok for r in rows)
+    assert all(getattr(i, "cols", 0) < 1 << 16 for i in program.instrs)

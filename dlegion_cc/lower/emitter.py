@@ -11,12 +11,13 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from isa.arch import Arch
-from isa.fields import QUEUES, Cond
-from isa.instructions import Barrier, Wait
+from isa.fields import QUEUES, Cond, ViewKind
+from isa.instructions import Barrier, VUnary, Wait
 from isa.program import Program, Tensor, pack
 
 Queue = tuple[int, str]          # (Legion, queue name)
 DATA_ALIGN = 64
+COUNT_BITS = next(f.metadata['kind'].bits for f in VUnary.fields() if f.name == 'rows')
 
 
 @dataclass
@@ -110,6 +111,12 @@ class Emitter:
     # --- scratchpads ------------------------------------------------------------------------
     def capacity(self, space: str) -> int:
         return self.arch.derived.spad_elems[space]
+
+    @staticmethod
+    def extent() -> int:
+        """The longest row or column one instruction can name: the narrower of the rows/cols
+        count fields and a view's row stride (a block's row stride is its width)."""
+        return min(1 << ViewKind.rs_bits, 1 << COUNT_BITS) - 1
 
     def alloc(self, legion: int, space: str, size: int) -> Region:
         """Bump-allocate ``size`` elements; callers free everything at once with ``release``."""

@@ -36,8 +36,9 @@ def _transpose_copy(em, shape, src: Operand, dst: Operand, where) -> None:
     other = [d for d in range(last) if d != j]
     a_len, b_len = shape[last], shape[j]
     cap = em.capacity("vec")
-    ta = min(a_len, max(1, cap // max(1, min(b_len, cap))))
-    tb = min(b_len, cap // ta)
+    cap = min(cap, em.extent() ** 2)
+    ta = min(a_len, em.extent(), max(1, cap // max(1, min(b_len, cap))))
+    tb = min(b_len, em.extent(), cap // ta)
     for idx in outer_indices(tuple(shape[d] for d in other) + (1, 1)):
         s_base = src.offset + sum(i * src.strides[d] for i, d in zip(idx, other))
         d_base = dst.offset + sum(i * dst.strides[d] for i, d in zip(idx, other))
@@ -202,7 +203,7 @@ def gather_axis(em: Emitter, dst: Operand, table: Operand, shape, axis: int, ids
     if table.strides != contiguous_strides(tuple(shape)):
         raise ValueError("internal: gather from a table that is not contiguous")
     pre, rows_in, post = math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
-    block = min(n, (em.capacity("vec") - 2) // (post + 2))
+    block = min(n, (em.capacity("vec") - 2) // (post + 2), em.extent())
     if block < 1:
         raise ValueError(f"a gathered row of {post} elements does not fit the vector scratchpad")
     for r0 in range(0, n, block):

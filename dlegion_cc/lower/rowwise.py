@@ -62,6 +62,9 @@ def rowwise(em: Emitter, shape: tuple[int, ...], args: list[Arg], body: Body,
     rows, cols = shape2[-2], shape2[-1]
     strides = {a.name: (bound[a.name].strides[-2:] if a.name in bound else (1, 1)) for a in args}
     width = cols if keep_last else _cols_per_block(em, args, strides, cols)
+    if width > em.extent():
+        raise CompileError(f"{where}rows of {cols} elements are longer than one instruction can name "
+                           f"({em.extent()})")
     block = _rows_per_block(em, args, strides, rows, width, where)
     for outer in outer_indices(shape2):
         at = {n: op.at(outer) for n, op in bound.items()}
@@ -81,7 +84,7 @@ def _cols_per_block(em, args, strides, cols) -> int:
     cap = em.capacity("vec")
     full = sum(1 for a in args if _shape_of(*strides[a.name], a.operand is None and a.col)[1])
     narrow = len(args) - full
-    return max(1, min(cols, (cap - narrow) // max(full, 1)))
+    return max(1, min(cols, (cap - narrow) // max(full, 1), em.extent()))
 
 
 def _rows_per_block(em, args, strides, rows, cols, where) -> int:
@@ -91,7 +94,7 @@ def _rows_per_block(em, args, strides, rows, cols, where) -> int:
     if fixed + per_row > cap:
         raise CompileError(f"{where}a row of {cols} elements needs {fixed + per_row} vector "
                            f"scratchpad elements, more than the {cap} a Legion has")
-    return max(1, min(rows, (cap - fixed) // max(per_row, 1)))
+    return max(1, min(rows, (cap - fixed) // max(per_row, 1), em.extent()))
 
 
 def _emit_block(em, args, at, strides, r0, n, cols, body) -> None:

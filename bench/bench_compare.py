@@ -1,0 +1,157 @@
+"""D-Legion against its baselines on BitNet attention projections: the paper's kind of table.
+
+    python bench/bench_compare.py [--seq 128,512] [--shape 2b4t --shape large] [--jobs N] [--json FILE]
+
+Each workload is the Q, K, V and O projections (BitLinear: per-token absmax 8-bit activations x
+ternary weights) of one attention layer of a BitNet shape at one sequence length. Each is
+compiled for dlegion-8x8 against ws-64, dip-64 and adip-64, and for dlegion-32x8 against tpuv4i,
+and timed with the timing model only (no functional emulation). For each machine it prints the
+latency, DRAM and accumulator (psum) traffic, the ratios to its D-Legion, and the term that
+bounds it: compute (the busiest Legion's matrix queue), DRAM (bytes at full bandwidth) or vector
+(the busiest Legion's vector queue, drains included).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import click
+import numpy as np
+import onnx
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+
+from isa import arch as arch_mod                                   # noqa: E402
+from dlegion_cc.dse import int_list                               # noqa: E402
+from dlegion_cc.dse_measure import config_of, evaluate            # noqa: E402
+from models.bitnet import PRESETS, BitLinear, BitNetConfig, save  # noqa: E402
+from models.graph import FLOAT, GraphBuilder, tensor_info         # noqa: E402
+
+# Each D-Legion machine and the baselines it is compared with.
+PAIRS = {"dlegion-8x8": ("ws-64", "dip-64", "adip-64"), "dlegion-32x8": ("tpuv4i",)}
+PROJECTIONS = ("q", "k", "v", "o")
+TABLE_WIDTH = 180
+
+
+def attention_projections(config: BitNetConfig, seq: int) -> onnx.ModelProto:
+    """x -> Q, K, V (one shared activation quantization) and attn -> O, as the decoder writes them."""
+    rng = np.random.default_rng(config.seed)
+    proj, b = BitLinear(config, rng), GraphBuilder()
+    h = config.hidden
+    kv = config.kv_heads * (h // config.heads)
+    widths = dict(zip(PROJECTIONS, (h, kv, kv, h)))
+    with b.scoped("self_attn"):
+        xq = proj.prepare(b, "x")
+        outs = [proj.project(b, xq, f"{p}_proj", h, widths[p]) for p in "qkv"]
+        outs.append(proj.project(b, proj.prepare(b, "attn"), "o_proj", h, h))
+    for out, p in zip(outs, PROJECTIONS):
+        b.nodes.append(onnx.helper.make_node("Identity", [out], [p], name=f"self_attn/{p}"))
+    return b.model([tensor_info("x", FLOAT, [1, seq, h]), tensor_info("attn", FLOAT, [1, seq, h])],
+                   [tensor_info(p, FLOAT, [1, seq, widths[p]]) for p in PROJECTIONS])
+
+
+def run_all(workloads: list[tuple[str, int]], jobs: int, console: Console) -> list[dict]:
+    """Every workload on every machine, ``jobs`` compilations at a time."""
+    machines = [arch_mod.load(m) for ref, bases in PAIRS.items() for m in (ref, *bases)]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(max_workers=jobs) as pool:
+        pending = []
+        for shape, seq in workloads:
+            path = Path(tmp) / f"{shape}-{seq}.onnx"
+            save(attention_projections(PRESETS[shape], seq), path, external_data=True)
+            for m in machines:
+                pending.append(((shape, seq), pool.submit(evaluate, path, config_of(m), {})))
+        for i, ((shape, seq), future) in enumerate(pending, 1):
+            rows.append({"shape": shape, "seq": seq, **future.result()})
+            console.print(f"[{i}/{len(pending)}] {shape} seq {seq} on {rows[-1]['name']}", highlight=False)
+    return rows
+
+
+def _reference(machine: str) -> str:
+    return next(ref for ref, bases in PAIRS.items() if machine == ref or machine in bases)
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Each machine's latency, DRAM and psum traffic over its D-Legion's on the same workload
+    (> 1: D-Legion is faster or moves less)."""
+    ok = {(r["shape"], r["seq"], r["name"]): r for r in rows if r["status"] == "ok"}
+    for r in rows:
+        ref = ok.get((r["shape"], r["seq"], _reference(r["name"])))
+        for key, ratio in (("time_us", "latency_x"), ("dram_bytes", "dram_x"), ("psum_bytes", "psum_x")):
+            good = r["status"] == "ok" and ref is not None and ref[key]
+            r[ratio] = r[key] / ref[key] if good else None
+
+
+def _x(v) -> str:
+    return f"{v:.2f}x" if v is not None else "-"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def print_workload(rows: list[dict], shape: str, seq: int, console: Console) -> None:
+    t = Table(title=f"{shape} attention Q/K/V/O projections, sequence {seq}", title_justify="left")
+    for col in ("machine", "cycles", "us", "DRAM MiB", "psum MiB", "matrix busy", "DRAM B/BW", "vector busy",
+                "bound", "latency vs D-Legion", "DRAM vs", "psum vs"):
+        t.add_column(col, justify="left" if col in ("machine", "bound") else "right", no_wrap=True)
+    for r in rows:
+        if r["status"] != "ok":
+            t.add_row(r["name"], *[""] * 7, "[red]failed[/red]", r["reason"][:60], "", "")
+            continue
+        t.add_row(r["name"] + ("*" if r["warning"] else ""), f"{r['cycles']:,}", f"{r['time_us']:,.1f}", _mib(r["dram_bytes"]),
+                  _mib(r["psum_bytes"]), f"{r['compute_cycles']:,}", f"{r['dram_cycles']:,}",
+                  f"{r['vector_cycles']:,}", r["bound"], _x(r["latency_x"]), _x(r["dram_x"]), _x(r["psum_x"]))
+    console.print(t)
+    for r in rows:
+        if r["status"] == "ok" and r["warning"]:
+            console.print(f"  * {r['name']}: {r['warning']}", highlight=False, soft_wrap=True)
+
+
+def print_summary(rows: list[dict], console: Console) -> None:
+    """Geometric means over the workloads of each baseline's ratios to its D-Legion."""
+    t = Table(title="geometric mean over workloads (baseline / D-Legion)", title_justify="left")
+    for col in ("baseline", "vs", "workloads", "latency", "DRAM", "psum"):
+        t.add_column(col, justify="left" if col in ("baseline", "vs") else "right")
+    for ref, bases in PAIRS.items():
+        for base in bases:
+            mine = [r for r in rows if r["name"] == base and r["latency_x"] is not None]
+            t.add_row(base, ref, str(len(mine)), *(_x(_geomean([r[k] for r in mine]))
+                                                   for k in ("latency_x", "dram_x", "psum_x")))
+    console.print(t)
+
+
+def _geomean(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None and v > 0]
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
+
+
+@click.command()
+@click.option("--seq", "seqs", default="128,512", show_default=True, callback=int_list, metavar="N,N,...",
+              help="Sequence lengths (the paper's range is 128..2048).")
+@click.option("--shape", "shapes", multiple=True, type=click.Choice(["2b4t", "large"]),
+              help="BitNet shapes (repeatable; default both).")
+@click.option("--jobs", type=click.IntRange(min=1), default=os.cpu_count() or 1, show_default="CPU count")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write every row as JSON.")
+def main(seqs, shapes, jobs, json_path):
+    console = Console() if Console().is_terminal else Console(width=TABLE_WIDTH)
+    workloads = [(shape, seq) for shape in (shapes or ("2b4t", "large")) for seq in seqs]
+    rows = run_all(workloads, jobs, Console(stderr=True))
+    add_ratios(rows)
+    for shape, seq in workloads:
+        print_workload([r for r in rows if (r["shape"], r["seq"]) == (shape, seq)], shape, seq, console)
+    print_summary(rows, console)
+    if json_path:
+        from isa.files import atomic_write
+        atomic_write(json_path, json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

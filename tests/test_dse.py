@@ -1,0 +1,140 @@
+"""The dlegion-dse sweep: rows per configuration, outputs, failures as rows, exit statuses."""
+import csv
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+from isa import arch
+from dlegion_cc.dse import sort_rows, sweep_configs
+from dlegion_cc.dse_measure import COLUMNS, evaluate, roof, verify_warning
+from dlegion_cc.pipeline import Options, compile_model
+from runtime.timing import simulate
+
+MODEL = Path(__file__).parent.parent / "models" / "bitnet_tiny_relu2.onnx"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def dlegion_dse(*args):
+    code = "import sys; from dlegion_cc.dse import main; sys.argv[0] = 'dlegion-dse'; main()"
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True)
+
+
+def _tiny_vector_spad(tmp_path) -> Path:
+    """dlegion-tiny with a 1 KiB vector scratchpad: too small for a row of the model's norms."""
+    text = resources.files("isa.presets").joinpath("dlegion-tiny.toml").read_text()
+    text = text.replace('name = "dlegion-tiny"', 'name = "tiny-vec1k"').replace("vec_kib = 64", "vec_kib = 1")
+    path = tmp_path / "tiny-vec1k.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dse")
+    out = tmp / "out"
+    r = dlegion_dse(MODEL, "--legions", "1,2", "--cores", "1", "--array", "4",
+                    "--preset", _tiny_vector_spad(tmp), "--jobs", "2", "--out", out)
+    return r, out
+
+
+def test_sweep_writes_one_row_per_configuration(sweep):
+    r, out = sweep
+    assert r.returncode == 0, r.stderr
+    doc = json.loads((out / "dse.json").read_text())
+    rows = {row["name"]: row for row in doc["rows"]}
+    assert sorted(rows) == ["L1-c1-a4", "L2-c1-a4", "tiny-vec1k"]
+    for name in ("L1-c1-a4", "L2-c1-a4"):
+        row = rows[name]
+        assert row["status"] == "ok" and row["reason"] == "" and row["warning"] == ""
+        assert isinstance(row["cycles"], int) and row["cycles"] > 0
+        assert row["dram_bytes"] == row["dram_read_bytes"] + row["dram_write_bytes"] > 0
+        assert row["intensity"] == pytest.approx(2 * row["macs"] / row["dram_bytes"])
+        assert 0 < row["achieved_tops"] <= row["roof_tops"] <= row["peak_tops"]
+        assert row["bound"] in ("compute", "DRAM", "vector")
+    assert (rows["L1-c1-a4"]["legions"], rows["L2-c1-a4"]["legions"]) == (1, 2)
+    assert "configurations by latency" in r.stdout and "L1-c1-a4" in r.stdout and "L2-c1-a4" in r.stdout
+
+
+def test_failing_configuration_is_a_row_with_its_reason(sweep):
+    r, out = sweep
+    failed = [row for row in json.loads((out / "dse.json").read_text())["rows"] if row["status"] != "ok"]
+    assert [row["name"] for row in failed] == ["tiny-vec1k"]
+    assert "vector scratchpad" in failed[0]["reason"] and failed[0]["cycles"] is None
+    assert "failed tiny-vec1k" in r.stdout
+
+
+def test_rows_are_sorted_by_latency_in_json_and_csv(sweep):
+    _, out = sweep
+    rows = json.loads((out / "dse.json").read_text())["rows"]
+    times = [row["time_us"] for row in rows if row["status"] == "ok"]
+    assert times == sorted(times) and rows[-1]["status"] == "failed"
+    with open(out / "dse.csv", newline="") as f:
+        table = list(csv.DictReader(f))
+    assert [t["name"] for t in table] == [row["name"] for row in rows]
+    assert list(table[0]) == list(COLUMNS)
+    assert [int(t["cycles"]) for t in table[:2]] == [row["cycles"] for row in rows[:2]]
+
+
+def test_plots_are_png(sweep):
+    _, out = sweep
+    for name in ("latency.png", "roofline.png"):
+        assert (out / name).read_bytes().startswith(PNG_MAGIC), name
+
+
+def test_row_matches_the_timing_model(sweep):
+    _, out = sweep
+    row = next(r for r in json.loads((out / "dse.json").read_text())["rows"] if r["name"] == "L2-c1-a4")
+    (config,) = sweep_configs(arch.load("dlegion-8x8"), [2], [1], [4])
+    _, program = compile_model(MODEL, Options(config.arch))
+    tl = simulate(program, config.arch)
+    assert row["cycles"] == tl.cycles
+    assert row["instructions"] == len(program.instrs)
+    assert row["dram_read_bytes"] == tl.counters["dram_read_bytes"]
+    # The sweep changes only Legions, cores and array; scratchpads stay the base's.
+    assert config.arch.vec_kib == arch.load("dlegion-8x8").vec_kib
+
+
+def test_invalid_parameters_become_a_failed_row():
+    (config,) = sweep_configs(arch.load("dlegion-8x8"), [65], [1], [4])
+    assert config.arch is None
+    row = evaluate(MODEL, config, {})
+    assert row["status"] == "failed" and "at most 64 Legions" in row["reason"]
+    assert (row["legions"], row["cores"], row["array"]) == (65, 1, 4)
+
+
+def test_a_program_that_does_not_verify_is_flagged():
+    tiny = arch.load("dlegion-tiny")
+    _, program = compile_model(MODEL, Options(tiny))
+    assert verify_warning(program, tiny) == ""
+    warning = verify_warning(program, replace(tiny, legions=1))     # the program uses Legion 1
+    assert warning.startswith("does not verify: ") and "instruction" in warning
+
+
+def test_roof_and_sorting():
+    assert roof(10.0, 614.0, 1.0) == pytest.approx(0.614)
+    assert roof(10.0, 614.0, 1000.0) == 10.0
+    assert roof(10.0, 614.0, None) == 10.0
+    rows = [{"name": "b", "status": "failed", "time_us": None}, {"name": "c", "status": "ok", "time_us": 2.0},
+            {"name": "a", "status": "ok", "time_us": 3.0}]
+    assert [r["name"] for r in sort_rows(rows)] == ["c", "a", "b"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["missing.onnx"], "no such file"),
+    ([MODEL, "--legions", "2,x"], "comma-separated list of positive integers"),
+    ([MODEL, "--array", "0"], "comma-separated list of positive integers"),
+    ([MODEL, "--preset", "no-such-machine"], "unknown architecture 'no-such-machine'"),
+    ([MODEL, "--dim", "seq"], "NAME=POSITIVE_INTEGER"),
+    ([MODEL, "--jobs", "0"], "--jobs"),
+])
+def test_bad_input_exits_2(tmp_path, args, message):
+    out = tmp_path / "out"
+    r = dlegion_dse(*args, "--out", out)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists()
