@@ -19,6 +19,10 @@ MODE_TILES = {"w8": 1, "w4": 2, "w2": 4}
 DATAFLOWS = ("dip", "ws")
 
 
+ENERGY = ("pj_per_mac_w8", "pj_per_mac_w4", "pj_per_mac_w2", "pj_per_dram_byte", "pj_per_sram_byte",
+          "pj_per_vector_op", "static_watts")
+
+
 class ArchError(ValueError):
     """A malformed or unknown architecture description."""
 
@@ -50,6 +54,15 @@ class Arch:
     modes: tuple[str, ...]
     dataflow: str
     double_buffered_weights: bool
+    # energy (picojoules per operation or per byte moved; see the presets for their sources).
+    # Every description gives all three MAC figures; a mode the machine lacks never uses its own.
+    pj_per_mac_w8: float
+    pj_per_mac_w4: float
+    pj_per_mac_w2: float
+    pj_per_dram_byte: float
+    pj_per_sram_byte: float       # scratchpad and accumulator (psum) traffic
+    pj_per_vector_op: float       # one lane-op of the vector unit (fp32)
+    static_watts: float           # leakage and clock tree, drawn for the whole run
     # published figures to compare with (not parameters: nothing is computed from them)
     published_peak_tops: dict = field(default_factory=dict, compare=False)
 
@@ -62,6 +75,9 @@ class Arch:
         for f in ("legions", "cores", "array", "vector_lanes", "act_kib", "wgt_kib", "acc_kib", "vec_kib"):
             if getattr(self, f) <= 0:
                 raise ArchError(f"{self.name}: {f} must be positive")
+        negative = [f.name for f in fields(self) if f.name in ENERGY and getattr(self, f.name) < 0]
+        if negative:
+            raise ArchError(f"{self.name}: {', '.join(negative)} must not be negative")
         if self.legions > 64:
             raise ArchError(f"{self.name}: at most 64 Legions (the multicast set is a 64-bit mask)")
 
@@ -82,6 +98,7 @@ class Derived:
     spad_elems: dict              # space -> capacity in elements per Legion
     pass_overhead: int            # cycles a pass adds to its M streamed rows: N (DiP) or 2N (WS)
     weight_load_cycles: int       # cycles to load one window of weight tiles
+    pj_per_mac: dict              # mode -> picojoules per MAC
 
 
 ELEM_BYTES = {"act": 1, "wgt": 1, "acc": 4, "vec": 4}
@@ -100,13 +117,14 @@ def derive(a: Arch) -> Derived:
         spad_elems={s: kib[s] * 1024 // ELEM_BYTES[s] for s in kib},
         pass_overhead=a.array if a.dataflow == "dip" else 2 * a.array,
         weight_load_cycles=a.array,
+        pj_per_mac={m: getattr(a, f"pj_per_mac_{m}") for m in a.modes},
     )
 
 
 def _flatten(doc: dict, source: str) -> dict:
     flat = {"name": doc.get("name"), "description": doc.get("description", ""),
             "published_peak_tops": dict(doc.get("published", {}).get("peak_tops", {}))}
-    for section in ("chip", "legion", "core"):
+    for section in ("chip", "legion", "core", "energy"):
         part = doc.get(section)
         if not isinstance(part, dict):
             raise ArchError(f"{source}: missing table [{section}]")
@@ -161,8 +179,11 @@ def summary(a: Arch) -> str:
              f"  DRAM {d.dram_bytes_per_cycle:g} B/cycle, latency {a.dram_latency_cycles} cycles; "
              f"link {d.link_bytes_per_cycle:g} B/cycle; multicast {'on' if a.multicast else 'off'}; "
              f"parallel accumulators {'on' if a.parallel_accumulators else 'off'}"]
+    lines.append(f"  energy: DRAM {a.pj_per_dram_byte:g} pJ/B, SRAM {a.pj_per_sram_byte:g} pJ/B, "
+                 f"vector {a.pj_per_vector_op:g} pJ/lane-op, static {a.static_watts:g} W")
     for m in a.modes:
-        line = f"  {m}: {d.macs_per_cycle[m]} MACs/cycle, peak {d.peak_tops[m]:.2f} TOPS"
+        line = (f"  {m}: {d.macs_per_cycle[m]} MACs/cycle, {d.pj_per_mac[m]:g} pJ/MAC, "
+                f"peak {d.peak_tops[m]:.2f} TOPS")
         if m in a.published_peak_tops:
             pub = a.published_peak_tops[m]
             line += f" (published {pub:g}; ours {100 * (d.peak_tops[m] / pub - 1):+.1f}%, reports use ours)"

@@ -26,7 +26,7 @@ from isa.fields import Cond, DramRef, Keyword, LegionSet, View, f32
 from isa.instructions import BY_MNEMONIC, INSTRUCTIONS, Instr
 from isa.program import Program, ProgramError, Tensor
 
-DIRECTIVES = (".arch", ".data", ".tensor")
+DIRECTIVES = (".arch", ".data", ".tensor", ".region")
 ARCH_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 LEGION_SET_BITS = LegionSet.bits
 
@@ -66,6 +66,10 @@ class _Builder:
             raise self.error(tok, why)
         self.index[t.name] = len(self.p.tensors)
         self.p.tensors.append(t)
+
+    def add_region(self, tok) -> None:
+        """A ``.region`` may come anywhere: it names the instructions that follow it."""
+        self.p.regions.append((len(self.p.instrs), _string(self, tok)))
 
     def _directive_first(self, tok, what: str) -> None:
         if self.p.instrs:
@@ -169,6 +173,9 @@ class _Callbacks:
         io = None if io is None else _string(self.b, io)
         offset = None if offset is None else int(offset)
         self.b.add_tensor(name, Tensor(str(name), str(dtype), shape, str(kind), io, offset, rng))
+
+    def region(self, ch):
+        self.b.add_region(ch[0])
 
     def shape(self, ch):
         return tuple(int(c) for c in ch if c is not None)
@@ -329,6 +336,8 @@ def _fast_line(cls: type):
 
 FAST_LINES = {cls.MNEMONIC: _fast_line(cls) for cls in INSTRUCTIONS}
 _FIRST_WORD = re.compile(r"[ \t\r]*([^\s;]*)")
+# The compiler writes a `.region` line per ONNX node; the grammar's STRING, canonical spacing.
+_REGION = re.compile(r'\.region[ \t]+("(?:\\.|[^"\\\n])*")[ \t\r]*(?:;.*)?')
 
 
 def _bind(index: dict) -> dict:
@@ -353,8 +362,21 @@ def _instrs(b: _Builder, lines: list[str], first: int) -> None:
         if i is not None:
             b.p.instrs.append(i)
             b.p.lines.append(n + 1)
-        elif lines[n].strip() and not lines[n].lstrip().startswith(";"):
+        elif not _fast_region(b, lines[n]) and lines[n].strip() and not lines[n].lstrip().startswith(";"):
             _lark_parse(lines[n], b, n + 1)
+
+
+def _fast_region(b: _Builder, line: str) -> bool:
+    """Add the region ``line`` opens if it is in the fast subset; False leaves it to Lark."""
+    m = _REGION.fullmatch(line)
+    if m is None:
+        return False
+    try:
+        name = json.loads(m.group(1))
+    except json.JSONDecodeError:
+        return False
+    b.p.regions.append((len(b.p.instrs), name))
+    return True
 
 
 def _fast_instr(table: dict, line: str) -> Instr | None:
@@ -489,19 +511,31 @@ def format_tensor(t: Tensor) -> str:
 
 
 def format_program(p: Program) -> str:
-    """Canonical text: directives, then one instruction per line."""
+    """Canonical text: directives, then one instruction per line, each region's ``.region``
+    line just before its first instruction."""
+    encoding.check_regions(p)
     arch = p.arch if ARCH_NAME_RE.fullmatch(p.arch) else json.dumps(p.arch, ensure_ascii=False)
     lines = [f".arch {arch}"]
     if p.data_file is not None:
         lines.append(f".data {json.dumps(p.data_file, ensure_ascii=False)}")
     lines += [format_tensor(t) for t in p.tensors]
-    names = p.names()
+    names, marks = p.names(), _region_lines(p)
     for n, i in enumerate(p.instrs):
         why = encoding.ref_error(i, len(names))
         if why:
             raise ProgramError(f"{p.where(n)}: {i.MNEMONIC}: {why}")
+        lines += marks.get(n, ())
         lines.append(format_instr(i, names))
+    lines += marks.get(len(p.instrs), ())
     return "\n".join(lines) + "\n"
+
+
+def _region_lines(p: Program) -> dict[int, list[str]]:
+    """The ``.region`` lines to print before each instruction index."""
+    out: dict[int, list[str]] = {}
+    for at, name in p.regions:
+        out.setdefault(at, []).append(f".region {json.dumps(name, ensure_ascii=False)}")
+    return out
 
 
 # --- files -----------------------------------------------------------------------------------

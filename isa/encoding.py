@@ -3,7 +3,7 @@
 One generic packer serves every instruction: the opcode in the low bits, then each field of
 the class in declared order at its kind's width (``isa/fields.py``), lowest bits first. A file
 is ``DLGN``, u16 version, u16 reserved (0), u32 header length, the header (UTF-8 JSON: arch,
-data file, tensors), zero padding to a multiple of the word size, then the words.
+data file, tensors, regions), zero padding to a multiple of the word size, then the words.
 
 Decoding is strict: every word must re-encode to the same bytes, so disassembling and
 reassembling a file reproduces it exactly.
@@ -21,7 +21,7 @@ from isa.instructions import BY_OPCODE, INSTRUCTIONS, OPCODE_BITS, WORD_BITS, In
 from isa.program import DTYPES, KINDS, Program, ProgramError, Tensor
 
 MAGIC = b"DLGN"
-VERSION = 2          # 2: 320-bit words and progress-counter synchronization
+VERSION = 3          # 2: 320-bit words and progress-counter synchronization; 3: regions
 WORD_BYTES = WORD_BITS // 8
 PREFIX = struct.Struct("<4sHHI")
 NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -212,6 +212,28 @@ def check_tensors(p: Program) -> None:
         seen.add(t.name)
 
 
+# --- regions (shared with the text format) ---------------------------------------------------
+
+def region_error(p: Program) -> str | None:
+    """Why ``p.regions`` is malformed, or None: each is (first instruction index, name), the
+    indices nondecreasing and at most the number of instructions (a region may be empty)."""
+    prev = 0
+    for k, r in enumerate(p.regions):
+        if not (isinstance(r, (tuple, list)) and len(r) == 2 and _is_int(r[0]) and isinstance(r[1], str)):
+            return f"region {k}: expected (instruction index, name), got {r!r}"
+        if not prev <= r[0] <= len(p.instrs):
+            return (f"region {k} ({r[1]!r}): starts at instruction {r[0]}, expected "
+                    f"{prev}..{len(p.instrs)} (regions in program order)")
+        prev = r[0]
+    return None
+
+
+def check_regions(p: Program) -> None:
+    why = region_error(p)
+    if why:
+        raise ProgramError(f"{p.source}: {why}")
+
+
 # --- instruction words -----------------------------------------------------------------------
 
 CANONICAL_NAN = bits_f32(0x7FC00000)
@@ -292,11 +314,13 @@ def header(p: Program) -> dict:
     tensors = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "kind": t.kind,
                 "io_name": t.io_name, "offset": t.offset,
                 "range": None if t.range is None else list(t.range)} for t in p.tensors]
-    return {"arch": p.arch, "data_file": p.data_file, "tensors": tensors}
+    regions = [[at, name] for at, name in p.regions]
+    return {"arch": p.arch, "data_file": p.data_file, "tensors": tensors, "regions": regions}
 
 
 def encode_program(p: Program) -> bytes:
     check_tensors(p)
+    check_regions(p)
     head = json.dumps(header(p), separators=(",", ":"), ensure_ascii=False).encode()
     out = bytearray(PREFIX.pack(MAGIC, VERSION, 0, len(head)) + head)
     out += bytes(-len(out) % WORD_BYTES)
@@ -328,6 +352,9 @@ def decode_program(b: bytes, source: str = "<binary>") -> Program:
                            f"of {WORD_BYTES}")
     for n in range(len(body) // WORD_BYTES):
         p.instrs.append(_decode_at(body, n, len(p.tensors), source))
+    why = region_error(p)          # region indices can only be checked against the words
+    if why:
+        raise ProgramError(f"{source}: corrupt header: {why}")
     return p
 
 
@@ -363,7 +390,7 @@ def _read_prefix(b: bytes, source: str) -> tuple[int, dict]:
 
 
 # Header keys and the Python types their values may have.
-_HEAD_KEYS = {"arch": (str,), "data_file": (str, type(None)), "tensors": (list,)}
+_HEAD_KEYS = {"arch": (str,), "data_file": (str, type(None)), "tensors": (list,), "regions": (list,)}
 _TENSOR_KEYS = {"name": (str,), "dtype": (str,), "shape": (list,), "kind": (str,),
                 "io_name": (str, type(None)), "offset": (int, type(None)), "range": (list, type(None))}
 
@@ -385,4 +412,5 @@ def _program_from_header(head, source: str) -> Program:
         rng = None if d["range"] is None else tuple(d["range"])
         p.tensors.append(Tensor(d["name"], d["dtype"], tuple(d["shape"]), d["kind"], d["io_name"],
                                 d["offset"], rng))
+    p.regions = [tuple(r) if isinstance(r, list) else r for r in head["regions"]]
     return p

@@ -65,6 +65,9 @@ class Program:
     tensors: list[Tensor] = field(default_factory=list)
     instrs: list[Instr] = field(default_factory=list)
     data_file: str | None = None
+    # Provenance: (index of the first instruction, name) in program order; instruction i belongs
+    # to the last region starting at or before i (instructions before the first belong to none).
+    regions: list[tuple[int, str]] = field(default_factory=list)
     # Where each instruction came from, for messages; not part of a program's identity.
     lines: list[int] = field(default_factory=list, compare=False, repr=False)
     source: str = field(default="<program>", compare=False, repr=False)

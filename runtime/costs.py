@@ -20,9 +20,11 @@ DMA: rows * cols elements of the DRAM tensor's storage dtype; a multicast load i
 Scratchpad traffic (``spad_bytes``, apart from psum traffic): what each instruction reads from
 and writes to the Legion scratchpads; a pass streams M x Na activation bytes and loads one
 window of Na x Na weight bytes (every mode packs a window into Na x Na bytes).
-Vector unit (``vector_lanes`` lanes): ceil(elements / lanes) lane-ops, each costing
-``vector_transcendental_cycles`` for a transcendental function, else 1; a drain moves M x N
-elements; ``vmm`` does M x K x N multiply-adds.
+Vector unit (``vector_lanes`` lanes): ceil(elements / lanes) cycles, times
+``vector_transcendental_cycles`` for a transcendental function; a drain moves M x N elements;
+``vmm`` does M x K x N multiply-adds. ``vector_ops`` counts lane-ops for the energy estimate:
+one per element (a multiply-add for ``vmm``, a scaling for a drain), and a transcendental as
+many as the cycles it holds a lane.
 """
 from __future__ import annotations
 
@@ -190,8 +192,9 @@ def matmul(i: Instr, arch: Arch, env: Env) -> Cost:
 def drain(i: Instr, arch: Arch, env: Env) -> Cost:
     elems = i.M * i.N
     written = elems * ELEM_BYTES[i.dst.space] * (2 if i.accumulate == "add" else 1)
+    spad = elems * ACC_BYTES + written
     return Cost(cycles=-(-elems // arch.vector_lanes),
-                counters={"vector_elems": elems, "spad_bytes": elems * ACC_BYTES + written})
+                counters={"vector_elems": elems, "vector_ops": elems, "spad_bytes": spad})
 
 
 def vector(i: Instr, arch: Arch, env: Env) -> Cost:
@@ -200,14 +203,15 @@ def vector(i: Instr, arch: Arch, env: Env) -> Cost:
     views = [v for v in (getattr(i, n, None) for n in ("dst", "a", "b", "cond")) if hasattr(v, "space")]
     spad = i.rows * sum(ELEM_BYTES[v.space] for v in views) * i.cols
     return Cost(cycles=-(-elems // arch.vector_lanes) * per_op,
-                counters={"vector_elems": elems, "spad_bytes": spad})
+                counters={"vector_elems": elems, "vector_ops": elems * per_op, "spad_bytes": spad})
 
 
 def vector_matmul(i: Instr, arch: Arch, env: Env) -> Cost:
     # fp32 products on the lanes, one multiply-add per lane per cycle
     elems = i.M * i.K * i.N
     spad = 4 * (i.M * i.K + i.K * i.N + i.M * i.N)
-    return Cost(cycles=-(-elems // arch.vector_lanes), counters={"vector_elems": elems, "spad_bytes": spad})
+    return Cost(cycles=-(-elems // arch.vector_lanes),
+                counters={"vector_elems": elems, "vector_ops": elems, "spad_bytes": spad})
 
 
 def sync(i: Instr, arch: Arch, env: Env) -> Cost:

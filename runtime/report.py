@@ -1,14 +1,33 @@
-"""What users read: the run's numbers (``--json``), the printed report, the Chrome trace."""
+"""What users read: the run's numbers (``--json``), the printed report, the Chrome trace.
+
+Beside the timing model's counters the report gives three estimates:
+
+- **Roofline.** The fewest cycles the work could take: its MACs at each mode's peak rate
+  (``derived.macs_per_cycle``), or its *compulsory* DRAM traffic at the DRAM bandwidth,
+  whichever is longer. Compulsory traffic reads every input and constant tensor once and writes
+  every output once; scratch tensors that go to DRAM and back are the program's own choice.
+- **Per matmul.** The same bound for each region (``.region``, one per ONNX node) that runs
+  ``mm`` instructions, against the cycles from its first start to its last completion. A
+  region's compulsory traffic is every DRAM tensor its loads read plus every one its stores
+  write, each tensor counted once per direction.
+- **Energy**, reported as MLPerf Power does: joules per run and average watts (energy / time).
+  Each counter times its per-operation energy from the ``[energy]`` table of the architecture,
+  plus the static power over the run's time.
+"""
 from __future__ import annotations
 
 from collections import defaultdict
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from isa.instructions import DMA_CLASSES, MatMul, QUEUES
+from isa.instructions import DMA_CLASSES, QUEUES
+from runtime.costs import DMA_SIDE, ceil_cycles
 
 FAMILIES = ("dma", "matrix", "drain", "vector", "sync")
+COMPULSORY_KINDS = ("input", "const", "output")
+PJ = 1e-12
 
 
 def summarize(result) -> dict:
@@ -16,10 +35,8 @@ def summarize(result) -> dict:
     arch, tl = result.arch, result.timeline
     c, d = tl.counters, arch.derived
     seconds = tl.cycles / (arch.clock_ghz * 1e9)
-    macs_by_mode = defaultdict(int)
-    for row in c.get("per_instr", []):
-        macs_by_mode[row["mode"]] += row["macs"]
-    return {
+    macs_by_mode = _macs_by_mode(c.get("per_instr", []))
+    numbers = {
         "arch": arch.name,
         "cycles": int(tl.cycles),
         "time_s": seconds,
@@ -41,7 +58,126 @@ def summarize(result) -> dict:
         "instructions": {f: int(c[f"count_{f}"]) for f in FAMILIES},
         "busy_cycles": {f: int(c[f"busy_{f}"]) for f in FAMILIES},
         "utilization": _utilization(result),
+        "vector_ops": int(c["vector_ops"]),
     }
+    numbers |= _roofline_numbers(result, macs_by_mode)
+    numbers |= _energy_numbers(arch, c, macs_by_mode, seconds)
+    numbers["matmuls"] = matmul_table(result)
+    return numbers
+
+
+def _macs_by_mode(rows) -> dict:
+    out = defaultdict(int)
+    for row in rows:
+        out[row["mode"]] += row["macs"]
+    return dict(out)
+
+
+# --- roofline --------------------------------------------------------------------------------
+
+def compulsory_bytes(program) -> int:
+    """Bytes of the input and const tensors (read once) and the output tensors (written once)."""
+    return sum(t.nbytes for t in program.tensors if t.kind in COMPULSORY_KINDS)
+
+
+def roofline(arch, macs_by_mode: dict, nbytes: int) -> dict:
+    """The compute bound (each mode's MACs at its peak rate, summed), the DRAM bound (``nbytes``
+    at the DRAM bandwidth), and the roofline: the larger, in cycles."""
+    d = arch.derived
+    compute = sum(macs / d.macs_per_cycle[mode] for mode, macs in macs_by_mode.items())
+    dram = nbytes / d.dram_bytes_per_cycle
+    return {"compute_cycles": compute, "dram_cycles": dram, "cycles": max(compute, dram),
+            "bound": "compute" if compute >= dram else "dram"}
+
+
+def _fraction(best: float, cycles: float) -> float:
+    return best / cycles if cycles > 0 else 0.0
+
+
+def _roofline_numbers(result, macs_by_mode: dict) -> dict:
+    nbytes = compulsory_bytes(result.program)
+    roof = roofline(result.arch, macs_by_mode, nbytes)
+    return {"compulsory_dram_bytes": nbytes, "roofline_cycles": roof["cycles"],
+            "roofline_bound": roof["bound"],
+            "roofline_fraction": _fraction(roof["cycles"], result.timeline.cycles)}
+
+
+# --- regions and the per-matmul table --------------------------------------------------------
+
+def region_of(program) -> np.ndarray:
+    """Per instruction, the index in ``program.regions`` of its region (-1: before the first)."""
+    starts = np.array([at for at, _ in program.regions], dtype=np.int64)
+    return np.searchsorted(starts, np.arange(len(program.instrs)), side="right") - 1
+
+
+def region_ranges(program) -> list[range]:
+    """The instructions of each region: from its start to the next region's."""
+    ends = [at for at, _ in program.regions[1:]] + [len(program.instrs)]
+    return [range(at, end) for (at, _), end in zip(program.regions, ends)]
+
+
+def _span(tl, members: range) -> tuple[float, float]:
+    """First start and last completion of the instructions ``members`` (not empty)."""
+    return (float(np.nanmin(tl.start[members.start:members.stop])),
+            float(np.nanmax(tl.done[members.start:members.stop])))
+
+
+def region_dram_bytes(program, members) -> int:
+    """Compulsory traffic of instructions ``members``: the DRAM tensors their loads read plus
+    those their stores write, each tensor counted once per direction."""
+    moved = {"dram_read_bytes": set(), "dram_write_bytes": set()}
+    for k in members:
+        i = program.instrs[k]
+        side = DMA_SIDE.get(type(i))
+        if side is not None:
+            moved[side[1]].add(getattr(i, side[0]).tensor)
+    return sum(program.tensors[t].nbytes for ts in moved.values() for t in ts)
+
+
+def matmul_table(result) -> list[dict]:
+    """One row per region that runs ``mm`` instructions, in program order."""
+    program, tl = result.program, result.timeline
+    owner, ranges = region_of(program), region_ranges(program)
+    rows_of = defaultdict(list)
+    for row in tl.counters.get("per_instr", []):
+        if owner[row["index"]] >= 0:
+            rows_of[int(owner[row["index"]])].append(row)
+    return [_matmul_row(result, program.regions[r][1], rows, ranges[r])
+            for r, rows in sorted(rows_of.items())]
+
+
+def _matmul_row(result, name: str, mm_rows: list[dict], members: range) -> dict:
+    macs_by_mode = _macs_by_mode(mm_rows)
+    roof = roofline(result.arch, macs_by_mode, region_dram_bytes(result.program, members))
+    start, done = _span(result.timeline, members)
+    cycles = ceil_cycles(done - start)
+    return {"region": name, "nodes": name.split("+"), "mode": "+".join(sorted(macs_by_mode)),
+            "macs": int(sum(macs_by_mode.values())), "cycles": cycles,
+            "roofline_cycles": roof["cycles"], "roofline_bound": roof["bound"],
+            "roofline_fraction": _fraction(roof["cycles"], cycles)}
+
+
+# --- energy ----------------------------------------------------------------------------------
+
+def energy(arch, counters: dict, macs_by_mode: dict, seconds: float) -> dict:
+    """Joules by part: MACs per mode, DRAM, scratchpad and psum traffic, vector lane-ops, and
+    static power over ``seconds``."""
+    parts = {f"mac_{m}": macs_by_mode.get(m, 0) * arch.derived.pj_per_mac[m] * PJ for m in arch.modes}
+    dram = counters["dram_read_bytes"] + counters["dram_write_bytes"]
+    parts["dram"] = dram * arch.pj_per_dram_byte * PJ
+    parts["scratchpad"] = counters["spad_bytes"] * arch.pj_per_sram_byte * PJ
+    parts["psum"] = counters["psum_bytes"] * arch.pj_per_sram_byte * PJ
+    parts["vector"] = counters["vector_ops"] * arch.pj_per_vector_op * PJ
+    parts["static"] = arch.static_watts * seconds
+    return parts
+
+
+def _energy_numbers(arch, counters: dict, macs_by_mode: dict, seconds: float) -> dict:
+    parts = energy(arch, counters, macs_by_mode, seconds)
+    joules = sum(parts.values())
+    return {"energy_joules": joules, "average_watts": joules / seconds if seconds > 0 else 0.0,
+            "tops_per_watt": 2.0 * counters["macs"] / joules / 1e12 if joules > 0 else 0.0,
+            "energy": parts}
 
 
 def _tops(macs: float, seconds: float) -> float:
@@ -73,6 +209,13 @@ def _bytes(n: float) -> str:
     return str(n)
 
 
+def _joules(j: float) -> str:
+    for unit, scale in (("J", 1.0), ("mJ", 1e-3), ("uJ", 1e-6)):
+        if abs(j) >= scale:
+            return f"{j / scale:.4g} {unit}"
+    return f"{j / 1e-9:.4g} nJ"
+
+
 def print_report(n: dict, console: Console | None = None) -> None:
     console = console or Console()
     console.print(f"[bold]{n['arch']}[/bold]: {n['cycles']:,} cycles = {n['time_s'] * 1e6:.3f} us "
@@ -87,8 +230,16 @@ def print_report(n: dict, console: Console | None = None) -> None:
     sp = n["sparsity"]
     console.print(f"passes: {sp['passes']:,} of {sp['dense_passes']:,} dense; windows skipped "
                   f"{sp['windows_skipped']:,}, cycles saved {sp['cycles_saved']:,}")
+    console.print(f"roofline: {n['roofline_cycles']:,.0f} cycles, {n['roofline_bound']}-bound (compulsory "
+                  f"DRAM traffic {_bytes(n['compulsory_dram_bytes'])}); the run reaches "
+                  f"{n['roofline_fraction']:.1%} of it")
+    console.print(f"energy: {_joules(n['energy_joules'])} per run, average power "
+                  f"{n['average_watts']:.4g} W, {n['tops_per_watt']:.3g} TOPS/W")
     console.print(_family_table(n))
     console.print(_legion_table(n))
+    console.print(_energy_table(n))
+    if n["matmuls"]:
+        console.print(_matmul_table(n))
 
 
 def _family_table(n: dict) -> Table:
@@ -106,6 +257,33 @@ def _legion_table(n: dict) -> Table:
         t.add_column(col, justify="right")
     for row in n["utilization"]:
         t.add_row(str(row["legion"]), *(f"{row[k]:.1%}" for k in ("dma", "mat", "vec", "mac")))
+    return t
+
+
+ENERGY_PARTS = {"dram": "DRAM", "scratchpad": "scratchpads", "psum": "accumulators (psum)",
+                "vector": "vector lane-ops", "static": "static"}
+
+
+def _energy_table(n: dict) -> Table:
+    t = Table(title="energy per run", title_justify="left")
+    for col in ("part", "energy", "share"):
+        t.add_column(col, justify="left" if col == "part" else "right")
+    total = n["energy_joules"]
+    for part, joules in n["energy"].items():
+        label = ENERGY_PARTS.get(part, part.replace("mac_", "MACs "))
+        t.add_row(label, _joules(joules), f"{joules / total:.1%}" if total else "-")
+    return t
+
+
+def _matmul_table(n: dict) -> Table:
+    t = Table(title="matmuls against their roofline (compute at peak, compulsory DRAM traffic)",
+              title_justify="left")
+    t.add_column("nodes", overflow="fold")
+    for col in ("mode", "MACs", "cycles", "roofline", "bound", "of roofline"):
+        t.add_column(col, justify="left" if col in ("mode", "bound") else "right", no_wrap=True)
+    for m in n["matmuls"]:
+        t.add_row(" + ".join(m["nodes"]), m["mode"], f"{m['macs']:,}", f"{m['cycles']:,}",
+                  f"{m['roofline_cycles']:,.0f}", m["roofline_bound"], f"{m['roofline_fraction']:.1%}")
     return t
 
 
@@ -128,6 +306,7 @@ def chrome_trace(result) -> dict:
     us = 1.0 / (arch.clock_ghz * 1e3)           # microseconds per cycle
     dram_pid = arch.legions
     events = _trace_names(arch.legions, dram_pid)
+    owner = region_of(program)
     for i, ins in enumerate(program.instrs):
         queue = ins.queue()
         if queue == "*":            # a barrier: a moment, not a span
@@ -137,12 +316,33 @@ def chrome_trace(result) -> dict:
         start, done = float(tl.start[i]), float(tl.done[i])
         events.append({"name": ins.MNEMONIC, "ph": "X", "pid": ins.legion, "tid": QUEUES.index(queue),
                        "ts": start * us, "dur": max(done - start, 0.0) * us,
-                       "args": {"line": program.where(i)}})
+                       "args": _trace_args(program, owner, i)})
         if type(ins) in DMA_CLASSES:
             events.append({"name": ins.MNEMONIC, "ph": "X", "pid": dram_pid, "tid": ins.legion,
-                           "ts": start * us, "dur": max(float(tl.free[i]) - start, 0.0) * us})
+                           "ts": start * us, "dur": max(float(tl.free[i]) - start, 0.0) * us,
+                           "args": _trace_args(program, owner, i)})
+    events += _region_spans(program, tl, dram_pid + 1, us)
     return {"traceEvents": events, "displayTimeUnit": "ns",
             "otherData": {"arch": arch.name, "cycles": int(tl.cycles)}}
+
+
+def _trace_args(program, owner: np.ndarray, i: int) -> dict:
+    args = {"line": program.where(i)}
+    if owner[i] >= 0:
+        args["region"] = program.regions[owner[i]][1]
+    return args
+
+
+def _region_spans(program, tl, pid: int, us: float) -> list[dict]:
+    """A track with one span per region that holds instructions: which node the machine runs."""
+    events = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": "regions"}}]
+    for (_, name), members in zip(program.regions, region_ranges(program)):
+        if not members:
+            continue
+        start, done = _span(tl, members)
+        events.append({"name": name, "ph": "X", "pid": pid, "tid": 0, "ts": start * us,
+                       "dur": max(done - start, 0.0) * us, "args": {"region": name}})
+    return events
 
 
 def _trace_names(legions: int, dram_pid: int) -> list[dict]:

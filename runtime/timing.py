@@ -42,7 +42,7 @@ INF = float("inf")
 FAMILIES = ("dma", "matrix", "drain", "vector", "sync")
 SUMMED = ("dram_read_bytes", "dram_write_bytes", "multicast_saved_bytes", "macs", "dense_macs",
           "passes", "dense_passes", "windows_skipped", "sparsity_cycles_saved", "psum_bytes", "spad_bytes",
-          "vector_elems")
+          "vector_elems", "vector_ops")
 
 
 class Deadlock(Exception):

@@ -100,12 +100,21 @@ arch_names = st.sampled_from(["dlegion-tiny", "dlegion-8x8", "my arch.toml", "..
 data_files = st.none() | st.sampled_from(["prog.s.data", "data dir/w \"q\".bin"])
 
 
+def regions(n_instrs: int) -> st.SearchStrategy[list[tuple[int, str]]]:
+    """Regions in program order over ``n_instrs`` instructions: empty ones, several at one
+    index, and one after the last instruction included."""
+    starts = st.lists(st.integers(0, n_instrs), max_size=4).map(sorted)
+    return starts.flatmap(lambda at: st.lists(graph_names, min_size=len(at), max_size=len(at))
+                          .map(lambda ns: list(zip(at, ns))))
+
+
 @st.composite
 def programs(draw, max_tensors: int = 5, max_instrs: int = 12) -> Program:
-    """Valid programs: a unique-named tensor table and instructions that index it."""
+    """Valid programs: a unique-named tensor table, instructions that index it, and regions."""
     table = draw(st.lists(names, min_size=1, max_size=max_tensors, unique=True))
     ts = [draw(tensors(n)) for n in table]
     instrs = draw(st.lists(instructions(len(ts)), max_size=max_instrs))
-    return Program(arch=draw(arch_names), tensors=ts, instrs=instrs, data_file=draw(data_files))
+    return Program(arch=draw(arch_names), tensors=ts, instrs=instrs, data_file=draw(data_files),
+                   regions=draw(regions(len(instrs))))
 
 

@@ -53,6 +53,11 @@ def _toml(tmp_path, text):
     (lambda t: t.replace('dataflow = "dip"', 'dataflow = "os"'), "dataflow must be"),
     (lambda t: t.replace("legions = 2", "legions = 65"), "at most 64 Legions"),
     (lambda t: t + "\n[[", "m.toml"),
+    # the energy figures are parameters like any other: no silent defaults
+    (lambda t: t.replace("pj_per_dram_byte = 243.75", ""), "missing parameter(s) pj_per_dram_byte"),
+    (lambda t: t.split("[energy]")[0], r"missing table \[energy]"),
+    (lambda t: t.replace("static_watts = 0.008", "static_watts = -1.0"),
+     "static_watts must not be negative"),
 ])
 def test_bad_descriptions_name_the_problem(tmp_path, edit, message):
     with pytest.raises(arch.ArchError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -67,3 +72,12 @@ def test_unknown_preset_lists_the_presets():
 def test_a_file_arch_is_the_same_as_its_preset(tmp_path):
     path = _toml(tmp_path, lambda t: t)
     assert dataclasses.replace(arch.load(path), name="x") == dataclasses.replace(arch.load("dlegion-tiny"), name="x")
+
+
+def test_energy_figures_per_mode_are_derived_for_the_modes_the_machine_has():
+    tiny, ws = arch.load("dlegion-tiny"), arch.load("ws-32")
+    assert tiny.derived.pj_per_mac == {"w8": tiny.pj_per_mac_w8, "w4": tiny.pj_per_mac_w4,
+                                       "w2": tiny.pj_per_mac_w2}
+    assert ws.derived.pj_per_mac == {"w8": ws.pj_per_mac_w8}
+    # narrower weights never cost more energy per MAC than wider ones
+    assert tiny.pj_per_mac_w2 <= tiny.pj_per_mac_w4 <= tiny.pj_per_mac_w8

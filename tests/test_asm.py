@@ -33,6 +33,19 @@ vadd L1 vec[0,64,1] vec[0,64,1] #1.5 rows=4 cols=64
 """
 
 
+# Regions: before the first instruction, between two, two at one place, one after the last.
+REGIONS_EXAMPLE = """.arch dlegion-tiny
+.region "model/MatMul_1"
+.tensor t f32[4] scratch
+vexp L0 vec[0,1,1] vec[0,1,1] rows=1 cols=1
+barrier
+  .region "norm/Pow+norm/ReduceMean"   ; a fused kernel
+.region "empty \\"quoted\\""
+vexp L1 vec[0,1,1] vec[0,1,1] rows=1 cols=1
+.region "tail"
+"""
+
+
 def lark_only(text: str, source: str = "<text>") -> Program:
     """The program as the LALR parser alone reads it (no per-line regex path)."""
     b = asm._Builder(text, source)
@@ -139,6 +152,29 @@ def test_optional_wait_absent_or_present(parse):
                                                       f"{line} wait=L0.dma>=0"]
 
 
+@pytest.mark.parametrize("parse", [asm.parse, lark_only])
+def test_regions_name_the_instructions_after_them(parse):
+    p = parse(REGIONS_EXAMPLE)
+    assert p.regions == [(0, "model/MatMul_1"), (2, "norm/Pow+norm/ReduceMean"), (2, 'empty "quoted"'),
+                         (3, "tail")]
+    assert [i.MNEMONIC for i in p.instrs] == ["vexp", "barrier", "vexp"] and p.lines == [4, 5, 8]
+
+
+def test_regions_print_before_their_first_instruction():
+    text = asm.format_program(asm.parse(REGIONS_EXAMPLE))
+    assert text.splitlines()[2:] == [
+        '.region "model/MatMul_1"', "vexp L0 vec[0,1,1] vec[0,1,1] rows=1 cols=1", "barrier",
+        '.region "norm/Pow+norm/ReduceMean"', '.region "empty \\"quoted\\""',
+        "vexp L1 vec[0,1,1] vec[0,1,1] rows=1 cols=1", '.region "tail"']
+    assert asm.parse(text) == asm.parse(REGIONS_EXAMPLE)
+
+
+def test_printing_regions_out_of_order_fails():
+    p = Program(arch="a", instrs=[Barrier()], regions=[(0, "a"), (2, "b")])
+    with pytest.raises(ProgramError, match=r"region 1 \('b'\): starts at instruction 2, expected 0..1"):
+        asm.format_program(p)
+
+
 # --- round trips ---------------------------------------------------------------------------------
 
 @settings(max_examples=150, deadline=None)
@@ -178,6 +214,18 @@ def test_regex_path_never_accepts_what_the_lalr_parser_rejects(i, data):
         cut = data.draw(st.integers(0, 2))
         line = line[:at] + junk + line[at + cut:]
     assert outcome(asm.parse, head + line) == outcome(lark_only, head + line)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=6), st.data())
+def test_regex_path_and_lalr_parser_agree_on_region_lines(name, data):
+    line = '.region "' + name.replace("\\", "").replace('"', "").replace("\n", "") + '"'
+    for _ in range(data.draw(st.integers(0, 3))):
+        at = data.draw(st.integers(0, len(line)))
+        junk = data.draw(st.sampled_from(["", '"', "\\", "\\q", "\\n", " ", "\t", ";", "x", "\r", "."]))
+        line = line[:at] + junk + line[at + data.draw(st.integers(0, 2)):]
+    text = ".arch a\nbarrier\n" + line + "\nbarrier\n"
+    assert outcome(asm.parse, text) == outcome(lark_only, text)
 
 
 @settings(max_examples=40, deadline=None)
@@ -221,6 +269,8 @@ def test_unknown_mnemonic_suggests_close_ones():
 def test_unknown_directive():
     assert first_line(parse_error(".arch a\n.tensr x f32[1] input\n")).startswith(
         "t.s:2:1: unknown directive '.tensr'; did you mean .tensor")
+    assert first_line(parse_error(".arch a\nbarrier\n.regoin \"x\"\n")).startswith(
+        "t.s:3:1: unknown directive '.regoin'; did you mean .region")
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -238,6 +288,10 @@ def test_unknown_directive():
     (".arch a\n.arch b\n", "t.s:2:7: a second .arch directive"),
     (".tensor x f32[4] input\n", "t.s: missing .arch directive"),
     (".arch a\n.data \"a\\q\"\n", "t.s:2:7: bad escape in string"),
+    (".arch a\nbarrier\n.region \"a\\q\"\n", "t.s:3:9: bad escape in string"),
+    (".arch a\nbarrier\n.region a\n", "t.s:3:9: unexpected 'a'; expected a quoted string"),
+    (".arch a\nbarrier\n.region\n", "t.s:3:8: unexpected end of line; expected a quoted string"),
+    (".arch a\n.region \"a\" \"b\"\n", "t.s:2:13: unexpected '\"b\"'; expected end of line"),
     (".arch a\ndma.st L0 @q[0,1] vec[0,1,1] rows=1 cols=1\n", "t.s:2:12: unknown tensor 'q' (declared: none)"),
     (".arch a\nvadd L0 vec[0,1,1] vec[0,1,1] #1e39 rows=1 cols=1\n",
      "t.s:2:31: immediate #1e39 is outside the fp32 range"),
@@ -381,6 +435,14 @@ def test_assemble_and_disassemble_round_trip(program, tmp_path):
     assert (tmp_path / "again.bin").read_bytes() == binary
 
 
+def test_regions_survive_assembly_and_disassembly(tmp_path):
+    (tmp_path / "r.s").write_text(REGIONS_EXAMPLE)
+    assert run(cli.assemble_main, tmp_path / "r.s").exit_code == 0
+    assert asm.load(tmp_path / "r.bin").regions == asm.parse(REGIONS_EXAMPLE).regions
+    result = run(cli.disassemble_main, tmp_path / "r.bin")
+    assert result.exit_code == 0 and result.stdout == asm.format_program(asm.parse(REGIONS_EXAMPLE))
+
+
 def test_output_in_another_folder_still_names_the_data_and_arch_files(program, tmp_path):
     program.write_text(DESIGN_EXAMPLE.replace(".arch dlegion-tiny", '.arch "machines/m.toml"'))
     (tmp_path / "out" / "deep").mkdir(parents=True)
@@ -404,7 +466,7 @@ def test_assembler_errors_exit_2_with_the_location_first(tmp_path):
 def test_missing_input_and_corrupt_binary_exit_2(tmp_path):
     result = run(cli.disassemble_main, tmp_path / "nope.bin")
     assert result.exit_code == 2 and "nope.bin: cannot read" in result.stderr
-    (tmp_path / "bad.bin").write_bytes(b"DLGN\x02\x00\x00\x00\xff\x00\x00\x00{")
+    (tmp_path / "bad.bin").write_bytes(b"DLGN" + struct.pack("<HHI", encoding.VERSION, 0, 255) + b"{")
     result = run(cli.disassemble_main, tmp_path / "bad.bin")
     assert result.exit_code == 2 and "truncated header" in result.stderr
 

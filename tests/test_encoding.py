@@ -174,14 +174,15 @@ def test_disassembled_text_reassembles_to_the_same_bytes(p):
 
 def test_file_layout():
     p = Program(arch="dlegion-tiny", tensors=[Tensor("x", "f32", (2, 3), "input", "x")],
-                instrs=[Wait(0, "dma", Cond(1, "vec", 1)), Barrier()], data_file="d.bin")
+                instrs=[Wait(0, "dma", Cond(1, "vec", 1)), Barrier()], data_file="d.bin",
+                regions=[(0, "MatMul_1"), (2, "after")])
     b = encoding.encode_program(p)
     magic, version, reserved, n = struct.unpack_from("<4sHHI", b)
     assert (magic, version, reserved) == (b"DLGN", encoding.VERSION, 0)
     head = json.loads(b[12:12 + n])
     assert head == {"arch": "dlegion-tiny", "data_file": "d.bin", "tensors": [
         {"name": "x", "dtype": "f32", "shape": [2, 3], "kind": "input", "io_name": "x", "offset": None,
-         "range": None}]}
+         "range": None}], "regions": [[0, "MatMul_1"], [2, "after"]]}
     start = -(-(12 + n) // WORD) * WORD
     assert b[12 + n:start] == bytes(start - 12 - n)
     assert len(b) == start + 2 * WORD and b[start:start + WORD] == encoding.encode_instr(p.instrs[0])
@@ -204,12 +205,14 @@ def test_every_truncation_fails_cleanly_or_is_a_shorter_program():
 @pytest.mark.parametrize("head, match", [
     (b"{", "corrupt header"),
     (b"[]", "corrupt header: header needs exactly the keys"),
-    (b'{"arch": 1, "data_file": null, "tensors": []}', "corrupt header: header arch 1"),
-    (b'{"arch": "a", "data_file": null, "tensors": [{"name": "x"}]}', "tensor needs exactly the keys"),
+    (b'{"arch": 1, "data_file": null, "tensors": [], "regions": []}', "corrupt header: header arch 1"),
+    (b'{"arch": "a", "data_file": null, "tensors": [{"name": "x"}], "regions": []}',
+     "tensor needs exactly the keys"),
     (b'{"arch": "a", "data_file": null, "tensors": [{"name": "x", "dtype": "f16", "shape": [1], '
-     b'"kind": "input", "io_name": null, "offset": null, "range": null}]}', "unknown dtype 'f16'"),
+     b'"kind": "input", "io_name": null, "offset": null, "range": null}], "regions": []}',
+     "unknown dtype 'f16'"),
     (b'{"arch": "a", "data_file": null, "tensors": [{"name": "x", "dtype": "f32", "shape": [1.5], '
-     b'"kind": "input", "io_name": null, "offset": null, "range": null}]}', "bad shape"),
+     b'"kind": "input", "io_name": null, "offset": null, "range": null}], "regions": []}', "bad shape"),
 ])
 def test_corrupt_headers_are_errors(head, match):
     b = struct.pack("<4sHHI", b"DLGN", encoding.VERSION, 0, len(head)) + head
@@ -218,12 +221,46 @@ def test_corrupt_headers_are_errors(head, match):
         encoding.decode_program(b, "x.bin")
 
 
+def _with_header(head: bytes, words: int = 0) -> bytes:
+    b = struct.pack("<4sHHI", b"DLGN", encoding.VERSION, 0, len(head)) + head
+    return b + bytes(-len(b) % WORD) + Barrier.OPCODE.to_bytes(WORD, "little") * words
+
+
+REGIONLESS = b'"arch": "a", "data_file": null, "tensors": []'
+
+
+@pytest.mark.parametrize("regions, match", [
+    (b'[[2, "x"]]', "region 0 \\('x'\\): starts at instruction 2, expected 0..1"),
+    (b'[[1, "x"], [0, "y"]]', "region 1 \\('y'\\): starts at instruction 0, expected 1..1"),
+    (b'[[0, 5]]', "region 0: expected \\(instruction index, name\\)"),
+    (b'[[true, "x"]]', "region 0: expected"),
+    (b'[[0, "x", 1]]', "region 0: expected"),
+    (b'["x"]', "region 0: expected"),
+])
+def test_corrupt_regions_are_errors(regions, match):
+    head = b"{" + REGIONLESS + b', "regions": ' + regions + b"}"
+    with pytest.raises(ProgramError, match="x.bin: corrupt header: " + match):
+        encoding.decode_program(_with_header(head, words=1), "x.bin")
+
+
+def test_a_header_without_regions_is_corrupt():
+    with pytest.raises(ProgramError, match="needs exactly the keys arch, data_file, tensors, regions"):
+        encoding.decode_program(_with_header(b"{" + REGIONLESS + b"}"), "x.bin")
+
+
+def test_regions_out_of_order_are_not_encoded():
+    p = Program(arch="a", instrs=[Barrier()], regions=[(1, "late"), (0, "early")])
+    with pytest.raises(ProgramError, match="region 1 \\('early'\\): starts at instruction 0"):
+        encoding.encode_program(p)
+
+
 def test_version_and_references_are_checked():
     p = Program(arch="a", tensors=[Tensor("t", "f32", (4,), "scratch")],
                 instrs=[DmaStore(0, DramRef(0, 0, 1), View("vec", 0, 1, 1), 1, 1)])
     b = bytearray(encoding.encode_program(p))
-    with pytest.raises(ProgramError, match="unsupported binary version 3.0"):
-        encoding.decode_program(bytes(b[:4] + b"\x03" + b[5:]))
+    newer = encoding.VERSION + 1
+    with pytest.raises(ProgramError, match=f"unsupported binary version {newer}.0"):
+        encoding.decode_program(bytes(b[:4] + bytes([newer]) + b[5:]))
     b[-WORD + 2] = 5            # the tensor index of dst: bits 16.., after opcode and legion
     with pytest.raises(ProgramError, match="instruction 0: dma.st: dst: tensor index 5 but only 1"):
         encoding.decode_program(bytes(b))

@@ -28,10 +28,13 @@ def test_outputs_json_and_trace(tmp_path):
     out, js, trace = tmp_path / "out.npz", tmp_path / "r.json", tmp_path / "t.json"
     r = dlegion_run(EXAMPLES / "softmax.s", "--out", out, "--json", js, "--trace", trace, "--report")
     assert r.returncode == 0, r.stderr
-    assert "cycles" in r.stdout
+    assert "cycles" in r.stdout and "roofline:" in r.stdout and "average power" in r.stdout
     numbers = json.loads(js.read_text())
-    for key in ("cycles", "dram_read_bytes", "dram_write_bytes", "macs", "arch"):
+    for key in ("cycles", "dram_read_bytes", "dram_write_bytes", "macs", "arch", "roofline_cycles",
+                "compulsory_dram_bytes", "psum_bytes", "energy_joules", "average_watts", "matmuls"):
         assert key in numbers
+    # softmax reads x f32[8,32] and writes y f32[8,32]; it has no matmul
+    assert numbers["compulsory_dram_bytes"] == 2 * 8 * 32 * 4 and numbers["matmuls"] == []
     assert numbers["dram_read_bytes"] == numbers["dram_write_bytes"] == 8 * 32 * 4
     with np.load(out) as npz:
         assert npz["y"].shape == (8, 32)

@@ -1,10 +1,14 @@
-"""Lowering a whole graph: nodes in order, each followed by a barrier when it emitted work."""
+"""Lowering a whole graph: nodes in order, each followed by a barrier when it emitted work.
+
+Each node that emits work opens a region of the program (``.region``) named after the ONNX
+node(s) it came from, so reports and traces can point back at the model.
+"""
 from __future__ import annotations
 
 from isa.arch import Arch
 from isa.program import Program
 from dlegion_cc.errors import UnsupportedNodes
-from dlegion_cc.ir import Graph
+from dlegion_cc.ir import DLEGION, Graph, Node
 from dlegion_cc.lower import elementwise, fmatmul, fused, movement, qmatmul, quant, reduce  # noqa: F401
 from dlegion_cc.lower.context import LOWERINGS, Lowering
 from dlegion_cc.lower.emitter import Emitter
@@ -16,7 +20,7 @@ def lower_graph(graph: Graph, arch: Arch, data_file: str | None) -> Program:
     em = Emitter(arch, graph.source)
     low = Lowering(graph, em)
     low.declare_inputs()
-    problems = []
+    problems, regions = [], []
     for node in graph.nodes:
         fn = LOWERINGS.get((node.domain, node.op))
         if fn is None:
@@ -32,14 +36,32 @@ def lower_graph(graph: Graph, arch: Arch, data_file: str | None) -> Program:
             continue
         if len(em.instrs) > before:
             em.barrier()
+            regions.append((before, region_name(node)))
         em.release()
     if problems:
         raise UnsupportedNodes(graph.source, problems)
-    _materialize_outputs(low)
-    return em.program(data_file)
+    _materialize_outputs(low, regions)
+    program = em.program(data_file)
+    program.regions = regions
+    return program
 
 
-def _materialize_outputs(low: Lowering) -> None:
+NAMED_IN_FULL = 3       # a longer fused run is named by its first and last nodes
+
+
+def region_name(node: Node) -> str:
+    """The ONNX node names a lowered node covers, joined by "+": a fused kernel's (its first
+    and last with "..." between when there are many, so a line stays readable), else its own
+    (a recognized matmul keeps the name of the MatMul it replaced)."""
+    if node.domain != DLEGION or node.op != "RowKernel":
+        return node.name
+    names = [n.name for n in node.attrs["nodes"]]
+    if len(names) > NAMED_IN_FULL:
+        names = [names[0], "...", names[-1]]
+    return "+".join(names)
+
+
+def _materialize_outputs(low: Lowering, regions: list) -> None:
     """Graph outputs that no node wrote (an input passed through): copy them."""
     declared = {t.io_name for t in low.em.tensors if t.kind == "output"}
     for name in low.graph.outputs:
@@ -48,5 +70,6 @@ def _materialize_outputs(low: Lowering) -> None:
         src = low.operands[name] if name in low.operands else low.operand(name)
         low.operands.pop(name, None)
         dst = low.result(name)
+        regions.append((len(low.em.instrs), f"copy to output {name}"))
         nd_copy(low.em, dst, src, low.shape(name))
         low.em.barrier()
