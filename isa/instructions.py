@@ -74,6 +74,10 @@ class Instr:
         """The queue that runs it; ``*`` for a barrier, which every queue runs."""
         return self.QUEUE or self.queue_name
 
+    def condition(self):
+        """The progress condition it waits for before starting, if any."""
+        return getattr(self, "wait", None)
+
     def bad_fields(self) -> list[str]:
         """Fields whose value the encoding cannot hold."""
         out = []
@@ -250,6 +254,9 @@ class Wait(Instr):
     legion: int = F(Legion(), "Legion of the waiting queue")
     queue_name: str = F(Keyword(*QUEUES, keyed=False), "queue that waits")
     until: object = F(Until(), "the progress it waits for")
+
+    def condition(self):
+        return self.until
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,7 @@ def check(program: Program, arch: Arch) -> list[str]:
 
 def own_queue(ins: Instr, seen: Counter) -> Problems:
     """A condition on the instruction's own queue can only wait for instructions before it."""
-    cond = ins.until if isinstance(ins, Wait) else getattr(ins, "wait", None)
+    cond = ins.condition()
     if cond is None or not hasattr(ins, "legion") or (cond.legion, cond.queue) != (ins.legion, ins.queue()):
         return
     if cond.count > seen[(ins.legion, ins.queue())]:
@@ -84,6 +84,7 @@ def own_queue(ins: Instr, seen: Counter) -> Problems:
 
 
 def _count(ins: Instr, seen: Counter, arch: Arch) -> None:
+    """Add ``ins`` to the instruction counts of the queues that run it (a barrier: all)."""
     if isinstance(ins, Barrier):
         for legion_ in range(arch.legions):
             for q in QUEUES:
@@ -323,11 +324,9 @@ def wait(ins: Wait, ctx: Context) -> Problems:
 
 def queue_lengths(program: Program, arch: Arch) -> Counter:
     """Instructions each queue runs: its own, plus every barrier."""
-    out = Counter((i.legion, i.queue()) for i in program.instrs if not isinstance(i, Barrier))
-    barriers = sum(isinstance(i, Barrier) for i in program.instrs)
-    for legion_ in range(arch.legions):
-        for q in QUEUES:
-            out[(legion_, q)] += barriers
+    out: Counter = Counter()
+    for ins in program.instrs:
+        _count(ins, out, arch)
     return out
 
 

@@ -118,10 +118,6 @@ def _queue_keys(i, arch: Arch) -> list[tuple[int, str]]:
     return [(i.legion, i.queue())]
 
 
-def _condition(i):
-    return i.until if isinstance(i, Wait) else getattr(i, "wait", None)
-
-
 class _Sim:
     def __init__(self, program: Program, arch: Arch, costs: list, execute):
         n = len(program.instrs)
@@ -209,7 +205,7 @@ class _Sim:
         while not q.busy and q.head < len(q.items):
             k = q.items[q.head]
             i = self.program.instrs[k]
-            cond = _condition(i)
+            cond = i.condition()
             if cond is not None and not self._holds(q, cond):
                 break
             handler = self.handlers.get(type(i), self._issue)
@@ -273,7 +269,7 @@ class _Sim:
 
     def _why_stuck(self, k: int, q: _Queue) -> str:
         i = self.program.instrs[k]
-        cond = _condition(i)
+        cond = i.condition()
         if cond is not None:
             target = self.queues.get((cond.legion, cond.queue))
             reached = target.prefix if target is not None else 0

@@ -21,15 +21,6 @@ COUNT_BITS = next(f.metadata['kind'].bits for f in VUnary.fields() if f.name == 
 
 
 @dataclass
-class Region:
-    """A block of one Legion scratchpad handed out by :class:`Emitter.alloc`."""
-
-    space: str
-    addr: int
-    size: int
-
-
-@dataclass
 class Emitter:
     arch: Arch
     source: str
@@ -38,7 +29,6 @@ class Emitter:
     data: bytearray = field(default_factory=bytearray)
     issued: dict = field(default_factory=dict)          # queue -> instructions issued on it
     pending: dict = field(default_factory=dict)         # queue -> Cond for its next instruction
-    spad_top: dict = field(default_factory=dict)        # (legion, space) -> next free element
     turn: int = 0                                       # round-robin position over Legions
 
     # --- DRAM -----------------------------------------------------------------------------
@@ -117,18 +107,6 @@ class Emitter:
         """The longest row or column one instruction can name: the narrower of the rows/cols
         count fields and a view's row stride (a block's row stride is its width)."""
         return min(1 << ViewKind.rs_bits, 1 << COUNT_BITS) - 1
-
-    def alloc(self, legion: int, space: str, size: int) -> Region:
-        """Bump-allocate ``size`` elements; callers free everything at once with ``release``."""
-        top = self.spad_top.get((legion, space), 0)
-        if top + size > self.capacity(space):
-            raise MemoryError(f"{space} scratchpad of Legion {legion} full: need {size} elements "
-                              f"at {top}, capacity {self.capacity(space)}")
-        self.spad_top[(legion, space)] = top + size
-        return Region(space, top, size)
-
-    def release(self) -> None:
-        self.spad_top.clear()
 
     def program(self, data_file: str | None) -> Program:
         return Program(self.arch.name, list(self.tensors), list(self.instrs),

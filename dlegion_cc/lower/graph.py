@@ -12,7 +12,6 @@ from dlegion_cc.ir import DLEGION, Graph, Node
 from dlegion_cc.lower import elementwise, fmatmul, fused, movement, qmatmul, quant, reduce  # noqa: F401
 from dlegion_cc.lower.context import LOWERINGS, Lowering
 from dlegion_cc.lower.emitter import Emitter
-from dlegion_cc.lower.layout import whole
 from dlegion_cc.lower.movement import nd_copy
 
 
@@ -37,7 +36,6 @@ def lower_graph(graph: Graph, arch: Arch, data_file: str | None) -> Program:
         if len(em.instrs) > before:
             em.barrier()
             regions.append((before, region_name(node)))
-        em.release()
     if problems:
         raise UnsupportedNodes(graph.source, problems)
     _materialize_outputs(low, regions)
