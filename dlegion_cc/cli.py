@@ -72,14 +72,22 @@ def _write(program, graph, output: str, emit: str) -> None:
 @click.option("--print-ir-after", "print_after", metavar="PASS|all",
               help="Print the graph IR after a pass (to stderr). Passes: " + ", ".join(
                   __import__("dlegion_cc.pipeline", fromlist=["PASS_NAMES"]).PASS_NAMES))
-def compile_command(model, output, arch, dims, inputs_path, emit, print_after):
+@click.option("--no-multicast", is_flag=True, help="Ablation: every Legion loads its own copy of the activations.")
+@click.option("--no-accumulators", is_flag=True,
+              help="Ablation: schedule as if the parallel accumulators were absent (passes split by output windows).")
+@click.option("--no-sparsity", is_flag=True, help="Ablation: dense schedule; all-zero weight blocks are not skipped.")
+@click.option("--no-fusion", is_flag=True, help="Ablation: no fusion of row-local ops into kernels.")
+def compile_command(model, output, arch, dims, inputs_path, emit, print_after, no_multicast, no_accumulators,
+                    no_sparsity, no_fusion):
     """Compile MODEL (ONNX) into a D-Legion program for ``dlegion-run``."""
     from dlegion_cc.pipeline import Options, compile_model
     bound = _dims_from_inputs(model, inputs_path) if inputs_path else {}
     bound.update(_parse_dims(dims))
     machine = arch_mod.load(arch)
     data_file = Path(output).name + ".data"
-    graph, program = compile_model(model, Options(machine, bound), data_file, _print_after(print_after))
+    options = Options(machine, bound, multicast=not no_multicast, accumulators=not no_accumulators,
+                      sparsity=not no_sparsity, fusion=not no_fusion)
+    graph, program = compile_model(model, options, data_file, _print_after(print_after))
     _write(program, graph, output, emit)
     click.echo(f"{output}: {len(program.instrs)} instructions for {machine.name}", err=True)
 

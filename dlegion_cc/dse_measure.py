@@ -74,7 +74,7 @@ def _reason(e: Exception) -> str:
 def measure(program: Program, arch: Arch) -> dict:
     """The row of a compiled program: cycles, throughput against its roofline, traffic, bounds."""
     tl = simulate(program, arch)
-    n = summarize(RunResult(outputs={}, timeline=tl, arch=arch, program=program, machine=None))
+    n = summarize(RunResult(outputs={}, timeline=tl, arch=arch, program=tl.program, machine=None))
     mode = _busiest_mode(n)
     peak = n["peak_tops"][mode]
     dram = n["dram_read_bytes"] + n["dram_write_bytes"]

@@ -9,6 +9,7 @@ from isa.arch import Arch
 from isa.program import Program
 from dlegion_cc.importer import import_model
 from dlegion_cc.ir import Graph
+from dlegion_cc.lower.context import Switches
 from dlegion_cc.lower.graph import lower_graph
 from dlegion_cc.passes.bitlinear import RecognizeBitLinear
 from dlegion_cc.passes.fuse import FuseRowwise
@@ -33,6 +34,14 @@ PASS_NAMES = ("import",) + tuple(p.name for p in PASSES)
 class Options:
     arch: Arch
     dims: dict = field(default_factory=dict)
+    # Ablations: each turns off one feature, to measure what it is worth.
+    multicast: bool = True        # off: every Legion loads its own copy of the activations
+    accumulators: bool = True     # off: schedule as if the parallel accumulators were absent
+    sparsity: bool = True         # off: dense schedule, no block masks
+    fusion: bool = True           # off: no FuseRowwise (and no multi-matrix fusion)
+
+    def switches(self) -> Switches:
+        return Switches(self.multicast, self.accumulators, self.sparsity)
 
 
 Hook = Callable[[str, Graph], None]
@@ -42,12 +51,20 @@ def compile_model(model: str | Path, options: Options, data_file: str | None = N
                   after_pass: Hook | None = None) -> tuple[Graph, Program]:
     graph = import_model(model, options.dims)          # load, check, infer shapes, fold constants
     _hook(after_pass, "import", graph)
-    for p in PASSES:                                    # recognize patterns, then legalize
+    for p in passes(options):                           # recognize patterns, then legalize
         p.run(graph, options)
         graph.remove_dead()
         _hook(after_pass, p.name, graph)
-    program = lower_graph(graph, options.arch, data_file)  # tiles, vector kernels, DMA, sync
+    program = lower_graph(graph, options.arch, data_file, options.switches())  # tiles, kernels, DMA, sync
     return graph, program
+
+
+FUSIONS = (FuseRowwise,)
+
+
+def passes(options: Options) -> tuple:
+    """The graph passes to run: all of them, or all but the fusions (``--no-fusion``)."""
+    return PASSES if options.fusion else tuple(p for p in PASSES if not isinstance(p, FUSIONS))
 
 
 def _hook(hook: Hook | None, name: str, graph: Graph) -> None:

@@ -22,7 +22,7 @@ import lark
 
 from isa import encoding, gen
 from isa.files import atomic_write_all
-from isa.fields import Cond, DramRef, Keyword, LegionSet, View, f32
+from isa.fields import COND_PATTERN, DramRef, Keyword, LegionSet, View, f32, parse_cond
 from isa.instructions import BY_MNEMONIC, INSTRUCTIONS, Instr
 from isa.program import Program, ProgramError, Tensor
 
@@ -113,12 +113,8 @@ def _index(tok) -> int:
 
 
 def _cond(text: str | None):
-    """``L0.dma>=5`` as a Cond (None for an optional condition that is absent)."""
-    if text is None:
-        return None
-    where, _, count = text.partition(">=")
-    legion, _, queue = where.partition(".")
-    return Cond(int(legion[1:]), queue, int(count))
+    """``L0.dma>=5``, ``dma~1``, ... as a Cond (None for an optional condition that is absent)."""
+    return None if text is None else parse_cond(text)
 
 
 # Value of a field whose grammar symbol is a single token, by kind class; other kinds arrive
@@ -307,8 +303,9 @@ def _opt_tensor(index: dict, s: str | None) -> int | None:
 # the group's text). Converters of Dram and OptTensor also take the tensor table (name -> index).
 FAST = {
     "Legion": lambda k: (r"L([0-9]+)", int),
-    "Until": lambda k: (r"(L[0-9]+\.(?:dma|mat|vec)>=[0-9]+)", _cond),
+    "Until": lambda k: (f"({COND_PATTERN})", _cond),
     "UInt": lambda k: (r"([0-9]+)", int),
+    "OptUInt": lambda k: (r"([0-9]+)", _opt_int),
     "Keyword": lambda k: ("(" + "|".join(map(re.escape, k.choices)) + ")", str),
     "LegionSet": lambda k: (r"\{([0-9,\-]*)\}", _set_text),
     "RowView": lambda k: (re.escape(k.space) + r"\[([0-9]+,[0-9]+)\]", _row_view(k.space)),

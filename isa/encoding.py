@@ -90,9 +90,11 @@ def _fp32_ok(v) -> bool:
 
 
 def _cond_ok(kind):
-    queues, end = frozenset(QUEUES), 1 << kind.count_bits
-    return lambda v: (type(v) is Cond and v.queue in queues and type(v.legion) is int and 0 <= v.legion < 256
-                      and type(v.count) is int and 0 <= v.count < end)
+    queues, end, legions = frozenset(QUEUES), 1 << kind.count_bits, 1 << kind.legion_bits
+    return lambda v: (type(v) is Cond and v.queue in queues
+                      and (v.legion is None or type(v.legion) is int and 0 <= v.legion < legions)
+                      and (type(v.back) is int and 0 <= v.back < end if v.count is None
+                           else type(v.count) is int and 0 <= v.count < end and v.back == 0))
 
 
 def _imm_ok(kind):
@@ -102,6 +104,7 @@ def _imm_ok(kind):
 
 QUICK_OK = {
     "Legion": lambda k: _uint(k.bits), "UInt": lambda k: _uint(k.bits),
+    "OptUInt": lambda k: _optional(_uint(k.value_bits)),
     "Until": _cond_ok, "After": lambda k: _optional(_cond_ok(k)),
     "Keyword": lambda k: lambda v, c=frozenset(k.choices): type(v) is str and v in c,
     "LegionSet": _legion_set_ok, "RowView": lambda k: _view_ok(k, rowview=True), "ViewKind": _view_ok,

@@ -18,9 +18,11 @@ OptAddr (keyed)           ``name=vec[addr]``/``none`` int or None
 Dram                      ``@tensor[offset,rs]``      DramRef(tensor index, offset, rs)
 OptTensor (keyed)         ``name=@tensor``/``none``   int (tensor index) or None
 ViewOrImm                 a View or ``#1.5``          View or float (an fp32 value)
-Until                     ``L0.dma>=5``               Cond(legion, queue, count)
+Until                     ``L0.dma>=5``, ``L0.dma``,  Cond(legion, queue, count, back)
+                          ``dma``, ``dma~1``
 After (keyed, optional)   ``wait=L0.dma>=5`` or       Cond or None
                           nothing
+OptUInt (keyed, optional) ``name=12`` or nothing      int or None
 ========================  ==========================  =====================================
 
 An *optional* kind's field is left out of the text when its value is None.
@@ -348,37 +350,71 @@ class ViewOrImm(Kind):
 
 @dataclass(frozen=True)
 class Cond:
-    """Queue (legion, queue) has completed at least ``count`` instructions, in order."""
+    """Queue ``queue`` of Legion ``legion`` has completed instructions, in order.
 
-    legion: int
+    ``legion`` None names the Legion that runs the waiting instruction (each Legion of a span its
+    own). ``count`` is absolute (at least that many completed); None makes the condition relative
+    to program order: every instruction dispatched to that queue before the waiting one, but the
+    last ``back``. Relative conditions need no counting by whoever writes them, hold for every
+    Legion of a span whatever its history, and can never wait for a later instruction.
+    """
+
+    legion: int | None
     queue: str
-    count: int
+    count: int | None = None
+    back: int = 0
+
+    @property
+    def relative(self) -> bool:
+        return self.count is None
 
     def __str__(self) -> str:
-        return f"L{self.legion}.{self.queue}>={self.count}"
+        where = self.queue if self.legion is None else f"L{self.legion}.{self.queue}"
+        if self.count is not None:
+            return f"{where}>={self.count}"
+        return f"{where}~{self.back}" if self.back else where
+
+
+COND_PATTERN = r"(?:L[0-9]+\.)?(?:dma|mat|vec)(?:>=[0-9]+|~[0-9]+)?"
+
+
+def parse_cond(text: str) -> Cond:
+    """``L0.dma>=5``, ``L0.dma``, ``dma~1``, ... as a Cond."""
+    where, ge, count = text.partition(">=")
+    where, tilde, back = where.partition("~")
+    legion, dot, queue = where.rpartition(".")
+    return Cond(int(legion[1:]) if dot else None, queue, int(count) if ge else None, int(back) if tilde else 0)
 
 
 class Until(Kind):
-    """A progress condition on one queue: ``L0.dma>=5``."""
+    """A progress condition on one queue: ``L0.dma>=5``, ``L0.dma``, ``dma``, ``dma~1``."""
 
-    count_bits = 24
-    bits = 8 + 2 + count_bits
+    legion_bits, count_bits = 8, 24
+    bits = 1 + legion_bits + 2 + 1 + count_bits
     grammar = "COND"
 
     def encode(self, v):
-        return v.legion | QUEUES.index(v.queue) << 8 | v.count << 10
+        own, rel = v.legion is None, v.count is None
+        return (int(own) | (0 if own else v.legion) << 1 | QUEUES.index(v.queue) << 9 | int(rel) << 11
+                | (v.back if rel else v.count) << 12)
 
     def decode(self, x):
-        return Cond(x & 0xFF, QUEUES[x >> 8 & 3], x >> 10 & ((1 << self.count_bits) - 1))
+        legion = None if x & 1 else x >> 1 & 0xFF
+        n = x >> 12 & ((1 << self.count_bits) - 1)
+        queue = QUEUES[x >> 9 & 3]
+        return Cond(legion, queue, None, n) if x >> 11 & 1 else Cond(legion, queue, n)
 
     def text(self, v, names):
         return str(v)
 
     def check(self, v):
         if not isinstance(v, Cond) or v.queue not in QUEUES:
-            return f"expected a condition like L0.dma>=5, got {v!r}"
-        if not (_uint_fits(v.legion, 8) and _uint_fits(v.count, self.count_bits)):
+            return f"expected a condition like L0.dma>=5 or dma~1, got {v!r}"
+        n = v.back if v.count is None else v.count
+        if not ((v.legion is None or _uint_fits(v.legion, self.legion_bits)) and _uint_fits(n, self.count_bits)):
             return f"condition {v} out of range"
+        if v.count is not None and v.back:
+            return f"condition {v} is absolute and relative at once"
         return None
 
 
@@ -397,3 +433,25 @@ class After(Until):
 
     def check(self, v):
         return None if v is None else super().check(v)
+
+
+class OptUInt(UInt):
+    """An optional unsigned integer, ``name=12``, left out of the text when absent."""
+
+    optional = True
+
+    def __init__(self, bits: int):
+        super().__init__(bits)
+        self.bits = 1 + bits
+        self.value_bits = bits
+
+    def encode(self, v):
+        return 0 if v is None else 1 | v << 1
+
+    def decode(self, x):
+        return None if not x & 1 else x >> 1
+
+    def check(self, v):
+        if v is None or _uint_fits(v, self.value_bits):
+            return None
+        return f"{v!r} does not fit in {self.value_bits} bits"

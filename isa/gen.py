@@ -127,8 +127,9 @@ def _spaces(kind) -> str:
 TEXT_FORMS = {
     "Legion": lambda k, n: "`L<i>`",
     "LegionSet": lambda k, n: "`{0-3,5}`",
-    "Until": lambda k, n: "`L<i>.dma\\|mat\\|vec>=<count>`",
-    "After": lambda k, n: f"`{n}=L<i>.<queue>>=<count>` (optional: left out when absent)",
+    "Until": lambda k, n: "`[L<i>.]dma\\|mat\\|vec[>=<count>\\|~<back>]`",
+    "After": lambda k, n: f"`{n}=[L<i>.]<queue>[>=<count>\\|~<back>]` (optional: left out when absent)",
+    "OptUInt": lambda k, n: f"`{n}=<u{k.value_bits}>` (optional: left out when absent)",
     "UInt": lambda k, n: f"`{n}=<u{k.bits}>`",
     "Keyword": lambda k, n: " \\| ".join(f"`{n}={c}`" if k.keyed else f"`{c}`" for c in k.choices),
     "RowView": lambda k, n: f"`{k.space}[addr,rs]`",

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from isa.fields import (QUEUES, After, Dram, Keyword, Legion, LegionSet, OptAddr, OptTensor, UInt,
-                        Until, View, ViewKind, ViewOrImm)
+from isa.fields import (QUEUES, After, Dram, Keyword, Legion, LegionSet, OptAddr, OptTensor, OptUInt,
+                        UInt, Until, View, ViewKind, ViewOrImm)
 
 WORD_BITS = 320
 OPCODE_BITS = 8
@@ -26,9 +26,23 @@ def F(kind, doc: str, default=dataclasses.MISSING):
     return field(default=default, metadata={"kind": kind, "doc": doc})
 
 
+SPAN_DOC = "Legions L..L+span-1 each run it on their own scratchpads (absent: L alone)"
+LSTRIDE_DOC = "DRAM elements added to the offset per Legion of the span (rank r reads offset + r*lstride)"
+
+
 def WAIT():
     """The optional dependency every non-sync instruction carries as its last field."""
     return F(After(), WAIT_DOC, default=None)
+
+
+def SPAN():
+    """The optional span of Legions every instruction that names a Legion carries."""
+    return F(OptUInt(8), SPAN_DOC, default=None)
+
+
+def LSTRIDE():
+    """How a DMA's DRAM offset moves from one Legion of its span to the next."""
+    return F(OptUInt(32), LSTRIDE_DOC, default=None)
 
 
 class RowView(ViewKind):
@@ -101,6 +115,8 @@ class DmaLoad(Instr):
     src: object = F(Dram(), "source tensor, element offset and row stride")
     rows: int = F(UInt(16), "rows transferred")
     cols: int = F(UInt(16), "elements per row")
+    span: object = SPAN()
+    lstride: object = LSTRIDE()
     wait: object = WAIT()
 
 
@@ -114,6 +130,8 @@ class DmaStore(Instr):
     src: View = F(ViewKind(), "source view")
     rows: int = F(UInt(16), "rows transferred")
     cols: int = F(UInt(16), "elements per row")
+    span: object = SPAN()
+    lstride: object = LSTRIDE()
     wait: object = WAIT()
 
 
@@ -128,6 +146,8 @@ class Gather(Instr):
     ids: View = F(ViewKind("vec"), "row indices, one per destination row (exact integers)")
     rows: int = F(UInt(16), "rows gathered")
     cols: int = F(UInt(16), "elements per row")
+    span: object = SPAN()
+    lstride: object = LSTRIDE()
     wait: object = WAIT()
 
 
@@ -149,6 +169,7 @@ class MatMul(Instr):
     split: str = F(Keyword("k", "n"), "how passes spread over cores: K-slices summed by the parallel accumulators, or output windows")
     accumulate: str = F(Keyword("set", "add"), "overwrite or add to the accumulators")
     mask: object = F(OptTensor(), "u8 tensor [ceil(K/array), ceil(N/array)]: 0 marks an all-zero weight block")
+    span: object = SPAN()
     wait: object = WAIT()
 
 
@@ -169,6 +190,7 @@ class Drain(Instr):
     cscale: object = F(OptAddr("vec"), "fp32 per-column scale (weight scale per channel or block)")
     bias: object = F(OptAddr("vec"), "fp32 per-column bias")
     accumulate: str = F(Keyword("set", "add"), "overwrite or add to dst")
+    span: object = SPAN()
     wait: object = WAIT()
 
 
@@ -183,6 +205,7 @@ class VUnary(Instr):
     a: View = F(ViewKind(), "operand (a stride of 0 broadcasts)")
     rows: int = F(UInt(16), "rows")
     cols: int = F(UInt(16), "columns")
+    span: object = SPAN()
     wait: object = WAIT()
 
 
@@ -198,6 +221,7 @@ class VBinary(Instr):
     b: object = F(ViewOrImm(), "second operand, or #immediate")
     rows: int = F(UInt(16), "rows")
     cols: int = F(UInt(16), "columns")
+    span: object = SPAN()
     wait: object = WAIT()
 
 
@@ -212,6 +236,7 @@ class VReduce(Instr):
     a: View = F(ViewKind(), "operand")
     rows: int = F(UInt(16), "rows")
     cols: int = F(UInt(16), "columns reduced")
+    span: object = SPAN()
     wait: object = WAIT()
 
 
@@ -226,6 +251,7 @@ class VSelect(Instr):
     a: object = F(ViewOrImm(), "value taken where cond is not 0, or #immediate")
     rows: int = F(UInt(16), "rows")
     cols: int = F(UInt(16), "columns")
+    span: object = SPAN()
     wait: object = WAIT()
 
 
@@ -241,6 +267,7 @@ class VMatMul(Instr):
     M: int = F(UInt(16), "rows")
     K: int = F(UInt(16), "contraction depth")
     N: int = F(UInt(16), "columns")
+    span: object = SPAN()
     wait: object = WAIT()
 
 
@@ -254,6 +281,7 @@ class Wait(Instr):
     legion: int = F(Legion(), "Legion of the waiting queue")
     queue_name: str = F(Keyword(*QUEUES, keyed=False), "queue that waits")
     until: object = F(Until(), "the progress it waits for")
+    span: object = SPAN()
 
     def condition(self):
         return self.until

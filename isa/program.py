@@ -72,6 +72,8 @@ class Program:
     lines: list[int] = field(default_factory=list, compare=False, repr=False)
     source: str = field(default="<program>", compare=False, repr=False)
     data: bytes | None = field(default=None, compare=False, repr=False)
+    # Of an expanded program (isa/expand.py): the source instruction of each task.
+    origin: list[int] | None = field(default=None, compare=False, repr=False)
 
     def tensor_index(self, name: str) -> int:
         for i, t in enumerate(self.tensors):
@@ -85,6 +87,8 @@ class Program:
 
     def where(self, i: int) -> str:
         """Location of instruction ``i`` for messages: ``file:line`` or ``file: instruction i``."""
+        if self.origin is not None:
+            i = self.origin[i]
         if i < len(self.lines) and self.lines[i]:
             return f"{self.source}:{self.lines[i]}"
         return f"{self.source}: instruction {i}"

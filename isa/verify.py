@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from isa.arch import MODE_BITS, Arch
+from isa.expand import expand
 from isa.fields import View
 from isa.fields import QUEUES
 from isa.instructions import (Barrier, DmaLoad, DmaStore, Drain, Gather, Instr, MatMul, VBinary, VMatMul,
@@ -61,16 +62,35 @@ def family_check(cls: type) -> Callable[[Instr, Context], Problems] | None:
 # --- public API ------------------------------------------------------------------------------
 
 def check(program: Program, arch: Arch) -> list[str]:
-    """Every problem of ``program`` on ``arch``, one line each; empty when it may run."""
-    ctx = Context(program, arch, queue_lengths(program, arch))
+    """Every problem of ``program`` on ``arch``, one line each; empty when it may run.
+
+    Spans are checked on the program as written, everything else on its expansion into one
+    task per Legion (a problem shared by the Legions of a span is listed once)."""
     out = list(tensor_problems(program))
+    out += [f"{program.where(i)}: {ins.MNEMONIC}: span: {why}" for i, ins in enumerate(program.instrs)
+            if (why := span_problem(ins, arch))]
+    if out:
+        return out
+    program = expand(program, arch.legions).program
+    ctx = Context(program, arch, queue_lengths(program, arch))
     seen: Counter = Counter()         # instructions each queue has been given so far
     for i, ins in enumerate(program.instrs):
         head = f"{program.where(i)}: {ins.MNEMONIC}"
         out += [f"{head}: {what}" for what in instr_problems(ins, ctx)]
         out += [f"{head}: {what}" for what in own_queue(ins, seen)]
         _count(ins, seen, arch)
-    return out
+    return list(dict.fromkeys(out))
+
+
+def span_problem(ins: Instr, arch: Arch) -> str | None:
+    span = getattr(ins, "span", None)
+    if span is None:
+        return None
+    if span == 0:
+        return "a span of 0 Legions runs nowhere"
+    if ins.legion + span > arch.legions:
+        return f"L{ins.legion} to L{ins.legion + span - 1} do not exist ({arch.name} has {arch.legions})"
+    return None
 
 
 def own_queue(ins: Instr, seen: Counter) -> Problems:

@@ -7,6 +7,7 @@ import numpy as np
 
 from isa.arch import Arch
 from isa.program import Program, ProgramError, Tensor
+from isa.expand import expand
 from isa.verify import verify
 from runtime import semantics
 from runtime.state import Machine, Trap
@@ -25,6 +26,7 @@ class RunResult:
 def run(program: Program, arch: Arch, inputs: dict[str, np.ndarray]) -> RunResult:
     """Emulate ``program`` on ``arch``: functional results and timing from one simulation."""
     verify(program, arch)
+    program = expand(program, arch.legions).program      # one task per Legion of each span
     machine = Machine(program, arch)
     bind_inputs(machine, program, inputs)
 

@@ -22,7 +22,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from isa.instructions import DMA_CLASSES, QUEUES
+from isa.instructions import DMA_CLASSES, QUEUES, MatMul
 from runtime.costs import DMA_SIDE, ceil_cycles
 
 FAMILIES = ("dma", "matrix", "drain", "vector", "sync")
@@ -54,7 +54,8 @@ def summarize(result) -> dict:
         "vector_elems": int(c["vector_elems"]),
         "sparsity": {"passes": int(c["passes"]), "dense_passes": int(c["dense_passes"]),
                      "windows_skipped": int(c["windows_skipped"]),
-                     "cycles_saved": int(c["sparsity_cycles_saved"])},
+                     "cycles_saved": int(c["sparsity_cycles_saved"]), **_mask_numbers(result.program)},
+        "program_instructions": _source_count(result.program),
         "instructions": {f: int(c[f"count_{f}"]) for f in FAMILIES},
         "busy_cycles": {f: int(c[f"busy_{f}"]) for f in FAMILIES},
         "utilization": _utilization(result),
@@ -64,6 +65,24 @@ def summarize(result) -> dict:
     numbers |= _energy_numbers(arch, c, macs_by_mode, seconds)
     numbers["matmuls"] = matmul_table(result)
     return numbers
+
+
+def _source_count(program) -> int:
+    """Instructions of the program as written (it runs as one task per Legion of a span)."""
+    return program.origin[-1] + 1 if program.origin else len(program.instrs)
+
+
+def _mask_numbers(program) -> dict:
+    """The ``mm`` tasks that carry a block mask and the weight blocks those masks mark zero
+    (all-zero weight chunks the compiler left out entirely are not counted: they are not in the
+    program)."""
+    masked = [i for i in program.instrs if isinstance(i, MatMul) and i.mask is not None]
+    zeros: dict[int, int] = {}
+    for i in masked:
+        if i.mask not in zeros:
+            raw = np.frombuffer(program.const_bytes(program.tensors[i.mask]), np.uint8)
+            zeros[i.mask] = int((raw == 0).sum())
+    return {"masked_mm": len(masked), "masked_zero_blocks": sum(zeros[i.mask] for i in masked)}
 
 
 def _macs_by_mode(rows) -> dict:
@@ -229,7 +248,8 @@ def print_report(n: dict, console: Console | None = None) -> None:
                   f"{_bytes(n['psum_bytes'])}; vector elements: {n['vector_elems']:,}")
     sp = n["sparsity"]
     console.print(f"passes: {sp['passes']:,} of {sp['dense_passes']:,} dense; windows skipped "
-                  f"{sp['windows_skipped']:,}, cycles saved {sp['cycles_saved']:,}")
+                  f"{sp['windows_skipped']:,}, cycles saved {sp['cycles_saved']:,}; {sp['masked_mm']:,} "
+                  f"masked mm skip {sp['masked_zero_blocks']:,} zero weight blocks")
     console.print(f"roofline: {n['roofline_cycles']:,.0f} cycles, {n['roofline_bound']}-bound (compulsory "
                   f"DRAM traffic {_bytes(n['compulsory_dram_bytes'])}); the run reaches "
                   f"{n['roofline_fraction']:.1%} of it")
@@ -243,8 +263,9 @@ def print_report(n: dict, console: Console | None = None) -> None:
 
 
 def _family_table(n: dict) -> Table:
-    t = Table(title="instructions", title_justify="left")
-    for col in ("family", "count", "busy cycles"):
+    t = Table(title=f"instructions: {n['program_instructions']:,} in the program, run as one task per "
+                    "Legion of a span", title_justify="left")
+    for col in ("family", "tasks", "busy cycles"):
         t.add_column(col, justify="right" if col != "family" else "left")
     for f in FAMILIES:
         t.add_row(f, f"{n['instructions'][f]:,}", f"{n['busy_cycles'][f]:,}")

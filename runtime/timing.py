@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from isa.arch import Arch
+from isa.expand import expand
 from isa.fields import QUEUES
 from isa.instructions import Barrier, Wait, family
 from isa.program import Program
@@ -61,6 +62,7 @@ class Timeline:
     done: np.ndarray            # per instruction: its effect is visible
     busy: dict                  # (legion, queue) -> cycles the queue was occupied
     counters: dict
+    program: Program | None = None   # what was timed: one task per Legion of each span
 
 
 # --- shared DRAM -----------------------------------------------------------------------------
@@ -330,7 +332,9 @@ def _counters(program: Program, costs: list, sim: _Sim) -> tuple[dict, dict]:
 
 def simulate(program: Program, arch: Arch, execute=None) -> Timeline:
     """Time ``program`` on ``arch``; ``execute(i)`` is called for each non-sync instruction at
-    its completion, in nondecreasing completion time (ties in program order)."""
+    its completion, in nondecreasing completion time (ties in program order). Instruction
+    indices are those of the program expanded into one task per Legion (isa/expand.py)."""
+    program = expand(program, arch.legions).program
     if arch.derived.dram_bytes_per_cycle <= 0 or arch.derived.link_bytes_per_cycle <= 0:
         raise TimingError(f"{arch.name}: DRAM and link bandwidth must be positive")
     costs = _costs(program, arch)
@@ -339,4 +343,4 @@ def simulate(program: Program, arch: Arch, execute=None) -> Timeline:
     counters, busy = _counters(program, costs, sim)
     last = float(sim.done.max()) if len(sim.done) else 0.0
     return Timeline(cycles=ceil_cycles(last), start=sim.start, free=sim.free, done=sim.done,
-                    busy=busy, counters=counters)
+                    busy=busy, counters=counters, program=program)

@@ -38,7 +38,11 @@ def fp32s() -> st.SearchStrategy[float]:
 
 
 def conds(kind) -> st.SearchStrategy[Cond]:
-    return st.builds(Cond, uints(8), st.sampled_from(QUEUES), uints(kind.count_bits))
+    """Absolute and relative conditions, on a named Legion or the waiting one's own."""
+    legion = st.none() | uints(kind.legion_bits)
+    absolute = st.builds(Cond, legion, st.sampled_from(QUEUES), uints(kind.count_bits))
+    relative = st.builds(Cond, legion, st.sampled_from(QUEUES), st.none(), uints(kind.count_bits))
+    return absolute | relative
 
 
 def _dram(kind, n):
@@ -50,6 +54,7 @@ VALUES = {
     "Legion": lambda k, n: uints(k.bits),
     "LegionSet": lambda k, n: st.frozensets(st.integers(0, 63), min_size=1),
     "UInt": lambda k, n: uints(k.bits),
+    "OptUInt": lambda k, n: st.none() | uints(k.value_bits),    # looked up before its base, UInt
     "Keyword": lambda k, n: st.sampled_from(k.choices),
     "RowView": lambda k, n: views((k.space,), k.rs_bits, cs=1),
     "ViewKind": lambda k, n: views(k.spaces, k.rs_bits, k.cs_bits),

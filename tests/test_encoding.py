@@ -28,10 +28,14 @@ def word(i) -> int:
 # --- instruction words -------------------------------------------------------------------------
 
 def test_fields_follow_the_opcode_in_declared_order():
-    # wait: opcode 8 bits, legion 8, queue_name 2 (dma, mat, vec), then the condition: its
-    # Legion 8, its queue 2, its count 24
-    until = 7 | 2 << 8 | 9 << 10
+    # wait: opcode 8 bits, legion 8, queue_name 2 (dma, mat, vec), then the condition: "own
+    # Legion" 1, its Legion 8, its queue 2, "relative" 1, its count 24; then the optional span
+    until = 7 << 1 | 2 << 9 | 9 << 12
     assert word(Wait(1, "mat", Cond(7, "vec", 9))) == 0x41 | 1 << 8 | 1 << 16 | until << 18
+    relative_own = 1 | 2 << 9 | 1 << 11 | 3 << 12
+    assert word(Wait(1, "mat", Cond(None, "vec", None, 3))) == 0x41 | 1 << 8 | 1 << 16 | relative_own << 18
+    span_at = 18 + 36
+    assert word(Wait(1, "mat", Cond(7, "vec", 9), span=4)) >> span_at == 1 | 4 << 1
     assert word(Barrier()) == 0x42
 
 
@@ -46,9 +50,12 @@ def test_views_immediates_and_the_optional_wait_are_packed_by_their_kinds():
     rows_at = 16 + 3 * VIEW_BITS + 1
     assert x >> rows_at == 4 | 64 << 16                 # no wait: its presence bit and all else 0
     # the wait, last: a presence bit, then the condition
+    # then the optional span (a presence bit and 8 bits), and the wait, last: a presence bit,
+    # then the condition
+    wait_at = rows_at + 32 + 9
     waited = word(dataclasses.replace(i, wait=Cond(3, "dma", 5)))
-    assert waited >> (rows_at + 32) == 1 | (3 | 0 << 8 | 5 << 10) << 1
-    assert waited & ((1 << (rows_at + 32)) - 1) == x
+    assert waited >> wait_at == 1 | (3 << 1 | 0 << 9 | 5 << 12) << 1
+    assert waited & ((1 << wait_at) - 1) == x
 
 
 def test_every_class_fits_its_word():
@@ -90,12 +97,12 @@ def test_unused_bits_and_keyword_codes_outside_the_choices_are_rejected():
     with pytest.raises(ProgramError, match="queue_name has no valid value"):
         encoding.decode_instr((good | 3 << 16).to_bytes(WORD, "little"))
     with pytest.raises(ProgramError, match="until has no valid value"):
-        encoding.decode_instr((good | 3 << (18 + 8)).to_bytes(WORD, "little"))
+        encoding.decode_instr((good | 3 << (18 + 9)).to_bytes(WORD, "little"))
 
 
 def test_an_absent_wait_has_one_encoding():
     i = VAdd(0, View("vec", 0, 1, 1), View("vec", 0, 1, 1), 1.0, 1, 1)
-    wait_at = 16 + 3 * VIEW_BITS + 1 + 32
+    wait_at = 16 + 3 * VIEW_BITS + 1 + 32 + 9
     payload = word(i) | 5 << (wait_at + 1)          # a condition without its presence bit
     with pytest.raises(ProgramError, match="non-canonical"):
         encoding.decode_instr(payload.to_bytes(WORD, "little"))
@@ -117,11 +124,14 @@ def test_nan_immediates_encode_as_the_quiet_nan():
     (Wait(256, "vec", Cond(0, "dma", 1)), "legion: Legion index 256 out of range"),
     (Wait(0, "gpu", Cond(0, "dma", 1)), "queue_name: 'gpu' is not one of"),
     (Wait(0, "vec", Cond(0, "gpu", 1)), "until: expected a condition like L0.dma>=5"),
-    (Wait(0, "vec", None), "until: expected a condition like L0.dma>=5, got None"),
+    (Wait(0, "vec", None), "until: expected a condition like L0.dma>=5 or dma~1, got None"),
     (Wait(0, "vec", Cond(256, "dma", 1)), "until: condition L256.dma>=1 out of range"),
-    (VAdd(0, View("vec", 0, 1, 1), View("vec", 0, 1, 1), 1.0, 1, 1, Cond(0, "dma", 1 << 24)),
+    (VAdd(0, View("vec", 0, 1, 1), View("vec", 0, 1, 1), 1.0, 1, 1, wait=Cond(0, "dma", 1 << 24)),
      "wait: condition L0.dma>=16777216 out of range"),
-    (VAdd(0, View("vec", 0, 1, 1), View("vec", 0, 1, 1), 1.0, 1, 1, 5), "wait: expected a condition"),
+    (VAdd(0, View("vec", 0, 1, 1), View("vec", 0, 1, 1), 1.0, 1, 1, wait=5), "wait: expected a condition"),
+    (VAdd(0, View("vec", 0, 1, 1), View("vec", 0, 1, 1), 1.0, 1, 1, span=256), "span: 256 does not fit in 8 bits"),
+    (VAdd(0, View("vec", 0, 1, 1), View("vec", 0, 1, 1), 1.0, 1, 1, wait=Cond(0, "dma", 1, 2)),
+     "is absolute and relative at once"),
     (VAdd(0, View("vec", 1 << 24, 1, 1), View("vec", 0, 1, 1), 1.0, 1, 1), "dst: view addr"),
     (VAdd(0, View("vec", 0, 1, 1), View("vec", 0, 1, 1), 0.1, 1, 1), "b: immediate 0.1 is not an fp32"),
     (VAdd(0, View("vec", 0, 1, 1), View("vec", 0, 1, 1), 1e39, 1, 1),

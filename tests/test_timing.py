@@ -19,7 +19,7 @@ ONE_CORE = dataclasses.replace(TINY, cores=1)
 
 def mm(M, K, N, mode="w8", split="n", accumulate="set", mask=None, legion=0, wait=None):
     return MatMul(legion, View("acc", 0, N), View("act", 0, K), View("wgt", 0, N),
-                  M, K, N, mode, split, accumulate, mask, wait)
+                  M, K, N, mode, split, accumulate, mask, wait=wait)
 
 
 def prog(instrs, tensors=(), data=None):
@@ -28,7 +28,7 @@ def prog(instrs, tensors=(), data=None):
 
 def load_x(legion=0, dests=None, rows=1, cols=1, wait=None):
     dests = frozenset({legion} if dests is None else dests)
-    return DmaLoad(legion, dests, View("act", 0, cols), DramRef(0, 0, cols), rows, cols, wait)
+    return DmaLoad(legion, dests, View("act", 0, cols), DramRef(0, 0, cols), rows, cols, wait=wait)
 
 
 def x_tensor(rows, cols, dtype="i8"):
@@ -129,8 +129,8 @@ def test_psum_bytes_with_and_without_parallel_accumulators():
 
 def vop(name, rows, cols, legion=0, wait=None):
     cls = BY_MNEMONIC[name]
-    views = len(cls.fields()) - 4            # all but legion, rows, cols, wait
-    return cls(legion, *[View("vec", 0, cols)] * views, rows, cols, wait)
+    views = len(cls.fields()) - 5            # all but legion, rows, cols, span, wait
+    return cls(legion, *[View("vec", 0, cols)] * views, rows, cols, wait=wait)
 
 
 @pytest.mark.parametrize("name, expect", [("vadd", 2), ("vexp", 8), ("vdiv", 8), ("vrsum", 2),

@@ -14,7 +14,7 @@ def _program(instrs):
 
 
 def _load(wait=None):
-    return DmaLoad(0, frozenset({0}), View("vec", 0, 4, 1), DramRef(0, 0, 4), 4, 4, wait)
+    return DmaLoad(0, frozenset({0}), View("vec", 0, 4, 1), DramRef(0, 0, 4), 4, 4, wait=wait)
 
 
 def test_waiting_on_the_own_queue_for_later_work_is_rejected():

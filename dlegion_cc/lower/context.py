@@ -1,17 +1,29 @@
 """The state of lowering one graph: which DRAM view holds each value, and the op registry."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from dlegion_cc.errors import node_error
-from dlegion_cc.ir import Graph, Node
+from dlegion_cc.ir import DLEGION, Graph, Node
 from dlegion_cc.lower.emitter import Emitter
 from dlegion_cc.lower.layout import Operand, whole
 
 DRAM_DTYPE = {np.dtype(np.float32): "f32", np.dtype(np.int64): "i64", np.dtype(np.int32): "i32",
               np.dtype(np.int8): "i8", np.dtype(np.uint8): "u8", np.dtype(np.bool_): "u8"}
+
+
+
+@dataclass(frozen=True)
+class Switches:
+    """Features of the lowering a user may turn off to measure what each is worth."""
+
+    multicast: bool = True        # one DRAM read of the activations serves every Legion
+    accumulators: bool = True     # the parallel accumulators sum a pass's K-slices across cores
+    sparsity: bool = True         # all-zero weight blocks are neither loaded nor multiplied
+
 
 Lowerer = Callable[["Lowering", Node], None]
 LOWERINGS: dict[tuple[str, str], Lowerer] = {}
@@ -29,9 +41,11 @@ def lowers(*ops: str, domain: str = ""):
 class Lowering:
     """Maps graph values to DRAM operands while nodes are lowered in order."""
 
-    def __init__(self, graph: Graph, em: Emitter):
-        self.graph, self.em = graph, em
+    def __init__(self, graph: Graph, em: Emitter, switches: Switches = Switches()):
+        self.graph, self.em, self.switches = graph, em, switches
         self.operands: dict[str, Operand] = {}
+        self.int8 = int8_activations(graph)
+        self.written: dict = {}       # (Legion, space) -> scratchpad ranges written so far
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.graph.values[name].shape
@@ -64,7 +78,7 @@ class Lowering:
             dtype = DRAM_DTYPE.get(self.dtype(name))
             idx = self.em.tensor(name, dtype or "f32", shape, "output", io_name=name)
         else:
-            idx = self.em.tensor(name, "f32", shape, "scratch", io_name=name)
+            idx = self.em.tensor(name, "i8" if name in self.int8 else "f32", shape, "scratch", io_name=name)
         self.operands[name] = whole(idx, shape)
         return self.operands[name]
 
@@ -91,3 +105,35 @@ class Lowering:
             if n.op == "Gather" and n.inputs[1] == name:
                 return (0, self.shape(n.inputs[0])[n.attrs.get("axis", 0)])
         return None
+
+
+def int8_activations(graph: Graph) -> set[str]:
+    """Values the arrays read as int8 activations that hold exact int8 integers (the output of
+    Clip(Round(.), lo >= -128, hi <= 127), also inside a fused kernel): kept in DRAM as i8, so
+    a quantized matmul streams them as they are instead of converting an fp32 copy first; a
+    vector op reading them converts back to the same fp32 values."""
+    producers = {o: sub for node in graph.nodes for sub in _members(node) for o in sub.outputs}
+    out = set()
+    for node in graph.nodes:
+        if node.domain != DLEGION or node.op != "QMatMul" or node.attrs.get("act_offset", 0):
+            continue
+        name = node.inputs[0]
+        if name not in graph.outputs and _clipped_round(graph, producers, name):
+            out.add(name)
+    return out
+
+
+def _members(node: Node) -> list[Node]:
+    """The ONNX nodes a node stands for: a fused kernel's, or itself."""
+    return node.attrs["nodes"] if node.domain == DLEGION and node.op == "RowKernel" else [node]
+
+
+def _clipped_round(graph: Graph, producers: dict, name: str) -> bool:
+    clip = producers.get(name)
+    if clip is None or clip.op != "Clip" or clip.domain or len(clip.inputs) < 3:
+        return False
+    lo, hi = graph.const(clip.inputs[1]), graph.const(clip.inputs[2])
+    if lo is None or hi is None or lo.size != 1 or hi.size != 1 or float(lo) < -128 or float(hi) > 127:
+        return False
+    rnd = producers.get(clip.inputs[0])
+    return rnd is not None and rnd.op == "Round" and not rnd.domain

@@ -1,11 +1,18 @@
-"""Building a program: DRAM tensors, constant data, scratchpad space, dependencies.
+"""Building a program: DRAM tensors, constant data, scratchpad space, dependencies, spans.
 
-Every queue counts its completed instructions. ``depend(src, dst)`` makes the next instruction
-on ``dst`` wait (``wait=src>=n``) until ``src`` has completed the ``n`` instructions issued on it
-so far; a second pending dependency of the same instruction becomes a ``wait`` instruction.
+``depend(src, dst)`` makes the next instruction on ``dst`` wait until ``src`` has completed what
+was issued on it so far. It is written relative to program order (``wait=dma``: this Legion's
+DMA queue; ``wait=L0.dma~2``: all of Legion 0's DMAs but the last two issued since), so the same
+condition holds for every Legion of a span. A second pending dependency of the same instruction
+becomes a ``wait`` instruction.
+
+Inside ``with em.spanning(base, count)``, every instruction is emitted once with ``span=count``
+and runs on Legions base..base+count-1: the kernels that deal equal blocks of work to the Legions
+emit each group of blocks once, not once per Legion.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -28,8 +35,9 @@ class Emitter:
     instrs: list = field(default_factory=list)
     data: bytearray = field(default_factory=bytearray)
     issued: dict = field(default_factory=dict)          # queue -> instructions issued on it
-    pending: dict = field(default_factory=dict)         # queue -> Cond for its next instruction
+    pending: dict = field(default_factory=dict)         # queue -> (source, its count then, across)
     turn: int = 0                                       # round-robin position over Legions
+    span: tuple[int, int] = (0, 1)                      # (base Legion, Legions) of what is emitted
 
     # --- DRAM -----------------------------------------------------------------------------
     def tensor(self, name: str, dtype: str, shape, kind: str, io_name: str | None = None,
@@ -60,26 +68,56 @@ class Emitter:
 
     # --- instructions and ordering ----------------------------------------------------------
     def emit(self, instr) -> None:
+        base, count = self.span
+        if count > 1:
+            if instr.legion != base:
+                raise ValueError(f"internal: {instr.MNEMONIC} on L{instr.legion} inside a span from L{base}")
+            instr = replace(instr, span=count)
         q = (instr.legion, instr.queue())
-        cond = self.pending.pop(q, None)
-        if cond is not None:
-            instr = replace(instr, wait=cond)
-        self._append(q, instr)
+        dep = self.pending.pop(q, None)
+        if dep is not None:
+            instr = replace(instr, wait=self._cond(dep, instr.legion))
+        self._append(instr)
 
-    def _append(self, q: Queue, instr) -> None:
+    def _append(self, instr) -> None:
         self.instrs.append(instr)
-        self.issued[q] = self.issued.get(q, 0) + 1
+        base, count = instr.legion, instr.span or 1
+        for legion in range(base, base + count):
+            q = (legion, instr.queue())
+            self.issued[q] = self.issued.get(q, 0) + 1
 
-    def depend(self, src: Queue, dst: Queue) -> None:
-        """``dst`` starts nothing further until everything issued on ``src`` so far is done."""
-        need = self.issued.get(src, 0)
-        if need == 0:
+    def _cond(self, dep, legion: int) -> Cond:
+        """The condition for ``dep`` = (source queue, its count when depended on, across),
+        relative to the instruction about to be emitted on ``legion`` (and its span)."""
+        (src_legion, queue), need, across = dep
+        back = self.issued.get((src_legion, queue), 0) - need
+        if across or src_legion != legion:
+            return Cond(src_legion, queue, None, back)
+        # Counted on the span's first Legion: every Legion of a span is issued the same
+        # instructions, so what came after the needed ones is the same on each.
+        return Cond(None, queue, None, back)
+
+    def depend(self, src: Queue, dst: Queue, across: bool = False, upto: int | None = None) -> None:
+        """``dst`` starts nothing further until ``src`` has completed the first ``upto`` of the
+        instructions issued on it (default: all of them so far).
+
+        Inside a span, a queue of the span's first Legion stands for each Legion's own queue;
+        ``across`` makes it that one Legion's queue, which every Legion of the span waits for
+        (a multicast it sent)."""
+        need = self.issued.get(src, 0) if upto is None else upto
+        if need <= 0:
             return
-        cond = Cond(src[0], src[1], need)
         cur = self.pending.get(dst)
-        if cur is not None and (cur.legion, cur.queue) != src:
-            self._append(dst, Wait(dst[0], dst[1], cur))     # the older dependency waits alone
-        self.pending[dst] = cond
+        if cur is not None and (cur[0], cur[2]) == (src, across):
+            need = max(need, cur[1])
+        elif cur is not None:
+            # The older dependency waits alone.
+            self._append(self._spanned(Wait(dst[0], dst[1], self._cond(cur, dst[0]))))
+        self.pending[dst] = (src, need, across)
+
+    def _spanned(self, instr):
+        base, count = self.span
+        return replace(instr, span=count) if count > 1 and instr.legion == base else instr
 
     def fence(self, queue: Queue) -> None:
         """``queue`` waits until its own earlier work is done (a DMA's data has landed)."""
@@ -89,6 +127,21 @@ class Emitter:
         """Deal independent blocks of work to the Legions in turn."""
         self.turn = (self.turn + 1) % self.arch.legions
         return self.turn
+
+    def take_legions(self, count: int) -> int:
+        """The first of ``count`` adjacent Legions for the next blocks of work, in turn."""
+        base = self.turn + 1 if self.turn + 1 + count <= self.arch.legions else 0
+        self.turn = (base + count - 1) % self.arch.legions
+        return base
+
+    @contextmanager
+    def spanning(self, base: int, count: int):
+        """Everything emitted inside runs on Legions base..base+count-1 (``span=count``)."""
+        outer, self.span = self.span, (base, count)
+        try:
+            yield
+        finally:
+            self.span = outer
 
     def barrier(self) -> None:
         """Every queue of every Legion waits until every queue has finished its work so far."""

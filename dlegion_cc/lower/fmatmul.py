@@ -17,17 +17,18 @@ TILE = 64       # rows and columns of an output block, before the scratchpad lim
 
 
 def _load_matrix(em: Emitter, legion: int, addr: int, op: Operand, r0: int, c0: int,
-                 rows: int, cols: int) -> View:
+                 rows: int, cols: int, lstride: int | None = None) -> View:
     """Load op[r0:r0+rows, c0:c0+cols] into a row-major block at ``addr``; transposed
     sources (unit row stride) are turned around by the scratchpad view."""
     rs, cs = op.strides[-2:]
     base = op.offset + r0 * rs + c0 * cs
+    dests = frozenset({legion})
     if cs in (0, 1) and not (cs == 0 and cols > 1):
-        em.emit(DmaLoad(legion, frozenset({legion}), View("vec", addr, cols, 1),
-                        DramRef(op.tensor, base, rs), rows, cols))
+        em.emit(DmaLoad(legion, dests, View("vec", addr, cols, 1), DramRef(op.tensor, base, rs), rows, cols,
+                        lstride=lstride))
     elif rs in (0, 1) and not (rs == 0 and rows > 1):
-        em.emit(DmaLoad(legion, frozenset({legion}), View("vec", addr, 1, cols),
-                        DramRef(op.tensor, base, cs), cols, rows))
+        em.emit(DmaLoad(legion, dests, View("vec", addr, 1, cols), DramRef(op.tensor, base, cs), cols, rows,
+                        lstride=lstride))
     else:
         raise ValueError("a matrix operand with neither unit row nor unit column stride")
     return View("vec", addr, cols, 1)
@@ -43,29 +44,52 @@ def _blocks(em: Emitter, M: int, K: int, N: int) -> tuple[int, int, int]:
 
 
 def matmul_blocks(em: Emitter, a: Operand, b: Operand, out: Operand, M: int, K: int, N: int) -> None:
-    """out[M, N] = a[M, K] @ b[K, N] for 2-D operands (strided views)."""
+    """out[M, N] = a[M, K] @ b[K, N] for 2-D operands (strided views). Equal output blocks go to
+    spans of Legions, along the rows or the columns of ``out``, whichever has more of them."""
     mb, kb, nb = _blocks(em, M, K, N)
-    for m0 in range(0, M, mb):
+    if M // mb > N // nb:
         for n0 in range(0, N, nb):
-            _block(em, a, b, out, m0, n0, min(mb, M - m0), K, min(nb, N - n0), kb)
+            for m0, m, count in _runs(M, mb, em.arch.legions):
+                step = (m * a.strides[-2], 0, m * out.strides[-2])
+                _block(em, a, b, out, m0, n0, m, K, min(nb, N - n0), kb, count, step)
+        return
+    for m0 in range(0, M, mb):
+        for n0, n, count in _runs(N, nb, em.arch.legions):
+            step = (0, n * b.strides[-1], n * out.strides[-1])
+            _block(em, a, b, out, m0, n0, min(mb, M - m0), K, n, kb, count, step)
 
 
-def _block(em, a, b, out, m0, n0, m, K, n, kb) -> None:
-    legion = em.next_legion()
+def _runs(size: int, block: int, legions: int):
+    """(start, block, blocks) of each run: full blocks by up to ``legions``, then the last one."""
+    full = size // block
+    for j in range(0, full, legions):
+        yield j * block, block, min(legions, full - j)
+    if size % block:
+        yield full * block, size % block, 1
+
+
+def _block(em, a, b, out, m0, n0, m, K, n, kb, count, step) -> None:
+    """The m x n output block at (m0, n0) and the ``count - 1`` after it along a span of Legions:
+    Legion r of the span reads and writes DRAM ``r * step`` = (a, b, out) elements further on.
+    Each Legion loads its own tiles: a multicast would have to wait for every Legion of the span
+    to be done with the previous tile, which one condition cannot say."""
+    legion = em.take_legions(count)
     o = View("vec", 0, n, 1)
     tmp = View("vec", m * n, n, 1)
     base = 2 * m * n
-    for k0 in range(0, K, kb):
-        k = min(kb, K - k0)
-        va = _load_matrix(em, legion, base, a, m0, k0, m, k)
-        vb = _load_matrix(em, legion, base + m * k, b, k0, n0, k, n)
-        em.depend((legion, "dma"), (legion, "vec"))
-        em.emit(VMatMul(legion, o if k0 == 0 else tmp, va, vb, m, k, n))
-        if k0:
-            em.emit(BY_MNEMONIC["vadd"](legion, o, o, tmp, m, n))
-        em.depend((legion, "vec"), (legion, "dma"))
-    rs = out.strides[-2]
-    em.emit(DmaStore(legion, DramRef(out.tensor, out.offset + m0 * rs + n0, rs), o, m, n))
+    a_step, b_step, out_step = (s if count > 1 else None for s in step)
+    with em.spanning(legion, count):
+        for k0 in range(0, K, kb):
+            k = min(kb, K - k0)
+            va = _load_matrix(em, legion, base, a, m0, k0, m, k, lstride=a_step)
+            vb = _load_matrix(em, legion, base + m * k, b, k0, n0, k, n, lstride=b_step)
+            em.depend((legion, "dma"), (legion, "vec"))
+            em.emit(VMatMul(legion, o if k0 == 0 else tmp, va, vb, m, k, n))
+            if k0:
+                em.emit(BY_MNEMONIC["vadd"](legion, o, o, tmp, m, n))
+            em.depend((legion, "vec"), (legion, "dma"))
+        rs = out.strides[-2]
+        em.emit(DmaStore(legion, DramRef(out.tensor, out.offset + m0 * rs + n0, rs), o, m, n, lstride=out_step))
 
 
 def _as_matrix(low: Lowering, name: str, batch: tuple[int, ...], vector_as_row: bool):

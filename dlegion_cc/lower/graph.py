@@ -10,14 +10,14 @@ from isa.program import Program
 from dlegion_cc.errors import UnsupportedNodes
 from dlegion_cc.ir import DLEGION, Graph, Node
 from dlegion_cc.lower import elementwise, fmatmul, fused, movement, qmatmul, quant, reduce  # noqa: F401
-from dlegion_cc.lower.context import LOWERINGS, Lowering
+from dlegion_cc.lower.context import LOWERINGS, Lowering, Switches
 from dlegion_cc.lower.emitter import Emitter
 from dlegion_cc.lower.movement import nd_copy
 
 
-def lower_graph(graph: Graph, arch: Arch, data_file: str | None) -> Program:
+def lower_graph(graph: Graph, arch: Arch, data_file: str | None, switches: Switches = Switches()) -> Program:
     em = Emitter(arch, graph.source)
-    low = Lowering(graph, em)
+    low = Lowering(graph, em, switches)
     low.declare_inputs()
     problems, regions = [], []
     for node in graph.nodes:

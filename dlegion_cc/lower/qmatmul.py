@@ -1,11 +1,12 @@
 """Quantized matmuls on the systolic arrays (``dlegion.QMatMul``, and the ONNX integer matmuls).
 
 ``y = scale((A - zp) . W)``: the activations A are integers (int8 as they are, uint8 stored as
-A - 128), the weight W is a constant of 2, 4 or 8 bits. Each row block of the int8 activations
-is multicast to every Legion with one DRAM read; each Legion owns a slice of output columns,
-streams its packed weights through passes split over its cores' K-slices (summed by the
-parallel accumulators) and drains the int32 accumulators with the per-row and per-column
-scales into fp32.
+A - 128), the weight W is a constant of 2, 4 or 8 bits. Each Legion owns a slice of output
+columns; the activations are multicast to every Legion, the packed weights stream through
+passes split over the cores' K-slices (summed by the parallel accumulators), and the int32
+accumulators drain with the per-row and per-column scales into fp32. How the work is cut and
+ordered is chosen by a cost model (``qplan.py``) and emitted by ``qtiles.py``; all-zero weight
+blocks are skipped (``Switches.sparsity``).
 
 A zero point is the compiler's job, not the array's: (A - zp) . W = (A - offset) . W
 + (offset - zp) . colsum(W). The correction is exact int32 arithmetic done by the arrays
@@ -31,7 +32,7 @@ from dlegion_cc.lower.context import Lowering, lowers
 from dlegion_cc.lower.emitter import Emitter
 from dlegion_cc.lower.layout import Operand, whole
 from dlegion_cc.lower.rowwise import Arg, rowwise
-from dlegion_cc.lower.qtiles import Problem, emit_tiles, plan_tiles
+from dlegion_cc.lower.qtiles import Problem, RowScale, emit_tiles, plan_tiles
 
 WEIGHT_DTYPE = {"w2": "w2", "w4": "w4", "w8": "i8"}
 
@@ -132,10 +133,12 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
     if batches > 1 and math.prod(shape[:-2]) != batches:
         raise ValueError(f"{batches} batches of weights but activations of shape {list(shape)}")
     block = w.block or K
+    before = len(em.instrs)
     a8 = int8_rows(low, acts.name, acts.offset)
-    rscale = row_scales(low, acts, M) if acts.rscale else None
+    rscale = row_scale(low, acts, M) if acts.rscale else None
     corrs = [correction(low, f"{name}_{b}" if batches > 1 else name, acts, v, block) for b, v in enumerate(values)]
-    em.barrier()                                        # every Legion reads what the vector unit wrote
+    if len(em.instrs) > before:
+        em.barrier()                                    # every Legion reads what the vector unit wrote
     n_pad = math.ceil(N / arch.array) * arch.array
     groups = math.ceil(K / block)
     scales = None if w.scales is None else em.const(f"{name}_scales", _pad_cols(
@@ -147,20 +150,31 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
              and rscale is None and scales is None and bias is None and out.requant is None)
     per = M // batches
     for b, v in enumerate(values):
-        weights = tuple(_weight_const(em, f"{name}_w{b or ''}{i or ''}", piece, n_pad)
-                        for i, piece in enumerate(weight_pieces(v)))
+        pieces = [_pad_cols(piece, n_pad) for piece in weight_pieces(v)]
+        weights = tuple(_weight_const(em, f"{name}_w{b or ''}{i or ''}", piece) for i, piece in enumerate(pieces))
+        nonzero = block_maps(pieces, arch.array) if low.switches.sparsity else ()
         p = Problem(a8, rscale, weights, scales, groups, block, bias, *corrs[b], out.requant, exact,
-                    dst.tensor, range(b * per, (b + 1) * per), K, N, n_pad)
-        emit_tiles(em, p, plan_tiles(arch, p))
+                    dst.tensor, range(b * per, (b + 1) * per), K, N, n_pad, nonzero)
+        emit_tiles(em, p, plan_tiles(arch, p, low.switches), low.written)
+
+
+def block_maps(pieces: list[np.ndarray], na: int) -> tuple:
+    """Per piece, which ``na`` x ``na`` blocks hold a nonzero weight; () when all of them do."""
+    maps = []
+    for piece in pieces:
+        K, N = piece.shape
+        padded = np.pad(piece != 0, ((0, -K % na), (0, -N % na)))
+        maps.append(padded.reshape(-(-K // na), na, -(-N // na), na).any(axis=(1, 3)))
+    return () if all(m.all() for m in maps) else tuple(maps)
 
 
 def _pad_cols(a: np.ndarray, n_pad: int) -> np.ndarray:
     return np.pad(a, ((0, 0), (0, n_pad - a.shape[1])))
 
 
-def _weight_const(em: Emitter, name: str, piece: np.ndarray, n_pad: int) -> tuple[int, str]:
+def _weight_const(em: Emitter, name: str, piece: np.ndarray) -> tuple[int, str]:
     mode = pick_mode(em.arch, mode_for(piece))
-    return em.const(name, _pad_cols(piece, n_pad).astype(np.int8), WEIGHT_DTYPE[mode]), mode
+    return em.const(name, piece.astype(np.int8), WEIGHT_DTYPE[mode]), mode
 
 
 # --- operands ------------------------------------------------------------------------------
@@ -186,28 +200,18 @@ def int8_rows(low: Lowering, name: str, offset: int) -> int:
     return t
 
 
-def _per_row(low: Lowering, name: str, M: int) -> Operand:
-    """``name`` (one value, or one per row) seen in an (M, 1) frame."""
-    op, n = low.operand(name), math.prod(low.shape(name))
+def row_scale(low: Lowering, acts: Activations, M: int) -> RowScale:
+    """Where the drain's per-row scale comes from and how the vector unit turns it into the
+    multiplier: s, 1 / s (the graph divides by s) or s * factor (rounded once to fp32)."""
+    s = acts.rscale
+    op, n = low.operand(s), math.prod(low.shape(s))
+    kind = "mul" if acts.factor is not None else "recip" if acts.divisor else "mov"
+    factor = 1.0 if acts.factor is None else float(acts.factor)
     if n == 1:
-        return Operand(op.tensor, op.offset, (0, 0))
-    if n == M and op == whole(op.tensor, low.shape(name)):
-        return Operand(op.tensor, op.offset, (1, 0))
-    raise ValueError(f"scale '{name}' of shape {list(low.shape(name))} is neither per tensor nor per row")
-
-
-def row_scales(low: Lowering, acts: Activations, M: int) -> int:
-    """f32 [M]: the drain's per-row scale: s, 1 / s (the graph divides by s) or s * factor."""
-    em, s = low.em, acts.rscale
-    rs = em.tensor(f"{s}_rscale", "f32", (M,), "scratch")
-
-    def body(e, l, v, r, c):
-        if acts.factor is not None:
-            e.emit(BY_MNEMONIC["vmul"](l, v["out"], v["s"], float(np.float32(acts.factor)), r, c))
-        else:
-            e.emit(BY_MNEMONIC["vrecip" if acts.divisor else "vmov"](l, v["out"], v["s"], r, c))
-    rowwise(em, (M, 1), [Arg("s", _per_row(low, s, M)), Arg("out", Operand(rs, 0, (1, 0)), out=True)], body)
-    return rs
+        return RowScale(op.tensor, op.offset, 0, kind, factor)
+    if n == M and op == whole(op.tensor, low.shape(s)):
+        return RowScale(op.tensor, op.offset, 1, kind, factor)
+    raise ValueError(f"scale '{s}' of shape {list(low.shape(s))} is neither per tensor nor per row")
 
 
 def correction_weights(values: np.ndarray, block: int, lo: int, hi: int) -> tuple[np.ndarray, int]:
@@ -253,5 +257,3 @@ def correction(low: Lowering, name: str, acts: Activations, values: np.ndarray, 
                           Arg("out", Operand(row, 0, (k2, 1)), out=True)], body)
     return row, weight, k2, mode
 
-
-# --- tiles ---------------------------------------------------------------------------------

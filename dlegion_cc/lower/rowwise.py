@@ -2,9 +2,11 @@
 
 A kernel names its operands (:class:`Arg`) in one N-D frame and a ``body`` that emits vector
 instructions on their scratchpad views. ``rowwise`` merges dimensions, cuts the 2-D loop into
-row blocks that fit a Legion's vector scratchpad, deals the blocks round-robin to the Legions,
-and for each block loads the inputs (dma queue), runs the body (vec queue) and stores the
-outputs (dma queue), with the dependencies in between.
+row blocks that fit a Legion's vector scratchpad, deals the blocks to the Legions, and for each
+block loads the inputs (dma queue), runs the body (vec queue) and stores the outputs (dma queue),
+with the dependencies in between. Equal blocks dealt to adjacent Legions are one group: its
+instructions are emitted once with a span of Legions, each DMA's DRAM offset stepping one
+block per Legion (``lstride``).
 """
 from __future__ import annotations
 
@@ -65,18 +67,69 @@ def rowwise(em: Emitter, shape: tuple[int, ...], args: list[Arg], body: Body,
     if width > em.extent():
         raise CompileError(f"{where}rows of {cols} elements are longer than one instruction can name "
                            f"({em.extent()})")
+    if not keep_last and cols > width:
+        _folded(em, args, shape2, bound, width, body, where)
+        return
     block = _rows_per_block(em, args, strides, rows, width, where)
+    if block >= rows and len(shape2) > 2:
+        _whole_frames(em, args, shape2, bound, strides, body)
+        return
     for outer in outer_indices(shape2):
         at = {n: op.at(outer) for n, op in bound.items()}
-        for c0 in range(0, cols, width):
-            shifted = {n: _shift_cols(op, c0) for n, op in at.items()}
-            for r0 in range(0, rows, block):
-                _emit_block(em, args, shifted, strides, r0, min(block, rows - r0),
-                            min(width, cols - c0), body)
+        for r0, n, count in _groups(rows, block, em.arch.legions):
+            steps = {name: op.strides[-2] * n for name, op in at.items()}
+            _emit_group(em, args, at, strides, r0, n, count, cols, body, steps)
 
 
-def _shift_cols(op: Operand, c0: int) -> Operand:
-    return Operand(op.tensor, op.offset + c0 * op.strides[-1], op.strides)
+def _whole_frames(em, args, shape, bound, strides, body) -> None:
+    """A block holds a whole 2-D frame: the frames along the innermost outer dimension go to
+    spans of Legions."""
+    rows, cols = shape[-2:]
+    for outer in outer_indices(shape[:-1]):
+        for i0, _, count in _groups(shape[-3], 1, em.arch.legions):
+            at = {n: op.at(outer + (i0,)) for n, op in bound.items()}
+            steps = {name: op.strides[-3] for name, op in bound.items()}
+            _emit_group(em, args, at, strides, 0, rows, count, cols, body, steps)
+
+
+def _folded(em, args, shape, bound, width, body, where) -> None:
+    """Rows longer than a block, element by element: each row is cut into rows of ``fold``
+    elements (and a shorter last one), which row blocks then take several at a time."""
+    cols = shape[-1]
+    fold = _fold_width(cols, width)
+    whole_rows, rest = divmod(cols, fold)
+    ops = list(bound.values())
+    folded = [Operand(o.tensor, o.offset, o.strides[:-1] + (fold * o.strides[-1], o.strides[-1])) for o in ops]
+    _call(em, args, shape[:-1] + (whole_rows, fold), folded, body, where)
+    if rest:
+        tail = [Operand(o.tensor, o.offset + whole_rows * fold * o.strides[-1], o.strides[:-1] + (0, o.strides[-1]))
+                for o in ops]
+        _call(em, args, shape[:-1] + (1, rest), tail, body, where)
+
+
+def _fold_width(cols: int, width: int) -> int:
+    """The widest divisor of ``cols`` a block holds, or ``width`` (and a shorter last row) when
+    every divisor is much narrower."""
+    for w in range(width, max(1, width // 4) - 1, -1):
+        if cols % w == 0:
+            return w
+    return width
+
+
+def _call(em, args, shape, ops, body, where) -> None:
+    it = iter(ops)
+    bound_args = [Arg(a.name, next(it), a.out, a.col) if a.operand is not None else a for a in args]
+    rowwise(em, shape, bound_args, body, keep_last=True, where=where)
+
+
+def _groups(rows: int, block: int, legions: int):
+    """(first row, rows per block, blocks) of each group: full blocks by up to ``legions``,
+    then the last, shorter block alone."""
+    full = rows // block
+    for b in range(0, full, legions):
+        yield b * block, block, min(legions, full - b)
+    if rows % block:
+        yield full * block, rows % block, 1
 
 
 def _cols_per_block(em, args, strides, cols) -> int:
@@ -97,22 +150,26 @@ def _rows_per_block(em, args, strides, rows, cols, where) -> int:
     return max(1, min(rows, (cap - fixed) // max(per_row, 1), em.extent()))
 
 
-def _emit_block(em, args, at, strides, r0, n, cols, body) -> None:
-    legion = em.next_legion()
+def _emit_group(em, args, at, strides, r0, n, count, cols, body, steps) -> None:
+    """``count`` blocks of ``n`` rows from row ``r0``, one per Legion of a span; ``steps``: the
+    DRAM elements from one Legion's block of each operand to the next one's."""
+    steps = {name: (step if count > 1 else None) for name, step in steps.items()}
+    legion = em.take_legions(count)
     views, addr = {}, 0
     for a in args:
         rs, cs = strides[a.name]
         views[a.name] = _view(addr, rs, cs, cols, a.operand is None and a.col)
         addr += _footprint(a, rs, cs, n, cols)
-    for a in args:
-        if a.operand is not None and not a.out:
-            _load(em, legion, views[a.name], at[a.name], r0, n, cols)
-    em.depend((legion, "dma"), (legion, "vec"))
-    body(em, legion, views, n, cols)
-    em.depend((legion, "vec"), (legion, "dma"))
-    for a in args:
-        if a.out:
-            _store(em, legion, views[a.name], at[a.name], r0, n, cols)
+    with em.spanning(legion, count):
+        for a in args:
+            if a.operand is not None and not a.out:
+                _load(em, legion, views[a.name], at[a.name], r0, n, cols, steps[a.name])
+        em.depend((legion, "dma"), (legion, "vec"))
+        body(em, legion, views, n, cols)
+        em.depend((legion, "vec"), (legion, "dma"))
+        for a in args:
+            if a.out:
+                _store(em, legion, views[a.name], at[a.name], r0, n, cols, steps[a.name])
 
 
 def _dram(op: Operand, r0: int, per_row: bool) -> DramRef:
@@ -125,16 +182,16 @@ def _check_cols(op: Operand) -> None:
         raise CompileError(f"internal: operand with column stride {op.strides[-1]} reached a row kernel")
 
 
-def _load(em, legion, view: View, op: Operand, r0, n, cols) -> None:
+def _load(em, legion, view: View, op: Operand, r0, n, cols, lstride) -> None:
     _check_cols(op)
     per_row, full = op.strides[-2] != 0, op.strides[-1] != 0
     dst = View("vec", view.addr, cols if full else 1, 1)
     em.emit(DmaLoad(legion, frozenset({legion}), dst, _dram(op, r0, per_row),
-                    n if per_row else 1, cols if full else 1))
+                    n if per_row else 1, cols if full else 1, lstride=lstride))
 
 
-def _store(em, legion, view: View, op: Operand, r0, n, cols) -> None:
+def _store(em, legion, view: View, op: Operand, r0, n, cols, lstride) -> None:
     _check_cols(op)
     full = op.strides[-1] != 0
     src = View("vec", view.addr, cols if full else 1, 1)
-    em.emit(DmaStore(legion, _dram(op, r0, True), src, n, cols if full else 1))
+    em.emit(DmaStore(legion, _dram(op, r0, True), src, n, cols if full else 1, lstride=lstride))

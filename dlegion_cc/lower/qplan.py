@@ -1,0 +1,507 @@
+"""Choosing how one quantized matmul is cut: a search over schedules ranked by a cost model.
+
+A schedule (:class:`Plan`) deals the output columns to the Legions in equal slices and cuts
+each Legion's work into output tiles of ``rows`` x ``cols`` (one accumulator buffer each),
+visited row blocks outer (``order="rows"``: a block of activation rows stays in ``act`` while
+the Legion's weights stream past it, once per row block) or column tiles outer
+(``order="cols"``: a tile's weights stay in ``wgt`` while the activation rows stream past,
+once per column tile). Each tile contracts K in chunks of ``depth`` weight rows; every
+operand lives in a ring of equal *slots* of its scratchpad, so the next chunk loads while
+the current one is in the arrays (double buffering) and a chunk still in a slot is not
+loaded again.
+
+The cost model replays the schedule chunk by chunk for every Legion with the machine's own
+figures: an ``mm``'s time is ``runtime.costs``' (passes of M + pass_overhead cycles on the
+busiest core, the block mask compacting partially-sparse windows), a load takes its bytes
+at the Legion's share of DRAM bandwidth plus the DRAM latency, a drain ``M*N / lanes``
+cycles; each operation starts when its queue is free and what it depends on is done. The
+total is the latest Legion's finish, and never less than all DRAM bytes at the DRAM rate.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from isa.arch import MODE_BITS, MODE_TILES, Arch
+from dlegion_cc.lower.context import Switches
+from runtime.costs import Blocks, block_stats, pass_cycles
+
+ORDERS = ("rows", "cols")
+
+
+@dataclass(frozen=True, eq=False)
+class Problem:
+    """One quantized matmul, its operands already in DRAM (tensor indices)."""
+
+    a8: int                  # i8 [M, K] activations - offset
+    rscale: "RowScale | None"
+    weights: tuple           # ((tensor [K, n_pad], mode), ...): pieces summed into the accumulators
+    scales: int | None       # f32 [groups, n_pad]
+    groups: int
+    block: int
+    bias: int | None         # f32 [n_pad]
+    corr_row: int | None     # i8 [k2]: the activation zero point minus the offset
+    corr_weight: int | None  # [groups * k2, n_pad] at ``corr_mode``
+    k2: int
+    corr_mode: str
+    requant: tuple | None
+    exact: bool              # store the int32 accumulators as they are
+    out: int
+    rows: range              # the activation (and output) rows this weight multiplies
+    K: int
+    N: int
+    n_pad: int
+    nonzero: tuple = ()      # per weight piece: bool [ceil(K/array), n_pad/array] nonzero blocks
+
+
+@dataclass(frozen=True)
+class RowScale:
+    """The drain's per-row scale: DRAM ``tensor[offset + row * stride]`` (stride 0: one for all
+    rows), turned into the multiplier on the vector unit: kept, inverted, or times ``factor``."""
+
+    tensor: int
+    offset: int
+    stride: int
+    op: str = "mov"               # "mov", "recip" or "mul"
+    factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    order: str          # "rows" or "cols" (see the module docstring)
+    rows: int           # activation rows per tile (M of each pass)
+    cols: int           # output columns per tile (one drain)
+    depth: int          # weight rows per chunk (never across a scale group)
+    whole_rows: bool    # an activation slot holds all K columns of its rows (else one chunk)
+    per_legion: int     # output columns each Legion owns
+    w_slots: int
+    a_slots: int
+    acc_slots: int
+    res_slots: int      # result buffers in ``vec``
+    split: str          # how an mm spreads its passes over the cores
+    multicast: bool
+    sparse: bool
+    corr_depth: int = 0
+
+
+# --- the schedule's shape, shared by the emitter and the model ------------------------------
+
+def owners(arch: Arch, p: Problem, plan: Plan) -> list[int]:
+    return [l for l in range(arch.legions) if l * plan.per_legion < p.n_pad]
+
+
+def legion_tiles(p: Problem, plan: Plan, legion: int) -> list[tuple[int, int]]:
+    """(first column, width) of each column tile of ``legion``."""
+    start = legion * plan.per_legion
+    stop = min(start + plan.per_legion, p.n_pad)
+    return [(n0, min(plan.cols, stop - n0)) for n0 in range(start, stop, plan.cols)]
+
+
+def row_blocks(p: Problem, plan: Plan) -> list[tuple[int, int]]:
+    return [(m0, min(plan.rows, p.rows.stop - m0)) for m0 in range(p.rows.start, p.rows.stop, plan.rows)]
+
+
+def tile_order(p: Problem, plan: Plan, tiles: int) -> list[tuple[int, int]]:
+    """(row block, column tile index) in the order the tiles are computed."""
+    blocks = range(len(row_blocks(p, plan)))
+    if plan.order == "rows":
+        return [(b, t) for b in blocks for t in range(tiles)]
+    return [(b, t) for t in range(tiles) for b in blocks]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One contraction step: weight rows [k0, k0 + kc) of scale group ``group``."""
+
+    k0: int
+    kc: int
+    group: int
+
+
+def units(p: Problem, plan: Plan) -> list[list[Chunk]]:
+    """The chunks of each accumulation (one per scale group; all of K for exact results)."""
+    out = []
+    for g in range(p.groups):
+        g0, g1 = g * p.block, min(p.K, (g + 1) * p.block)
+        out.append([Chunk(k0, min(plan.depth, g1 - k0), g) for k0 in range(g0, g1, plan.depth)])
+    return [[c for u in out for c in u]] if p.exact else out
+
+
+def act_key(plan: Plan, block: int, c: Chunk) -> tuple:
+    return (block, 0) if plan.whole_rows else (block, c.k0)
+
+
+def chunk_blocks(arch: Arch, p: Problem, piece: int, c: Chunk, n0: int, nb: int) -> np.ndarray | None:
+    """Nonzero blocks of one weight chunk [ceil(kc/array), ceil(nb/array)], or None when
+    unknown (dense: no sparsity data, or a chunk that does not start on a block edge)."""
+    na = arch.array
+    if not p.nonzero or c.k0 % na:
+        return None
+    nz = p.nonzero[piece]
+    return nz[c.k0 // na: -(-(c.k0 + c.kc) // na), n0 // na: -(-(n0 + nb) // na)]
+
+
+class Slots:
+    """A ring of equal buffers, each holding one keyed chunk; least recently used goes first."""
+
+    def __init__(self, count: int):
+        self.free = list(range(count))
+        self.held: OrderedDict = OrderedDict()        # key -> slot, least recently used first
+
+    def find(self, key) -> int | None:
+        s = self.held.get(key)
+        if s is not None:
+            self.held.move_to_end(key)
+        return s
+
+    def take(self, key) -> int:
+        s = self.free.pop(0) if self.free else self.held.popitem(last=False)[1]
+        self.held[key] = s
+        return s
+
+
+# --- scratchpad budget ----------------------------------------------------------------------
+
+def widest_bits(p: Problem) -> int:
+    return max(MODE_BITS[mode] for _, mode in p.weights)
+
+
+def wgt_slot_bytes(p: Problem, plan: Plan) -> int:
+    return plan.depth * plan.cols * widest_bits(p) // 8
+
+
+def act_slot_elems(p: Problem, plan: Plan) -> int:
+    return plan.rows * (p.K if plan.whole_rows else plan.depth)
+
+
+def vec_fixed(p: Problem, plan: Plan) -> int:
+    """vec elements besides the results: two row-scale buffers and two column-vector sets."""
+    return 2 * plan.rows + 2 * (p.groups + 1) * plan.cols
+
+
+def fits(arch: Arch, p: Problem, plan: Plan) -> bool:
+    cap = arch.derived.spad_elems
+    return (plan.w_slots * wgt_slot_bytes(p, plan) <= cap["wgt"]
+            and plan.a_slots * act_slot_elems(p, plan) + p.k2 <= cap["act"]
+            and plan.acc_slots * plan.rows * plan.cols <= cap["acc"]
+            and plan.res_slots * plan.rows * plan.cols + vec_fixed(p, plan) <= cap["vec"])
+
+
+def _most_slots(cap: int, size: int, useful: int) -> int:
+    return max(0, min(cap // max(size, 1), useful))
+
+
+def with_slots(arch: Arch, p: Problem, plan: Plan) -> Plan | None:
+    """``plan`` with as many slots of each kind as fit and help, or None when one does not fit."""
+    cap = arch.derived.spad_elems
+    chunks = sum(len(u) for u in units(p, plan))
+    tiles = -(-plan.per_legion // plan.cols)
+    w_useful = (chunks * len(p.weights) + 1) * (tiles if plan.order == "rows" else 1)
+    a_chunks = 1 if plan.whole_rows else chunks
+    a_useful = a_chunks * len(row_blocks(p, plan)) + 1
+    plan = replace(plan,
+                   w_slots=_most_slots(cap["wgt"], wgt_slot_bytes(p, plan), max(2, w_useful)),
+                   a_slots=_most_slots(cap["act"] - p.k2, act_slot_elems(p, plan), max(2, a_useful)),
+                   acc_slots=_most_slots(cap["acc"], plan.rows * plan.cols, 2),
+                   res_slots=_most_slots(cap["vec"] - vec_fixed(p, plan), plan.rows * plan.cols, 2))
+    if min(plan.w_slots, plan.a_slots, plan.acc_slots, plan.res_slots) < 1:
+        return None
+    return replace(plan, corr_depth=_corr_depth(p, plan))
+
+
+def _corr_depth(p: Problem, plan: Plan) -> int:
+    if not p.k2:
+        return 0
+    return max(1, min(p.k2, wgt_slot_bytes(p, plan) * 8 // (plan.cols * MODE_BITS[p.corr_mode])))
+
+
+# --- candidates -----------------------------------------------------------------------------
+
+def split_for(arch: Arch, switches: Switches) -> str:
+    """K-slices over the cores when the parallel accumulators sum them for free; otherwise
+    output windows over the cores, so no psum ever crosses a core (``--no-accumulators``)."""
+    if arch.parallel_accumulators and arch.cores > 1 and switches.accumulators:
+        return "k"
+    return "n"
+
+
+def _multiples(unit: int, most: int) -> list[int]:
+    """unit, 2 unit, 4 unit, ... up to ``most``, and ``most`` itself rounded up to ``unit``."""
+    out, v = [], unit
+    while v < most:
+        out.append(v)
+        v *= 2
+    out.append(-(-most // unit) * unit)
+    return sorted(set(out))
+
+
+def _even_parts(total: int, most: int) -> list[int]:
+    """Sizes that cut ``total`` into 1, 2, 3, ... near-equal parts, none above ``most``."""
+    out = set()
+    for parts in range(1, total + 1):
+        size = -(-total // parts)
+        if size <= most:
+            out.add(size)
+        if len(out) >= 4:
+            break
+    return sorted(out)
+
+
+def candidates(arch: Arch, p: Problem, switches: Switches) -> list[Plan]:
+    na, cap = arch.array, arch.derived.spad_elems
+    window = na * max(MODE_TILES[m] for _, m in p.weights)
+    split = split_for(arch, switches)
+    per_legion = math.ceil(p.n_pad / na / arch.legions) * na
+    group = min(p.block, p.K)
+    depths = {d for d in _multiples(na * arch.cores, group) if d <= group} | {group}
+    out = []
+    for cols in _multiples(window if window <= per_legion else na, per_legion):
+        cols = min(cols, per_legion)
+        for rows in _even_parts(len(p.rows), cap["acc"] // cols):
+            # With one row block or one column tile per Legion the two orders are the same
+            # schedule, and so are both activation slot shapes when one chunk is all of K.
+            one = rows >= len(p.rows) or cols >= per_legion
+            for depth in sorted(depths):
+                for order in ORDERS[:1] if one else ORDERS:
+                    for whole in (True,) if depth >= p.K else (True, False):
+                        plan = Plan(order, rows, cols, depth, whole, per_legion, 0, 0, 0, 0, split,
+                                    switches.multicast, switches.sparsity and bool(p.nonzero))
+                        plan = with_slots(arch, p, plan)
+                        if plan is not None and fits(arch, p, plan):
+                            out.append(plan)
+    return out
+
+
+# Schedules whose estimates are this close count as equally fast; of those the one that moves
+# the fewest DRAM bytes (energy) is taken, then the one with the fewest instructions (passes,
+# loads, stores), as programs are held to an instruction budget.
+EQUAL = 0.025
+
+
+def choose(arch: Arch, p: Problem, switches: Switches = Switches()) -> Plan:
+    """The candidate the cost model finds fastest (see ``EQUAL``). Candidates are modelled in
+    order of their compute bound, and the search stops where that bound rules out the rest."""
+    plans = candidates(arch, p, switches)
+    if not plans:
+        raise ValueError(f"no tiling of a {len(p.rows)}x{p.K}x{p.N} matmul fits the scratchpads of {arch.name}")
+    scored, best = [], math.inf
+    for bound, plan in sorted(((compute_bound(arch, p, plan), plan) for plan in plans), key=lambda x: x[0]):
+        if bound > best * (1 + EQUAL):
+            break
+        e = estimate(arch, p, plan)
+        best = min(best, e.cycles)
+        scored.append((e, plan))
+    near = [(e.dram_bytes, e.instructions, e.cycles, k) for k, (e, _) in enumerate(scored)
+            if e.cycles <= best * (1 + EQUAL)]
+    return scored[min(near)[-1]][1]
+
+
+def compute_bound(arch: Arch, p: Problem, plan: Plan) -> float:
+    """The first Legion's matrix-queue time if no pass ever waited (dense passes scaled by the
+    share of nonzero weight blocks, when blocks are skipped)."""
+    share = 1.0
+    if plan.sparse:
+        share = sum(float(nz.mean()) for nz in p.nonzero) / len(p.nonzero)
+    total = 0
+    for _, nb in legion_tiles(p, plan, 0):
+        for _, mb in row_blocks(p, plan):
+            for unit in units(p, plan):
+                total += sum(_mm_cycles(arch, plan, mb, c.kc, nb, mode, None)
+                             for c in unit for _, mode in p.weights)
+    return total * share
+
+
+# --- the cost model -------------------------------------------------------------------------
+
+@dataclass
+class Estimate:
+    cycles: int
+    dram_bytes: int
+    instructions: int      # passes, loads and stores
+    detail: dict = field(default_factory=dict)
+
+
+class _Model:
+    """The schedule replayed on per-Legion queue clocks (see the module docstring)."""
+
+    def __init__(self, arch: Arch, p: Problem, plan: Plan):
+        self.arch, self.p, self.plan = arch, p, plan
+        self.legions = owners(arch, p, plan)
+        self.lead = self.legions[0]
+        self.lat = arch.dram_latency_cycles
+        d = arch.derived
+        self.link, self.dram_rate = d.link_bytes_per_cycle, d.dram_bytes_per_cycle
+        self.dma = {l: 0.0 for l in self.legions}
+        self.mat = dict(self.dma)
+        self.vec = dict(self.dma)
+        self.bytes = 0
+        self.instructions = 0
+
+    def loads(self, flows: list) -> list[float]:
+        """Transfers issued together, each (issuer, bytes, free): when each one's data is there.
+        DRAM shares its rate fairly among the flows, each at most at the link rate, so a flow of
+        b bytes is done once DRAM has moved min(b, b_i) of every flow i."""
+        sizes = [n for _, n, _ in flows]
+        out = []
+        for issuer, nbytes, free in flows:
+            served = sum(min(nbytes, n) for n in sizes)
+            start = max(self.dma[issuer], free)
+            self.dma[issuer] = start + max(nbytes / self.link, served / self.dram_rate)
+            self.bytes += nbytes
+            self.instructions += 1
+            out.append(self.dma[issuer] + self.lat)
+        return out
+
+
+def estimate(arch: Arch, p: Problem, plan: Plan) -> Estimate:
+    m = _Model(arch, p, plan)
+    tiles = {l: legion_tiles(p, plan, l) for l in m.legions}
+    count = max(len(t) for t in tiles.values())
+    blocks = row_blocks(p, plan)
+    st = _State(m, plan)
+    for b, t in tile_order(p, plan, count):
+        here = [l for l in m.legions if t < len(tiles[l])]
+        mb = blocks[b][1]
+        for u, unit in enumerate(units(p, plan)):
+            acc = {l: st.next("acc", l) for l in here}
+            for l in here:
+                if p.exact and st.stores[l] and st.stores[l][-1][2] == acc[l]:
+                    _model_stores(m, st, l)       # the store from this accumulator slot goes first
+            begin = {l: st.acc_free[(l, acc[l])] for l in here}
+            for c in unit:
+                _model_chunk(m, st, b, t, c, here, tiles, begin)
+            for l in here:
+                if u == 0 and not p.exact:
+                    _model_stores(m, st, l)       # the previous tile's store, as the emitter places it
+                _model_unit_end(m, st, l, mb, tiles[l][t][1], acc[l], begin[l])
+        for l in here:
+            _model_tile_end(m, st, l, mb, tiles[l][t], acc[l])
+    for l in m.legions:
+        _model_stores(m, st, l)
+    floor = m.bytes / arch.derived.dram_bytes_per_cycle
+    return Estimate(math.ceil(max(st.finish, floor)), m.bytes, m.instructions,
+                    {"dram_floor": floor, "finish": st.finish})
+
+
+class _State:
+    """What the model tracks of the slots: which chunk each holds, when it is ready and free."""
+
+    def __init__(self, m: _Model, plan: Plan):
+        who = [None] if plan.multicast else m.legions
+        self.a = {w: Slots(plan.a_slots) for w in who}
+        self.w = {l: Slots(plan.w_slots) for l in m.legions}
+        self.ready: dict = {}
+        self.free: dict = {}
+        self.acc_free = {(l, s): 0.0 for l in m.legions for s in range(plan.acc_slots)}
+        self.res_free = {(l, s): 0.0 for l in m.legions for s in range(plan.res_slots)}
+        self.turn: dict = {}
+        self.slots = {"acc": plan.acc_slots, "res": plan.res_slots}
+        self.stores: dict = {l: [] for l in m.legions}     # deferred: (ready, bytes, slot)
+        self.finish = 0.0
+
+    def next(self, kind: str, l: int) -> int:
+        n = self.turn.get((kind, l), 0)
+        self.turn[(kind, l)] = n + 1
+        return n % self.slots[kind]
+
+
+def _model_chunk(m: _Model, st: _State, b: int, t: int, c: Chunk, here: list, tiles: dict, begin: dict) -> None:
+    p, plan = m.p, m.plan
+    mb = row_blocks(p, plan)[b][1]
+    width = p.K if plan.whole_rows else c.kc
+    key = act_key(plan, b, c)
+    flows, where = [], []
+    a_slot = {}
+    for owner, slots in st.a.items():
+        if owner is not None and owner not in here:
+            continue
+        s = slots.find(key)
+        users = m.legions if owner is None else [owner]
+        if s is None:
+            s = slots.take(key)
+            free = max(st.free.get(("a", owner, s, l), 0.0) for l in users)
+            flows.append((m.lead if owner is None else owner, mb * width, free))
+            where.append(("a", owner, s))
+        for l in users:
+            a_slot[l] = (owner, s)
+    work = []
+    for l in here:
+        n0, nb = tiles[l][t]
+        for i, (_, mode) in enumerate(p.weights):
+            nz = chunk_blocks(m.arch, p, i, c, n0, nb) if plan.sparse else None
+            if nz is not None and not nz.any():
+                continue
+            key_w = (i, c.k0, n0)
+            s = st.w[l].find(key_w)
+            if s is None:
+                s = st.w[l].take(key_w)
+                flows.append((l, _loaded_bytes(m.arch, c.kc, nb, mode, nz), st.free.get(("w", l, s), 0.0)))
+                where.append(("w", l, s))
+            work.append((l, s, _mm_cycles(m.arch, plan, mb, c.kc, nb, mode, nz)))
+    for key_r, ready in zip(where, m.loads(flows)):
+        st.ready[key_r] = ready
+    for l, s, cycles in work:
+        owner, sa = a_slot[l]
+        start = max(m.mat[l], begin[l], st.ready[("a", owner, sa)], st.ready[("w", l, s)])
+        m.mat[l] = start + cycles
+        m.instructions += 1
+        st.free[("w", l, s)] = m.mat[l]
+        st.free[("a", owner, sa, l)] = m.mat[l]
+
+
+def _model_unit_end(m: _Model, st: _State, l: int, mb: int, nb: int, acc: int, begin: float) -> None:
+    """Correction passes, then the drain (which frees the accumulators)."""
+    p, plan = m.p, m.plan
+    m.mat[l] = max(m.mat[l], begin)
+    if p.corr_row is not None:
+        m.mat[l] += -(-p.k2 // max(plan.corr_depth, 1)) * pass_cycles(m.arch, mb, 1)
+    if p.exact:
+        st.acc_free[(l, acc)] = m.mat[l]
+        return
+    res = st.turn.get(("res", l), 0) % plan.res_slots
+    start = max(m.vec[l], m.mat[l], st.res_free[(l, res)])
+    m.vec[l] = start + -(-mb * nb // m.arch.vector_lanes)
+    st.acc_free[(l, acc)] = m.vec[l]
+
+
+def _model_tile_end(m: _Model, st: _State, l: int, mb: int, tile: tuple, acc: int) -> None:
+    """Requantization, and the tile's store, issued later (see ``_model_stores``)."""
+    p = m.p
+    n0, nb = tile
+    if p.requant is not None:
+        m.vec[l] += 4 * -(-mb * nb // m.arch.vector_lanes)
+    ready = m.mat[l] if p.exact else m.vec[l]
+    slot = acc if p.exact else st.next("res", l)
+    st.stores[l].append((ready, mb * max(0, min(nb, p.N - n0)) * 4, slot))
+
+
+def _model_stores(m: _Model, st: _State, l: int) -> None:
+    for ready, nbytes, slot in st.stores[l]:
+        start = max(m.dma[l], ready)
+        m.dma[l] = start + nbytes / m.link
+        m.bytes += nbytes
+        m.instructions += 1
+        done = m.dma[l] + m.lat
+        (st.acc_free if m.p.exact else st.res_free)[(l, slot)] = done
+        st.finish = max(st.finish, done)
+    st.stores[l] = []
+
+
+def _loaded_bytes(arch: Arch, kc: int, nb: int, mode: str, nz: np.ndarray | None) -> int:
+    bits = MODE_BITS[mode]
+    if nz is None:
+        return kc * nb * bits // 8
+    na = arch.array
+    rows = np.minimum(na, kc - np.arange(nz.shape[0]) * na)
+    cols = np.minimum(na, nb - np.arange(nz.shape[1]) * na)
+    return int(rows @ nz.astype(np.int64) @ cols) * bits // 8
+
+
+def _mm_cycles(arch: Arch, plan: Plan, M: int, K: int, N: int, mode: str, nz: np.ndarray | None) -> int:
+    kreduce = plan.split == "k" and arch.parallel_accumulators
+    blocks = None if nz is None or nz.all() else Blocks.from_mask(nz)
+    s = block_stats(K, N, arch.array, MODE_TILES[mode], arch.cores, plan.split, kreduce, blocks)
+    return pass_cycles(arch, M, s.passes_max)
