@@ -8,7 +8,9 @@ compiled for dlegion-8x8 against ws-64, dip-64 and adip-64, and for dlegion-32x8
 and timed with the timing model only (no functional emulation). For each machine it prints the
 latency, DRAM and accumulator (psum) traffic, the ratios to its D-Legion, and the term that
 bounds it: compute (the busiest Legion's matrix queue), DRAM (bytes at full bandwidth) or vector
-(the busiest Legion's vector queue, drains included).
+(the busiest Legion's vector queue, drains included). Each D-Legion machine is also compiled
+with each of its optimizations switched off (the compiler's --no-multicast, --no-accumulators,
+--no-sparsity, --no-fusion): the ratios of those rows say what each is worth.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from models.graph import FLOAT, GraphBuilder, tensor_info         # noqa: E402
 # Each D-Legion machine and the baselines it is compared with.
 PAIRS = {"dlegion-8x8": ("ws-64", "dip-64", "adip-64"), "dlegion-32x8": ("tpuv4i",)}
 PROJECTIONS = ("q", "k", "v", "o")
+ABLATIONS = ("multicast", "accumulators", "sparsity", "fusion")
 TABLE_WIDTH = 180
 
 
@@ -67,15 +70,19 @@ def run_all(workloads: list[tuple[str, int]], jobs: int, console: Console) -> li
             path = Path(tmp) / f"{shape}-{seq}.onnx"
             save(attention_projections(PRESETS[shape], seq), path, external_data=True)
             for m in machines:
-                pending.append(((shape, seq), pool.submit(evaluate, path, config_of(m), {})))
-        for i, ((shape, seq), future) in enumerate(pending, 1):
-            rows.append({"shape": shape, "seq": seq, **future.result()})
+                pending.append(((shape, seq, m.name), pool.submit(evaluate, path, config_of(m), {})))
+                for off in ABLATIONS if m.name in PAIRS else ():
+                    pending.append(((shape, seq, f"{m.name} no-{off}"),
+                                    pool.submit(evaluate, path, config_of(m), {}, {off: False})))
+        for i, ((shape, seq, name), future) in enumerate(pending, 1):
+            rows.append({"shape": shape, "seq": seq, **future.result(), "name": name})
             console.print(f"[{i}/{len(pending)}] {shape} seq {seq} on {rows[-1]['name']}", highlight=False)
     return rows
 
 
 def _reference(machine: str) -> str:
-    return next(ref for ref, bases in PAIRS.items() if machine == ref or machine in bases)
+    name = machine.split()[0]          # "dlegion-8x8 no-multicast" is an ablation of dlegion-8x8
+    return next(ref for ref, bases in PAIRS.items() if name == ref or name in bases)
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -121,7 +128,7 @@ def print_summary(rows: list[dict], console: Console) -> None:
     for col in ("baseline", "vs", "workloads", "latency", "DRAM", "psum"):
         t.add_column(col, justify="left" if col in ("baseline", "vs") else "right")
     for ref, bases in PAIRS.items():
-        for base in bases:
+        for base in (*bases, *(f"{ref} no-{off}" for off in ABLATIONS)):
             mine = [r for r in rows if r["name"] == base and r["latency_x"] is not None]
             t.add_row(base, ref, str(len(mine)), *(_x(_geomean([r[k] for r in mine]))
                                                    for k in ("latency_x", "dram_x", "psum_x")))

@@ -75,7 +75,8 @@ def _write(program, graph, output: str, emit: str) -> None:
 @click.option("--no-multicast", is_flag=True, help="Ablation: every Legion loads its own copy of the activations.")
 @click.option("--no-accumulators", is_flag=True,
               help="Ablation: schedule as if the parallel accumulators were absent (passes split by output windows).")
-@click.option("--no-sparsity", is_flag=True, help="Ablation: dense schedule; all-zero weight blocks are not skipped.")
+@click.option("--no-sparsity", is_flag=True,
+              help="Ablation: dense schedule; all-zero weight blocks and causally masked attention blocks are not skipped.")
 @click.option("--no-fusion", is_flag=True, help="Ablation: no fusion of row-local ops into kernels.")
 def compile_command(model, output, arch, dims, inputs_path, emit, print_after, no_multicast, no_accumulators,
                     no_sparsity, no_fusion):

@@ -47,15 +47,16 @@ def failed_row(config: Config, reason: str) -> dict:
     return row
 
 
-def evaluate(model: str | Path, config: Config, dims: dict[str, int]) -> dict:
-    """Compile and time ``model`` on ``config``; a configuration that fails is a row with the reason.
+def evaluate(model: str | Path, config: Config, dims: dict[str, int], switches: dict | None = None) -> dict:
+    """Compile and time ``model`` on ``config`` (``switches``: Options fields such as
+    ``multicast=False``, for ablations); a configuration that fails is a row with the reason.
 
     Runs in a worker process, so it returns plain data and never raises for one bad machine."""
     from dlegion_cc.pipeline import Options, compile_model
     if config.arch is None:
         return failed_row(config, config.error)
     try:
-        _, program = compile_model(model, Options(config.arch, dims))
+        _, program = compile_model(model, Options(config.arch, dims, **(switches or {})))
         return measure(program, config.arch)
     except Exception as e:  # noqa: BLE001 - one machine's failure must not end the sweep
         return failed_row(config, _reason(e))

@@ -12,6 +12,7 @@ from dlegion_cc.ir import Graph
 from dlegion_cc.lower.context import Switches
 from dlegion_cc.lower.graph import lower_graph
 from dlegion_cc.passes.bitlinear import RecognizeBitLinear
+from dlegion_cc.passes.causal import CausalSkip
 from dlegion_cc.passes.fuse import FuseRowwise
 from dlegion_cc.passes.dynamic_int8 import RecognizeDynamicInt8
 from dlegion_cc.passes.legalize import Legalize
@@ -24,6 +25,7 @@ PASSES = (
     RecognizeDynamicInt8(),     # MatMulInteger + Cast + Mul(scale) -> one w8 matmul
     RecognizeMatMulNBits(),     # blockwise 4-bit weights -> per-row int8 x w4, drained per block
     RecognizeQDQMatMul(),       # DQ(int activations) x DQ(int weights) MatMul -> one w8/w4 matmul
+    CausalSkip(),               # attention blocks a constant causal mask wipes out are not computed
     FuseRowwise(),              # runs of row-local ops -> one kernel per row block
     Legalize(),                 # every remaining node has a lowering and supported dtypes
 )

@@ -5,6 +5,9 @@ semantics ask for fp32, so they run on the vector lanes, not the int8 systolic a
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 
 from isa.fields import DramRef, View
 from isa.instructions import BY_MNEMONIC, DmaLoad, DmaStore, VMatMul
@@ -43,10 +46,46 @@ def _blocks(em: Emitter, M: int, K: int, N: int) -> tuple[int, int, int]:
     return mb, kb, nb
 
 
-def matmul_blocks(em: Emitter, a: Operand, b: Operand, out: Operand, M: int, K: int, N: int) -> None:
-    """out[M, N] = a[M, K] @ b[K, N] for 2-D operands (strided views). Equal output blocks go to
-    spans of Legions, along the rows or the columns of ``out``, whichever has more of them."""
+@dataclass(frozen=True)
+class Skip:
+    """Work a matmul may leave out (marked by ``passes/causal.py``): ``dead`` [M, N] outputs
+    nothing looks at, ``zero_a`` [M, K] entries of the left operand that are exact zeros."""
+
+    dead: np.ndarray | None = None
+    zero_a: np.ndarray | None = None
+
+    def block(self, m0: int, m: int, n0: int, n: int) -> bool:
+        return self.dead is not None and bool(self.dead[m0:m0 + m, n0:n0 + n].all())
+
+    def chunk(self, m0: int, m: int, k0: int, k: int) -> bool:
+        return self.zero_a is not None and bool(self.zero_a[m0:m0 + m, k0:k0 + k].all())
+
+    @property
+    def any(self) -> bool:
+        return self.dead is not None or self.zero_a is not None
+
+
+NO_SKIP = Skip()
+
+
+def matmul_blocks(em: Emitter, a: Operand, b: Operand, out: Operand, M: int, K: int, N: int,
+                  skip: Skip = NO_SKIP, span: tuple[int, tuple] | None = None) -> None:
+    """out[M, N] = a[M, K] @ b[K, N] for 2-D operands (strided views).
+
+    With ``span`` = (Legions, DRAM steps of a, b, out), the same product for that many
+    matrices one step apart runs on a span of Legions (the heads of attention), block by block.
+    Otherwise equal output blocks go to spans of Legions along the rows or the columns of
+    ``out``, whichever has more of them, unless blocks are skipped, which differ from block to
+    block."""
     mb, kb, nb = _blocks(em, M, K, N)
+    if span is not None or skip.any:
+        count, step = span or (1, (0, 0, 0))
+        for m0 in range(0, M, mb):
+            for n0 in range(0, N, nb):
+                m, n = min(mb, M - m0), min(nb, N - n0)
+                if not skip.block(m0, m, n0, n):
+                    _block(em, a, b, out, m0, n0, m, K, n, kb, count, step, skip)
+        return
     if M // mb > N // nb:
         for n0 in range(0, N, nb):
             for m0, m, count in _runs(M, mb, em.arch.legions):
@@ -68,24 +107,26 @@ def _runs(size: int, block: int, legions: int):
         yield full * block, size % block, 1
 
 
-def _block(em, a, b, out, m0, n0, m, K, n, kb, count, step) -> None:
+def _block(em, a, b, out, m0, n0, m, K, n, kb, count, step, skip: Skip = NO_SKIP) -> None:
     """The m x n output block at (m0, n0) and the ``count - 1`` after it along a span of Legions:
     Legion r of the span reads and writes DRAM ``r * step`` = (a, b, out) elements further on.
     Each Legion loads its own tiles: a multicast would have to wait for every Legion of the span
-    to be done with the previous tile, which one condition cannot say."""
+    to be done with the previous tile, which one condition cannot say. K-chunks whose rows of
+    ``a`` are all zero are left out (the first is kept when all are: it zeroes the block)."""
     legion = em.take_legions(count)
     o = View("vec", 0, n, 1)
     tmp = View("vec", m * n, n, 1)
     base = 2 * m * n
     a_step, b_step, out_step = (s if count > 1 else None for s in step)
+    chunks = [k0 for k0 in range(0, K, kb) if not skip.chunk(m0, m, k0, min(kb, K - k0))] or [0]
     with em.spanning(legion, count):
-        for k0 in range(0, K, kb):
+        for first, k0 in zip([True] + [False] * len(chunks), chunks):
             k = min(kb, K - k0)
             va = _load_matrix(em, legion, base, a, m0, k0, m, k, lstride=a_step)
             vb = _load_matrix(em, legion, base + m * k, b, k0, n0, k, n, lstride=b_step)
             em.depend((legion, "dma"), (legion, "vec"))
-            em.emit(VMatMul(legion, o if k0 == 0 else tmp, va, vb, m, k, n))
-            if k0:
+            em.emit(VMatMul(legion, o if first else tmp, va, vb, m, k, n))
+            if not first:
                 em.emit(BY_MNEMONIC["vadd"](legion, o, o, tmp, m, n))
             em.depend((legion, "vec"), (legion, "dma"))
         rs = out.strides[-2]
@@ -115,8 +156,18 @@ def matmul(low: Lowering, node) -> None:
     b, (_, N) = _as_matrix(low, b_name, batch, vector_as_row=False)
     dst = low.result(node.outputs[0])
     out = Operand(dst.tensor, 0, _contiguous(batch + (M, N)))
-    for idx in outer_indices(batch + (1, 1)):
-        matmul_blocks(low.em, a.at(idx), b.at(idx), out.at(idx), M, K, N)
+    skip = Skip(node.attrs.get("dead"), node.attrs.get("zero_a"))
+    if not batch or batch[-1] == 1:
+        for idx in outer_indices(batch + (1, 1)):
+            matmul_blocks(low.em, a.at(idx), b.at(idx), out.at(idx), M, K, N, skip)
+        return
+    # The innermost batch dimension (attention's heads) goes to spans of Legions.
+    inner = len(batch) - 1
+    step = (a.strides[inner], b.strides[inner], out.strides[inner])
+    for idx in outer_indices(batch[:-1] + (1, 1)):
+        for h0, _, count in _runs(batch[-1], 1, low.em.arch.legions):
+            at = idx + (h0,)
+            matmul_blocks(low.em, a.at(at), b.at(at), out.at(at), M, K, N, skip, (count, step))
 
 
 def _batch_shape(a_shape, b_shape) -> tuple[int, ...]:

@@ -1,0 +1,120 @@
+"""The scheduling targets: BitLinear matmuls against their roofline, and ws-32 against SCALE-Sim.
+
+    python bench/bench_targets.py [--seq 256 --seq 1] [--gemm 256] [--big 1024]
+
+1. The BitLinear matmuls of one BitNet-2B4T decoder layer (Q, K, V, O, gate, up, down, each
+   with its activation quantization) on dlegion-8x8: their simulated cycles against the sum of
+   their roofline bounds (target <= 1.10x), and the DRAM bytes they move against the compulsory
+   bytes of the tensors they touch (target <= 1.10x), for prefill (sequence 256) and decode (1).
+2. An int8 GEMM (MatMulInteger) of --gemm cubed on ws-32, compiled and timed, against SCALE-Sim
+   v3's 22,399 cycles for 256^3 on a 32x32 weight-stationary array (target within 5%).
+3. The wall time of timing a --big cubed GEMM on ws-32 (target under a second), median of 3.
+"""
+from __future__ import annotations
+
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+import onnx
+from onnx import TensorProto as TP
+from onnx import helper
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+
+from isa import arch as arch_mod                                  # noqa: E402
+from isa.instructions import DMA_CLASSES                         # noqa: E402
+from isa.program import STORAGE                                  # noqa: E402
+from dlegion_cc.pipeline import Options, compile_model           # noqa: E402
+from models.bitnet import build_bitnet, preset, save             # noqa: E402
+from runtime.emulator import RunResult                           # noqa: E402
+from runtime.report import matmul_table, region_dram_bytes, region_ranges  # noqa: E402
+from runtime.timing import simulate                              # noqa: E402
+
+SCALE_SIM_256 = 22_399
+BITLINEAR = re.compile(r"(q|k|v|o|gate|up|down)_proj")
+
+
+def _timed(program, arch) -> RunResult:
+    tl = simulate(program, arch)
+    return RunResult(outputs={}, timeline=tl, arch=arch, program=tl.program, machine=None)
+
+
+def _dram_bytes(program, members) -> int:
+    """Bytes the DMA tasks of ``members`` move (a multicast is one read)."""
+    total = 0
+    for k in members:
+        i = program.instrs[k]
+        if type(i) in DMA_CLASSES:
+            ref = i.dst if type(i).__name__ == "DmaStore" else (i.src if hasattr(i, "src") else i.table)
+            total += i.rows * i.cols * np.dtype(STORAGE[program.tensors[ref.tensor].dtype]).itemsize
+    return total
+
+
+def bitlinear_layer(seq: int, arch) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "layer.onnx"
+        save(build_bitnet(preset("2b4t", layers=1, seq=seq, vocab=512)), path, external_data=True)
+        _, program = compile_model(path, Options(arch))
+    result = _timed(program, arch)
+    rows = [r for r in matmul_table(result) if BITLINEAR.search(r["region"])]
+    ranges = {name: members for (_, name), members in zip(result.program.regions, region_ranges(result.program))}
+    moved = sum(_dram_bytes(result.program, ranges[r["region"]]) for r in rows)
+    compulsory = sum(region_dram_bytes(result.program, ranges[r["region"]]) for r in rows)
+    return {"seq": seq, "matmuls": len(rows), "cycles": sum(r["cycles"] for r in rows),
+            "roofline": sum(r["roofline_cycles"] for r in rows), "dram": moved, "compulsory": compulsory,
+            "rows": rows}
+
+
+def gemm_model(n: int, path: Path) -> None:
+    rng = np.random.default_rng(0)
+    w = helper.make_tensor("w", TP.INT8, (n, n), rng.integers(-128, 128, (n, n)).astype(np.int8).tobytes(), raw=True)
+    node = helper.make_node("MatMulInteger", ["x", "w"], ["y"])
+    graph = helper.make_graph([node], "gemm", [helper.make_tensor_value_info("x", TP.INT8, [n, n])],
+                              [helper.make_tensor_value_info("y", TP.INT32, [n, n])], [w])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]), path)
+
+
+def compiled_gemm(n: int, arch):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "gemm.onnx"
+        gemm_model(n, path)
+        return compile_model(path, Options(arch))[1]
+
+
+@click.command()
+@click.option("--seq", "seqs", multiple=True, type=int, default=(256, 1), show_default=True)
+@click.option("--gemm", default=256, show_default=True)
+@click.option("--big", default=1024, show_default=True)
+def main(seqs, gemm, big) -> None:
+    dlegion, ws32 = arch_mod.load("dlegion-8x8"), arch_mod.load("ws-32")
+    for seq in seqs:
+        r = bitlinear_layer(seq, dlegion)
+        print(f"2B4T BitLinear matmuls, sequence {seq}, {dlegion.name}: {r['cycles']:,} cycles against a "
+              f"roofline of {r['roofline']:,} ({r['cycles'] / r['roofline']:.2f}x, target <= 1.10x); DRAM "
+              f"{r['dram'] / 1e6:.1f} MB against {r['compulsory'] / 1e6:.1f} MB compulsory "
+              f"({r['dram'] / r['compulsory']:.2f}x, target <= 1.10x)")
+        for row in r["rows"]:
+            print(f"    {row['region']:<48} {row['cycles']:>10,} / {row['roofline_cycles']:>10,.0f} "
+                  f"({row['cycles'] / row['roofline_cycles']:.2f}x, {row['roofline_bound']}-bound)")
+    cycles = simulate(compiled_gemm(gemm, ws32), ws32).cycles
+    print(f"int8 GEMM {gemm}^3 on ws-32 (compiled): {cycles:,} cycles"
+          + (f"; SCALE-Sim v3 {SCALE_SIM_256:,} ({cycles / SCALE_SIM_256 - 1:+.1%}, target within 5%)"
+             if gemm == 256 else ""))
+    program = compiled_gemm(big, ws32)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        tl = simulate(program, ws32)
+        times.append(time.perf_counter() - t0)
+    print(f"timing the {big}^3 GEMM on ws-32: {statistics.median(times):.3f} s median of 3 "
+          f"({len(program.instrs):,} instructions, {tl.cycles:,} cycles; target under 1 s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Causal attention: score blocks a constant mask wipes out, and the zero blocks of P, are skipped."""
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto as TP
+from onnx import helper, numpy_helper
+
+from isa import arch
+from isa.expand import expand
+from isa.instructions import VMatMul
+from dlegion_cc.pipeline import Options, compile_model
+from runtime.emulator import run
+
+WIDE = arch.load("dlegion-8x8")
+H, S, D = 2, 384, 64
+
+
+def attention(path, mask_value=np.finfo(np.float32).min, extra_use=False):
+    mask = np.where(np.tril(np.ones((S, S), bool)), 0, mask_value).astype(np.float32).reshape(1, 1, S, S)
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["s"]),
+             helper.make_node("Mul", ["s", "scale"], ["ss"]),
+             helper.make_node("Add", ["ss", "mask"], ["sm"]),
+             helper.make_node("Softmax", ["sm"], ["p"], axis=-1),
+             helper.make_node("MatMul", ["p", "v"], ["o"])]
+    outs = [helper.make_tensor_value_info("o", TP.FLOAT, [1, H, S, D])]
+    if extra_use:                       # the raw scores are an output too: nothing may be skipped
+        outs.append(helper.make_tensor_value_info("s", TP.FLOAT, [1, H, S, S]))
+    ins = [helper.make_tensor_value_info(n, TP.FLOAT, [1, H, S, D]) for n in "qkv"]
+    inits = [numpy_helper.from_array(mask, "mask"), numpy_helper.from_array(np.float32(D ** -0.5), "scale")]
+    graph = helper.make_graph(nodes, "attn", ins, outs, inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]), path)
+    return path
+
+
+def _inputs():
+    rng = np.random.default_rng(0)
+    return {n: rng.standard_normal((1, H, S, D)).astype(np.float32) for n in "qkv"}
+
+
+def _vmm_tasks(program):
+    return sum(i.M * i.K * i.N for i in expand(program, WIDE.legions).program.instrs if isinstance(i, VMatMul))
+
+
+@pytest.mark.parametrize("mask_value", [np.finfo(np.float32).min, -np.inf])
+def test_causal_blocks_are_skipped_and_the_result_is_the_same_bit_for_bit(tmp_path, mask_value):
+    path = attention(tmp_path / "attn.onnx", mask_value)
+    _, sparse = compile_model(path, Options(WIDE))
+    _, dense = compile_model(path, Options(WIDE, sparsity=False))
+    x = _inputs()
+    a, b = run(sparse, WIDE, x).outputs["o"], run(dense, WIDE, x).outputs["o"]
+    np.testing.assert_array_equal(a, b)
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, x)[0]
+    assert np.linalg.norm(a - want) / np.linalg.norm(want) < 1e-5
+    # QK^T: 6 x 6 output blocks of 64 x 64, the 15 above the diagonal skipped. PV: K in two
+    # chunks of 192; the first three row blocks (rows < 192) skip the second, all zeros of P.
+    skipped = H * (15 * 64 * 64 * D + 3 * 64 * 192 * D)
+    assert _vmm_tasks(sparse) == _vmm_tasks(dense) - skipped
+
+
+def test_nothing_is_skipped_when_the_scores_are_used_elsewhere(tmp_path):
+    path = attention(tmp_path / "attn.onnx", extra_use=True)
+    graph, program = compile_model(path, Options(WIDE))
+    assert not any("dead" in n.attrs for n in graph.nodes)
+    _, dense = compile_model(path, Options(WIDE, sparsity=False))
+    assert _vmm_tasks(program) == _vmm_tasks(dense) or any("zero_a" in n.attrs for n in graph.nodes)
+    out = run(program, WIDE, _inputs()).outputs
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, _inputs())
+    np.testing.assert_allclose(out["s"], want[1], rtol=1e-5, atol=1e-5)
+
+
+def test_heads_go_to_spans_of_legions(tmp_path):
+    _, program = compile_model(attention(tmp_path / "attn.onnx"), Options(WIDE))
+    spans = {i.span for i in program.instrs if isinstance(i, VMatMul)}
+    assert spans == {H}
