@@ -127,3 +127,13 @@ def test_nothing_fits_names_the_machine():
                    range(4), 4096, 16, 16)
     with pytest.raises(ValueError, match="fits the scratchpads of dlegion-tiny"):
         choose(TINY, huge)
+
+
+def test_instruction_estimate_tracks_the_program():
+    """The model counts instructions as qtiles emits them (once per span of Legions, and the
+    waits of a multicast into a slot every Legion read): within 20% for every candidate."""
+    for case in [(40, 256, 96), (12, 160, 40, 0.3)]:
+        em, p, _, _ = problem(TINY, *case)
+        for plan in candidates(TINY, p, Switches()):
+            emitted = len(compiled(TINY, plan, *case)[0].instrs)
+            assert 0.8 * emitted <= estimate(TINY, p, plan).instructions <= 1.2 * emitted, (case, plan)

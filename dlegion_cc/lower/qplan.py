@@ -100,16 +100,66 @@ def legion_tiles(p: Problem, plan: Plan, legion: int) -> list[tuple[int, int]]:
     return [(n0, min(plan.cols, stop - n0)) for n0 in range(start, stop, plan.cols)]
 
 
+@dataclass(frozen=True)
+class Group:
+    """Legions ``base`` .. ``base + count - 1``, whose work is the same up to a DRAM offset of
+    ``per_legion`` columns a Legion: their instructions are emitted once, with ``span=count``."""
+
+    base: int
+    count: int
+
+    @property
+    def legions(self) -> range:
+        return range(self.base, self.base + self.count)
+
+
+def groups(arch: Arch, p: Problem, plan: Plan) -> list[Group]:
+    """Runs of adjacent Legions that do the same work (tile widths, stored columns and, with
+    sparsity, weight block maps): one span each. A Legion whose work differs (a shorter last
+    slice, other zero blocks) starts a run of its own."""
+    out: list[Group] = []
+    for legion in owners(arch, p, plan):
+        if out and _same_work(arch, p, plan, out[-1].base, legion):
+            out[-1] = Group(out[-1].base, out[-1].count + 1)
+        else:
+            out.append(Group(legion, 1))
+    return out
+
+
+def _same_work(arch: Arch, p: Problem, plan: Plan, a: int, b: int) -> bool:
+    ta, tb = legion_tiles(p, plan, a), legion_tiles(p, plan, b)
+    stored = lambda tiles: [(nb, min(nb, p.N - n0)) for n0, nb in tiles]
+    if stored(ta) != stored(tb):
+        return False
+    if not plan.sparse:
+        return True
+    na, width = arch.array, sum(nb for _, nb in ta)
+    cols = lambda tiles: slice(tiles[0][0] // na, (tiles[0][0] + width) // na)
+    return all(np.array_equal(nz[:, cols(ta)], nz[:, cols(tb)]) for nz in p.nonzero)
+
+
 def row_blocks(p: Problem, plan: Plan) -> list[tuple[int, int]]:
     return [(m0, min(plan.rows, p.rows.stop - m0)) for m0 in range(p.rows.start, p.rows.stop, plan.rows)]
 
 
-def tile_order(p: Problem, plan: Plan, tiles: int) -> list[tuple[int, int]]:
-    """(row block, column tile index) in the order the tiles are computed."""
-    blocks = range(len(row_blocks(p, plan)))
+def tile_order(p: Problem, plan: Plan, tiles: int) -> list[tuple[int, int, bool]]:
+    """(row block, column tile index, backwards) in the order the tiles are computed.
+
+    A tile runs its chunks backwards when the one before it ran them forwards, so the chunks
+    the last tile left in the activation slots are the next one's first, and are not loaded
+    again (for that, order "cols" also visits the row blocks backwards on odd tiles). The
+    accumulators sum a unit's chunks exactly, in any order."""
+    blocks = list(range(len(row_blocks(p, plan))))
     if plan.order == "rows":
-        return [(b, t) for b in blocks for t in range(tiles)]
-    return [(b, t) for t in range(tiles) for b in blocks]
+        order = [(b, t) for b in blocks for t in range(tiles)]
+    else:
+        order = [(b, t) for t in range(tiles) for b in (blocks[::-1] if t % 2 else blocks)]
+    return [(b, t, k % 2 == 1) for k, (b, t) in enumerate(order)]
+
+
+def in_order(unit: list, backwards: bool) -> list:
+    """A unit's chunks in the order a tile runs them."""
+    return unit[::-1] if backwards else unit
 
 
 @dataclass(frozen=True)
@@ -177,9 +227,15 @@ def act_slot_elems(p: Problem, plan: Plan) -> int:
     return plan.rows * (p.K if plan.whole_rows else plan.depth)
 
 
+# Buffers in ``vec`` besides the results: row scales (one row block each) and column vectors
+# (one tile's scales and bias each).
+RS_SLOTS = 2
+CV_SLOTS = 2
+
+
 def vec_fixed(p: Problem, plan: Plan) -> int:
-    """vec elements besides the results: two row-scale buffers and two column-vector sets."""
-    return 2 * plan.rows + 2 * (p.groups + 1) * plan.cols
+    """vec elements besides the results: the row-scale and column-vector buffers."""
+    return RS_SLOTS * plan.rows + CV_SLOTS * (p.groups + 1) * plan.cols
 
 
 def fits(arch: Arch, p: Problem, plan: Plan) -> bool:
@@ -276,8 +332,8 @@ def candidates(arch: Arch, p: Problem, switches: Switches) -> list[Plan]:
 
 
 # Schedules whose estimates are this close count as equally fast; of those the one that moves
-# the fewest DRAM bytes (energy) is taken, then the one with the fewest instructions (passes,
-# loads, stores), as programs are held to an instruction budget.
+# the fewest DRAM bytes (energy) is taken, then the one with the fewest instructions, as
+# programs are held to an instruction budget.
 EQUAL = 0.025
 
 
@@ -320,7 +376,7 @@ def compute_bound(arch: Arch, p: Problem, plan: Plan) -> float:
 class Estimate:
     cycles: int
     dram_bytes: int
-    instructions: int      # passes, loads and stores
+    instructions: int      # as emitted: passes, loads, stores, drains, a multicast's waits
     detail: dict = field(default_factory=dict)
 
 
@@ -331,6 +387,8 @@ class _Model:
         self.arch, self.p, self.plan = arch, p, plan
         self.legions = owners(arch, p, plan)
         self.lead = self.legions[0]
+        # One instruction stands for a group's Legions (qtiles emits it once, spanned).
+        self.emitted = {g.base for g in groups(arch, p, plan)}
         self.lat = arch.dram_latency_cycles
         d = arch.derived
         self.link, self.dram_rate = d.link_bytes_per_cycle, d.dram_bytes_per_cycle
@@ -351,7 +409,7 @@ class _Model:
             start = max(self.dma[issuer], free)
             self.dma[issuer] = start + max(nbytes / self.link, served / self.dram_rate)
             self.bytes += nbytes
-            self.instructions += 1
+            self.instructions += issuer in self.emitted
             out.append(self.dma[issuer] + self.lat)
         return out
 
@@ -362,7 +420,7 @@ def estimate(arch: Arch, p: Problem, plan: Plan) -> Estimate:
     count = max(len(t) for t in tiles.values())
     blocks = row_blocks(p, plan)
     st = _State(m, plan)
-    for b, t in tile_order(p, plan, count):
+    for b, t, backwards in tile_order(p, plan, count):
         here = [l for l in m.legions if t < len(tiles[l])]
         mb = blocks[b][1]
         for u, unit in enumerate(units(p, plan)):
@@ -371,7 +429,7 @@ def estimate(arch: Arch, p: Problem, plan: Plan) -> Estimate:
                 if p.exact and st.stores[l] and st.stores[l][-1][2] == acc[l]:
                     _model_stores(m, st, l)       # the store from this accumulator slot goes first
             begin = {l: st.acc_free[(l, acc[l])] for l in here}
-            for c in unit:
+            for c in in_order(unit, backwards):
                 _model_chunk(m, st, b, t, c, here, tiles, begin)
             for l in here:
                 if u == 0 and not p.exact:
@@ -382,8 +440,28 @@ def estimate(arch: Arch, p: Problem, plan: Plan) -> Estimate:
     for l in m.legions:
         _model_stores(m, st, l)
     floor = m.bytes / arch.derived.dram_bytes_per_cycle
+    m.instructions += _vector_loads(p, plan, tiles, m.emitted)
     return Estimate(math.ceil(max(st.finish, floor)), m.bytes, m.instructions,
                     {"dram_floor": floor, "finish": st.finish})
+
+
+def _vector_loads(p: Problem, plan: Plan, tiles: dict, emitted: set) -> int:
+    """Instructions of the row-scale loads (and the vector op that turns each into the drain's
+    multiplier) and of the column-vector loads, as qtiles emits them."""
+    per_tile = 0 if p.exact else (p.scales is not None) + (p.bias is not None)
+    rs, cv = Slots(RS_SLOTS), {l: Slots(CV_SLOTS) for l in emitted}
+    loaders = 1 if plan.multicast else len(emitted)
+    ops = len(emitted) if p.rscale is not None and p.rscale.op != "mov" else 0
+    n = 0
+    for b, t, _ in tile_order(p, plan, max(len(x) for x in tiles.values())):
+        if p.rscale is not None and rs.find(b) is None:
+            rs.take(b)
+            n += loaders + ops
+        for l in emitted:
+            if t < len(tiles[l]) and cv[l].find(tiles[l][t][0]) is None:
+                cv[l].take(tiles[l][t][0])
+                n += per_tile
+    return n
 
 
 class _State:
@@ -409,25 +487,10 @@ class _State:
 
 
 def _model_chunk(m: _Model, st: _State, b: int, t: int, c: Chunk, here: list, tiles: dict, begin: dict) -> None:
+    a_slot = _model_activations(m, st, b, c, here)
     p, plan = m.p, m.plan
     mb = row_blocks(p, plan)[b][1]
-    width = p.K if plan.whole_rows else c.kc
-    key = act_key(plan, b, c)
-    flows, where = [], []
-    a_slot = {}
-    for owner, slots in st.a.items():
-        if owner is not None and owner not in here:
-            continue
-        s = slots.find(key)
-        users = m.legions if owner is None else [owner]
-        if s is None:
-            s = slots.take(key)
-            free = max(st.free.get(("a", owner, s, l), 0.0) for l in users)
-            flows.append((m.lead if owner is None else owner, mb * width, free))
-            where.append(("a", owner, s))
-        for l in users:
-            a_slot[l] = (owner, s)
-    work = []
+    flows, where, work = [], [], []
     for l in here:
         n0, nb = tiles[l][t]
         for i, (_, mode) in enumerate(p.weights):
@@ -438,7 +501,9 @@ def _model_chunk(m: _Model, st: _State, b: int, t: int, c: Chunk, here: list, ti
             s = st.w[l].find(key_w)
             if s is None:
                 s = st.w[l].take(key_w)
-                flows.append((l, _loaded_bytes(m.arch, c.kc, nb, mode, nz), st.free.get(("w", l, s), 0.0)))
+                # The load waits for the chunk's activations (see qtiles' ``weights``).
+                free = max(st.free.get(("w", l, s), 0.0), st.ready[("a", *a_slot[l])])
+                flows.append((l, _loaded_bytes(m.arch, c.kc, nb, mode, nz), free))
                 where.append(("w", l, s))
             work.append((l, s, _mm_cycles(m.arch, plan, mb, c.kc, nb, mode, nz)))
     for key_r, ready in zip(where, m.loads(flows)):
@@ -447,9 +512,34 @@ def _model_chunk(m: _Model, st: _State, b: int, t: int, c: Chunk, here: list, ti
         owner, sa = a_slot[l]
         start = max(m.mat[l], begin[l], st.ready[("a", owner, sa)], st.ready[("w", l, s)])
         m.mat[l] = start + cycles
-        m.instructions += 1
+        m.instructions += l in m.emitted
         st.free[("w", l, s)] = m.mat[l]
         st.free[("a", owner, sa, l)] = m.mat[l]
+
+
+def _model_activations(m: _Model, st: _State, b: int, c: Chunk, here: list) -> dict:
+    """Load chunk ``c`` of row block ``b`` where it is not in a slot; each Legion's slot."""
+    p, plan = m.p, m.plan
+    mb = row_blocks(p, plan)[b][1]
+    width = p.K if plan.whole_rows else c.kc
+    key = act_key(plan, b, c)
+    flows, where, a_slot = [], [], {}
+    for owner, slots in st.a.items():
+        if owner is not None and owner not in here:
+            continue
+        s = slots.find(key)
+        users = m.legions if owner is None else [owner]
+        if s is None:
+            s = slots.take(key)
+            if ("a", owner, s, users[-1]) in st.free:
+                m.instructions += len(users) - 1     # a wait for each reader's matrix queue
+            free = max(st.free.get(("a", owner, s, l), 0.0) for l in users)
+            flows.append((m.lead if owner is None else owner, mb * width, free))
+            where.append(("a", owner, s))
+        a_slot |= {l: (owner, s) for l in users}
+    for key_r, ready in zip(where, m.loads(flows)):
+        st.ready[key_r] = ready
+    return a_slot
 
 
 def _model_unit_end(m: _Model, st: _State, l: int, mb: int, nb: int, acc: int, begin: float) -> None:
@@ -464,6 +554,7 @@ def _model_unit_end(m: _Model, st: _State, l: int, mb: int, nb: int, acc: int, b
     res = st.turn.get(("res", l), 0) % plan.res_slots
     start = max(m.vec[l], m.mat[l], st.res_free[(l, res)])
     m.vec[l] = start + -(-mb * nb // m.arch.vector_lanes)
+    m.instructions += l in m.emitted
     st.acc_free[(l, acc)] = m.vec[l]
 
 
@@ -483,7 +574,7 @@ def _model_stores(m: _Model, st: _State, l: int) -> None:
         start = max(m.dma[l], ready)
         m.dma[l] = start + nbytes / m.link
         m.bytes += nbytes
-        m.instructions += 1
+        m.instructions += l in m.emitted
         done = m.dma[l] + m.lat
         (st.acc_free if m.p.exact else st.res_free)[(l, slot)] = done
         st.finish = max(st.finish, done)

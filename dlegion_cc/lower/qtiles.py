@@ -1,13 +1,20 @@
 """How one quantized matmul is emitted, following a :class:`~dlegion_cc.lower.qplan.Plan`.
 
 Every Legion owns a slice of output columns and computes its output tiles in the plan's
-order, all Legions in step. A tile contracts K chunk by chunk: the chunk's activations
-(multicast to every Legion by one DRAM read, unless multicast is off) and each Legion's
-weight chunk go to a free slot of ``act`` and ``wgt``, and the ``mm`` waits for exactly the
-loads it reads; a load into a slot waits for exactly the passes that still read the slot's
-old chunk, so the next chunks load while the arrays work (double buffering). Accumulators
-and results rotate over their slots the same way, so a drain and a store overlap the next
-tile's passes.
+order, all Legions in step. Legions whose work is the same up to a DRAM offset (dense weights,
+equal slices) form a *group* (:func:`~dlegion_cc.lower.qplan.groups`): each of the group's
+instructions is emitted once, spanning its Legions, each DMA stepping ``per_legion`` columns
+per Legion (``lstride``); a Legion whose work differs is a group of its own.
+
+A tile contracts K chunk by chunk: the chunk's activations (multicast to every Legion by one
+DRAM read, unless multicast is off) and each group's weight chunk go to a free slot of ``act``
+and ``wgt``, and the ``mm`` waits for exactly the loads it reads; a load into a slot waits for
+exactly the passes that still read the slot's old chunk, so the next chunks load while the
+arrays work (double buffering). Accumulators and results rotate over their slots the same way,
+so a drain and a store overlap the next tile's passes. A condition that another one already
+implies is left out (:class:`Sync`), so most instructions carry a single ``wait=``; a ``wait``
+instruction remains where one truly needs two, above all before a multicast into a slot that
+every Legion's passes read (one condition per Legion).
 
 Sparsity: a weight chunk whose blocks are all zero is neither loaded nor multiplied; the
 all-zero rows of blocks of any other chunk are not loaded, and its ``mm`` carries a block
@@ -15,18 +22,21 @@ mask (``mask=@tensor``), so the arrays skip zero blocks and pack the rest into f
 """
 from __future__ import annotations
 
+from bisect import bisect_right
+
 import numpy as np
 
 from isa.arch import MODE_BITS
 from isa.fields import DramRef, View
 from isa.instructions import BY_MNEMONIC, DmaLoad, DmaStore, Drain, MatMul
 from dlegion_cc.lower.emitter import Emitter
-from dlegion_cc.lower.qplan import (Chunk, Plan, Problem, RowScale, Slots, Switches, act_key,  # noqa: F401
-                                    act_slot_elems, choose, chunk_blocks, legion_tiles, owners,
-                                    row_blocks, tile_order, units, wgt_slot_bytes)
+from dlegion_cc.lower.qplan import (CV_SLOTS, RS_SLOTS, Chunk, Group, Plan, Problem, RowScale, Slots,
+                                    Switches, act_key, act_slot_elems, choose, chunk_blocks, groups, in_order,
+                                    legion_tiles, owners, row_blocks, tile_order, units, wgt_slot_bytes)
 
-Queue = tuple[int, str]
-Mark = tuple[Queue, int]          # (queue, count): that queue's first ``count`` instructions
+__all__ = ["Plan", "Problem", "RowScale", "emit_tiles", "plan_tiles"]
+
+Mark = tuple[tuple[int, str, int], ...]   # per Legion an instruction ran on: (Legion, queue, count there)
 
 
 def plan_tiles(arch, p: Problem, switches: Switches = Switches()) -> Plan:
@@ -34,41 +44,131 @@ def plan_tiles(arch, p: Problem, switches: Switches = Switches()) -> Plan:
 
 
 class Sync:
-    """Waits on exact progress counts: an instruction waits for the very instructions it needs,
-    not for everything issued before it (which would serialize loads and passes)."""
+    """Exact-count dependencies, and what each queue already knows.
+
+    An instruction waits for the very instructions it needs, not for everything issued before
+    it (which would serialize loads and passes). A queue that has completed an instruction
+    knows that instruction's conditions held (it started after them), so a condition the
+    waiting queue already knows, or that another condition of the same instruction implies, is
+    left out: most instructions then need one condition, which rides in their ``wait=`` field.
+    """
 
     def __init__(self, em: Emitter):
         self.em = em
-        self.held: dict = {}          # (waiting queue, source queue) -> count already waited for
+        self.counts: dict = {}       # (Legion, queue) -> counts at which its knowledge grew
+        self.facts: dict = {}        # (Legion, queue) -> per count: {(Legion, queue): count known}
 
-    def mark(self, q: Queue) -> Mark:
-        """The instructions issued on ``q`` so far (call right after emitting one)."""
-        return q, self.em.issued.get(q, 0)
+    def mark(self, g: Group, q: str) -> Mark:
+        """The instructions issued on queue ``q`` of each Legion of ``g`` so far."""
+        return tuple((l, q, self.em.issued.get((l, q), 0)) for l in g.legions)
 
-    def need(self, dst: Queue, marks) -> None:
-        """The next instruction on ``dst`` starts only once every mark is reached."""
-        for src, count in marks:
-            self._one(dst, src, count)
+    def emit(self, g: Group, instr, marks) -> Mark:
+        """Emit ``instr`` once for the Legions of ``g``, after every mark; returns its mark."""
+        q = instr.queue()
+        needs = {l: self._needs(g, l, q, marks) for l in g.legions}
+        with self.em.spanning(g.base, g.count):     # a wait the conditions need spans as well
+            self._depend(g, q, needs)
+            self.em.emit(instr)
+        for l in g.legions:
+            self._learn((l, q), {(s, qs): c for (_, s, qs), c in needs[l].items()})
+        return self.mark(g, q)
 
-    def _one(self, dst: Queue, src: Queue, count: int) -> None:
-        if count <= 0 or self.held.get((dst, src), 0) >= count:
+    def knows(self, queue, count: int) -> dict:
+        """What ``queue`` knows once it has completed ``count`` instructions."""
+        at = bisect_right(self.counts.get(queue, []), count)
+        return self.facts[queue][at - 1] if at else {}
+
+    def _needs(self, g: Group, l: int, q: str, marks) -> dict:
+        """Legion ``l``'s conditions: {(kind, Legion, queue): count}, kind "own" for a mark of
+        the same span (each Legion its own queue), "fixed" for one Legion's queue."""
+        out: dict = {}
+        for mark in marks:
+            for kind, s, qs, c in _entries(g, l, mark):
+                key = (kind, s, qs)
+                out[key] = max(out.get(key, 0), c)
+        return self._prune(l, q, out)
+
+    def _prune(self, l: int, q: str, needs: dict) -> dict:
+        mine = self.knows((l, q), self.em.issued.get((l, q), 0))
+        keep = {}
+        for key, c in needs.items():
+            src = key[1:]
+            if c <= 0 or mine.get(src, 0) >= c or (src == (l, q) and q != "dma"):
+                continue            # known, or a matrix or vector queue's own earlier work
+            keep[key] = c
+        return {key: c for key, c in keep.items() if not self._implied(key, c, keep)}
+
+    def _implied(self, key, c: int, keep: dict) -> bool:
+        src = key[1:]
+        for other, oc in keep.items():
+            if other == key:
+                continue
+            if other[1:] == src and (oc > c or (oc == c and key[0] == "own")):
+                return True     # the same queue under the other kind, as far or further
+            if self.knows(other[1:], oc).get(src, 0) >= c:
+                return True
+        return False
+
+    def _depend(self, g: Group, q: str, needs: dict) -> None:
+        if g.count == 1:
+            for (_, s, qs), c in needs[g.base].items():
+                self.em.depend((s, qs), (g.base, q), upto=c)
             return
-        if src == dst and src[1] != "dma":
-            return              # a matrix or vector queue finishes its work in order
-        self.held[(dst, src)] = count
-        self.em.depend(src, dst, upto=count)
+        own: dict = {}
+        for l, conds in needs.items():
+            for (kind, s, qs), c in conds.items():
+                if kind == "fixed":
+                    self.em.depend((s, qs), (g.base, q), across=True, upto=c)
+                    continue
+                # Relative to program order, the condition must hold on every Legion of the
+                # span: keep the fewest instructions left out (a Legion that issued more, such
+                # as one that multicasts, may wait for a little more than it needs).
+                back = self.em.issued.get((l, qs), 0) - c
+                own[qs] = min(own.get(qs, back), back)
+        for qs, back in own.items():
+            upto = self.em.issued.get((g.base, qs), 0) - back
+            if upto <= 0:
+                raise ValueError(f"internal: L{g.base}.{qs} has not issued what its span waits for")
+            self.em.depend((g.base, qs), (g.base, q), upto=upto)
+
+    def _learn(self, queue, needs: dict) -> None:
+        """``queue``'s next instruction started after ``needs`` held, and after all they imply."""
+        count = self.em.issued.get(queue, 0)
+        known = dict(self.knows(queue, count))
+        for src, c in needs.items():
+            for fact in [(src, c), *self.knows(src, c).items()]:
+                if known.get(fact[0], 0) < fact[1]:
+                    known[fact[0]] = fact[1]
+        self.counts.setdefault(queue, []).append(count)
+        self.facts.setdefault(queue, []).append(known)
+
+
+def _entries(g: Group, l: int, mark: Mark):
+    """The conditions of Legion ``l`` of ``g`` that one mark stands for."""
+    if len(mark) == 1:
+        (s, qs, c), = mark
+        yield ("own" if s == l and g.count == 1 else "fixed"), s, qs, c
+        return
+    legions = [s for s, _, _ in mark]
+    if legions == list(g.legions):
+        yield from (("own", s, qs, c) for s, qs, c in mark if s == l)
+        return
+    if g.count > 1:
+        raise ValueError(f"internal: a span from L{g.base} waits for another span from L{legions[0]}")
+    yield from (("fixed", s, qs, c) for s, qs, c in mark)
 
 
 class _Tiles:
-    """The state of emitting one plan: slots, what each holds, who reads it."""
+    """The state of emitting one plan: groups, slots, what each slot holds, who reads it."""
 
-    def __init__(self, em: Emitter, p: Problem, plan: Plan, written: dict):
+    def __init__(self, em: Emitter, p: Problem, plan: Plan, written: dict, spans: bool):
         self.em, self.p, self.plan, self.arch = em, p, plan, em.arch
         self.written = written
         self.sync = Sync(em)
         self.legions = owners(em.arch, p, plan)
-        self.lead = self.legions[0]
-        self.tiles = {l: legion_tiles(p, plan, l) for l in self.legions}
+        self.groups = groups(em.arch, p, plan) if spans else [Group(l, 1) for l in self.legions]
+        self.lead = Group(self.legions[0], 1)          # issues the multicasts
+        self.tiles = {g: legion_tiles(p, plan, g.base) for g in self.groups}
         self.blocks = row_blocks(p, plan)
         self.units = units(p, plan)
         tile = plan.rows * plan.cols
@@ -76,32 +176,45 @@ class _Tiles:
                      "res": tile}
         self.corr_at = plan.a_slots * self.addr["act"]
         self.rscale_at = plan.res_slots * tile
-        self.cv_at = self.rscale_at + 2 * plan.rows
+        self.cv_at = self.rscale_at + RS_SLOTS * plan.rows
         self.cv_size = (p.groups + 1) * plan.cols
-        who = [None] if plan.multicast else self.legions
+        who = [None] if plan.multicast else self.groups
         self.a = {w: Slots(plan.a_slots) for w in who}
-        self.w = {l: Slots(plan.w_slots) for l in self.legions}
-        self.rs = {w: Slots(2) for w in who}
+        self.w = {g: Slots(plan.w_slots) for g in self.groups}
+        self.rs = {w: Slots(RS_SLOTS) for w in who}
+        self.cv = {g: Slots(CV_SLOTS) for g in self.groups}
         self.loaded: dict = {}        # (space, owner, slot) -> the load's mark
         self.readers: dict = {}       # (space, owner, slot) -> marks of the work still reading it
-        self.turn = {(k, l): 0 for k in ("acc", "res", "cv") for l in self.legions}
-        self.deferred: dict = {l: [] for l in self.legions}
+        self.turn = {(k, g): 0 for k in ("acc", "res") for g in self.groups}
+        self.deferred: dict = {g: [] for g in self.groups}
         self.masks: dict = {}
-        self.corr_loaded: dict = {}   # Legion -> the load of its zero-point row
-        self.cv_slot: dict = {}       # Legion -> column-vector slot of its current tile
-        self.res_slot: dict = {}      # Legion -> result slot of its current tile
+        self.corr_loaded: dict = {}   # group -> the load of its zero-point row
+        self.cv_slot: dict = {}       # group -> column-vector slot of its current tile
+        self.res_slot: dict = {}      # group -> result slot of its current tile
+
+    def lstride(self, g: Group, bits: int | None = None) -> int | None:
+        """DRAM elements from one Legion's columns to the next one's: ``per_legion`` columns,
+        in bytes for weights packed at ``bits`` a weight."""
+        if g.count == 1:
+            return None
+        return self.plan.per_legion if bits is None else self.plan.per_legion * bits // 8
+
+    def emit(self, g: Group, instr, marks=()) -> Mark:
+        return self.sync.emit(g, instr, marks)
+
+    def read_by(self, slot, mark: Mark) -> None:
+        self.readers.setdefault(slot, []).append(mark)
 
     # --- loads -------------------------------------------------------------------------------
-    def _load(self, space: str, owner, slot: int, issuer: int, dests, instrs) -> None:
-        """Emit ``instrs`` (loads into one slot) after the slot's readers are done."""
-        q = (issuer, "dma")
-        self.sync.need(q, self.readers.pop((space, owner, slot), []))
+    def _load(self, space: str, owner, slot: int, g: Group, instrs, after=()) -> None:
+        """Emit ``instrs`` (loads into one slot) after the slot's readers are done (and the
+        marks ``after``)."""
+        readers = self.readers.pop((space, owner, slot), []) + list(after)
         for i in instrs:
-            self.em.emit(i)
-        self.loaded[(space, owner, slot)] = self.sync.mark(q)
+            self.loaded[(space, owner, slot)] = self.emit(g, i, readers)
 
     def activations(self, b: int, c: Chunk, here: list) -> dict:
-        """Each Legion's act address of chunk ``c`` of row block ``b``, loading it if needed."""
+        """Each group's act address of chunk ``c`` of row block ``b``, loading it if needed."""
         p, plan = self.p, self.plan
         m0, mb = self.blocks[b]
         key = act_key(plan, b, c)
@@ -113,43 +226,49 @@ class _Tiles:
             s = slots.find(key)
             if s is None:
                 s = slots.take(key)
-                issuer = self.lead if owner is None else owner
-                dests = frozenset(self.legions) if owner is None else frozenset({owner})
+                g = self.lead if owner is None else owner
+                dests = frozenset(self.legions) if owner is None else frozenset({g.base})
                 view = View("act", s * self.addr["act"], width, 1)
-                load = DmaLoad(issuer, dests, view, DramRef(p.a8, m0 * p.K + k0a, p.K), mb, width)
-                self._load("act", owner, s, issuer, dests, [load])
-            for l in (self.legions if owner is None else [owner]):
-                out[l] = (owner, s, s * self.addr["act"] + c.k0 - k0a, width)
+                self._load("act", owner, s, g, [DmaLoad(g.base, dests, view, DramRef(p.a8, m0 * p.K + k0a, p.K),
+                                                        mb, width)])
+            for g in (self.groups if owner is None else [owner]):
+                out[g] = (owner, s, s * self.addr["act"] + c.k0 - k0a, width)
         return out
 
-    def weights(self, l: int, piece: int, c: Chunk, n0: int, nb: int, nz) -> int:
-        """wgt address of a weight chunk on Legion ``l``, loading its nonzero rows of blocks."""
+    def weights(self, g: Group, piece: int, c: Chunk, n0: int, nb: int, nz, act: Mark) -> int:
+        """wgt address of a weight chunk of ``g``, loading its nonzero rows of blocks.
+
+        The load waits for the chunk's activations (``act``, their load's mark): then a pass
+        that waits for its weights needs no second condition for its activations, and the
+        load needs none for its slot's readers when the activation load waited for later
+        ones (the usual case: weight slots outnumber activation slots)."""
         key = (piece, c.k0, n0)
-        s = self.w[l].find(key)
+        s = self.w[g].find(key)
         if s is not None:
             return s
-        s = self.w[l].take(key)
+        s = self.w[g].take(key)
         tensor, mode = self.p.weights[piece]
         # Zero blocks are left out of the load only where the slot holds earlier bytes: the
         # arrays never use them, but every byte an instruction reads must have been written.
         span = (s * self.addr["wgt"], s * self.addr["wgt"] + c.kc * nb * MODE_BITS[mode] // 8)
-        written = self.written.setdefault((l, "wgt"), Intervals())
-        if not written.covers(*span):
+        written = [self.written.setdefault((l, "wgt"), Intervals()) for l in g.legions]
+        if not all(w.covers(*span) for w in written):
             nz = None
-            written.add(*span)
-        self._load("wgt", l, s, l, None, self._weight_loads(l, s, tensor, mode, c.k0, c.kc, n0, nb, nz))
+            for w in written:
+                w.add(*span)
+        self._load("wgt", g, s, g, self._weight_loads(g, s, tensor, mode, c.k0, c.kc, n0, nb, nz), [act])
         return s
 
-    def _weight_loads(self, l, s, tensor, mode, k0, kc, n0, nb, nz) -> list:
+    def _weight_loads(self, g, s, tensor, mode, k0, kc, n0, nb, nz) -> list:
         bits, na = MODE_BITS[mode], self.arch.array
         row_bytes, tile_bytes = self.p.n_pad * bits // 8, nb * bits // 8
         base = s * self.addr["wgt"]
         out = []
         for r0, r1, c0, c1 in _rectangles(nz, kc, nb, na):
             b0, b1 = c0 * bits // 8, c1 * bits // 8
-            out.append(DmaLoad(l, frozenset({l}), View("wgt", base + r0 * tile_bytes + b0, tile_bytes, 1),
+            out.append(DmaLoad(g.base, frozenset({g.base}), View("wgt", base + r0 * tile_bytes + b0, tile_bytes, 1),
                                DramRef(tensor, (k0 + r0) * row_bytes + n0 * bits // 8 + b0, row_bytes),
-                               r1 - r0, b1 - b0))
+                               r1 - r0, b1 - b0, lstride=self.lstride(g, bits)))
         return out
 
     def row_scales(self, b: int) -> None:
@@ -161,29 +280,33 @@ class _Tiles:
             if slots.find(b) is not None:
                 continue
             s = slots.take(b)
-            issuer = self.lead if owner is None else owner
-            dests = frozenset(self.legions) if owner is None else frozenset({owner})
+            g = self.lead if owner is None else owner
+            dests = frozenset(self.legions) if owner is None else frozenset({g.base})
             view = View("vec", self.rscale_at + s * self.plan.rows, 1, 1)
             src = DramRef(rs.tensor, rs.offset + m0 * rs.stride, rs.stride)
-            self._load("rs", owner, s, issuer, dests, [DmaLoad(issuer, dests, view, src, mb, 1)])
-            for l in (self.legions if owner is None else [owner]):
-                self._scale_op(l, view, mb, self.loaded[("rs", owner, s)])
+            self._load("rs", owner, s, g, [DmaLoad(g.base, dests, view, src, mb, 1)])
+            for grp in (self.groups if owner is None else [owner]):
+                self._scale_op(grp, view, mb, ("rs", owner, s))
 
-    def _scale_op(self, l: int, view: View, mb: int, loaded) -> None:
+    def _scale_op(self, g: Group, view: View, mb: int, slot: tuple) -> None:
+        loaded = self.loaded[slot]
         op = self.p.rscale.op
         if op == "mov":
             return
-        self.sync.need((l, "vec"), [loaded])
         if op == "recip":
-            self.em.emit(BY_MNEMONIC["vrecip"](l, view, view, mb, 1))
+            done = self.emit(g, BY_MNEMONIC["vrecip"](g.base, view, view, mb, 1), [loaded])
         else:
-            self.em.emit(BY_MNEMONIC["vmul"](l, view, view, float(np.float32(self.p.rscale.factor)), mb, 1))
+            factor = float(np.float32(self.p.rscale.factor))
+            done = self.emit(g, BY_MNEMONIC["vmul"](g.base, view, view, factor, mb, 1), [loaded])
+        # It rewrites the slot in place: the next load into the slot waits for it too (on a
+        # Legion with no tile in this row block, no drain would order them).
+        self.read_by(slot, done)
 
-    def rscale_addr(self, l: int, b: int) -> tuple[int | None, list]:
-        """vec address of row block ``b``'s scales on Legion ``l`` and the marks a drain needs."""
+    def rscale_addr(self, g: Group, b: int) -> tuple[int | None, list]:
+        """vec address of row block ``b``'s scales in ``g`` and the marks a drain needs."""
         if self.p.rscale is None:
             return None, []
-        owner = None if self.plan.multicast else l
+        owner = None if self.plan.multicast else g
         s = self.rs[owner].find(b)
         return self.rscale_at + s * self.plan.rows, [self.loaded[("rs", owner, s)]]
 
@@ -197,13 +320,11 @@ class _Tiles:
             self.masks[key] = self.em.const(f"{self.em.tensors[self.p.weights[0][0]].name}_mask", raw, "u8")
         return self.masks[key]
 
-    def matmul(self, l: int, acc: int, act, wgt: View, mb: int, kc: int, nb: int, mode: str,
-               first: bool, nz, needs: list) -> None:
-        q = (l, "mat")
-        self.sync.need(q, needs)
-        self.em.emit(MatMul(legion=l, acc=View("acc", acc, nb, 1), act=act, wgt=wgt, M=mb, K=kc, N=nb,
-                            mode=mode, split=self.plan.split, accumulate="set" if first else "add",
-                            mask=self.mask(nz)))
+    def matmul(self, g: Group, acc: int, act, wgt: View, mb: int, kc: int, nb: int, mode: str,
+               first: bool, nz, needs: list) -> Mark:
+        return self.emit(g, MatMul(legion=g.base, acc=View("acc", acc, nb, 1), act=act, wgt=wgt, M=mb, K=kc,
+                                   N=nb, mode=mode, split=self.plan.split, accumulate="set" if first else "add",
+                                   mask=self.mask(nz)), needs)
 
 
 class Intervals:
@@ -255,44 +376,57 @@ def _runs(row: np.ndarray) -> list[tuple[int, int]]:
 
 # --- the schedule ---------------------------------------------------------------------------
 
-def emit_tiles(em: Emitter, p: Problem, plan: Plan, written: dict | None = None) -> None:
+def emit_tiles(em: Emitter, p: Problem, plan: Plan, written: dict | None = None, spans: bool = True) -> None:
     """Emit ``p`` as ``plan`` cuts it; ``written`` (kept across matmuls) records which
-    scratchpad bytes earlier instructions wrote."""
-    st = _Tiles(em, p, plan, {} if written is None else written)
-    if p.corr_row is not None:          # one zero-point row for the whole matmul, after the slots
-        issuers = [(st.lead, frozenset(st.legions))] if plan.multicast else [(l, frozenset({l})) for l in st.legions]
-        for issuer, dests in issuers:
-            em.emit(DmaLoad(issuer, dests, View("act", st.corr_at, p.k2, 1), DramRef(p.corr_row, 0, p.k2), 1, p.k2))
-            st.corr_loaded |= {l: st.sync.mark((issuer, "dma")) for l in dests}
+    scratchpad bytes earlier instructions wrote. ``spans=False`` emits every Legion's work on
+    its own (the program the spans stand for)."""
+    st = _Tiles(em, p, plan, {} if written is None else written, spans)
+    _zero_point_row(st)
     count = max(len(t) for t in st.tiles.values())
-    for b, t in tile_order(p, plan, count):
-        here = [l for l in st.legions if t < len(st.tiles[l])]
+    for b, t, backwards in tile_order(p, plan, count):
+        here = [g for g in st.groups if t < len(st.tiles[g])]
         st.row_scales(b)
+        for g in here:
+            _column_vectors(st, g, t)
         for u, unit in enumerate(st.units):
-            acc = {l: _acc_slot(st, l) for l in here}
-            first = {l: True for l in here}
-            for c in unit:
+            acc = {g: _acc_slot(st, g) for g in here}
+            first = {g: True for g in here}
+            for c in in_order(unit, backwards):
                 _chunk(st, b, t, c, here, acc, first)
-            for l in here:
-                _finish_unit(st, b, t, u, l, acc[l], first[l], unit)
-        for l in here:
-            _end_tile(st, b, t, l, acc[l])
-    for l in st.legions:
-        _flush(st, l)
+            for g in here:
+                _finish_unit(st, b, t, u, g, acc[g], first[g], unit)
+        for g in here:
+            _end_tile(st, b, t, g, acc[g])
+    for g in st.groups:
+        _flush(st, g)
 
 
-def _acc_slot(st: _Tiles, l: int) -> int:
+def _zero_point_row(st: _Tiles) -> None:
+    """One zero-point row for the whole matmul, after the activation slots."""
+    p = st.p
+    if p.corr_row is None:
+        return
+    everyone = frozenset(st.legions)
+    issuers = ([(st.lead, everyone, st.groups)] if st.plan.multicast
+               else [(g, frozenset({g.base}), [g]) for g in st.groups])
+    for g, dests, users in issuers:
+        load = DmaLoad(g.base, dests, View("act", st.corr_at, p.k2, 1), DramRef(p.corr_row, 0, p.k2), 1, p.k2)
+        mark = st.emit(g, load)
+        st.corr_loaded |= {u: mark for u in users}
+
+
+def _acc_slot(st: _Tiles, g: Group) -> int:
     """The next accumulator slot, its pending store (exact results) emitted first."""
-    s = _next(st, "acc", l)
-    if any(slot == ("acc", l, s) for _, _, slot in st.deferred[l]):
-        _flush(st, l)
+    s = _next(st, "acc", g)
+    if any(slot == ("acc", g, s) for _, _, slot in st.deferred[g]):
+        _flush(st, g)
     return s
 
 
-def _next(st: _Tiles, kind: str, l: int) -> int:
-    slots = {"acc": st.plan.acc_slots, "res": st.plan.res_slots, "cv": 2}[kind]
-    s = st.turn[(kind, l)] % slots
-    st.turn[(kind, l)] += 1
+def _next(st: _Tiles, kind: str, g: Group) -> int:
+    slots = {"acc": st.plan.acc_slots, "res": st.plan.res_slots}[kind]
+    s = st.turn[(kind, g)] % slots
+    st.turn[(kind, g)] += 1
     return s
 
 
@@ -300,180 +434,158 @@ def _chunk(st: _Tiles, b: int, t: int, c: Chunk, here: list, acc: dict, first: d
     p, plan = st.p, st.plan
     m0, mb = st.blocks[b]
     act = None
-    for l in here:
-        n0, nb = st.tiles[l][t]
+    for g in here:
+        n0, nb = st.tiles[g][t]
         for i, (_, mode) in enumerate(p.weights):
             nz = chunk_blocks(st.arch, p, i, c, n0, nb) if plan.sparse else None
             if nz is not None and not nz.any():
                 continue                    # a fully-sparse chunk: no load, no pass
             if act is None:
                 act = st.activations(b, c, here)
-            owner, a_slot, a_addr, width = act[l]
-            s = st.weights(l, i, c, n0, nb, nz)
-            needs = [st.loaded[("act", owner, a_slot)], st.loaded[("wgt", l, s)]]
-            if first[l]:
-                needs += st.readers.pop(("acc", l, acc[l]), [])
+            owner, a_slot, a_addr, width = act[g]
+            s = st.weights(g, i, c, n0, nb, nz, st.loaded[("act", owner, a_slot)])
+            needs = [st.loaded[("act", owner, a_slot)], st.loaded[("wgt", g, s)]]
+            if first[g]:
+                needs += st.readers.pop(("acc", g, acc[g]), [])
             wgt = View("wgt", s * st.addr["wgt"], nb * MODE_BITS[mode] // 8, 1)
-            st.matmul(l, acc[l] * st.addr["acc"], View("act", a_addr, width, 1), wgt, mb, c.kc, nb, mode,
-                      first[l], nz, needs)
-            first[l] = False
-            done = st.sync.mark((l, "mat"))
-            st.readers.setdefault(("act", owner, a_slot), []).append(done)
-            st.readers.setdefault(("wgt", l, s), []).append(done)
+            done = st.matmul(g, acc[g] * st.addr["acc"], View("act", a_addr, width, 1), wgt, mb, c.kc, nb, mode,
+                             first[g], nz, needs)
+            first[g] = False
+            st.read_by(("act", owner, a_slot), done)
+            st.read_by(("wgt", g, s), done)
 
 
-def _finish_unit(st: _Tiles, b: int, t: int, u: int, l: int, acc: int, first: bool, unit: list) -> None:
+def _finish_unit(st: _Tiles, b: int, t: int, u: int, g: Group, acc: int, first: bool, unit: list) -> None:
     """The zero-point correction passes and the drain of one accumulation unit."""
     p = st.p
     m0, mb = st.blocks[b]
-    n0, nb = st.tiles[l][t]
-    for g in sorted({c.group for c in unit}):
+    n0, nb = st.tiles[g][t]
+    for grp in sorted({c.group for c in unit}):
         if p.corr_row is not None:
-            first = _correction(st, l, acc, g, mb, n0, nb, first)
+            first = _correction(st, g, acc, grp, mb, n0, nb, first)
     if first:
-        _zero_pass(st, b, t, l, acc, unit[0])
+        _zero_pass(st, b, t, g, acc, unit[0])
     if p.exact:
         return
     if u == 0:
-        _flush(st, l)
-        _column_vectors(st, l, t, n0, nb)
-    _drain(st, b, t, u, l, acc, unit[0].group, mb, nb)
+        _flush(st, g)
+    _drain(st, b, t, u, g, acc, unit[0].group, mb, nb)
 
 
-def _zero_pass(st: _Tiles, b: int, t: int, l: int, acc: int, c: Chunk) -> None:
+def _zero_pass(st: _Tiles, b: int, t: int, g: Group, acc: int, c: Chunk) -> None:
     """Every weight block of a unit is zero: one pass with an all-zero mask (no work) sets the
     accumulators to 0. It reads a chunk loaded as usual, so it reads only written bytes."""
     m0, mb = st.blocks[b]
-    n0, nb = st.tiles[l][t]
-    owner, a_slot, a_addr, width = st.activations(b, c, [l])[l]
-    s = st.weights(l, 0, c, n0, nb, None)
+    n0, nb = st.tiles[g][t]
+    owner, a_slot, a_addr, width = st.activations(b, c, [g])[g]
+    s = st.weights(g, 0, c, n0, nb, None, st.loaded[("act", owner, a_slot)])
     mode = st.p.weights[0][1]
     zero = np.zeros((-(-c.kc // st.arch.array), -(-nb // st.arch.array)), bool)
-    needs = [st.loaded[("act", owner, a_slot)], st.loaded[("wgt", l, s)]] + st.readers.pop(("acc", l, acc), [])
+    needs = [st.loaded[("act", owner, a_slot)], st.loaded[("wgt", g, s)]] + st.readers.pop(("acc", g, acc), [])
     wgt = View("wgt", s * st.addr["wgt"], nb * MODE_BITS[mode] // 8, 1)
-    st.matmul(l, acc * st.addr["acc"], View("act", a_addr, width, 1), wgt, mb, c.kc, nb, mode, True, zero, needs)
-    done = st.sync.mark((l, "mat"))
-    st.readers.setdefault(("act", owner, a_slot), []).append(done)
-    st.readers.setdefault(("wgt", l, s), []).append(done)
+    done = st.matmul(g, acc * st.addr["acc"], View("act", a_addr, width, 1), wgt, mb, c.kc, nb, mode, True, zero,
+                     needs)
+    st.read_by(("act", owner, a_slot), done)
+    st.read_by(("wgt", g, s), done)
 
 
-def _correction(st: _Tiles, l: int, acc: int, g: int, mb: int, n0: int, nb: int, first: bool) -> bool:
-    """acc += e . corr_weight rows of group g: the zero-point correction (qmatmul's docstring)."""
+def _correction(st: _Tiles, g: Group, acc: int, grp: int, mb: int, n0: int, nb: int, first: bool) -> bool:
+    """acc += e . corr_weight rows of group ``grp``: the zero-point correction (qmatmul's docstring)."""
     p, plan = st.p, st.plan
-    rows = range(g * p.k2, (g + 1) * p.k2)
+    rows = range(grp * p.k2, (grp + 1) * p.k2)
+    bits = MODE_BITS[p.corr_mode]
     for k0 in range(rows.start, rows.stop, plan.corr_depth):
         kc = min(plan.corr_depth, rows.stop - k0)
         key = ("corr", k0, n0)
-        s = st.w[l].find(key)
+        s = st.w[g].find(key)
         if s is None:
-            s = st.w[l].take(key)
-            st._load("wgt", l, s, l, None, st._weight_loads(l, s, p.corr_weight, p.corr_mode, k0, kc, n0, nb, None))
-        needs = [st.corr_loaded[l], st.loaded[("wgt", l, s)]]
+            s = st.w[g].take(key)
+            loads = st._weight_loads(g, s, p.corr_weight, p.corr_mode, k0, kc, n0, nb, None)
+            st._load("wgt", g, s, g, loads, [st.corr_loaded[g]])       # as ``weights`` does
+        needs = [st.corr_loaded[g], st.loaded[("wgt", g, s)]]
         if first:
-            needs += st.readers.pop(("acc", l, acc), [])
+            needs += st.readers.pop(("acc", g, acc), [])
         act = View("act", st.corr_at + k0 - rows.start, 0, 1)
-        wgt = View("wgt", s * st.addr["wgt"], nb * MODE_BITS[p.corr_mode] // 8, 1)
-        st.matmul(l, acc * st.addr["acc"], act, wgt, mb, kc, nb, p.corr_mode, first, None, needs)
+        wgt = View("wgt", s * st.addr["wgt"], nb * bits // 8, 1)
+        done = st.matmul(g, acc * st.addr["acc"], act, wgt, mb, kc, nb, p.corr_mode, first, None, needs)
         first = False
-        st.readers.setdefault(("wgt", l, s), []).append(st.sync.mark((l, "mat")))
+        st.read_by(("wgt", g, s), done)
     return first
 
 
-def _column_vectors(st: _Tiles, l: int, t: int, n0: int, nb: int) -> None:
-    """This tile's group scales and bias, once the drains two tiles back are done with the slot."""
+def _column_vectors(st: _Tiles, g: Group, t: int) -> None:
+    """This tile's group scales and bias, loaded before its weights: the passes wait for those,
+    so a drain that waits for the passes needs no condition of its own for these."""
     p = st.p
-    s = _next(st, "cv", l)
-    st.cv_slot[l] = s
-    if p.scales is None and p.bias is None:
+    n0, nb = st.tiles[g][t]
+    if p.exact:
         return
+    s = st.cv[g].find(n0)
+    if s is not None:
+        st.cv_slot[g] = s
+        return
+    s = st.cv_slot[g] = st.cv[g].take(n0)
     base = st.cv_at + s * st.cv_size
     loads = []
     if p.scales is not None:
-        loads.append(DmaLoad(l, frozenset({l}), View("vec", base, nb, 1), DramRef(p.scales, n0, p.n_pad), p.groups, nb))
+        loads.append(DmaLoad(g.base, frozenset({g.base}), View("vec", base, nb, 1), DramRef(p.scales, n0, p.n_pad),
+                             p.groups, nb, lstride=st.lstride(g)))
     if p.bias is not None:
-        loads.append(DmaLoad(l, frozenset({l}), View("vec", base + p.groups * nb, nb, 1),
-                             DramRef(p.bias, n0, p.n_pad), 1, nb))
-    st._load("cv", l, s, l, None, loads)
+        loads.append(DmaLoad(g.base, frozenset({g.base}), View("vec", base + p.groups * nb, nb, 1),
+                             DramRef(p.bias, n0, p.n_pad), 1, nb, lstride=st.lstride(g)))
+    st._load("cv", g, s, g, loads)
 
 
-def _drain(st: _Tiles, b: int, t: int, u: int, l: int, acc: int, g: int, mb: int, nb: int) -> None:
+def _drain(st: _Tiles, b: int, t: int, u: int, g: Group, acc: int, grp: int, mb: int, nb: int) -> None:
     p = st.p
-    q = (l, "vec")
     if u == 0:
-        st.res_slot[l] = _next(st, "res", l)
-    res = st.res_slot[l]
-    cv = st.cv_slot[l]
-    rscale, rs_needs = st.rscale_addr(l, b)
-    needs = [st.sync.mark((l, "mat"))] + rs_needs
+        st.res_slot[g] = _next(st, "res", g)
+    res = st.res_slot[g]
+    cv = st.cv_slot[g]
+    rscale, rs_needs = st.rscale_addr(g, b)
+    needs = [st.sync.mark(g, "mat")] + rs_needs
     if u == 0:
-        needs += st.readers.pop(("res", l, res), [])
-    if ("cv", l, cv) in st.loaded:
-        needs.append(st.loaded[("cv", l, cv)])
-    st.sync.need(q, needs)
+        needs += st.readers.pop(("res", g, res), [])
+    if ("cv", g, cv) in st.loaded:
+        needs.append(st.loaded[("cv", g, cv)])
     base = st.cv_at + cv * st.cv_size
-    cscale = None if p.scales is None else base + g * nb
+    cscale = None if p.scales is None else base + grp * nb
     bias = base + p.groups * nb if p.bias is not None and u == 0 else None
-    st.em.emit(Drain(legion=l, dst=View("vec", res * st.addr["res"], nb, 1), acc=View("acc", acc * st.addr["acc"], nb, 1),
-                     M=mb, N=nb, zp=None, rscale=rscale, cscale=cscale, bias=bias,
-                     accumulate="set" if u == 0 else "add"))
-    done = st.sync.mark(q)
-    st.readers.setdefault(("acc", l, acc), []).append(done)
-    st.readers.setdefault(("cv", l, cv), []).append(done)
+    done = st.emit(g, Drain(legion=g.base, dst=View("vec", res * st.addr["res"], nb, 1),
+                            acc=View("acc", acc * st.addr["acc"], nb, 1), M=mb, N=nb, zp=None, rscale=rscale,
+                            cscale=cscale, bias=bias, accumulate="set" if u == 0 else "add"), needs)
+    st.read_by(("acc", g, acc), done)
+    st.read_by(("cv", g, cv), done)
     if rscale is not None:
-        owner = None if st.plan.multicast else l
-        st.readers.setdefault(("rs", owner, st.rs[owner].find(b)), []).append(done)
+        owner = None if st.plan.multicast else g
+        st.read_by(("rs", owner, st.rs[owner].find(b)), done)
 
 
-def _end_tile(st: _Tiles, b: int, t: int, l: int, acc: int) -> None:
+def _end_tile(st: _Tiles, b: int, t: int, g: Group, acc: int) -> None:
     """Requantize on the vector unit, then store the tile (emitted later: see ``_flush``)."""
     p = st.p
     m0, mb = st.blocks[b]
-    n0, nb = st.tiles[l][t]
+    n0, nb = st.tiles[g][t]
     cols = min(nb, p.N - n0)
     if p.exact:
-        src, space_slot, wait = View("acc", acc * st.addr["acc"], nb, 1), ("acc", l, acc), (l, "mat")
+        src, space_slot, queue = View("acc", acc * st.addr["acc"], nb, 1), ("acc", g, acc), "mat"
     else:
-        res = st.res_slot[l]
-        src, space_slot, wait = View("vec", res * st.addr["res"], nb, 1), ("res", l, res), (l, "vec")
+        res = st.res_slot[g]
+        src, space_slot, queue = View("vec", res * st.addr["res"], nb, 1), ("res", g, res), "vec"
         if p.requant is not None:
             zp, lo, hi = p.requant
             for name, arg in (("vround", None), ("vadd", float(zp)), ("vmax", float(lo)), ("vmin", float(hi))):
                 args = (src, src) if arg is None else (src, src, arg)
-                st.em.emit(BY_MNEMONIC[name](l, *args, mb, nb))
-    ready = st.sync.mark(wait)
+                st.emit(g, BY_MNEMONIC[name](g.base, *args, mb, nb))
+    ready = st.sync.mark(g, queue)
     if cols > 0:
-        store = DmaStore(l, DramRef(p.out, m0 * p.N + n0, p.N), src, mb, cols)
-        st.deferred[l].append((store, ready, space_slot))
+        store = DmaStore(g.base, DramRef(p.out, m0 * p.N + n0, p.N), src, mb, cols, lstride=st.lstride(g))
+        st.deferred[g].append((store, ready, space_slot))
 
 
-def _flush(st: _Tiles, l: int) -> None:
-    """Emit the Legion's pending stores. They wait until the next tile's first loads are
+def _flush(st: _Tiles, g: Group) -> None:
+    """Emit the group's pending stores. They wait until the next tile's first loads are
     issued, so a store waiting for its drain never holds those loads back in the queue."""
-    q = (l, "dma")
-    for store, ready, space_slot in st.deferred[l]:
-        st.sync.need(q, [ready])
-        st.em.emit(store)
-        st.readers.setdefault(space_slot, []).append(st.sync.mark(q))
-    st.deferred[l] = []
-
-
-# --- what sparsity saved, for the run report ------------------------------------------------
-
-def sparsity_report(result) -> dict:
-    """Weight sparsity as a run used it (``result``: a ``runtime.emulator.RunResult``): the
-    ``mm`` instructions and those carrying a block mask, the weight blocks the masks mark zero,
-    the bytes loaded into ``wgt``, and the timing model's pass counts (passes skipped inside
-    masked windows and the cycles that saved). Chunks whose blocks are all zero are not in the
-    program at all: compare ``mm`` and ``wgt_bytes`` with a ``--no-sparsity`` build."""
-    program, counters = result.program, result.timeline.counters
-    mms = [i for i in program.instrs if isinstance(i, MatMul)]
-    masked = [i for i in mms if i.mask is not None]
-    zero_blocks = 0
-    for i in masked:
-        t = program.tensors[i.mask]
-        zero_blocks += int((np.frombuffer(program.const_bytes(t), np.uint8) == 0).sum())
-    wgt = sum(i.rows * i.cols for i in program.instrs if isinstance(i, DmaLoad) and i.dst.space == "wgt")
-    return {"mm": len(mms), "masked_mm": len(masked), "masked_zero_blocks": zero_blocks, "wgt_bytes": wgt,
-            "passes": int(counters["passes"]), "dense_passes": int(counters["dense_passes"]),
-            "windows_skipped": int(counters["windows_skipped"]),
-            "cycles_saved": int(counters["sparsity_cycles_saved"])}
+    for store, ready, space_slot in st.deferred[g]:
+        st.read_by(space_slot, st.emit(g, store, [ready]))
+    st.deferred[g] = []
