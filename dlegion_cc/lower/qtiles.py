@@ -256,7 +256,11 @@ class _Tiles:
             nz = None
             for w in written:
                 w.add(*span)
-        self._load("wgt", g, s, g, self._weight_loads(g, s, tensor, mode, c.k0, c.kc, n0, nb, nz), [act])
+        # Where the activations came by this very queue, the pass's wait for its weights covers
+        # them (a queue completes in order): waiting here would only serialize the two loads.
+        same_queue = {(l, q) for l, q, _ in act} == {(l, "dma") for l in g.legions}
+        self._load("wgt", g, s, g, self._weight_loads(g, s, tensor, mode, c.k0, c.kc, n0, nb, nz),
+                   [] if same_queue else [act])
         return s
 
     def _weight_loads(self, g, s, tensor, mode, k0, kc, n0, nb, nz) -> list:
