@@ -36,13 +36,21 @@ def _imm(r):
     return struct.unpack("<f", struct.pack("<f", r.uniform(-1e6, 1e6)))[0]
 
 
+def _after(r: random.Random) -> Cond:
+    """Absolute conditions and, as compiled programs write them, relative ones."""
+    if r.random() < 0.5:
+        return Cond(_u(r, 3), r.choice(QUEUES), _u(r, 20))
+    return Cond(None if r.random() < 0.5 else _u(r, 3), r.choice(QUEUES), None, _u(r, 2))
+
+
 # A random valid value of a field, by kind class name: (random, kind, number of tensors).
 VALUES = {
     "Legion": lambda r, k, n: _u(r, 3),
     "LegionSet": lambda r, k, n: frozenset(r.sample(range(64), r.randint(1, 8))),
     "Until": lambda r, k, n: Cond(_u(r, 3), r.choice(QUEUES), _u(r, 20)),
-    "After": lambda r, k, n: None if r.random() < 0.5 else Cond(_u(r, 3), r.choice(QUEUES), _u(r, 20)),
+    "After": lambda r, k, n: None if r.random() < 0.5 else _after(r),
     "UInt": lambda r, k, n: _u(r, k.bits),
+    "OptUInt": lambda r, k, n: None if r.random() < 0.7 else _u(r, k.value_bits),
     "Keyword": lambda r, k, n: r.choice(k.choices),
     "RowView": lambda r, k, n: _view(r, (k.space,), 1),
     "ViewKind": lambda r, k, n: _view(r, k.spaces),
