@@ -12,9 +12,9 @@ import difflib
 import functools
 import gc
 import json
-import operator
 import re
 import threading
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
@@ -22,8 +22,10 @@ import lark
 
 from isa import encoding, gen
 from isa.files import atomic_write_all
-from isa.fields import COND_PATTERN, DramRef, Keyword, LegionSet, View, f32, parse_cond
-from isa.instructions import BY_MNEMONIC, INSTRUCTIONS, Instr
+from isa.fields import (ADDR_BITS, QUEUES, SPACES, After, Cond, DramRef, Keyword, Legion, LegionSet, OptUInt, UInt,
+                        Until, View,
+                        ViewKind, f32, parse_cond)
+from isa.instructions import BY_MNEMONIC, INSTRUCTIONS, OPCODE_BITS, Instr, RowView
 from isa.program import Program, ProgramError, Tensor
 
 DIRECTIVES = (".arch", ".data", ".tensor", ".region")
@@ -40,6 +42,7 @@ class _Builder:
         self.text, self.source = text, source
         self.p = Program(arch="", source=source)
         self.index: dict[str, int] = {}
+        self.words: list[bytes] = []    # of the instructions, checked and packed as they are read
         self.offset = 0             # lines of ``text`` before the piece being parsed
 
     def error(self, tok, msg: str) -> ProgramError:
@@ -85,12 +88,18 @@ class _Builder:
         bad = encoding.field_errors(i)
         if bad:
             raise self.error(op, f"{i.MNEMONIC}: {'; '.join(bad)}")
+        self.add_checked(i, encoding.encode_instr(i), op.line + self.offset)
+
+    def add_checked(self, i: Instr, word: bytes, line: int) -> None:
+        """Add ``i``, whose fields are checked and whose word is ``word``."""
         self.p.instrs.append(i)
-        self.p.lines.append(op.line + self.offset)
+        self.p.lines.append(line)
+        self.words.append(word)
 
     def finish(self) -> Program:
         if not self.p.arch:
             raise ProgramError(f"{self.source}: missing .arch directive")
+        encoding.keep_words(self.p, b"".join(self.words))
         return self.p
 
 
@@ -251,23 +260,34 @@ def _lark_parse(text: str, b: _Builder, first_line: int = 1) -> None:
 # operand kinds, that accepts a subset of the grammar (canonical spacing, valid values). Any
 # other line (a directive after the header, other spacing, any error) goes to Lark, which alone
 # decides what is wrong and says where. Statements never span lines, so this is the same parse.
+#
+# The regex's groups are then read by a function generated once per class from its fields'
+# kinds (as ``dataclasses`` generates ``__init__``): straight-line code that builds each field's
+# value, checks and packs it with the encoder's own packer (``encoding.packer``, which accepts
+# only what the kind's ``check`` accepts), and packs the word. A call or a loop per field would
+# cost more than the work itself. The words are kept with the program (``encoding.keep_words``),
+# so saving it as a binary need not check and pack it again.
 
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*"
-_VIEW = r"(?:act|wgt|acc|vec)\[[0-9]+,[0-9]+,[0-9]+\]"
+_VIEW = "(?:" + "|".join(SPACES) + r")\[[0-9]+,[0-9]+,[0-9]+\]"
 _IMM = r"#[-+]?(?:inf|nan|(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)"
+_NEW = object.__new__
+
+
+def _view(space: str, addr: int, rs: int, cs: int) -> View:
+    """``View(space, addr, rs, cs)`` without the frozen dataclass's ``__init__``, which sets each
+    field through ``object.__setattr__`` and takes three times as long. A view has no state but
+    its fields, so the object is the same; views are most of what a program's text holds."""
+    v = _NEW(View)
+    d = v.__dict__
+    d["space"], d["addr"], d["rs"], d["cs"] = space, addr, rs, cs
+    return v
 
 
 def _view_text(s: str) -> View:
-    space, rest = s.split("[")
-    addr, rs, cs = rest[:-1].split(",")
-    return View(space, int(addr), int(rs), int(cs))
-
-
-def _row_view(space: str):
-    def convert(s: str) -> View:
-        addr, rs = s.split(",")
-        return View(space, int(addr), int(rs), 1)
-    return convert
+    space, _, rest = s.partition("[")
+    addr, rs, cs = map(int, rest[:-1].split(","))
+    return _view(space, addr, rs, cs)
 
 
 def _set_text(s: str) -> frozenset:
@@ -281,67 +301,174 @@ def _set_text(s: str) -> frozenset:
     return frozenset(out)
 
 
-def _opt_int(s: str | None) -> int | None:
-    return None if s is None else int(s)
-
-
 def _imm_or_view(s: str):
     return f32(float(s[1:])) if s[0] == "#" else _view_text(s)
 
 
 def _dram_text(index: dict, s: str) -> DramRef:
-    name, rest = s.split("[")
-    offset, rs = rest[:-1].split(",")
-    return DramRef(index[name], int(offset), int(rs))
+    name, _, rest = s.partition("[")
+    offset, rs = map(int, rest[:-1].split(","))
+    return DramRef(index[name], offset, rs)
 
 
-def _opt_tensor(index: dict, s: str | None) -> int | None:
-    return None if s is None else index[s]
+def _tensor_index(index: dict, name: str) -> int:
+    return index[name]
 
+
+_NAMES_TENSORS = {_dram_text, _tensor_index}      # converters that also take the tensor table
 
 # By kind class: the kind -> (regex of the field's value with one capturing group, converter of
-# the group's text). Converters of Dram and OptTensor also take the tensor table (name -> index).
+# the group's text). The group of an absent optional field, or of ``none``, is None: value None.
 FAST = {
-    "Legion": lambda k: (r"L([0-9]+)", int),
-    "Until": lambda k: (f"({COND_PATTERN})", _cond),
-    "UInt": lambda k: (r"([0-9]+)", int),
-    "OptUInt": lambda k: (r"([0-9]+)", _opt_int),
-    "Keyword": lambda k: ("(" + "|".join(map(re.escape, k.choices)) + ")", str),
     "LegionSet": lambda k: (r"\{([0-9,\-]*)\}", _set_text),
-    "RowView": lambda k: (re.escape(k.space) + r"\[([0-9]+,[0-9]+)\]", _row_view(k.space)),
-    "ViewKind": lambda k: (f"({_VIEW})", _view_text),
-    "OptAddr": lambda k: (r"(?:none|" + re.escape(k.space) + r"\[([0-9]+)\])", _opt_int),
+    "OptAddr": lambda k: (r"(?:none|" + re.escape(k.space) + r"\[([0-9]+)\])", int),
     "Dram": lambda k: (f"@({_NAME}" + r"\[[0-9]+,[0-9]+\])", _dram_text),
-    "OptTensor": lambda k: (f"(?:none|@({_NAME}))", _opt_tensor),
+    "OptTensor": lambda k: (f"(?:none|@({_NAME}))", _tensor_index),
     "ViewOrImm": lambda k: (f"({_VIEW}|{_IMM})", _imm_or_view),
 }
-NEEDS_TENSORS = {_dram_text, _opt_tensor}
 
 
-def _fast_line(cls: type):
-    """(class, regex of the line after the mnemonic, converters) for an instruction class."""
-    parts, converters = [], []
+# Code generation: each function below returns (regex of the field's value, the statements that
+# set ``v`` to its value and ``v_bits`` to its bits, or return None) for the texts ``g`` of the
+# value's groups; ``env`` receives the names the statements use. The hot kinds are written out
+# inline (a function call costs as much as the work); the others call their converter and the
+# encoder's packer.
+
+def _new(obj: str, cls: str, fields: dict) -> list[str]:
+    """Statements that make ``obj``, an instance of frozen dataclass ``cls``, without
+    ``__init__``, which sets each field through ``object.__setattr__`` and takes three times as
+    long. These classes have no state but their fields, so the object is the same."""
+    return [f"{obj} = _NEW({cls})", f"{obj}_d = {obj}.__dict__",
+            *(f"{obj}_d[{name!r}] = {value}" for name, value in fields.items())]
+
+
+def _int_code(kind, v: str, env: dict):
+    """Legion, UInt: the value is its own bits."""
+    pattern = r"L([0-9]+)" if isinstance(kind, Legion) else r"([0-9]+)"
+    return pattern, lambda g: [f"{v} = {v}_bits = int({g[0]})", f"if {v} >= {1 << kind.bits}: return None"]
+
+
+def _opt_int_code(kind, v: str, env: dict):
+    """OptUInt: a presence bit, then the value."""
+    return r"([0-9]+)", lambda g: [
+        f"if {g[0]} is None: {v} = None; {v}_bits = 0",
+        "else:", f"    {v} = int({g[0]})", f"    if {v} >= {1 << kind.value_bits}: return None",
+        f"    {v}_bits = 1 | {v} << 1"]
+
+
+def _keyword_code(kind, v: str, env: dict):
+    """Keyword: the regex admits only the kind's words; the text is the value."""
+    env[f"words_{v}"] = {c: n for n, c in enumerate(kind.choices)}
+    pattern = "(" + "|".join(map(re.escape, kind.choices)) + ")"
+    return pattern, lambda g: [f"{v} = {g[0]}", f"{v}_bits = words_{v}[{v}]"]
+
+
+def _view_code(kind, v: str, env: dict):
+    """A group per view leaf, so that no text is split twice; the space is one of the kind's."""
+    env["SPACE_CODE"] = {s: SPACES.index(s) for s in SPACES}
+    ends = (1 << ADDR_BITS, 1 << kind.rs_bits, 1 << kind.cs_bits)
+    rs_at, cs_at = 2 + ADDR_BITS, 2 + ADDR_BITS + kind.rs_bits      # as ViewKind.encode packs
+    pattern = "(" + "|".join(kind.spaces) + r")\[([0-9]+),([0-9]+),([0-9]+)\]"
+    return pattern, lambda g: [
+        f"{v}_a = int({g[1]}); {v}_r = int({g[2]}); {v}_c = int({g[3]})",
+        f"if {v}_a >= {ends[0]} or {v}_r >= {ends[1]} or {v}_c >= {ends[2]}: return None",
+        *_new(v, "View", {"space": g[0], "addr": f"{v}_a", "rs": f"{v}_r", "cs": f"{v}_c"}),
+        f"{v}_bits = SPACE_CODE[{g[0]}] | {v}_a << 2 | {v}_r << {rs_at} | {v}_c << {cs_at}"]
+
+
+def _row_view_code(kind, v: str, env: dict):
+    """RowView: one fixed space, cs = 1; packed as RowView.encode packs."""
+    ends = (1 << ADDR_BITS, 1 << kind.rs_bits)
+    pattern = re.escape(kind.space) + r"\[([0-9]+),([0-9]+)\]"
+    return pattern, lambda g: [
+        f"{v}_a = int({g[0]}); {v}_r = int({g[1]})",
+        f"if {v}_a >= {ends[0]} or {v}_r >= {ends[1]}: return None",
+        *_new(v, "View", {"space": repr(kind.space), "addr": f"{v}_a", "rs": f"{v}_r", "cs": "1"}),
+        f"{v}_bits = {v}_a | {v}_r << {ADDR_BITS}"]
+
+
+def _cond_code(kind, v: str, env: dict):
+    """Until, After: a group per condition leaf (Legion, queue, count, back); packed as
+    Until.encode packs (After: a presence bit first)."""
+    env["QUEUE_CODE"] = {q: n << 9 for n, q in enumerate(QUEUES)}
+    legions, counts = 1 << kind.legion_bits, 1 << kind.count_bits
+    pattern = r"(?:L([0-9]+)\.)?(dma|mat|vec)(?:>=([0-9]+)|~([0-9]+))?"
+    optional = isinstance(kind, After)
+
+    def code(g):
+        legion, queue, count, back = g
+        body = [
+            f"if {legion} is None: {v}_l = None; {v}_bits = 1",
+            "else:", f"    {v}_l = int({legion})", f"    if {v}_l >= {legions}: return None",
+            f"    {v}_bits = {v}_l << 1",
+            f"if {count} is not None:", f"    {v}_n = int({count}); {v}_b = 0; {v}_rel = 0",
+            "else:", f"    {v}_n = None; {v}_b = 0 if {back} is None else int({back}); {v}_rel = 1 << 11",
+            f"if ({v}_b if {v}_n is None else {v}_n) >= {counts}: return None",
+            *_new(v, "Cond", {"legion": f"{v}_l", "queue": queue, "count": f"{v}_n", "back": f"{v}_b"}),
+            f"{v}_bits |= QUEUE_CODE[{queue}] | {v}_rel | ({v}_b if {v}_n is None else {v}_n) << 12"]
+        if not optional:
+            return body
+        return [f"if {queue} is None: {v} = None; {v}_bits = 0", "else:",
+                *("    " + line for line in body), f"    {v}_bits = 1 | {v}_bits << 1"]
+    return pattern, code
+
+
+def _converted_code(kind, v: str, env: dict):
+    pattern, convert = encoding.kind_entry(FAST, kind)(kind)
+    env[f"convert_{v}"], env[f"pack_{v}"] = convert, encoding.packer(kind)
+    absent = env[f"pack_{v}"](None) if encoding.takes_none(kind) else None
+
+    def code(g):
+        args = ", ".join(["index"] * (convert in _NAMES_TENSORS) + g)
+        read = [f"{v} = convert_{v}({args})", f"{v}_bits = pack_{v}({v})", f"if {v}_bits is None: return None"]
+        if absent is None:
+            return read
+        return [f"if {g[0]} is None: {v} = None; {v}_bits = {absent}", "else:", *("    " + line for line in read)]
+    return pattern, code
+
+
+# By exact kind class (a subclass such as OptUInt or RowView encodes differently).
+_CODE = {Legion: _int_code, UInt: _int_code, OptUInt: _opt_int_code, Keyword: _keyword_code,
+         ViewKind: _view_code, RowView: _row_view_code, Until: _cond_code, After: _cond_code}
+
+
+@dataclass(frozen=True)
+class _Form:
+    """How the fast path reads one instruction class."""
+
+    cls: type
+    regex: re.Pattern           # the line after the mnemonic
+    read: object                # (line, where the mnemonic ends, tensor table) -> (instruction, word) or None
+    source: str                 # of ``read``
+
+
+def _form(cls: type) -> _Form:
+    env, parts, body, n = {"_NEW": _NEW, "View": View, "Cond": Cond, "cls": cls}, [], [], 0
+    word, shift = [str(cls.OPCODE)], OPCODE_BITS
     for f in cls.fields():
-        kind = gen.kind_of(f)
-        pattern, convert = encoding.kind_entry(FAST, kind)(kind)
+        kind, v = gen.kind_of(f), f"f_{f.name}"
+        pattern, code = _CODE.get(type(kind), _converted_code)(kind, v, env)
+        groups = re.compile(pattern).groups
+        body += code([f"g[{k}]" for k in range(n, n + groups)])
+        n += groups
         key = re.escape(f.name + "=") if kind.keyed else ""
-        part = f"[ \\t]+{key}{pattern}"
+        part = f" {key}{pattern}"        # canonical spacing; other spacing is left to Lark
         parts.append(f"(?:{part})?" if kind.optional else part)
-        converters.append(convert)
-    return cls, re.compile("".join(parts) + r"[ \t\r]*(?:;.*)?"), converters
+        word.append(f"{v}_bits << {shift}")
+        shift += kind.bits
+    regex = re.compile("".join(parts) + r"[ \t\r]*(?:;.*)?")
+    env["match"] = regex.fullmatch
+    source = "\n    ".join(["def read(line, start, index):", "m = match(line, start)", "if m is None: return None",
+                            "g = m.groups()", *body, *_new("i", "cls", {f.name: f"f_{f.name}" for f in cls.fields()}),
+                            f"return i, ({' | '.join(word)}).to_bytes({encoding.WORD_BYTES}, 'little')"]) + "\n"
+    exec(source, env)
+    return _Form(cls, regex, env["read"], source)
 
 
-FAST_LINES = {cls.MNEMONIC: _fast_line(cls) for cls in INSTRUCTIONS}
+FAST_LINES = {cls.MNEMONIC: _form(cls) for cls in INSTRUCTIONS}
 _FIRST_WORD = re.compile(r"[ \t\r]*([^\s;]*)")
 # The compiler writes a `.region` line per ONNX node; the grammar's STRING, canonical spacing.
 _REGION = re.compile(r'\.region[ \t]+("(?:\\.|[^"\\\n])*")[ \t\r]*(?:;.*)?')
-
-
-def _bind(index: dict) -> dict:
-    """FAST_LINES with the converters that name tensors bound to this program's tensor table."""
-    def bound(c):
-        return functools.partial(c, index) if c in NEEDS_TENSORS else c
-    return {m: (cls, regex, [bound(c) for c in cs]) for m, (cls, regex, cs) in FAST_LINES.items()}
 
 
 def _first_instr(lines: list[str]) -> int:
@@ -353,14 +480,20 @@ def _first_instr(lines: list[str]) -> int:
 
 def _instrs(b: _Builder, lines: list[str], first: int) -> None:
     """Add the statements of ``lines[first:]``: each by its regex, or else by Lark."""
-    table = _bind(b.index)
-    for n in range(first, len(lines)):
-        i = _fast_instr(table, lines[n])
-        if i is not None:
-            b.p.instrs.append(i)
-            b.p.lines.append(n + 1)
-        elif not _fast_region(b, lines[n]) and lines[n].strip() and not lines[n].lstrip().startswith(";"):
-            _lark_parse(lines[n], b, n + 1)
+    index, instrs, numbers, words = b.index, b.p.instrs, b.p.lines, b.words
+    for n, line in enumerate(lines[first:], first + 1):
+        head = line.partition(" ")[0]
+        form = FAST_LINES.get(head)
+        try:
+            read = form and form.read(line, len(head), index)     # (instruction, word) or None
+        except (ValueError, LookupError, OverflowError):     # Lark will say what is wrong
+            read = None
+        if read:
+            instrs.append(read[0])
+            numbers.append(n)
+            words.append(read[1])
+        elif not _fast_region(b, line) and line.strip() and not line.lstrip().startswith(";"):
+            _lark_parse(line, b, n)
 
 
 def _fast_region(b: _Builder, line: str) -> bool:
@@ -374,22 +507,6 @@ def _fast_region(b: _Builder, line: str) -> bool:
         return False
     b.p.regions.append((len(b.p.instrs), name))
     return True
-
-
-def _fast_instr(table: dict, line: str) -> Instr | None:
-    """The instruction on ``line`` if it is in the fast subset and valid, else None."""
-    head = line.partition(" ")[0]
-    if head not in table:
-        return None
-    cls, regex, converters = table[head]
-    fields = regex.fullmatch(line, len(head))
-    if fields is None:
-        return None
-    try:
-        values = list(map(operator.call, converters, fields.groups()))
-    except (ValueError, LookupError, OverflowError):     # Lark will say what is wrong
-        return None
-    return None if encoding.values_errors(cls, values) else cls(*values)
 
 
 # --- error messages --------------------------------------------------------------------------

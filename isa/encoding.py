@@ -10,13 +10,15 @@ reassembling a file reproduces it exactly.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import operator
 import re
 import struct
 from operator import attrgetter
 
-from isa.fields import ADDR_BITS, QUEUES, Cond, Dram, DramRef, OptTensor, View, ViewOrImm, bits_f32, f32
+from isa.fields import (ADDR_BITS, QUEUES, SPACES, After, Cond, Dram, DramRef, Legion, OptTensor, OptUInt, UInt,
+                        Until, View, ViewKind, ViewOrImm, bits_f32, f32, f32_bits)
 from isa.instructions import BY_OPCODE, INSTRUCTIONS, OPCODE_BITS, WORD_BITS, Instr
 from isa.program import DTYPES, KINDS, Program, ProgramError, Tensor
 
@@ -47,10 +49,10 @@ def kind_entry(table: dict, kind):
 
 
 # --- field checks ----------------------------------------------------------------------------
-# ``Instr.bad_fields`` asks each kind's ``check``, which is the definition. Checking every
-# instruction twice (when parsed, when encoded) that way dominates the assembler's time, so a
-# quick test per kind runs first: it may only say "valid" when ``check`` would; anything it
-# doubts goes to ``check`` for the verdict and the message.
+# ``Instr.bad_fields`` asks each kind's ``check``, which is the definition. Asking it for every
+# field of every instruction dominates the assembler's time, so the encoder checks as it packs
+# (``_word`` below), with quick tests that may only say "valid" when ``check`` would; anything
+# they doubt goes to ``check`` for the verdict and the message. No word is written unchecked.
 
 def _uint(bits: int):
     end = 1 << bits
@@ -59,7 +61,7 @@ def _uint(bits: int):
 
 def _view_ok(kind, rowview: bool = False):
     # Written out rather than composed from _uint: this runs for every view operand.
-    spaces, a, r, c = frozenset(kind.spaces), 1 << ADDR_BITS, 1 << kind.rs_bits, 1 << kind.cs_bits
+    spaces, a, r, c = kind.spaces, 1 << ADDR_BITS, 1 << kind.rs_bits, 1 << kind.cs_bits
     return lambda v: (type(v) is View and v.space in spaces
                       and type(v.addr) is int and 0 <= v.addr < a
                       and type(v.rs) is int and 0 <= v.rs < r
@@ -118,15 +120,6 @@ def quick_ok(kind):
     return make(kind) if make else lambda v: False    # an unknown kind: always ask its check
 
 
-def _getter(names: list[str]):
-    """All of an instruction's field values as a tuple."""
-    return attrgetter(*names) if len(names) > 1 else lambda i: tuple(getattr(i, n) for n in names)
-
-
-_QUICK = {cls: (_getter([name for name, _ in layout]), tuple(quick_ok(k) for _, k in layout))
-          for cls, layout in LAYOUT.items()}
-
-
 def _check(kind, v) -> str | None:
     try:
         return kind.check(v)
@@ -136,15 +129,9 @@ def _check(kind, v) -> str | None:
 
 def field_errors(i: Instr) -> list[str]:
     """Same answer as ``i.bad_fields()``, quicker on valid instructions."""
-    get, oks = _QUICK[type(i)]
-    return values_errors(type(i), get(i))
-
-
-def values_errors(cls: type, values) -> list[str]:
-    """``field_errors`` of ``cls(*values)``, without building the instruction."""
-    if all(map(operator.call, _QUICK[cls][1], values)):
+    if _word(i) is not None:
         return []
-    return [f"{name}: {why}" for (name, kind), v in zip(LAYOUT[cls], values) if (why := _check(kind, v))]
+    return [f"{name}: {why}" for name, kind in LAYOUT[type(i)] if (why := _check(kind, getattr(i, name)))]
 
 
 def instr_error(i: Instr) -> str | None:
@@ -238,8 +225,13 @@ def check_regions(p: Program) -> None:
 
 
 # --- instruction words -----------------------------------------------------------------------
+# Each field is packed by its kind's *packer*: one call that returns the bits of a value the
+# kind's quick check accepts, and None for anything it doubts. The hot kinds (integers, views,
+# immediates) check and pack inline; the others ask their quick check, then their encode.
 
 CANONICAL_NAN = bits_f32(0x7FC00000)
+_NAN_BITS = 1 | f32_bits(CANONICAL_NAN) << 1      # as a ViewOrImm field
+_F32, _U32 = struct.Struct("<f"), struct.Struct("<I")
 
 
 def _one_nan(v):
@@ -256,31 +248,140 @@ def _encoder(kind):
     return (lambda v: kind.encode(normalize(v))) if normalize else kind.encode
 
 
-# Per class: the field getter, and per field (encoder, width, quick check).
-_PACK = {cls: (_QUICK[cls][0], tuple((_encoder(k), k.bits, quick_ok(k)) for _, k in layout))
-         for cls, layout in LAYOUT.items()}
+def _uint_packer(kind):
+    """Legion, UInt: the value is its own bits."""
+    end = 1 << kind.bits
+    return lambda v: v if type(v) is int and 0 <= v < end else None
 
 
-def _pack(i: Instr, check: bool) -> bytes | None:
-    """The word of ``i``; None when ``check`` and a quick field check doubts a value."""
-    get, fields = _PACK[type(i)]
-    x, shift = i.OPCODE, OPCODE_BITS
-    for v, (encode, bits, ok) in zip(get(i), fields):
-        if check and not ok(v):
+def _opt_uint_packer(kind):
+    """OptUInt.encode: a presence bit, then the value."""
+    end = 1 << kind.value_bits
+    return lambda v: 0 if v is None else (1 | v << 1 if type(v) is int and 0 <= v < end else None)
+
+
+def _view_packer(kind):
+    """ViewKind.encode, with its check inline."""
+    codes = {s: SPACES.index(s) for s in kind.spaces}
+    a, r, c = 1 << ADDR_BITS, 1 << kind.rs_bits, 1 << kind.cs_bits
+    rs_at, cs_at = 2 + ADDR_BITS, 2 + ADDR_BITS + kind.rs_bits
+
+    def pack(v):
+        if type(v) is not View or type(v.space) is not str or v.space not in codes:
             return None
-        x |= encode(v) << shift
-        shift += bits
+        addr, rs, cs = v.addr, v.rs, v.cs
+        if not (type(addr) is int and type(rs) is int and type(cs) is int):
+            return None
+        ok = 0 <= addr < a and 0 <= rs < r and 0 <= cs < c
+        return codes[v.space] | addr << 2 | rs << rs_at | cs << cs_at if ok else None
+    return pack
+
+
+def _imm_packer(kind):
+    """ViewOrImm.encode, with its check inline: a presence bit for an immediate, then its bits
+    (every NaN the quiet one), or a view."""
+    view = _view_packer(kind.view)
+
+    def pack(v):
+        if type(v) is not float:
+            x = view(v)
+            return None if x is None else x << 1
+        try:
+            b = _F32.pack(v)
+        except OverflowError:
+            return None
+        if v != v:
+            return _NAN_BITS
+        return 1 | _U32.unpack(b)[0] << 1 if _F32.unpack(b)[0] == v else None
+    return pack
+
+
+def _cond_packer(kind):
+    """Until.encode (After.encode: a presence bit first), with its check inline."""
+    queues, legions, counts = {q: n for n, q in enumerate(QUEUES)}, 1 << kind.legion_bits, 1 << kind.count_bits
+    present = isinstance(kind, After)
+
+    def pack(v):
+        if v is None or type(v) is not Cond:
+            return 0 if v is None and present else None
+        legion, count, back = v.legion, v.count, v.back
+        if not (type(v.queue) is str and v.queue in queues and type(back) is int and 0 <= back < counts):
+            return None
+        if not (legion is None or type(legion) is int and 0 <= legion < legions):
+            return None
+        if count is not None and not (type(count) is int and 0 <= count < counts and back == 0):
+            return None
+        where = 1 if legion is None else legion << 1      # own Legion, or which one
+        x = where | queues[v.queue] << 9 | (1 << 11 | back << 12 if count is None else count << 12)
+        return 1 | x << 1 if present else x
+    return pack
+
+
+def _checked_packer(kind):
+    ok, encode = quick_ok(kind), _encoder(kind)
+    if not takes_none(kind):
+        return lambda v: encode(v) if ok(v) else None
+    absent = encode(None)       # optional fields are mostly absent: answer those at once
+    return lambda v: absent if v is None else (encode(v) if ok(v) else None)
+
+
+# By exact kind class (a subclass such as RowView or OptUInt encodes differently); else checked.
+_PACKERS = {Legion: _uint_packer, UInt: _uint_packer, OptUInt: _opt_uint_packer, ViewKind: _view_packer,
+            ViewOrImm: _imm_packer, Until: _cond_packer, After: _cond_packer}
+
+
+def packer(kind):
+    """The bits of a value of ``kind`` that its quick check accepts, else None."""
+    return _PACKERS.get(type(kind), _checked_packer)(kind)
+
+
+def takes_none(kind) -> bool:
+    """Whether None is a value of ``kind`` (an optional field, or one that may say none)."""
+    try:
+        return kind.check(None) is None
+    except (TypeError, ValueError):
+        return False
+
+
+def _getter(names: list[str]):
+    """All of an instruction's field values as a tuple."""
+    return attrgetter(*names) if len(names) > 1 else lambda i: tuple(getattr(i, n) for n in names)
+
+
+# Per class: the field getter, and per field its packer and bit offset.
+_FIELDS = {cls: (_getter([name for name, _ in layout]), tuple(packer(k) for _, k in layout),
+                 tuple(itertools.accumulate([OPCODE_BITS] + [k.bits for _, k in layout[:-1]])))
+           for cls, layout in LAYOUT.items()}
+
+
+def _word(i: Instr) -> bytes | None:
+    """The word of ``i``, or None when a quick check doubts a field (or ``i`` is no instruction)."""
+    fields = _FIELDS.get(type(i))
+    if fields is None:
+        return None
+    get, packers, shifts = fields
+    x = i.OPCODE
+    for v, pack, shift in zip(get(i), packers, shifts):
+        bits = pack(v)
+        if bits is None:
+            return None
+        x |= bits << shift
     return x.to_bytes(WORD_BYTES, "little")
 
 
 def encode_instr(i: Instr) -> bytes:
-    word = _pack(i, check=True) if type(i) in _PACK else None
+    """The word of ``i``; a ProgramError naming the fields its word cannot hold."""
+    word = _word(i)
     if word is not None:
         return word
-    why = instr_error(i)
+    why = instr_error(i)           # the kinds' own checks decide what the quick ones doubted
     if why:
         raise ProgramError(why)
-    return _pack(i, check=False)
+    x, shift = i.OPCODE, OPCODE_BITS
+    for name, kind in LAYOUT[type(i)]:
+        x |= _encoder(kind)(getattr(i, name)) << shift
+        shift += kind.bits
+    return x.to_bytes(WORD_BYTES, "little")
 
 
 def decode_instr(b: bytes) -> Instr:
@@ -294,7 +395,7 @@ def decode_instr(b: bytes) -> Instr:
     why = instr_error(i)
     if why:
         raise ProgramError(why)
-    if _pack(i, check=False) != bytes(b):
+    if encode_instr(i) != bytes(b):
         raise ProgramError(f"{cls.MNEMONIC}: non-canonical word (unused bits set, or a field "
                            "value with more than one encoding)")
     return i
@@ -309,6 +410,30 @@ def _unpack(cls: type, x: int) -> Instr:
             raise ProgramError(f"{cls.MNEMONIC}: field {name} has no valid value") from None
         x >>= kind.bits
     return cls(*values)
+
+
+# --- words kept from reading a program --------------------------------------------------------
+# The parser (isa/asm.py) checks and packs each instruction as it reads it, and decoding checks
+# every word, so both leave the words with the program, together with the instruction objects
+# they are the words of. Instructions are immutable: while the program holds exactly those
+# objects (and no fewer tensors, so every tensor index is still declared), the words still hold
+# and encode_program need not check and pack them again. Any change falls back to doing so.
+
+_KEPT = "_kept_words"
+
+
+def keep_words(p: Program, words: bytes) -> None:
+    """Remember ``words``, the checked words of ``p.instrs`` as they are now."""
+    setattr(p, _KEPT, (tuple(p.instrs), words, len(p.tensors)))
+
+
+def _kept_words(p: Program) -> bytes | None:
+    kept = getattr(p, _KEPT, None)
+    if kept is None:
+        return None
+    instrs, words, n_tensors = kept
+    same = len(instrs) == len(p.instrs) and all(map(operator.is_, instrs, p.instrs))
+    return words if same and len(p.tensors) >= n_tensors else None
 
 
 # --- whole programs --------------------------------------------------------------------------
@@ -327,22 +452,25 @@ def encode_program(p: Program) -> bytes:
     head = json.dumps(header(p), separators=(",", ":"), ensure_ascii=False).encode()
     out = bytearray(PREFIX.pack(MAGIC, VERSION, 0, len(head)) + head)
     out += bytes(-len(out) % WORD_BYTES)
+    kept = _kept_words(p)
+    if kept is not None:
+        return bytes(out + kept)
     n_tensors = len(p.tensors)
     for n, i in enumerate(p.instrs):
-        word = _pack(i, check=True) if type(i) in _PACK else None
-        if word is None or TENSOR_FIELDS[type(i)]:
-            word = _checked_word(p, n, n_tensors)
+        word = _word(i)
+        if word is None or TENSOR_FIELDS[type(i)] and ref_error(i, n_tensors):
+            word = _program_word(p, n, n_tensors)
         out += word
     return bytes(out)
 
 
-def _checked_word(p: Program, n: int, n_tensors: int) -> bytes:
+def _program_word(p: Program, n: int, n_tensors: int) -> bytes:
     """The word of instruction ``n`` after the full checks, or a ProgramError naming it."""
     i = p.instrs[n]
     why = instr_error(i) or ref_error(i, n_tensors)
     if why:
         raise ProgramError(f"{p.where(n)}: {why}")
-    return _pack(i, check=False)
+    return encode_instr(i)
 
 
 def decode_program(b: bytes, source: str = "<binary>") -> Program:
@@ -358,6 +486,7 @@ def decode_program(b: bytes, source: str = "<binary>") -> Program:
     why = region_error(p)          # region indices can only be checked against the words
     if why:
         raise ProgramError(f"{source}: corrupt header: {why}")
+    keep_words(p, bytes(body))
     return p
 
 
