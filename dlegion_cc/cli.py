@@ -77,7 +77,8 @@ def _write(program, graph, output: str, emit: str) -> None:
               help="Ablation: schedule as if the parallel accumulators were absent (passes split by output windows).")
 @click.option("--no-sparsity", is_flag=True,
               help="Ablation: dense schedule; all-zero weight blocks and causally masked attention blocks are not skipped.")
-@click.option("--no-fusion", is_flag=True, help="Ablation: no fusion of row-local ops into kernels.")
+@click.option("--no-fusion", is_flag=True,
+              help="Ablation: no fusion of matmuls sharing an input, nor of row-local ops into kernels.")
 def compile_command(model, output, arch, dims, inputs_path, emit, print_after, no_multicast, no_accumulators,
                     no_sparsity, no_fusion):
     """Compile MODEL (ONNX) into a D-Legion program for ``dlegion-run``."""

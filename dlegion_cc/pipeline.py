@@ -17,6 +17,7 @@ from dlegion_cc.passes.fuse import FuseRowwise
 from dlegion_cc.passes.dynamic_int8 import RecognizeDynamicInt8
 from dlegion_cc.passes.legalize import Legalize
 from dlegion_cc.passes.matmul_nbits import RecognizeMatMulNBits
+from dlegion_cc.passes.siblings import FuseSiblings
 from dlegion_cc.passes.qdq import RecognizeQDQMatMul
 
 # Graph passes in order; each has a ``name`` (for --print-ir-after) and ``run(graph, options)``.
@@ -25,6 +26,7 @@ PASSES = (
     RecognizeDynamicInt8(),     # MatMulInteger + Cast + Mul(scale) -> one w8 matmul
     RecognizeMatMulNBits(),     # blockwise 4-bit weights -> per-row int8 x w4, drained per block
     RecognizeQDQMatMul(),       # DQ(int activations) x DQ(int weights) MatMul -> one w8/w4 matmul
+    FuseSiblings(),             # matmuls sharing their input -> one, each Legion a slice of each
     CausalSkip(),               # attention blocks a constant causal mask wipes out are not computed
     FuseRowwise(),              # runs of row-local ops -> one kernel per row block
     Legalize(),                 # every remaining node has a lowering and supported dtypes
@@ -40,7 +42,7 @@ class Options:
     multicast: bool = True        # off: every Legion loads its own copy of the activations
     accumulators: bool = True     # off: schedule as if the parallel accumulators were absent
     sparsity: bool = True         # off: dense schedule, no block masks
-    fusion: bool = True           # off: no FuseRowwise (and no multi-matrix fusion)
+    fusion: bool = True           # off: no FuseSiblings (multi-matrix fusion) and no FuseRowwise
 
     def switches(self) -> Switches:
         return Switches(self.multicast, self.accumulators, self.sparsity)
@@ -61,7 +63,7 @@ def compile_model(model: str | Path, options: Options, data_file: str | None = N
     return graph, program
 
 
-FUSIONS = (FuseRowwise,)
+FUSIONS = (FuseSiblings, FuseRowwise)
 
 
 def passes(options: Options) -> tuple:

@@ -145,10 +145,11 @@ def test_every_quantized_matmul_of_bitnet_has_a_row_named_after_its_matmul():
     graph, result = _bitnet()
     rows = report.summarize(result)["matmuls"]
     matmuls = [n.name for n in onnx.load(BITNET).graph.node if n.op_type == "MatMul"]
-    # 7 BitLinear layers (q, k, v, o, gate, up, down) per decoder layer, 2 layers
-    assert len(rows) == 14
-    assert [r["nodes"] for r in rows] == [[n.name] for n in graph.nodes if n.op == "QMatMul"]
-    assert all(r["nodes"][0] in matmuls and "_proj/MatMul" in r["nodes"][0] for r in rows)
+    # 7 BitLinear layers (q, k, v, o, gate, up, down) per decoder layer, 2 layers; Q/K/V and
+    # gate/up each run as one fused matmul, whose row names all of its MatMuls
+    assert len(rows) == 8 and sum(len(r["nodes"]) for r in rows) == 14
+    assert [r["nodes"] for r in rows] == [n.name.split("+") for n in graph.nodes if n.op == "QMatMul"]
+    assert all(name in matmuls and "_proj/MatMul" in name for r in rows for name in r["nodes"])
     assert {r["mode"] for r in rows} == {"w2"}
     assert sum(r["macs"] for r in rows) == result.timeline.counters["macs"]
 
@@ -159,11 +160,11 @@ def test_bitnet_matmuls_take_at_least_their_roofline():
     qmm = {n.name: n for n in graph.nodes if n.op == "QMatMul"}
     ranges = {name: members for (_, name), members in zip(p.regions, report.region_ranges(p))}
     for r in report.summarize(result)["matmuls"]:
-        k, n = qmm[r["nodes"][0]].attrs["weight"].shape
+        k, n = qmm[r["region"]].attrs["weight"].shape
         mms = [p.instrs[j] for j in ranges[r["region"]] if p.instrs[j].MNEMONIC == "mm"]
         # dense weights: every streamed row (sequence 6, padded to whole blocks) meets all K x N
         assert r["macs"] == sum(i.M * i.K * i.N for i in mms) >= 6 * k * n
-        assert sum(i.N for i in mms if i.accumulate == "set") == n
+        assert sum(i.N for i in mms if i.accumulate == "set") >= n      # fused: laid out per Legion
         assert 0 < r["roofline_cycles"] <= r["cycles"] and r["roofline_fraction"] <= 1
 
 

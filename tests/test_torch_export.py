@@ -79,7 +79,8 @@ def test_dlegion_compiles_the_torch_export_and_matches(pair):
     config, exported, _ = pair
     machine = arch.load("dlegion-tiny")
     graph, program = compile_model(exported, Options(machine, {"sequence": config.seq} if config.dynamic else {}))
-    assert sum(n.op == "QMatMul" for n in graph.nodes) == 7 * config.layers   # every BitLinear on the arrays
+    covered = sum(len(n.outputs) for n in graph.nodes if n.op == "QMatMul")
+    assert covered == 7 * config.layers                                  # every BitLinear on the arrays
     inputs = random_inputs(program, 0)
     [row] = compare(run(program, machine, inputs).outputs, onnx_reference(exported, inputs))
     assert row.ok, f"relative L2 {row.rel_l2:.2e}"

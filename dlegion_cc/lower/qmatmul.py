@@ -32,7 +32,7 @@ from dlegion_cc.lower.context import Lowering, lowers
 from dlegion_cc.lower.emitter import Emitter
 from dlegion_cc.lower.layout import Operand, whole
 from dlegion_cc.lower.rowwise import Arg, rowwise
-from dlegion_cc.lower.qtiles import Problem, RowScale, emit_tiles, plan_tiles
+from dlegion_cc.lower.qtiles import Problem, RowScale, Segment, emit_tiles, plan_tiles
 
 WEIGHT_DTYPE = {"w2": "w2", "w4": "w4", "w8": "i8"}
 
@@ -115,15 +115,23 @@ def qmatmul(low: Lowering, node) -> None:
                        a.get("row_divisor", False), a.get("rscale_factor"))
     weights = Weights(np.asarray(a["weight"]), scales, a.get("block", 0), a.get("bias"))
     requant = None if a.get("requant") is None else tuple(a["requant"])
-    lower_qmatmul(low, node.name, acts, weights, Output(node.outputs[0], requant))
+    outs = [Output(o, requant) for o in node.outputs]
+    lower_qmatmul(low, node.name, acts, weights, outs[0] if len(outs) == 1 else outs, a.get("segments"))
 
 
-def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: Output) -> None:
+def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: Output | list[Output],
+                  segments: list[int] | None = None) -> None:
     """Emit ``out = scale((acts - zp) . w)`` (see the module docstring).
 
     Batched weights [batches, K, N] multiply consecutive equal slices of the activation rows.
+    A fused matmul (``passes/siblings.py``) has several outputs, output i the next
+    ``segments[i]`` columns of ``w``.
     """
     em, arch = low.em, low.em.arch
+    outs = out if isinstance(out, list) else [out]
+    lay = legion_major(segments, arch.legions, arch.array) if segments else None
+    if lay is not None:
+        w = lay.weights(w)
     values = w.values if w.values.ndim == 3 else w.values[None]
     batches, K, N = values.shape
     shape = low.shape(acts.name)
@@ -145,17 +153,68 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
         np.broadcast_to(np.asarray(w.scales, np.float32).reshape(-1, N), (groups, N)), n_pad), "f32")
     bias = None if w.bias is None else em.const(f"{name}_bias", _pad_cols(
         np.asarray(w.bias, np.float32).reshape(1, N), n_pad)[0], "f32")
-    dst = low.result(out.name)
+    dsts = [low.result(o.name) for o in outs]
+    dst, out = dsts[0], outs[0]
     exact = (low.dtype(out.name) == np.int32 and em.tensors[dst.tensor].dtype == "i32"
              and rscale is None and scales is None and bias is None and out.requant is None)
+    segs = () if lay is None else lay.segments(low, outs, dsts, segments)
     per = M // batches
     for b, v in enumerate(values):
         pieces = [_pad_cols(piece, n_pad) for piece in weight_pieces(v)]
         weights = tuple(_weight_const(em, f"{name}_w{b or ''}{i or ''}", piece) for i, piece in enumerate(pieces))
         nonzero = block_maps(pieces, arch.array) if low.switches.sparsity else ()
         p = Problem(a8, rscale, weights, scales, groups, block, bias, *corrs[b], out.requant, exact,
-                    dst.tensor, range(b * per, (b + 1) * per), K, N, n_pad, nonzero)
+                    dst.tensor, range(b * per, (b + 1) * per), K, N, n_pad, nonzero, segs)
         emit_tiles(em, p, plan_tiles(arch, p, low.switches), low.written)
+
+
+# --- fused matmuls ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LegionMajor:
+    """How a fused weight's columns are laid out: every Legion's slice holds ``widths[i]``
+    columns of segment i (``ceil(N_i / legions)``) from ``offsets[i]`` on, so every Legion does
+    the same work and each segment's columns are stored with a span."""
+
+    columns: np.ndarray      # int [legions * per_legion]: the source column, -1 for padding
+    widths: tuple
+    offsets: tuple
+    per_legion: int
+
+    def weights(self, w: Weights) -> Weights:
+        """``w`` (its scales and bias too) laid out."""
+        scales = None if w.scales is None else self.take(np.asarray(w.scales, np.float32).reshape(
+            -1, np.shape(w.values)[-1]))
+        bias = None if w.bias is None else self.take(np.asarray(w.bias, np.float32).reshape(-1))
+        return Weights(self.take(np.asarray(w.values)), scales, w.block, bias)
+
+    def segments(self, low: Lowering, outs: list[Output], dsts: list, sizes: list[int]) -> tuple:
+        for o, dst, n in zip(outs, dsts, sizes):
+            if low.shape(o.name)[-1] != n:
+                raise ValueError(f"output '{o.name}' of shape {list(low.shape(o.name))} is not {n} columns wide")
+        return tuple(Segment(d.tensor, n, width, offset)
+                     for d, n, width, offset in zip(dsts, sizes, self.widths, self.offsets))
+
+    def take(self, a: np.ndarray) -> np.ndarray:
+        """``a``'s last axis in this layout, zero at padding."""
+        out = np.zeros(a.shape[:-1] + self.columns.shape, a.dtype)
+        ok = self.columns >= 0
+        out[..., ok] = a[..., self.columns[ok]]
+        return out
+
+
+def legion_major(segments: list[int], legions: int, na: int) -> LegionMajor:
+    widths = [-(-n // legions) for n in segments]
+    offsets = np.cumsum([0] + widths[:-1]).tolist()
+    per_legion = -(-sum(widths) // na) * na
+    starts = np.cumsum([0] + list(segments[:-1]))
+    columns = np.full(legions * per_legion, -1, np.int64)
+    for legion in range(legions):
+        for n, width, offset, start in zip(segments, widths, offsets, starts):
+            src = legion * width + np.arange(width)
+            ok = src < n
+            columns[legion * per_legion + offset + np.flatnonzero(ok)] = start + src[ok]
+    return LegionMajor(columns, tuple(widths), tuple(offsets), per_legion)
 
 
 def block_maps(pieces: list[np.ndarray], na: int) -> tuple:

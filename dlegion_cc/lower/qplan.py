@@ -55,6 +55,20 @@ class Problem:
     N: int
     n_pad: int
     nonzero: tuple = ()      # per weight piece: bool [ceil(K/array), n_pad/array] nonzero blocks
+    segments: tuple = ()     # of a fused matmul (``Segment``): where its columns are stored
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Columns ``offset`` .. ``offset + width - 1`` of every Legion's slice are that Legion's
+    ``width`` columns of output ``tensor`` [rows, N]: Legion l holds its columns l * width on.
+    A fused matmul's weight is laid out so (``qmatmul.legion_major``); any other matmul has
+    one segment, its output, with every Legion's slice ``per_legion`` columns of it."""
+
+    tensor: int
+    N: int
+    width: int
+    offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -100,6 +114,32 @@ def legion_tiles(p: Problem, plan: Plan, legion: int) -> list[tuple[int, int]]:
     return [(n0, min(plan.cols, stop - n0)) for n0 in range(start, stop, plan.cols)]
 
 
+def weights_wait(plan: Plan) -> bool:
+    """Whether a weight chunk's load waits for the chunk's activations. Activations cut in K
+    chunks are loaded again with every chunk, and every Legion's passes wait for them: weight
+    loads behind them never compete with them for DRAM, and a pass that waits for its weights
+    needs no second condition. Activations held whole are loaded once, before everything:
+    then the weights start streaming at once (each pass waits for both)."""
+    return not plan.whole_rows
+
+
+def segments(p: Problem, plan: Plan) -> tuple:
+    return p.segments or (Segment(p.out, p.N, plan.per_legion),)
+
+
+def stores(p: Problem, plan: Plan, legion: int, n0: int, nb: int) -> list[tuple[Segment, int, int, int]]:
+    """Where ``legion``'s output tile of columns ``n0`` .. ``n0 + nb - 1`` goes: per segment it
+    meets, (segment, first column within the tile, first output column, columns)."""
+    local, out = n0 - legion * plan.per_legion, []
+    for s in segments(p, plan):
+        lo, hi = max(local, s.offset), min(local + nb, s.offset + s.width)
+        col = legion * s.width + lo - s.offset
+        cols = min(hi - lo, s.N - col)
+        if cols > 0:
+            out.append((s, lo - local, col, cols))
+    return out
+
+
 @dataclass(frozen=True)
 class Group:
     """Legions ``base`` .. ``base + count - 1``, whose work is the same up to a DRAM offset of
@@ -128,8 +168,9 @@ def groups(arch: Arch, p: Problem, plan: Plan) -> list[Group]:
 
 def _same_work(arch: Arch, p: Problem, plan: Plan, a: int, b: int) -> bool:
     ta, tb = legion_tiles(p, plan, a), legion_tiles(p, plan, b)
-    stored = lambda tiles: [(nb, min(nb, p.N - n0)) for n0, nb in tiles]
-    if stored(ta) != stored(tb):
+    def stored(legion, tiles):
+        return [(nb, [(s, j, cols) for s, j, _, cols in stores(p, plan, legion, n0, nb)]) for n0, nb in tiles]
+    if stored(a, ta) != stored(b, tb):
         return False
     if not plan.sparse:
         return True
@@ -501,8 +542,9 @@ def _model_chunk(m: _Model, st: _State, b: int, t: int, c: Chunk, here: list, ti
             s = st.w[l].find(key_w)
             if s is None:
                 s = st.w[l].take(key_w)
-                # The load waits for the chunk's activations (see qtiles' ``weights``).
-                free = max(st.free.get(("w", l, s), 0.0), st.ready[("a", *a_slot[l])])
+                free = st.free.get(("w", l, s), 0.0)
+                if weights_wait(plan):
+                    free = max(free, st.ready[("a", *a_slot[l])])
                 flows.append((l, _loaded_bytes(m.arch, c.kc, nb, mode, nz), free))
                 where.append(("w", l, s))
             work.append((l, s, _mm_cycles(m.arch, plan, mb, c.kc, nb, mode, nz)))
@@ -566,7 +608,8 @@ def _model_tile_end(m: _Model, st: _State, l: int, mb: int, tile: tuple, acc: in
         m.vec[l] += 4 * -(-mb * nb // m.arch.vector_lanes)
     ready = m.mat[l] if p.exact else m.vec[l]
     slot = acc if p.exact else st.next("res", l)
-    st.stores[l].append((ready, mb * max(0, min(nb, p.N - n0)) * 4, slot))
+    cols = sum(piece[3] for piece in stores(p, m.plan, l, n0, nb))
+    st.stores[l].append((ready, mb * cols * 4, slot))
 
 
 def _model_stores(m: _Model, st: _State, l: int) -> None:

@@ -30,11 +30,12 @@ from isa.arch import MODE_BITS
 from isa.fields import DramRef, View
 from isa.instructions import BY_MNEMONIC, DmaLoad, DmaStore, Drain, MatMul
 from dlegion_cc.lower.emitter import Emitter
-from dlegion_cc.lower.qplan import (CV_SLOTS, RS_SLOTS, Chunk, Group, Plan, Problem, RowScale, Slots,
+from dlegion_cc.lower.qplan import (CV_SLOTS, RS_SLOTS, Chunk, Group, Plan, Problem, RowScale, Segment, Slots,
                                     Switches, act_key, act_slot_elems, choose, chunk_blocks, groups, in_order,
-                                    legion_tiles, owners, row_blocks, tile_order, units, wgt_slot_bytes)
+                                    legion_tiles, owners, row_blocks, stores, tile_order, units, weights_wait,
+                                    wgt_slot_bytes)
 
-__all__ = ["Plan", "Problem", "RowScale", "emit_tiles", "plan_tiles"]
+__all__ = ["Plan", "Problem", "RowScale", "Segment", "emit_tiles", "plan_tiles"]
 
 Mark = tuple[tuple[int, str, int], ...]   # per Legion an instruction ran on: (Legion, queue, count there)
 
@@ -238,10 +239,10 @@ class _Tiles:
     def weights(self, g: Group, piece: int, c: Chunk, n0: int, nb: int, nz, act: Mark) -> int:
         """wgt address of a weight chunk of ``g``, loading its nonzero rows of blocks.
 
-        The load waits for the chunk's activations (``act``, their load's mark): then a pass
-        that waits for its weights needs no second condition for its activations, and the
-        load needs none for its slot's readers when the activation load waited for later
-        ones (the usual case: weight slots outnumber activation slots)."""
+        The load may wait for the chunk's activations (``act``, their load's mark; see
+        ``qplan.weights_wait``): then a pass that waits for its weights needs no second
+        condition for its activations, and the load needs none for its slot's readers when the
+        activation load waited for later ones (weight slots outnumber activation slots)."""
         key = (piece, c.k0, n0)
         s = self.w[g].find(key)
         if s is not None:
@@ -260,7 +261,7 @@ class _Tiles:
         # them (a queue completes in order): waiting here would only serialize the two loads.
         same_queue = {(l, q) for l, q, _ in act} == {(l, "dma") for l in g.legions}
         self._load("wgt", g, s, g, self._weight_loads(g, s, tensor, mode, c.k0, c.kc, n0, nb, nz),
-                   [] if same_queue else [act])
+                   [act] if weights_wait(self.plan) and not same_queue else [])
         return s
 
     def _weight_loads(self, g, s, tensor, mode, k0, kc, n0, nb, nz) -> list:
@@ -570,7 +571,6 @@ def _end_tile(st: _Tiles, b: int, t: int, g: Group, acc: int) -> None:
     p = st.p
     m0, mb = st.blocks[b]
     n0, nb = st.tiles[g][t]
-    cols = min(nb, p.N - n0)
     if p.exact:
         src, space_slot, queue = View("acc", acc * st.addr["acc"], nb, 1), ("acc", g, acc), "mat"
     else:
@@ -582,8 +582,10 @@ def _end_tile(st: _Tiles, b: int, t: int, g: Group, acc: int) -> None:
                 args = (src, src) if arg is None else (src, src, arg)
                 st.emit(g, BY_MNEMONIC[name](g.base, *args, mb, nb))
     ready = st.sync.mark(g, queue)
-    if cols > 0:
-        store = DmaStore(g.base, DramRef(p.out, m0 * p.N + n0, p.N), src, mb, cols, lstride=st.lstride(g))
+    for seg, j, col, cols in stores(p, st.plan, g.base, n0, nb):
+        piece = View(src.space, src.addr + j, src.rs, 1)
+        store = DmaStore(g.base, DramRef(seg.tensor, m0 * seg.N + col, seg.N), piece, mb, cols,
+                         lstride=seg.width if g.count > 1 else None)
         st.deferred[g].append((store, ready, space_slot))
 
 
