@@ -13,6 +13,7 @@ import functools
 import gc
 import json
 import re
+import struct
 import threading
 from dataclasses import dataclass
 from importlib import resources
@@ -22,9 +23,8 @@ import lark
 
 from isa import encoding, gen
 from isa.files import atomic_write_all
-from isa.fields import (ADDR_BITS, QUEUES, SPACES, After, Cond, DramRef, Keyword, Legion, LegionSet, OptUInt, UInt,
-                        Until, View,
-                        ViewKind, f32, parse_cond)
+from isa.fields import (ADDR_BITS, QUEUES, SPACES, After, Cond, Dram, DramRef, Keyword, Legion, LegionSet, OptAddr,
+                        OptTensor, OptUInt, UInt, Until, View, ViewKind, ViewOrImm, f32, f32_bits, parse_cond)
 from isa.instructions import BY_MNEMONIC, INSTRUCTIONS, OPCODE_BITS, Instr, RowView
 from isa.program import Program, ProgramError, Tensor
 
@@ -263,31 +263,14 @@ def _lark_parse(text: str, b: _Builder, first_line: int = 1) -> None:
 #
 # The regex's groups are then read by a function generated once per class from its fields'
 # kinds (as ``dataclasses`` generates ``__init__``): straight-line code that builds each field's
-# value, checks and packs it with the encoder's own packer (``encoding.packer``, which accepts
-# only what the kind's ``check`` accepts), and packs the word. A call or a loop per field would
-# cost more than the work itself. The words are kept with the program (``encoding.keep_words``),
-# so saving it as a binary need not check and pack it again.
+# value, checks its range and packs its bits as the kind's ``encode`` does, then packs the word.
+# A call or a loop per field would cost more than the work itself. The words are kept with the
+# program (``encoding.keep_words``), so saving it as a binary need not check and pack it again;
+# tests hold them to the encoder's.
 
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*"
-_VIEW = "(?:" + "|".join(SPACES) + r")\[[0-9]+,[0-9]+,[0-9]+\]"
 _IMM = r"#[-+]?(?:inf|nan|(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?)"
 _NEW = object.__new__
-
-
-def _view(space: str, addr: int, rs: int, cs: int) -> View:
-    """``View(space, addr, rs, cs)`` without the frozen dataclass's ``__init__``, which sets each
-    field through ``object.__setattr__`` and takes three times as long. A view has no state but
-    its fields, so the object is the same; views are most of what a program's text holds."""
-    v = _NEW(View)
-    d = v.__dict__
-    d["space"], d["addr"], d["rs"], d["cs"] = space, addr, rs, cs
-    return v
-
-
-def _view_text(s: str) -> View:
-    space, _, rest = s.partition("[")
-    addr, rs, cs = map(int, rest[:-1].split(","))
-    return _view(space, addr, rs, cs)
 
 
 def _set_text(s: str) -> frozenset:
@@ -301,30 +284,10 @@ def _set_text(s: str) -> frozenset:
     return frozenset(out)
 
 
-def _imm_or_view(s: str):
-    return f32(float(s[1:])) if s[0] == "#" else _view_text(s)
-
-
-def _dram_text(index: dict, s: str) -> DramRef:
-    name, _, rest = s.partition("[")
-    offset, rs = map(int, rest[:-1].split(","))
-    return DramRef(index[name], offset, rs)
-
-
-def _tensor_index(index: dict, name: str) -> int:
-    return index[name]
-
-
-_NAMES_TENSORS = {_dram_text, _tensor_index}      # converters that also take the tensor table
-
 # By kind class: the kind -> (regex of the field's value with one capturing group, converter of
 # the group's text). The group of an absent optional field, or of ``none``, is None: value None.
 FAST = {
     "LegionSet": lambda k: (r"\{([0-9,\-]*)\}", _set_text),
-    "OptAddr": lambda k: (r"(?:none|" + re.escape(k.space) + r"\[([0-9]+)\])", int),
-    "Dram": lambda k: (f"@({_NAME}" + r"\[[0-9]+,[0-9]+\])", _dram_text),
-    "OptTensor": lambda k: (f"(?:none|@({_NAME}))", _tensor_index),
-    "ViewOrImm": lambda k: (f"({_VIEW}|{_IMM})", _imm_or_view),
 }
 
 
@@ -356,6 +319,36 @@ def _opt_int_code(kind, v: str, env: dict):
         f"    {v}_bits = 1 | {v} << 1"]
 
 
+def _opt_addr_code(kind, v: str, env: dict):
+    """OptAddr: ``none`` or an address in the kind's space; a presence bit, then the address."""
+    pattern = r"(?:none|" + re.escape(kind.space) + r"\[([0-9]+)\])"
+    return pattern, lambda g: [
+        f"if {g[0]} is None: {v} = None; {v}_bits = 0",
+        "else:", f"    {v} = int({g[0]})", f"    if {v} >= {1 << ADDR_BITS}: return None",
+        f"    {v}_bits = 1 | {v} << 1"]
+
+
+def _dram_code(kind, v: str, env: dict):
+    """Dram: a declared tensor (an unknown name raises KeyError: Lark says why), offset, row
+    stride; packed as Dram.encode packs."""
+    at_offset, at_rs = kind.tensor_bits, kind.tensor_bits + kind.offset_bits
+    pattern = f"@({_NAME})" + r"\[([0-9]+),([0-9]+)\]"
+    return pattern, lambda g: [
+        f"{v}_t = index[{g[0]}]; {v}_o = int({g[1]}); {v}_r = int({g[2]})",
+        f"if {v}_t >= {1 << kind.tensor_bits} or {v}_o >= {1 << kind.offset_bits} or {v}_r >= {1 << kind.rs_bits}:"
+        " return None",
+        *_new(v, "DramRef", {"tensor": f"{v}_t", "offset": f"{v}_o", "rs": f"{v}_r"}),
+        f"{v}_bits = {v}_t | {v}_o << {at_offset} | {v}_r << {at_rs}"]
+
+
+def _opt_tensor_code(kind, v: str, env: dict):
+    """OptTensor: ``none`` or a declared tensor; a presence bit, then its index."""
+    return f"(?:none|@({_NAME}))", lambda g: [
+        f"if {g[0]} is None: {v} = None; {v}_bits = 0",
+        "else:", f"    {v} = index[{g[0]}]", f"    if {v} >= {1 << Dram.tensor_bits}: return None",
+        f"    {v}_bits = 1 | {v} << 1"]
+
+
 def _keyword_code(kind, v: str, env: dict):
     """Keyword: the regex admits only the kind's words; the text is the value."""
     env[f"words_{v}"] = {c: n for n, c in enumerate(kind.choices)}
@@ -366,14 +359,32 @@ def _keyword_code(kind, v: str, env: dict):
 def _view_code(kind, v: str, env: dict):
     """A group per view leaf, so that no text is split twice; the space is one of the kind's."""
     env["SPACE_CODE"] = {s: SPACES.index(s) for s in SPACES}
+    pattern = "(" + "|".join(kind.spaces) + r")\[([0-9]+),([0-9]+),([0-9]+)\]"
+    return pattern, lambda g: _view_body(kind, v, g)
+
+
+def _view_body(kind, v: str, g: list[str]) -> list[str]:
     ends = (1 << ADDR_BITS, 1 << kind.rs_bits, 1 << kind.cs_bits)
     rs_at, cs_at = 2 + ADDR_BITS, 2 + ADDR_BITS + kind.rs_bits      # as ViewKind.encode packs
-    pattern = "(" + "|".join(kind.spaces) + r")\[([0-9]+),([0-9]+),([0-9]+)\]"
-    return pattern, lambda g: [
-        f"{v}_a = int({g[1]}); {v}_r = int({g[2]}); {v}_c = int({g[3]})",
-        f"if {v}_a >= {ends[0]} or {v}_r >= {ends[1]} or {v}_c >= {ends[2]}: return None",
-        *_new(v, "View", {"space": g[0], "addr": f"{v}_a", "rs": f"{v}_r", "cs": f"{v}_c"}),
-        f"{v}_bits = SPACE_CODE[{g[0]}] | {v}_a << 2 | {v}_r << {rs_at} | {v}_c << {cs_at}"]
+    return [f"{v}_a = int({g[1]}); {v}_r = int({g[2]}); {v}_c = int({g[3]})",
+            f"if {v}_a >= {ends[0]} or {v}_r >= {ends[1]} or {v}_c >= {ends[2]}: return None",
+            *_new(v, "View", {"space": g[0], "addr": f"{v}_a", "rs": f"{v}_r", "cs": f"{v}_c"}),
+            f"{v}_bits = SPACE_CODE[{g[0]}] | {v}_a << 2 | {v}_r << {rs_at} | {v}_c << {cs_at}"]
+
+
+def _view_or_imm_code(kind, v: str, env: dict):
+    """ViewOrImm: a view's groups, or an immediate's; packed as ViewOrImm.encode packs (every
+    NaN the quiet one). A value past the fp32 range raises OverflowError: Lark says why."""
+    view, _ = _view_code(kind.view, v, env)
+    env["F32"], env["NAN_BITS"] = struct.Struct("<f"), 1 | f32_bits(encoding.CANONICAL_NAN) << 1
+    pattern = f"(?:{view}|#({_IMM[1:]}))"
+
+    def code(g):
+        return [f"if {g[4]} is None:", *("    " + line for line in _view_body(kind.view, v, g[:4])),
+                f"    {v}_bits <<= 1", "else:",
+                f"    {v}_f = F32.pack(float({g[4]}))", f"    {v} = F32.unpack({v}_f)[0]",
+                f"    {v}_bits = NAN_BITS if {v} != {v} else 1 | int.from_bytes({v}_f, 'little') << 1"]
+    return pattern, code
 
 
 def _row_view_code(kind, v: str, env: dict):
@@ -419,8 +430,7 @@ def _converted_code(kind, v: str, env: dict):
     absent = env[f"pack_{v}"](None) if encoding.takes_none(kind) else None
 
     def code(g):
-        args = ", ".join(["index"] * (convert in _NAMES_TENSORS) + g)
-        read = [f"{v} = convert_{v}({args})", f"{v}_bits = pack_{v}({v})", f"if {v}_bits is None: return None"]
+        read = [f"{v} = convert_{v}({', '.join(g)})", f"{v}_bits = pack_{v}({v})", f"if {v}_bits is None: return None"]
         if absent is None:
             return read
         return [f"if {g[0]} is None: {v} = None; {v}_bits = {absent}", "else:", *("    " + line for line in read)]
@@ -429,7 +439,8 @@ def _converted_code(kind, v: str, env: dict):
 
 # By exact kind class (a subclass such as OptUInt or RowView encodes differently).
 _CODE = {Legion: _int_code, UInt: _int_code, OptUInt: _opt_int_code, Keyword: _keyword_code,
-         ViewKind: _view_code, RowView: _row_view_code, Until: _cond_code, After: _cond_code}
+         ViewKind: _view_code, RowView: _row_view_code, ViewOrImm: _view_or_imm_code, Until: _cond_code,
+         After: _cond_code, OptAddr: _opt_addr_code, Dram: _dram_code, OptTensor: _opt_tensor_code}
 
 
 @dataclass(frozen=True)
@@ -443,7 +454,7 @@ class _Form:
 
 
 def _form(cls: type) -> _Form:
-    env, parts, body, n = {"_NEW": _NEW, "View": View, "Cond": Cond, "cls": cls}, [], [], 0
+    env, parts, body, n = {"_NEW": _NEW, "View": View, "Cond": Cond, "DramRef": DramRef, "cls": cls}, [], [], 0
     word, shift = [str(cls.OPCODE)], OPCODE_BITS
     for f in cls.fields():
         kind, v = gen.kind_of(f), f"f_{f.name}"

@@ -1,6 +1,7 @@
 """Text format: parsing, printing, round trips, error messages, program files and the CLIs."""
 from __future__ import annotations
 
+import dataclasses
 import re
 import struct
 from pathlib import Path
@@ -191,6 +192,16 @@ def test_text_round_trip(p):
 def test_regex_path_agrees_with_the_lalr_parser(p):
     text = asm.format_program(p)
     assert lark_only(text) == asm.parse(text)
+
+
+@settings(max_examples=150, deadline=None)
+@given(programs())
+def test_words_packed_while_parsing_are_the_encoders(p):
+    """The fast path packs each instruction's word as it reads it, and the binary keeps those
+    words: they must be the encoder's, field by field."""
+    parsed = asm.parse(asm.format_program(p))
+    fresh = dataclasses.replace(parsed)            # the same program, without the kept words
+    assert encoding.encode_program(parsed) == encoding.encode_program(fresh)
 
 
 def outcome(parse, text):
