@@ -28,7 +28,7 @@ from isa.fields import (ADDR_BITS, QUEUES, SPACES, After, Cond, Dram, DramRef, K
 from isa.instructions import BY_MNEMONIC, INSTRUCTIONS, OPCODE_BITS, Instr, RowView
 from isa.program import Program, ProgramError, Tensor
 
-DIRECTIVES = (".arch", ".data", ".tensor", ".region")
+DIRECTIVES = (".arch", ".data", ".tensor", ".skipped", ".region")
 ARCH_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 LEGION_SET_BITS = LegionSet.bits
 
@@ -69,6 +69,12 @@ class _Builder:
             raise self.error(tok, why)
         self.index[t.name] = len(self.p.tensors)
         self.p.tensors.append(t)
+
+    def add_skipped(self, tok, count) -> None:
+        self._directive_first(tok, ".skipped")
+        if str(tok) in self.p.skipped:
+            raise self.error(tok, f"a second .skipped {tok}")
+        self.p.skipped[str(tok)] = int(count)
 
     def add_region(self, tok) -> None:
         """A ``.region`` may come anywhere: it names the instructions that follow it."""
@@ -178,6 +184,9 @@ class _Callbacks:
         io = None if io is None else _string(self.b, io)
         offset = None if offset is None else int(offset)
         self.b.add_tensor(name, Tensor(str(name), str(dtype), shape, str(kind), io, offset, rng))
+
+    def skipped(self, ch):
+        self.b.add_skipped(ch[0], ch[1])
 
     def region(self, ch):
         self.b.add_region(ch[0])
@@ -644,6 +653,7 @@ def format_program(p: Program) -> str:
     if p.data_file is not None:
         lines.append(f".data {json.dumps(p.data_file, ensure_ascii=False)}")
     lines += [format_tensor(t) for t in p.tensors]
+    lines += [f".skipped {kind} {count}" for kind, count in sorted(p.skipped.items())]
     names, marks = p.names(), _region_lines(p)
     for n, i in enumerate(p.instrs):
         why = encoding.ref_error(i, len(names))

@@ -3,7 +3,7 @@
 One generic packer serves every instruction: the opcode in the low bits, then each field of
 the class in declared order at its kind's width (``isa/fields.py``), lowest bits first. A file
 is ``DLGN``, u16 version, u16 reserved (0), u32 header length, the header (UTF-8 JSON: arch,
-data file, tensors, regions), zero padding to a multiple of the word size, then the words.
+data file, tensors, regions, skipped work), zero padding to a multiple of the word size, then the words.
 
 Decoding is strict: every word must re-encode to the same bytes, so disassembling and
 reassembling a file reproduces it exactly.
@@ -23,7 +23,8 @@ from isa.instructions import BY_OPCODE, INSTRUCTIONS, OPCODE_BITS, WORD_BITS, In
 from isa.program import DTYPES, KINDS, Program, ProgramError, Tensor
 
 MAGIC = b"DLGN"
-VERSION = 4          # 2: 320-bit words and progress-counter synchronization; 3: regions; 4: spans, relative waits
+VERSION = 5          # 2: 320-bit words and progress-counter synchronization; 3: regions; 4: spans,
+                     # relative waits; 5: skipped work
 WORD_BYTES = WORD_BITS // 8
 PREFIX = struct.Struct("<4sHHI")
 NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -218,8 +219,19 @@ def region_error(p: Program) -> str | None:
     return None
 
 
+def skipped_error(p: Program) -> str | None:
+    """Why ``p.skipped`` is malformed, or None: names, each with a count of at least 0."""
+    for kind, count in p.skipped.items():
+        if not (isinstance(kind, str) and NAME_RE.fullmatch(kind)):
+            return f"skipped work {kind!r} is not a name"
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            return f"skipped work {kind}: {count!r} is not a count"
+    return None
+
+
 def check_regions(p: Program) -> None:
-    why = region_error(p)
+    """Regions and skipped work, which the text and binary formats carry alongside the words."""
+    why = region_error(p) or skipped_error(p)
     if why:
         raise ProgramError(f"{p.source}: {why}")
 
@@ -443,7 +455,8 @@ def header(p: Program) -> dict:
                 "io_name": t.io_name, "offset": t.offset,
                 "range": None if t.range is None else list(t.range)} for t in p.tensors]
     regions = [[at, name] for at, name in p.regions]
-    return {"arch": p.arch, "data_file": p.data_file, "tensors": tensors, "regions": regions}
+    return {"arch": p.arch, "data_file": p.data_file, "tensors": tensors, "regions": regions,
+            "skipped": dict(sorted(p.skipped.items()))}
 
 
 def encode_program(p: Program) -> bytes:
@@ -522,7 +535,8 @@ def _read_prefix(b: bytes, source: str) -> tuple[int, dict]:
 
 
 # Header keys and the Python types their values may have.
-_HEAD_KEYS = {"arch": (str,), "data_file": (str, type(None)), "tensors": (list,), "regions": (list,)}
+_HEAD_KEYS = {"arch": (str,), "data_file": (str, type(None)), "tensors": (list,), "regions": (list,),
+              "skipped": (dict,)}
 _TENSOR_KEYS = {"name": (str,), "dtype": (str,), "shape": (list,), "kind": (str,),
                 "io_name": (str, type(None)), "offset": (int, type(None)), "range": (list, type(None))}
 
@@ -545,4 +559,8 @@ def _program_from_header(head, source: str) -> Program:
         p.tensors.append(Tensor(d["name"], d["dtype"], tuple(d["shape"]), d["kind"], d["io_name"],
                                 d["offset"], rng))
     p.regions = [tuple(r) if isinstance(r, list) else r for r in head["regions"]]
+    p.skipped = head["skipped"]
+    why = skipped_error(p)
+    if why:
+        raise ProgramError(f"{source}: corrupt header: {why}")
     return p

@@ -54,7 +54,8 @@ def summarize(result) -> dict:
         "vector_elems": int(c["vector_elems"]),
         "sparsity": {"passes": int(c["passes"]), "dense_passes": int(c["dense_passes"]),
                      "windows_skipped": int(c["windows_skipped"]),
-                     "cycles_saved": int(c["sparsity_cycles_saved"]), **_mask_numbers(result.program)},
+                     "cycles_saved": int(c["sparsity_cycles_saved"]), **_mask_numbers(result.program),
+                     **_causal_numbers(result.program, arch)},
         "program_instructions": _source_count(result.program),
         "instructions": {f: int(c[f"count_{f}"]) for f in FAMILIES},
         "busy_cycles": {f: int(c[f"busy_{f}"]) for f in FAMILIES},
@@ -83,6 +84,14 @@ def _mask_numbers(program) -> dict:
             raw = np.frombuffer(program.const_bytes(program.tensors[i.mask]), np.uint8)
             zeros[i.mask] = int((raw == 0).sum())
     return {"masked_mm": len(masked), "masked_zero_blocks": sum(zeros[i.mask] for i in masked)}
+
+
+def _causal_numbers(program, arch) -> dict:
+    """Attention blocks the compiler left out under a causal mask (``Program.skipped``), and
+    the vector-lane cycles their multiply-adds would have held the Legions (summed over them)."""
+    macs = program.skipped.get("causal_skipped_macs", 0)
+    return {"causal_blocks_skipped": program.skipped.get("causal_skipped_blocks", 0), "causal_macs_skipped": macs,
+            "causal_cycles_saved": -(-macs // arch.vector_lanes)}
 
 
 def _macs_by_mode(rows) -> dict:
@@ -250,6 +259,10 @@ def print_report(n: dict, console: Console | None = None) -> None:
     console.print(f"passes: {sp['passes']:,} of {sp['dense_passes']:,} dense; windows skipped "
                   f"{sp['windows_skipped']:,}, cycles saved {sp['cycles_saved']:,}; {sp['masked_mm']:,} "
                   f"masked mm skip {sp['masked_zero_blocks']:,} zero weight blocks")
+    if sp["causal_macs_skipped"]:
+        console.print(f"causal attention: {sp['causal_blocks_skipped']:,} blocks above the diagonal not computed, "
+                      f"{sp['causal_macs_skipped']:,} multiply-adds left out in all (vector cycles saved "
+                      f"{sp['causal_cycles_saved']:,}, summed over Legions)")
     console.print(f"roofline: {n['roofline_cycles']:,.0f} cycles, {n['roofline_bound']}-bound (compulsory "
                   f"DRAM traffic {_bytes(n['compulsory_dram_bytes'])}); the run reaches "
                   f"{n['roofline_fraction']:.1%} of it")

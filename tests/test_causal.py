@@ -57,6 +57,23 @@ def test_causal_blocks_are_skipped_and_the_result_is_the_same_bit_for_bit(tmp_pa
     # chunks of 192; the first three row blocks (rows < 192) skip the second, all zeros of P.
     skipped = H * (15 * 64 * 64 * D + 3 * 64 * 192 * D)
     assert _vmm_tasks(sparse) == _vmm_tasks(dense) - skipped
+    # The program says what it left out, for the report; the dense one left out nothing.
+    assert sparse.skipped == {"causal_skipped_blocks": H * 15, "causal_skipped_macs": skipped}
+    assert dense.skipped == {}
+
+
+def test_skipped_work_survives_text_and_binary_and_reaches_the_report(tmp_path):
+    from isa import asm, encoding
+    from runtime import report
+    _, program = compile_model(attention(tmp_path / "attn.onnx"), Options(WIDE))
+    text = asm.format_program(program)
+    assert f".skipped causal_skipped_macs {program.skipped['causal_skipped_macs']}" in text
+    assert asm.parse(text).skipped == program.skipped
+    assert encoding.decode_program(encoding.encode_program(program)).skipped == program.skipped
+    sp = report.summarize(run(program, WIDE, _inputs()))["sparsity"]
+    assert sp["causal_blocks_skipped"] == H * 15
+    assert sp["causal_macs_skipped"] == program.skipped["causal_skipped_macs"]
+    assert sp["causal_cycles_saved"] == -(-sp["causal_macs_skipped"] // WIDE.vector_lanes)
 
 
 def test_nothing_is_skipped_when_the_scores_are_used_elsewhere(tmp_path):

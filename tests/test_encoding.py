@@ -185,14 +185,14 @@ def test_disassembled_text_reassembles_to_the_same_bytes(p):
 def test_file_layout():
     p = Program(arch="dlegion-tiny", tensors=[Tensor("x", "f32", (2, 3), "input", "x")],
                 instrs=[Wait(0, "dma", Cond(1, "vec", 1)), Barrier()], data_file="d.bin",
-                regions=[(0, "MatMul_1"), (2, "after")])
+                regions=[(0, "MatMul_1"), (2, "after")], skipped={"causal_skipped_macs": 12})
     b = encoding.encode_program(p)
     magic, version, reserved, n = struct.unpack_from("<4sHHI", b)
     assert (magic, version, reserved) == (b"DLGN", encoding.VERSION, 0)
     head = json.loads(b[12:12 + n])
     assert head == {"arch": "dlegion-tiny", "data_file": "d.bin", "tensors": [
         {"name": "x", "dtype": "f32", "shape": [2, 3], "kind": "input", "io_name": "x", "offset": None,
-         "range": None}], "regions": [[0, "MatMul_1"], [2, "after"]]}
+         "range": None}], "regions": [[0, "MatMul_1"], [2, "after"]], "skipped": {"causal_skipped_macs": 12}}
     start = -(-(12 + n) // WORD) * WORD
     assert b[12 + n:start] == bytes(start - 12 - n)
     assert len(b) == start + 2 * WORD and b[start:start + WORD] == encoding.encode_instr(p.instrs[0])
@@ -215,14 +215,16 @@ def test_every_truncation_fails_cleanly_or_is_a_shorter_program():
 @pytest.mark.parametrize("head, match", [
     (b"{", "corrupt header"),
     (b"[]", "corrupt header: header needs exactly the keys"),
-    (b'{"arch": 1, "data_file": null, "tensors": [], "regions": []}', "corrupt header: header arch 1"),
-    (b'{"arch": "a", "data_file": null, "tensors": [{"name": "x"}], "regions": []}',
+    (b'{"arch": 1, "data_file": null, "tensors": [], "regions": [], "skipped": {}}', "corrupt header: header arch 1"),
+    (b'{"arch": "a", "data_file": null, "tensors": [{"name": "x"}], "regions": [], "skipped": {}}',
      "tensor needs exactly the keys"),
     (b'{"arch": "a", "data_file": null, "tensors": [{"name": "x", "dtype": "f16", "shape": [1], '
-     b'"kind": "input", "io_name": null, "offset": null, "range": null}], "regions": []}',
+     b'"kind": "input", "io_name": null, "offset": null, "range": null}], "regions": [], "skipped": {}}',
      "unknown dtype 'f16'"),
     (b'{"arch": "a", "data_file": null, "tensors": [{"name": "x", "dtype": "f32", "shape": [1.5], '
-     b'"kind": "input", "io_name": null, "offset": null, "range": null}], "regions": []}', "bad shape"),
+     b'"kind": "input", "io_name": null, "offset": null, "range": null}], "regions": [], "skipped": {}}', "bad shape"),
+    (b'{"arch": "a", "data_file": null, "tensors": [], "regions": [], "skipped": {"x y": 1}}', "is not a name"),
+    (b'{"arch": "a", "data_file": null, "tensors": [], "regions": [], "skipped": {"x": -1}}', "is not a count"),
 ])
 def test_corrupt_headers_are_errors(head, match):
     b = struct.pack("<4sHHI", b"DLGN", encoding.VERSION, 0, len(head)) + head
@@ -248,13 +250,13 @@ REGIONLESS = b'"arch": "a", "data_file": null, "tensors": []'
     (b'["x"]', "region 0: expected"),
 ])
 def test_corrupt_regions_are_errors(regions, match):
-    head = b"{" + REGIONLESS + b', "regions": ' + regions + b"}"
+    head = b"{" + REGIONLESS + b', "skipped": {}, "regions": ' + regions + b"}"
     with pytest.raises(ProgramError, match="x.bin: corrupt header: " + match):
         encoding.decode_program(_with_header(head, words=1), "x.bin")
 
 
 def test_a_header_without_regions_is_corrupt():
-    with pytest.raises(ProgramError, match="needs exactly the keys arch, data_file, tensors, regions"):
+    with pytest.raises(ProgramError, match="needs exactly the keys arch, data_file, tensors, regions, skipped"):
         encoding.decode_program(_with_header(b"{" + REGIONLESS + b"}"), "x.bin")
 
 

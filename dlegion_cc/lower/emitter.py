@@ -12,6 +12,7 @@ emit each group of blocks once, not once per Legion.
 """
 from __future__ import annotations
 
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
@@ -38,6 +39,7 @@ class Emitter:
     pending: dict = field(default_factory=dict)         # queue -> (source, its count then, across)
     turn: int = 0                                       # round-robin position over Legions
     span: tuple[int, int] = (0, 1)                      # (base Legion, Legions) of what is emitted
+    skipped: Counter = field(default_factory=Counter)   # work left out, by kind (Program.skipped)
 
     # --- DRAM -----------------------------------------------------------------------------
     def tensor(self, name: str, dtype: str, shape, kind: str, io_name: str | None = None,
@@ -163,5 +165,5 @@ class Emitter:
 
     def program(self, data_file: str | None) -> Program:
         return Program(self.arch.name, list(self.tensors), list(self.instrs),
-                       data_file if self.data else None, source=self.source,
+                       data_file if self.data else None, skipped=dict(self.skipped), source=self.source,
                        data=bytes(self.data) if self.data else None)

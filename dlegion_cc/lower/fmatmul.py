@@ -85,6 +85,9 @@ def matmul_blocks(em: Emitter, a: Operand, b: Operand, out: Operand, M: int, K: 
                 m, n = min(mb, M - m0), min(nb, N - n0)
                 if not skip.block(m0, m, n0, n):
                     _block(em, a, b, out, m0, n0, m, K, n, kb, count, step, skip)
+                else:
+                    em.skipped["causal_skipped_blocks"] += count
+                    em.skipped["causal_skipped_macs"] += count * m * K * n
         return
     if M // mb > N // nb:
         for n0 in range(0, N, nb):
@@ -119,6 +122,9 @@ def _block(em, a, b, out, m0, n0, m, K, n, kb, count, step, skip: Skip = NO_SKIP
     base = 2 * m * n
     a_step, b_step, out_step = (s if count > 1 else None for s in step)
     chunks = [k0 for k0 in range(0, K, kb) if not skip.chunk(m0, m, k0, min(kb, K - k0))] or [0]
+    kept = sum(min(kb, K - k0) for k0 in chunks)
+    if kept < K:
+        em.skipped["causal_skipped_macs"] += count * m * (K - kept) * n
     with em.spanning(legion, count):
         for first, k0 in zip([True] + [False] * len(chunks), chunks):
             k = min(kb, K - k0)
