@@ -20,12 +20,81 @@ class Comparison:
     ok: bool
 
 
-def onnx_reference(model: str | Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Run onnxruntime on ``model`` with ``inputs``; every graph output by name."""
+# What ``--check`` compares with: onnxruntime as it comes, or onnxruntime made to compute the
+# integer operators' definition. On x86 CPUs without VNNI its uint8 x int8 kernels (the dynamic
+# int8 MatMulInteger, and QDQ int8 matmuls it fuses into QLinearMatMul) sum pairs of products in
+# saturating int16 (pmaddubsw), which full-range int8 weights overflow; "exact" shifts constant
+# int8 MatMulInteger weights to uint8 with zero point + 128 (the same products, a uint8 x uint8
+# kernel that cannot saturate) and optimizes at ORT_ENABLE_BASIC (no QDQ fusion). That run
+# equals ONNX's reference evaluator.
+REFERENCES = ("onnxruntime", "exact")
+INTEGER_OPS = {"MatMulInteger", "QLinearMatMul", "DynamicQuantizeLinear", "QuantizeLinear", "DequantizeLinear"}
+
+
+def session(model: str | Path, reference: str = "onnxruntime", extra_outputs: list[str] = ()):
+    """An onnxruntime session of ``model`` (``reference``: see REFERENCES), with
+    ``extra_outputs`` added as graph outputs."""
+    import onnx
     import onnxruntime as ort
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    sess = ort.InferenceSession(str(model), opts, providers=["CPUExecutionProvider"])
+    if reference == "onnxruntime" and not extra_outputs:
+        return ort.InferenceSession(str(model), opts, providers=["CPUExecutionProvider"])
+    m = onnx.load(str(model))
+    present = {o.name for o in m.graph.output}
+    m.graph.output.extend(onnx.helper.make_empty_tensor_value_info(n) for n in extra_outputs if n not in present)
+    if reference == "exact":
+        unsigned_integer_weights(m)
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    return ort.InferenceSession(m.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+def unsigned_integer_weights(model) -> int:
+    """Rewrite each constant int8 B operand of MatMulInteger and its zero point (0 when absent)
+    as uint8 + 128, in place: the same differences B - zero point. Returns how many B."""
+    from onnx import TensorProto, numpy_helper
+    inits = {t.name: t for t in model.graph.initializer}
+    shifted: set[str] = set()
+    weights: set[str] = set()
+
+    def shift(name: str) -> None:
+        if name not in shifted:
+            a = numpy_helper.to_array(inits[name]).astype(np.int16) + 128
+            inits[name].CopyFrom(numpy_helper.from_array(a.astype(np.uint8), name))
+            shifted.add(name)
+
+    for node in model.graph.node:
+        b = node.input[1] if node.op_type == "MatMulInteger" else None
+        if b not in inits or inits[b].data_type != TensorProto.INT8 and b not in shifted:
+            continue
+        zp = node.input[3] if len(node.input) > 3 else ""
+        if zp and zp not in inits:
+            continue                                    # a computed zero point: left as it is
+        shift(b)
+        weights.add(b)
+        if zp:
+            shift(zp)
+        else:                                           # the default zero point 0, shifted
+            zp = f"{b}_zero_point_128"
+            if zp not in inits:
+                inits[zp] = numpy_helper.from_array(np.array(128, np.uint8), zp)
+                model.graph.initializer.append(inits[zp])
+            node.input.extend([""] * (4 - len(node.input)))
+            node.input[3] = zp
+    return len(weights)
+
+
+def integer_ops(model: str | Path) -> bool:
+    """Whether ``model`` has quantized integer operators (where the two references can differ)."""
+    import onnx
+    m = onnx.load(str(model), load_external_data=False)
+    return any(n.op_type in INTEGER_OPS for n in m.graph.node)
+
+
+def onnx_reference(model: str | Path, inputs: dict[str, np.ndarray],
+                   reference: str = "onnxruntime") -> dict[str, np.ndarray]:
+    """Run onnxruntime on ``model`` with ``inputs``; every graph output by name."""
+    sess = session(model, reference)
     feeds = {i.name: inputs[i.name] for i in sess.get_inputs() if i.name in inputs}
     missing = [i.name for i in sess.get_inputs() if i.name not in inputs]
     if missing:
@@ -71,27 +140,20 @@ def intermediates(program, machine) -> dict[str, np.ndarray]:
     return out
 
 
-def onnx_intermediates(model: str | Path, inputs: dict[str, np.ndarray], names: list[str]) -> dict:
+def onnx_intermediates(model: str | Path, inputs: dict[str, np.ndarray], names: list[str],
+                       reference: str = "onnxruntime") -> dict:
     """onnxruntime's values of ``names``: the model is run with them added as graph outputs."""
-    import onnx
-    import onnxruntime as ort
-    m = onnx.load(str(model))
-    present = {o.name for o in m.graph.output}
-    for n in names:
-        if n not in present:
-            m.graph.output.append(onnx.helper.make_empty_tensor_value_info(n))
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    sess = ort.InferenceSession(m.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    sess = session(model, reference, names)
     wanted = [n for n in names if n in {o.name for o in sess.get_outputs()}]
     feeds = {i.name: inputs[i.name] for i in sess.get_inputs()}
     return dict(zip(wanted, sess.run(wanted, feeds)))
 
 
-def compare_intermediates(model, inputs, result, tol: float = REL_L2_TOLERANCE) -> list[Comparison]:
+def compare_intermediates(model, inputs, result, tol: float = REL_L2_TOLERANCE,
+                          reference: str = "onnxruntime") -> list[Comparison]:
     """Each surviving intermediate against onnxruntime's, in program order."""
     ours = intermediates(result.program, result.machine)
-    ref = onnx_intermediates(model, inputs, list(ours))
+    ref = onnx_intermediates(model, inputs, list(ours), reference)
     rows = []
     for name, value in ours.items():
         if name not in ref:

@@ -16,15 +16,13 @@ from functools import cache
 from pathlib import Path
 
 import numpy as np
-import onnx
-import onnxruntime as ort
 import pytest
-from onnx import numpy_helper
 
 from isa import arch as arch_mod
 from isa.instructions import MatMul
 from dlegion_cc.pipeline import Options, compile_model
 from models.golden import read_npz
+from runtime.check import onnx_reference
 from runtime.emulator import run
 
 ROOT = Path(__file__).parent.parent
@@ -62,20 +60,7 @@ def compiled(name: str, seq: int | None = None):
 
 def unsaturated_reference(name: str) -> np.ndarray:
     """onnxruntime's logits for ``name`` with kernels that compute the operators' definition."""
-    model = onnx.load(model_path(name))
-    inits = {t.name: t for t in model.graph.initializer}
-    for node in model.graph.node:
-        if node.op_type != "MatMulInteger":
-            continue
-        for name_ in node.input[1::2]:                  # B and b_zero_point
-            if name_ in inits and inits[name_].data_type == onnx.TensorProto.INT8:
-                a = numpy_helper.to_array(inits[name_]).astype(np.int16) + 128
-                inits[name_].CopyFrom(numpy_helper.from_array(a.astype(np.uint8), name_))
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    opts.log_severity_level = 3
-    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    return sess.run(["logits"], {"input_ids": golden(name)["input_ids"]})[0]
+    return onnx_reference(model_path(name), {"input_ids": golden(name)["input_ids"]}, "exact")["logits"]
 
 
 def rel_l2(a: np.ndarray, b: np.ndarray) -> float:

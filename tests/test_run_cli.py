@@ -6,10 +6,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx.numpy_helper
 import pytest
 from onnx import TensorProto, helper
 
-EXAMPLES = Path(__file__).parent.parent / "examples"
+ROOT = Path(__file__).parent.parent
+EXAMPLES = ROOT / "examples"
 
 
 def dlegion_run(*args):
@@ -108,3 +110,44 @@ def test_unsatisfiable_condition_is_rejected_before_running(tmp_path):
     assert ("never.s:13: dma.st: condition L0.vec>=6 can never be satisfied: L0.vec runs 5 "
             "instructions") in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def _int8_matmul(path, zero_point: bool):
+    """uint8 activations x full-range int8 weights, with or without B's zero point: products
+    whose int16 pair sums overflow in saturating kernels."""
+    rng = np.random.default_rng(2)
+    w = rng.integers(-128, 128, (64, 16)).astype(np.int8)
+    w[:2] = -128                                     # pairs of 255 * -128 overflow int16
+    inputs = ["a", "w", "az", "wz"] if zero_point else ["a", "w"]
+    inits = [onnx.numpy_helper.from_array(w, "w")]
+    if zero_point:
+        inits += [onnx.numpy_helper.from_array(np.uint8(3), "az"), onnx.numpy_helper.from_array(np.int8(-2), "wz")]
+    g = helper.make_graph([helper.make_node("MatMulInteger", inputs, ["y"])], "mmi",
+                          [helper.make_tensor_value_info("a", TensorProto.UINT8, [4, 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.INT32, [4, 16])], inits)
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return w.astype(np.int64) - (-2 if zero_point else 0), 3 if zero_point else 0
+
+
+@pytest.mark.parametrize("zero_point", [True, False])
+def test_exact_reference_computes_the_definition(tmp_path, zero_point):
+    """--reference exact: onnxruntime with the int8 weights shifted to uint8 (and their zero point
+    with them, 0 when absent) gives the integer product the operator defines."""
+    from runtime.check import onnx_reference
+    w, az = _int8_matmul(tmp_path / "mmi.onnx", zero_point)
+    a = np.full((4, 64), 255, np.uint8)
+    a[1:] = np.random.default_rng(3).integers(0, 256, (3, 64))
+    y = onnx_reference(tmp_path / "mmi.onnx", {"a": a}, "exact")["y"]
+    np.testing.assert_array_equal(y, (a.astype(np.int64) - az) @ w)
+
+
+def test_check_with_the_exact_reference(tmp_path):
+    model = ROOT / "models" / "llama_tiny_qdq.onnx"
+    prog = tmp_path / "qdq.s"
+    r = subprocess.run([sys.executable, "-c", "import sys; from dlegion_cc.cli import main; sys.argv[0] = "
+                        "'dlegion-cc'; main()", str(model), "-o", str(prog), "--arch", "dlegion-tiny"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    r = dlegion_run(prog, "--check", model, "--reference", "exact")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ok" in r.stdout
