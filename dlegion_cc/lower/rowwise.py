@@ -4,7 +4,9 @@ A kernel names its operands (:class:`Arg`) in one N-D frame and a ``body`` that 
 instructions on their scratchpad views. ``rowwise`` merges dimensions, cuts the 2-D loop into
 row blocks that fit a Legion's vector scratchpad, deals the blocks to the Legions, and for each
 block loads the inputs (dma queue), runs the body (vec queue) and stores the outputs (dma queue),
-with the dependencies in between. Equal blocks dealt to adjacent Legions are one group: its
+with the dependencies in between. When a Legion gets several blocks, each takes half of the
+scratchpad and the next block's loads are issued before the current one's body, so they overlap
+(``_InFlight``). Equal blocks dealt to adjacent Legions are one group: its
 instructions are emitted once with a span of Legions, each DMA's DRAM offset stepping one
 block per Legion (``lstride``).
 """
@@ -74,22 +76,29 @@ def rowwise(em: Emitter, shape: tuple[int, ...], args: list[Arg], body: Body,
     if block >= rows and len(shape2) > 2:
         _whole_frames(em, args, shape2, bound, strides, body)
         return
+    half = _rows_per_block(em, args, strides, rows, width, where, em.capacity("vec") // 2, strict=False)
+    blocks = _InFlight(em, em.capacity("vec") // 2) if 0 < half < rows else _InFlight(em, 0)
+    block = half if blocks.half else block
     for outer in outer_indices(shape2):
         at = {n: op.at(outer) for n, op in bound.items()}
         for r0, n, count in _groups(rows, block, em.arch.legions):
             steps = {name: op.strides[-2] * n for name, op in at.items()}
-            _emit_group(em, args, at, strides, r0, n, count, cols, body, steps)
+            blocks.add(args, at, strides, r0, n, count, cols, body, steps)
+    blocks.flush()
 
 
 def _whole_frames(em, args, shape, bound, strides, body) -> None:
     """A block holds a whole 2-D frame: the frames along the innermost outer dimension go to
     spans of Legions."""
     rows, cols = shape[-2:]
+    half = em.capacity("vec") // 2
+    blocks = _InFlight(em, half if _rows_per_block(em, args, strides, rows, cols, "", half, False) >= rows else 0)
     for outer in outer_indices(shape[:-1]):
         for i0, _, count in _groups(shape[-3], 1, em.arch.legions):
             at = {n: op.at(outer + (i0,)) for n, op in bound.items()}
             steps = {name: op.strides[-3] for name, op in bound.items()}
-            _emit_group(em, args, at, strides, 0, rows, count, cols, body, steps)
+            blocks.add(args, at, strides, 0, rows, count, cols, body, steps)
+    blocks.flush()
 
 
 def _folded(em, args, shape, bound, width, body, where) -> None:
@@ -140,22 +149,55 @@ def _cols_per_block(em, args, strides, cols) -> int:
     return max(1, min(cols, (cap - narrow) // max(full, 1), em.extent()))
 
 
-def _rows_per_block(em, args, strides, rows, cols, where) -> int:
-    cap = em.capacity("vec")
+def _rows_per_block(em, args, strides, rows, cols, where, cap: int | None = None, strict: bool = True) -> int:
+    """Rows a block of ``cap`` vector elements (default: all of them) holds; 0 when not one row
+    fits and not ``strict`` (else an error)."""
+    cap = em.capacity("vec") if cap is None else cap
     fixed = sum(_footprint(a, *strides[a.name], 0, cols) for a in args)
     per_row = sum(_footprint(a, *strides[a.name], 1, cols) for a in args) - fixed
     if fixed + per_row > cap:
+        if not strict:
+            return 0
         raise CompileError(f"{where}a row of {cols} elements needs {fixed + per_row} vector "
                            f"scratchpad elements, more than the {cap} a Legion has")
     return max(1, min(rows, (cap - fixed) // max(per_row, 1), em.extent()))
 
 
-def _emit_group(em, args, at, strides, r0, n, count, cols, body, steps) -> None:
-    """``count`` blocks of ``n`` rows from row ``r0``, one per Legion of a span; ``steps``: the
-    DRAM elements from one Legion's block of each operand to the next one's."""
+class _InFlight:
+    """Row blocks two at a time on each Legion: a group's loads go to one half of the vector
+    scratchpad and are issued before the previous group's body and stores, which use the other
+    half, so the next block loads while the current one computes (``half`` = 0: one block at
+    a time, the whole scratchpad). Only a group on the same span of Legions as the previous one
+    overlaps it: a relative wait counts the same instructions on every Legion of a span only
+    when they were all issued them."""
+
+    def __init__(self, em: Emitter, half: int):
+        self.em, self.half = em, half
+        self.pending = None            # (span, what emits the previous group's body and stores)
+        self.turn = 0
+
+    def add(self, args, at, strides, r0, n, count, cols, body, steps) -> None:
+        span = (self.em.take_legions(count), count)
+        if self.pending is not None and (self.pending[0] != span or not self.half):
+            self.flush()
+        rest = _emit_group(self.em, span, self.turn * self.half, args, at, strides, r0, n, cols, body, steps)
+        self.flush()
+        self.pending = (span, rest)
+        self.turn ^= 1 if self.half else 0
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            self.pending[1]()
+            self.pending = None
+
+
+def _emit_group(em, span, base, args, at, strides, r0, n, cols, body, steps):
+    """Load ``count`` blocks of ``n`` rows from row ``r0``, one per Legion of the span, into the
+    vector scratchpad from ``base``; ``steps``: the DRAM elements from one Legion's block of
+    each operand to the next one's. Returns what emits their body and stores."""
+    legion, count = span
     steps = {name: (step if count > 1 else None) for name, step in steps.items()}
-    legion = em.take_legions(count)
-    views, addr = {}, 0
+    views, addr = {}, base
     for a in args:
         rs, cs = strides[a.name]
         views[a.name] = _view(addr, rs, cs, cols, a.operand is None and a.col)
@@ -164,12 +206,17 @@ def _emit_group(em, args, at, strides, r0, n, count, cols, body, steps) -> None:
         for a in args:
             if a.operand is not None and not a.out:
                 _load(em, legion, views[a.name], at[a.name], r0, n, cols, steps[a.name])
-        em.depend((legion, "dma"), (legion, "vec"))
-        body(em, legion, views, n, cols)
-        em.depend((legion, "vec"), (legion, "dma"))
-        for a in args:
-            if a.out:
-                _store(em, legion, views[a.name], at[a.name], r0, n, cols, steps[a.name])
+    loaded = em.issued.get((legion, "dma"), 0)
+
+    def rest() -> None:
+        with em.spanning(legion, count):
+            em.depend((legion, "dma"), (legion, "vec"), upto=loaded)
+            body(em, legion, views, n, cols)
+            em.depend((legion, "vec"), (legion, "dma"))
+            for a in args:
+                if a.out:
+                    _store(em, legion, views[a.name], at[a.name], r0, n, cols, steps[a.name])
+    return rest
 
 
 def _dram(op: Operand, r0: int, per_row: bool) -> DramRef:
