@@ -320,21 +320,21 @@ def _int_code(kind, v: str, env: dict):
     return pattern, lambda g: [f"{v} = {v}_bits = int({g[0]})", f"if {v} >= {1 << kind.bits}: return None"]
 
 
+def _present(v: str, group: str, value: str, end: int) -> list[str]:
+    """An optional field (OptUInt, OptAddr, OptTensor): None when its group is, else ``value``
+    below ``end``; packed as a presence bit, then the value."""
+    return [f"if {group} is None: {v} = None; {v}_bits = 0",
+            "else:", f"    {v} = {value}", f"    if {v} >= {end}: return None", f"    {v}_bits = 1 | {v} << 1"]
+
+
 def _opt_int_code(kind, v: str, env: dict):
-    """OptUInt: a presence bit, then the value."""
-    return r"([0-9]+)", lambda g: [
-        f"if {g[0]} is None: {v} = None; {v}_bits = 0",
-        "else:", f"    {v} = int({g[0]})", f"    if {v} >= {1 << kind.value_bits}: return None",
-        f"    {v}_bits = 1 | {v} << 1"]
+    return r"([0-9]+)", lambda g: _present(v, g[0], f"int({g[0]})", 1 << kind.value_bits)
 
 
 def _opt_addr_code(kind, v: str, env: dict):
-    """OptAddr: ``none`` or an address in the kind's space; a presence bit, then the address."""
+    """``none`` or an address in the kind's space."""
     pattern = r"(?:none|" + re.escape(kind.space) + r"\[([0-9]+)\])"
-    return pattern, lambda g: [
-        f"if {g[0]} is None: {v} = None; {v}_bits = 0",
-        "else:", f"    {v} = int({g[0]})", f"    if {v} >= {1 << ADDR_BITS}: return None",
-        f"    {v}_bits = 1 | {v} << 1"]
+    return pattern, lambda g: _present(v, g[0], f"int({g[0]})", 1 << ADDR_BITS)
 
 
 def _dram_code(kind, v: str, env: dict):
@@ -351,11 +351,8 @@ def _dram_code(kind, v: str, env: dict):
 
 
 def _opt_tensor_code(kind, v: str, env: dict):
-    """OptTensor: ``none`` or a declared tensor; a presence bit, then its index."""
-    return f"(?:none|@({_NAME}))", lambda g: [
-        f"if {g[0]} is None: {v} = None; {v}_bits = 0",
-        "else:", f"    {v} = index[{g[0]}]", f"    if {v} >= {1 << Dram.tensor_bits}: return None",
-        f"    {v}_bits = 1 | {v} << 1"]
+    """``none`` or a declared tensor (an unknown name raises KeyError: Lark says why)."""
+    return f"(?:none|@({_NAME}))", lambda g: _present(v, g[0], f"index[{g[0]}]", 1 << Dram.tensor_bits)
 
 
 def _keyword_code(kind, v: str, env: dict):
