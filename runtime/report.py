@@ -316,7 +316,7 @@ def _matmul_table(n: dict) -> Table:
     for col in ("mode", "MACs", "cycles", "roofline", "bound", "of roofline"):
         t.add_column(col, justify="left" if col in ("mode", "bound") else "right", no_wrap=True)
     for m in n["matmuls"]:
-        t.add_row(" + ".join(m["nodes"]), m["mode"], f"{m['macs']:,}", f"{m['cycles']:,}",
+        t.add_row("\n".join(m["nodes"]), m["mode"], f"{m['macs']:,}", f"{m['cycles']:,}",
                   f"{m['roofline_cycles']:,.0f}", m["roofline_bound"], f"{m['roofline_fraction']:.1%}")
     return t
 
