@@ -13,7 +13,6 @@ import functools
 import gc
 import json
 import re
-import struct
 import threading
 from dataclasses import dataclass
 from importlib import resources
@@ -24,7 +23,7 @@ import lark
 from isa import encoding, gen
 from isa.files import atomic_write_all
 from isa.fields import (ADDR_BITS, QUEUES, SPACES, After, Cond, Dram, DramRef, Keyword, Legion, LegionSet, OptAddr,
-                        OptTensor, OptUInt, UInt, Until, View, ViewKind, ViewOrImm, f32, f32_bits, parse_cond)
+                        OptTensor, OptUInt, UInt, Until, View, ViewKind, ViewOrImm, f32, parse_cond)
 from isa.instructions import BY_MNEMONIC, INSTRUCTIONS, OPCODE_BITS, Instr, RowView
 from isa.program import Program, ProgramError, Tensor
 
@@ -91,15 +90,11 @@ class _Builder:
         return self.index[tok]
 
     def add_instr(self, op, i: Instr) -> None:
-        bad = encoding.field_errors(i)
-        if bad:
-            raise self.error(op, f"{i.MNEMONIC}: {'; '.join(bad)}")
-        self.add_checked(i, encoding.encode_instr(i), op.line + self.offset)
-
-    def add_checked(self, i: Instr, word: bytes, line: int) -> None:
-        """Add ``i``, whose fields are checked and whose word is ``word``."""
+        word = encoding.checked_word(i)
+        if word is None:
+            raise self.error(op, f"{i.MNEMONIC}: {'; '.join(encoding.field_errors(i))}")
         self.p.instrs.append(i)
-        self.p.lines.append(line)
+        self.p.lines.append(op.line + self.offset)
         self.words.append(word)
 
     def finish(self) -> Program:
@@ -293,18 +288,10 @@ def _set_text(s: str) -> frozenset:
     return frozenset(out)
 
 
-# By kind class: the kind -> (regex of the field's value with one capturing group, converter of
-# the group's text). The group of an absent optional field, or of ``none``, is None: value None.
-FAST = {
-    "LegionSet": lambda k: (r"\{([0-9,\-]*)\}", _set_text),
-}
-
-
 # Code generation: each function below returns (regex of the field's value, the statements that
 # set ``v`` to its value and ``v_bits`` to its bits, or return None) for the texts ``g`` of the
-# value's groups; ``env`` receives the names the statements use. The hot kinds are written out
-# inline (a function call costs as much as the work); the others call their converter and the
-# encoder's packer.
+# value's groups; ``env`` receives the names the statements use. Every kind but LegionSet (rare)
+# is written out inline: a function call costs as much as the work.
 
 def _new(obj: str, cls: str, fields: dict) -> list[str]:
     """Statements that make ``obj``, an instance of frozen dataclass ``cls``, without
@@ -371,18 +358,17 @@ def _view_code(kind, v: str, env: dict):
 
 def _view_body(kind, v: str, g: list[str]) -> list[str]:
     ends = (1 << ADDR_BITS, 1 << kind.rs_bits, 1 << kind.cs_bits)
-    rs_at, cs_at = 2 + ADDR_BITS, 2 + ADDR_BITS + kind.rs_bits      # as ViewKind.encode packs
     return [f"{v}_a = int({g[1]}); {v}_r = int({g[2]}); {v}_c = int({g[3]})",
             f"if {v}_a >= {ends[0]} or {v}_r >= {ends[1]} or {v}_c >= {ends[2]}: return None",
             *_new(v, "View", {"space": g[0], "addr": f"{v}_a", "rs": f"{v}_r", "cs": f"{v}_c"}),
-            f"{v}_bits = SPACE_CODE[{g[0]}] | {v}_a << 2 | {v}_r << {rs_at} | {v}_c << {cs_at}"]
+            f"{v}_bits = SPACE_CODE[{g[0]}] | {v}_a << {kind.addr_at} | {v}_r << {kind.rs_at} | {v}_c << {kind.cs_at}"]
 
 
 def _view_or_imm_code(kind, v: str, env: dict):
     """ViewOrImm: a view's groups, or an immediate's; packed as ViewOrImm.encode packs (every
     NaN the quiet one). A value past the fp32 range raises OverflowError: Lark says why."""
     view, _ = _view_code(kind.view, v, env)
-    env["F32"], env["NAN_BITS"] = struct.Struct("<f"), 1 | f32_bits(encoding.CANONICAL_NAN) << 1
+    env["F32"], env["NAN_BITS"] = encoding.F32, encoding.NAN_IMM_BITS
     pattern = f"(?:{view}|#({_IMM[1:]}))"
 
     def code(g):
@@ -401,13 +387,13 @@ def _row_view_code(kind, v: str, env: dict):
         f"{v}_a = int({g[0]}); {v}_r = int({g[1]})",
         f"if {v}_a >= {ends[0]} or {v}_r >= {ends[1]}: return None",
         *_new(v, "View", {"space": repr(kind.space), "addr": f"{v}_a", "rs": f"{v}_r", "cs": "1"}),
-        f"{v}_bits = {v}_a | {v}_r << {ADDR_BITS}"]
+        f"{v}_bits = {v}_a | {v}_r << {ADDR_BITS}"]      # as RowView.encode packs
 
 
 def _cond_code(kind, v: str, env: dict):
     """Until, After: a group per condition leaf (Legion, queue, count, back); packed as
     Until.encode packs (After: a presence bit first)."""
-    env["QUEUE_CODE"] = {q: n << 9 for n, q in enumerate(QUEUES)}
+    env["QUEUE_CODE"] = {q: n << kind.queue_at for n, q in enumerate(QUEUES)}
     legions, counts = 1 << kind.legion_bits, 1 << kind.count_bits
     pattern = r"(?:L([0-9]+)\.)?(dma|mat|vec)(?:>=([0-9]+)|~([0-9]+))?"
     optional = isinstance(kind, After)
@@ -417,12 +403,12 @@ def _cond_code(kind, v: str, env: dict):
         body = [
             f"if {legion} is None: {v}_l = None; {v}_bits = 1",
             "else:", f"    {v}_l = int({legion})", f"    if {v}_l >= {legions}: return None",
-            f"    {v}_bits = {v}_l << 1",
+            f"    {v}_bits = {v}_l << {kind.legion_at}",
             f"if {count} is not None:", f"    {v}_n = int({count}); {v}_b = 0; {v}_rel = 0",
-            "else:", f"    {v}_n = None; {v}_b = 0 if {back} is None else int({back}); {v}_rel = 1 << 11",
+            "else:", f"    {v}_n = None; {v}_b = 0 if {back} is None else int({back}); {v}_rel = {1 << kind.rel_at}",
             f"if ({v}_b if {v}_n is None else {v}_n) >= {counts}: return None",
             *_new(v, "Cond", {"legion": f"{v}_l", "queue": queue, "count": f"{v}_n", "back": f"{v}_b"}),
-            f"{v}_bits |= QUEUE_CODE[{queue}] | {v}_rel | ({v}_b if {v}_n is None else {v}_n) << 12"]
+            f"{v}_bits |= QUEUE_CODE[{queue}] | {v}_rel | ({v}_b if {v}_n is None else {v}_n) << {kind.count_at}"]
         if not optional:
             return body
         return [f"if {queue} is None: {v} = None; {v}_bits = 0", "else:",
@@ -430,23 +416,18 @@ def _cond_code(kind, v: str, env: dict):
     return pattern, code
 
 
-def _converted_code(kind, v: str, env: dict):
-    pattern, convert = encoding.kind_entry(FAST, kind)(kind)
-    env[f"convert_{v}"], env[f"pack_{v}"] = convert, encoding.packer(kind)
-    absent = env[f"pack_{v}"](None) if encoding.takes_none(kind) else None
-
-    def code(g):
-        read = [f"{v} = convert_{v}({', '.join(g)})", f"{v}_bits = pack_{v}({v})", f"if {v}_bits is None: return None"]
-        if absent is None:
-            return read
-        return [f"if {g[0]} is None: {v} = None; {v}_bits = {absent}", "else:", *("    " + line for line in read)]
-    return pattern, code
+def _legion_set_code(kind, v: str, env: dict):
+    """LegionSet: converted from its text, then checked and packed by the encoder."""
+    env[f"pack_{v}"] = encoding.packer(kind)
+    return r"\{([0-9,\-]*)\}", lambda g: [
+        f"{v} = SET_TEXT({g[0]})", f"{v}_bits = pack_{v}({v})", f"if {v}_bits is None: return None"]
 
 
 # By exact kind class (a subclass such as OptUInt or RowView encodes differently).
 _CODE = {Legion: _int_code, UInt: _int_code, OptUInt: _opt_int_code, Keyword: _keyword_code,
          ViewKind: _view_code, RowView: _row_view_code, ViewOrImm: _view_or_imm_code, Until: _cond_code,
-         After: _cond_code, OptAddr: _opt_addr_code, Dram: _dram_code, OptTensor: _opt_tensor_code}
+         After: _cond_code, OptAddr: _opt_addr_code, Dram: _dram_code, OptTensor: _opt_tensor_code,
+         LegionSet: _legion_set_code}
 
 
 @dataclass(frozen=True)
@@ -460,11 +441,12 @@ class _Form:
 
 
 def _form(cls: type) -> _Form:
-    env, parts, body, n = {"_NEW": _NEW, "View": View, "Cond": Cond, "DramRef": DramRef, "cls": cls}, [], [], 0
+    env = {"_NEW": _NEW, "View": View, "Cond": Cond, "DramRef": DramRef, "SET_TEXT": _set_text, "cls": cls}
+    parts, body, n = [], [], 0
     word, shift = [str(cls.OPCODE)], OPCODE_BITS
     for f in cls.fields():
         kind, v = gen.kind_of(f), f"f_{f.name}"
-        pattern, code = _CODE.get(type(kind), _converted_code)(kind, v, env)
+        pattern, code = _CODE[type(kind)](kind, v, env)
         groups = re.compile(pattern).groups
         body += code([f"g[{k}]" for k in range(n, n + groups)])
         n += groups

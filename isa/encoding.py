@@ -242,8 +242,8 @@ def check_regions(p: Program) -> None:
 # immediates) check and pack inline; the others ask their quick check, then their encode.
 
 CANONICAL_NAN = bits_f32(0x7FC00000)
-_NAN_BITS = 1 | f32_bits(CANONICAL_NAN) << 1      # as a ViewOrImm field
-_F32, _U32 = struct.Struct("<f"), struct.Struct("<I")
+NAN_IMM_BITS = 1 | f32_bits(CANONICAL_NAN) << 1   # every NaN immediate, as a ViewOrImm field
+F32, U32 = struct.Struct("<f"), struct.Struct("<I")
 
 
 def _one_nan(v):
@@ -276,7 +276,7 @@ def _view_packer(kind):
     """ViewKind.encode, with its check inline."""
     codes = {s: SPACES.index(s) for s in kind.spaces}
     a, r, c = 1 << ADDR_BITS, 1 << kind.rs_bits, 1 << kind.cs_bits
-    rs_at, cs_at = 2 + ADDR_BITS, 2 + ADDR_BITS + kind.rs_bits
+    addr_at, rs_at, cs_at = kind.addr_at, kind.rs_at, kind.cs_at
 
     def pack(v):
         if type(v) is not View or type(v.space) is not str or v.space not in codes:
@@ -285,7 +285,7 @@ def _view_packer(kind):
         if not (type(addr) is int and type(rs) is int and type(cs) is int):
             return None
         ok = 0 <= addr < a and 0 <= rs < r and 0 <= cs < c
-        return codes[v.space] | addr << 2 | rs << rs_at | cs << cs_at if ok else None
+        return codes[v.space] | addr << addr_at | rs << rs_at | cs << cs_at if ok else None
     return pack
 
 
@@ -299,18 +299,20 @@ def _imm_packer(kind):
             x = view(v)
             return None if x is None else x << 1
         try:
-            b = _F32.pack(v)
+            b = F32.pack(v)
         except OverflowError:
             return None
         if v != v:
-            return _NAN_BITS
-        return 1 | _U32.unpack(b)[0] << 1 if _F32.unpack(b)[0] == v else None
+            return NAN_IMM_BITS
+        return 1 | U32.unpack(b)[0] << 1 if F32.unpack(b)[0] == v else None
     return pack
 
 
 def _cond_packer(kind):
     """Until.encode (After.encode: a presence bit first), with its check inline."""
-    queues, legions, counts = {q: n for n, q in enumerate(QUEUES)}, 1 << kind.legion_bits, 1 << kind.count_bits
+    queues, legions, counts = {q: n << kind.queue_at for n, q in enumerate(QUEUES)}, 1 << kind.legion_bits, \
+        1 << kind.count_bits
+    legion_at, rel, count_at = kind.legion_at, 1 << kind.rel_at, kind.count_at
     present = isinstance(kind, After)
 
     def pack(v):
@@ -323,8 +325,8 @@ def _cond_packer(kind):
             return None
         if count is not None and not (type(count) is int and 0 <= count < counts and back == 0):
             return None
-        where = 1 if legion is None else legion << 1      # own Legion, or which one
-        x = where | queues[v.queue] << 9 | (1 << 11 | back << 12 if count is None else count << 12)
+        where = 1 if legion is None else legion << legion_at      # own Legion, or which one
+        x = where | queues[v.queue] | (rel | back << count_at if count is None else count << count_at)
         return 1 | x << 1 if present else x
     return pack
 
@@ -394,6 +396,15 @@ def encode_instr(i: Instr) -> bytes:
         x |= _encoder(kind)(getattr(i, name)) << shift
         shift += kind.bits
     return x.to_bytes(WORD_BYTES, "little")
+
+
+def checked_word(i: Instr) -> bytes | None:
+    """The word of ``i``, or None when a field's value is not one its kind holds
+    (``field_errors`` says which)."""
+    try:
+        return encode_instr(i)
+    except ProgramError:
+        return None
 
 
 def decode_instr(b: bytes) -> Instr:

@@ -220,7 +220,11 @@ class ViewKind(Kind):
 
     rs_bits = 16
     cs_bits = 16
-    bits = 2 + ADDR_BITS + rs_bits + cs_bits
+    # Bit positions: the space's code, then addr, rs and cs.
+    addr_at = 2
+    rs_at = addr_at + ADDR_BITS
+    cs_at = rs_at + rs_bits
+    bits = cs_at + cs_bits
     grammar = "view"
 
     def __init__(self, *spaces: str):
@@ -228,14 +232,12 @@ class ViewKind(Kind):
 
     def encode(self, v):
         x = SPACES.index(v.space)
-        x |= v.addr << 2
-        x |= v.rs << (2 + ADDR_BITS)
-        return x | v.cs << (2 + ADDR_BITS + self.rs_bits)
+        return x | v.addr << self.addr_at | v.rs << self.rs_at | v.cs << self.cs_at
 
     def decode(self, x):
-        addr = x >> 2 & ((1 << ADDR_BITS) - 1)
-        rs = x >> (2 + ADDR_BITS) & ((1 << self.rs_bits) - 1)
-        cs = x >> (2 + ADDR_BITS + self.rs_bits) & ((1 << self.cs_bits) - 1)
+        addr = x >> self.addr_at & ((1 << ADDR_BITS) - 1)
+        rs = x >> self.rs_at & ((1 << self.rs_bits) - 1)
+        cs = x >> self.cs_at & ((1 << self.cs_bits) - 1)
         return View(SPACES[x & 3], addr, rs, cs)
 
     def text(self, v, names):
@@ -390,19 +392,24 @@ class Until(Kind):
     """A progress condition on one queue: ``L0.dma>=5``, ``L0.dma``, ``dma``, ``dma~1``."""
 
     legion_bits, count_bits = 8, 24
-    bits = 1 + legion_bits + 2 + 1 + count_bits
+    # Bit positions: "own Legion", the Legion, the queue, "relative", the count (or back).
+    legion_at = 1
+    queue_at = legion_at + legion_bits
+    rel_at = queue_at + 2
+    count_at = rel_at + 1
+    bits = count_at + count_bits
     grammar = "COND"
 
     def encode(self, v):
         own, rel = v.legion is None, v.count is None
-        return (int(own) | (0 if own else v.legion) << 1 | QUEUES.index(v.queue) << 9 | int(rel) << 11
-                | (v.back if rel else v.count) << 12)
+        return (int(own) | (0 if own else v.legion) << self.legion_at | QUEUES.index(v.queue) << self.queue_at
+                | int(rel) << self.rel_at | (v.back if rel else v.count) << self.count_at)
 
     def decode(self, x):
-        legion = None if x & 1 else x >> 1 & 0xFF
-        n = x >> 12 & ((1 << self.count_bits) - 1)
-        queue = QUEUES[x >> 9 & 3]
-        return Cond(legion, queue, None, n) if x >> 11 & 1 else Cond(legion, queue, n)
+        legion = None if x & 1 else x >> self.legion_at & ((1 << self.legion_bits) - 1)
+        n = x >> self.count_at & ((1 << self.count_bits) - 1)
+        queue = QUEUES[x >> self.queue_at & 3]
+        return Cond(legion, queue, None, n) if x >> self.rel_at & 1 else Cond(legion, queue, n)
 
     def text(self, v, names):
         return str(v)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from isa.fields import (QUEUES, After, Dram, Keyword, Legion, LegionSet, OptAddr, OptTensor, OptUInt,
+from isa.fields import (ADDR_BITS, QUEUES, After, Dram, Keyword, Legion, LegionSet, OptAddr, OptTensor, OptUInt,
                         UInt, Until, View, ViewKind, ViewOrImm)
 
 WORD_BITS = 320
@@ -48,7 +48,7 @@ def LSTRIDE():
 class RowView(ViewKind):
     """A matrix operand of the systolic array: rows contiguous (cs = 1), one fixed space."""
 
-    bits = 24 + 16
+    bits = ADDR_BITS + ViewKind.rs_bits          # addr, then rs
 
     def __init__(self, space: str):
         super().__init__(space)
@@ -56,10 +56,10 @@ class RowView(ViewKind):
         self.grammar = f'"{space}[" INT "," INT "]"'
 
     def encode(self, v):
-        return v.addr | v.rs << 24
+        return v.addr | v.rs << ADDR_BITS
 
     def decode(self, x):
-        return View(self.space, x & 0xFFFFFF, x >> 24 & 0xFFFF, 1)
+        return View(self.space, x & ((1 << ADDR_BITS) - 1), x >> ADDR_BITS & ((1 << self.rs_bits) - 1), 1)
 
     def text(self, v, names):
         return f"{v.space}[{v.addr},{v.rs}]"

@@ -49,13 +49,12 @@ def session(model: str | Path, reference: str = "onnxruntime", extra_outputs: li
     return ort.InferenceSession(m.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
-def unsigned_integer_weights(model) -> int:
+def unsigned_integer_weights(model) -> None:
     """Rewrite each constant int8 B operand of MatMulInteger and its zero point (0 when absent)
-    as uint8 + 128, in place: the same differences B - zero point. Returns how many B."""
+    as uint8 + 128, in place: the same differences B - zero point."""
     from onnx import TensorProto, numpy_helper
     inits = {t.name: t for t in model.graph.initializer}
     shifted: set[str] = set()
-    weights: set[str] = set()
 
     def shift(name: str) -> None:
         if name not in shifted:
@@ -64,14 +63,15 @@ def unsigned_integer_weights(model) -> int:
             shifted.add(name)
 
     for node in model.graph.node:
-        b = node.input[1] if node.op_type == "MatMulInteger" else None
-        if b not in inits or inits[b].data_type != TensorProto.INT8 and b not in shifted:
+        if node.op_type != "MatMulInteger":
             continue
+        b = node.input[1]
+        if b not in shifted and (b not in inits or inits[b].data_type != TensorProto.INT8):
+            continue                                    # a computed or unsigned B
         zp = node.input[3] if len(node.input) > 3 else ""
         if zp and zp not in inits:
             continue                                    # a computed zero point: left as it is
         shift(b)
-        weights.add(b)
         if zp:
             shift(zp)
         else:                                           # the default zero point 0, shifted
@@ -81,7 +81,6 @@ def unsigned_integer_weights(model) -> int:
                 model.graph.initializer.append(inits[zp])
             node.input.extend([""] * (4 - len(node.input)))
             node.input[3] = zp
-    return len(weights)
 
 
 def integer_ops(model: str | Path) -> bool:

@@ -76,9 +76,11 @@ def rowwise(em: Emitter, shape: tuple[int, ...], args: list[Arg], body: Body,
     if block >= rows and len(shape2) > 2:
         _whole_frames(em, args, shape2, bound, strides, body)
         return
-    half = _rows_per_block(em, args, strides, rows, width, where, em.capacity("vec") // 2, strict=False)
-    blocks = _InFlight(em, em.capacity("vec") // 2) if 0 < half < rows else _InFlight(em, 0)
-    block = half if blocks.half else block
+    half = em.capacity("vec") // 2
+    in_half = _rows_per_block(em, args, strides, rows, cols, where, half, strict=False)
+    overlap = 0 < in_half < rows                 # several blocks, each fitting half the scratchpad
+    blocks = _InFlight(em, half if overlap else 0)
+    block = in_half if overlap else block
     for outer in outer_indices(shape2):
         at = {n: op.at(outer) for n, op in bound.items()}
         for r0, n, count in _groups(rows, block, em.arch.legions):
@@ -92,7 +94,8 @@ def _whole_frames(em, args, shape, bound, strides, body) -> None:
     spans of Legions."""
     rows, cols = shape[-2:]
     half = em.capacity("vec") // 2
-    blocks = _InFlight(em, half if _rows_per_block(em, args, strides, rows, cols, "", half, False) >= rows else 0)
+    fits = _rows_per_block(em, args, strides, rows, cols, "", half, strict=False) >= rows
+    blocks = _InFlight(em, half if fits else 0)
     for outer in outer_indices(shape[:-1]):
         for i0, _, count in _groups(shape[-3], 1, em.arch.legions):
             at = {n: op.at(outer + (i0,)) for n, op in bound.items()}
