@@ -10,8 +10,10 @@ MatMul (array Na x Na = ``arch.array``, ``t`` tiles a window by mode, ``C`` core
   nonzero blocks into ceil(nonzero / t) windows (partially-sparse windows are compacted); one
   pass holds one window. split=k gives core c the K-slices kb % C == c; split=n gives core c
   window w of every K-slice with w % C == c. The busiest core sets the time:
-  passes_max * (M + pass_overhead) plus the weight loads it cannot hide (one when the weight
-  registers are double-buffered, else one per pass).
+  passes_max * (M + pass_overhead), plus a weight-window load per pass when the weight
+  registers are single-buffered. Double-buffered, only the first window's load can show: it is
+  the instruction's ``lead`` (see ``Cost``), hidden behind the queue's previous work when the
+  operands were in the Legion early enough.
   Psum traffic per column block with nk nonzero K-slices: ceil(nk / C) accumulator updates
   when split=k and the parallel accumulators sum the cores' outputs, else nk; each update
   reads and writes M x width int32s, except that the first update of a `set` only writes.
@@ -76,6 +78,8 @@ class Env:
 @dataclass(frozen=True)
 class Cost:
     cycles: int = 0                   # time on its queue (not used for a DMA)
+    lead: int = 0                     # cycles needed after its inputs are ready, before ``cycles``,
+                                      # which the queue's previous work can hide (a first weight load)
     flow_bytes: int | None = None     # a DMA: bytes its DRAM flow moves
     counters: dict = field(default_factory=dict)
     detail: dict | None = None        # a per-instruction report row (MatMul)
@@ -149,10 +153,14 @@ def block_stats(K: int, N: int, na: int, tiles: int, cores: int, split: str, kre
 
 
 def pass_cycles(arch: Arch, M: int, passes_max: int) -> int:
-    if passes_max == 0:
-        return 0
-    loads = 1 if arch.double_buffered_weights else passes_max
+    """The busiest core's passes, with the weight loads no double buffer hides."""
+    loads = 0 if arch.double_buffered_weights else passes_max
     return passes_max * (M + arch.derived.pass_overhead) + loads * arch.derived.weight_load_cycles
+
+
+def weight_lead(arch: Arch, passes_max: int) -> int:
+    """The first window's load, before a double-buffered instruction's first pass."""
+    return arch.derived.weight_load_cycles if passes_max and arch.double_buffered_weights else 0
 
 
 def _mask_blocks(i: Instr, arch: Arch, env: Env) -> Blocks | None:
@@ -184,7 +192,7 @@ def matmul(i: Instr, arch: Arch, env: Env) -> Cost:
     detail = {"mode": i.mode, "split": i.split, "M": i.M, "K": i.K, "N": i.N,
               "passes_max": s.passes_max, "cycles": cycles, "dense_cycles": dense_cycles,
               **counters}
-    return Cost(cycles=cycles, counters=counters, detail=detail)
+    return Cost(cycles=cycles, lead=weight_lead(arch, s.passes_max), counters=counters, detail=detail)
 
 
 # --- vector unit and sync --------------------------------------------------------------------

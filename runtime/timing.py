@@ -10,7 +10,12 @@ The model (every number comes from the :class:`~isa.arch.Arch` passed in, or its
   through the shared DRAM from ``start``; ``free`` is when its last byte leaves DRAM and
   ``done = free + dram_latency_cycles``: the DMA engine is pipelined, each request arrives one
   latency after its data left. Any other instruction holds its queue for its duration
-  (``runtime/costs.py``): ``free = done = start + duration``.
+  (``runtime/costs.py``): ``free = done = start + duration``. An instruction with a ``lead``
+  (a matmul's first weight-window load, with double-buffered weight registers) needs that
+  many cycles after its inputs are ready before its duration starts: ``free = max(start,
+  ready + lead) + duration``, where ``ready`` is when the last condition it (or a ``wait``
+  just before it) waited for came true. Back to back with operands already there, the load
+  hides behind the previous pass.
 - **Sync.** Each queue counts its *completed prefix*: how many of its instructions, from the
   first, are done. An instruction with ``wait=L0.dma>=5`` (or a ``wait`` instruction) starts
   only once queue (L0, dma) has a completed prefix of at least 5; a ``wait`` then passes,
@@ -104,7 +109,7 @@ class _Dram:
 # --- queues ----------------------------------------------------------------------------------
 
 class _Queue:
-    __slots__ = ("key", "items", "head", "busy", "prefix")
+    __slots__ = ("key", "items", "head", "busy", "prefix", "ready")
 
     def __init__(self, key):
         self.key = key
@@ -112,6 +117,7 @@ class _Queue:
         self.head = 0
         self.busy = False          # running an instruction (a DMA: until its flow ends)
         self.prefix = 0            # leading instructions that are done
+        self.ready = 0.0           # when the conditions met since its last instruction came true
 
 
 def _queue_keys(i, arch: Arch) -> list[tuple[int, str]]:
@@ -220,6 +226,8 @@ class _Sim:
         """True when ``cond`` holds; else ``q`` is woken when the named queue progresses."""
         target = self.queues.get((cond.legion, cond.queue))
         if target is not None and target.prefix >= cond.count:
+            if cond.count:          # queues complete in order: the count-th is the last to
+                q.ready = max(q.ready, float(self.done[target.items[cond.count - 1]]))
             return True
         if target is not None:
             self.waiters[target.key][q.key] = q
@@ -243,6 +251,7 @@ class _Sim:
         self._mark(k, t)
         self._finish(k)
         for other in self.parties:
+            other.ready = max(other.ready, t)
             if other is not q:
                 other.head += 1
                 woken.append(other)
@@ -252,11 +261,13 @@ class _Sim:
         c = self.costs[k]
         self.start[k] = t
         q.busy = True
+        ready, q.ready = q.ready, 0.0
         if c.flow_bytes is not None:
             self.dram.add(k, c.flow_bytes, t)
             return True
-        self.free[k] = t + c.cycles
-        heapq.heappush(self.events, (t + c.cycles, k))
+        end = max(t, ready + c.lead) + c.cycles
+        self.free[k] = end
+        heapq.heappush(self.events, (end, k))
         return True
 
     def _check_deadlock(self) -> None:

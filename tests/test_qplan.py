@@ -4,11 +4,12 @@ import numpy as np
 import pytest
 
 from isa import arch
-from isa.instructions import DmaLoad, MatMul
+from isa.instructions import DmaLoad, Drain, MatMul
 from dlegion_cc.lower.context import Switches
 from dlegion_cc.lower.emitter import Emitter
 from dlegion_cc.lower.qmatmul import block_maps
-from dlegion_cc.lower.qplan import Problem, RowScale, candidates, choose, estimate
+from dlegion_cc.lower import qplan
+from dlegion_cc.lower.qplan import TAIL_PIECES, Problem, RowScale, candidates, choose, estimate
 from dlegion_cc.lower.qtiles import emit_tiles
 from runtime.emulator import run
 from runtime.timing import simulate
@@ -112,6 +113,36 @@ def test_weight_chunks_are_double_buffered():
     assert len(loads) > 2
     overlapped = [k for k in loads[1:] if any(t.start[m] < t.start[k] < t.done[m] for m in mms)]
     assert overlapped
+
+
+def test_a_legions_first_weight_load_does_not_wait_for_its_activations():
+    """Before the first pass both loads are on the critical path; later weight chunks of a
+    K-chunked schedule load behind their activations (``qplan.weights_wait``)."""
+    machine, case = arch.load("dlegion-8x8"), (256, 1024, 512)
+    em, p, _, _ = problem(machine, *case)
+    plan = next(pl for pl in candidates(machine, p, Switches()) if not pl.whole_rows)
+    t = simulate(compiled(machine, plan, *case)[0], machine)
+    loads = [(k, i.dst.space) for k, i in enumerate(t.program.instrs) if isinstance(i, DmaLoad) and i.legion == 1
+             or isinstance(i, DmaLoad) and i.dst.space == "act"]
+    acts = [k for k, space in loads if space == "act"]
+    wgts = [k for k, space in loads if space == "wgt"]
+    assert t.start[wgts[0]] < t.done[acts[0]]
+    assert t.start[wgts[1]] >= t.done[acts[1]]
+
+
+def test_a_legions_last_tile_drains_and_stores_in_row_pieces(monkeypatch):
+    """Nothing hides a matmul's last store: it starts after a quarter of the last drain, so
+    the matmul ends sooner than with its last tile in one piece (exactness: above)."""
+    machine, case = arch.load("dlegion-8x8"), (256, 1024, 512)
+    em, p, _, _ = problem(machine, *case)
+    pick = choose(machine, p)
+    program = compiled(machine, pick, *case)[0]
+    drains = [i.M for i in program.instrs if isinstance(i, Drain) and i.legion == 0]
+    assert drains[-TAIL_PIECES:] == [pick.rows // TAIL_PIECES] * TAIL_PIECES
+    assert set(drains[:-TAIL_PIECES]) <= {pick.rows}
+    pieces = simulate(program, machine).cycles
+    monkeypatch.setattr(qplan, "TAIL_PIECES", 1)
+    assert pieces < cycles(machine, pick, *case)
 
 
 def test_no_accumulators_splits_passes_by_output_windows():

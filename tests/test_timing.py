@@ -62,6 +62,21 @@ def test_weight_loads_overlap_only_when_double_buffered():
     assert cycles(exposed, mm(16, 32, 8)) == 4 * 24 + 4 * 8
 
 
+def test_first_weight_load_hides_behind_the_previous_pass():
+    """Double-buffered weight registers load an mm's first window during the pass before it,
+    once the operands are there; after operands that arrive late, it shows."""
+    t = simulate(prog([mm(16, 8, 8), mm(16, 8, 8)]), ONE_CORE)
+    assert list(t.free) == [8 + 24, 8 + 24 + 24]           # one load shows, the second hides
+    late = [load_x(cols=320), mm(16, 8, 8), mm(16, 8, 8, wait=Cond(0, "dma", 1))]
+    t = simulate(prog(late, X320), ONE_CORE)
+    assert t.done[0] == 30 and t.start[2] == 32 and t.free[2] == 30 + 8 + 24
+    early = [load_x(cols=320), mm(64, 8, 8), mm(16, 8, 8, wait=Cond(0, "dma", 1))]
+    t = simulate(prog(early, X320), ONE_CORE)
+    assert t.free[1] == 8 + 72 and t.free[2] == 8 + 72 + 24
+    exposed = dataclasses.replace(ONE_CORE, double_buffered_weights=False)
+    assert simulate(prog([mm(16, 8, 8), mm(16, 8, 8)]), exposed).cycles == 2 * (24 + 8)
+
+
 def test_ws32_gemm_matches_scalesim():
     t = simulate(prog([mm(256, 256, 256)]), load("ws-32"))
     assert t.cycles == 64 * (256 + 64) + 32 * 64 == 22528
@@ -360,7 +375,8 @@ def test_counts_per_family_and_per_matmul_rows():
     assert [c[f"count_{f}"] for f in ("dma", "matrix", "drain", "vector", "sync")] == [1, 1, 0, 1, 2]
     assert c["busy_sync"] == 0
     (row,) = c["per_instr"]
-    assert (row["index"], row["mode"], row["macs"], row["cycles"]) == (2, "w4", 256, 4 + 8 + 8)
+    assert (row["index"], row["mode"], row["macs"], row["cycles"]) == (2, "w4", 256, 4 + 8)
+    assert row["done"] - row["start"] == 8 + 4 + 8     # its weights' load shows: they came with the wait
 
 
 def test_twenty_thousand_instructions_with_barriers_simulate():

@@ -12,7 +12,8 @@ loaded again.
 
 The cost model replays the schedule chunk by chunk for every Legion with the machine's own
 figures: an ``mm``'s time is ``runtime.costs``' (passes of M + pass_overhead cycles on the
-busiest core, the block mask compacting partially-sparse windows), a load takes its bytes
+busiest core, the block mask compacting partially-sparse windows), after its first weight
+window's load unless the matrix queue was still busy when its operands arrived; a load takes its bytes
 at the Legion's share of DRAM bandwidth plus the DRAM latency, a drain ``M*N / lanes``
 cycles; each operation starts when its queue is free and what it depends on is done. The
 total is the latest Legion's finish, and never less than all DRAM bytes at the DRAM rate.
@@ -27,7 +28,7 @@ import numpy as np
 
 from isa.arch import MODE_BITS, MODE_TILES, Arch
 from dlegion_cc.lower.context import Switches
-from runtime.costs import Blocks, block_stats, pass_cycles
+from runtime.costs import Blocks, block_stats, pass_cycles, weight_lead
 
 ORDERS = ("rows", "cols")
 
@@ -114,13 +115,14 @@ def legion_tiles(p: Problem, plan: Plan, legion: int) -> list[tuple[int, int]]:
     return [(n0, min(plan.cols, stop - n0)) for n0 in range(start, stop, plan.cols)]
 
 
-def weights_wait(plan: Plan) -> bool:
+def weights_wait(plan: Plan, first: bool) -> bool:
     """Whether a weight chunk's load waits for the chunk's activations. Activations cut in K
     chunks are loaded again with every chunk, and every Legion's passes wait for them: weight
     loads behind them never compete with them for DRAM, and a pass that waits for its weights
     needs no second condition. Activations held whole are loaded once, before everything:
-    then the weights start streaming at once (each pass waits for both)."""
-    return not plan.whole_rows
+    then the weights start streaming at once (each pass waits for both). A Legion's ``first``
+    weight load never waits: before the first pass both loads are on the critical path."""
+    return not plan.whole_rows and not first
 
 
 def segments(p: Problem, plan: Plan) -> tuple:
@@ -177,6 +179,18 @@ def _same_work(arch: Arch, p: Problem, plan: Plan, a: int, b: int) -> bool:
     na, width = arch.array, sum(nb for _, nb in ta)
     cols = lambda tiles: slice(tiles[0][0] // na, (tiles[0][0] + width) // na)
     return all(np.array_equal(nz[:, cols(ta)], nz[:, cols(tb)]) for nz in p.nonzero)
+
+
+# A Legion's last tile is drained and stored in this many row pieces: the first piece's store
+# starts after a quarter of the drain, not all of it. Nothing hides a matmul's last store.
+TAIL_PIECES = 4
+
+
+def tail_pieces(p: Problem, rows: int, final: bool) -> list[range]:
+    """The row pieces a tile of ``rows`` rows is drained and stored in (``final``: a Legion's
+    last tile; results stored straight from the accumulators are ready all at once)."""
+    size = -(-rows // (TAIL_PIECES if final and not p.exact else 1))
+    return [range(r, min(r + size, rows)) for r in range(0, rows, size)]
 
 
 def row_blocks(p: Problem, plan: Plan) -> list[tuple[int, int]]:
@@ -461,7 +475,10 @@ def estimate(arch: Arch, p: Problem, plan: Plan) -> Estimate:
     count = max(len(t) for t in tiles.values())
     blocks = row_blocks(p, plan)
     st = _State(m, plan)
-    for b, t, backwards in tile_order(p, plan, count):
+    order = tile_order(p, plan, count)
+    last = {l: max(k for k, (_, t, _) in enumerate(order) if t < len(tiles[l])) for l in m.legions}
+    final = len(units(p, plan)) - 1
+    for k, (b, t, backwards) in enumerate(order):
         here = [l for l in m.legions if t < len(tiles[l])]
         mb = blocks[b][1]
         for u, unit in enumerate(units(p, plan)):
@@ -475,9 +492,9 @@ def estimate(arch: Arch, p: Problem, plan: Plan) -> Estimate:
             for l in here:
                 if u == 0 and not p.exact:
                     _model_stores(m, st, l)       # the previous tile's store, as the emitter places it
-                _model_unit_end(m, st, l, mb, tiles[l][t][1], acc[l], begin[l])
+                _model_unit_end(m, st, l, mb, tiles[l][t][1], acc[l], begin[l], u == final)
         for l in here:
-            _model_tile_end(m, st, l, mb, tiles[l][t], acc[l])
+            _model_tile_end(m, st, l, mb, tiles[l][t], acc[l], last[l] == k)
     for l in m.legions:
         _model_stores(m, st, l)
     floor = m.bytes / arch.derived.dram_bytes_per_cycle
@@ -541,19 +558,21 @@ def _model_chunk(m: _Model, st: _State, b: int, t: int, c: Chunk, here: list, ti
             key_w = (i, c.k0, n0)
             s = st.w[l].find(key_w)
             if s is None:
+                first = not st.w[l].held
                 s = st.w[l].take(key_w)
                 free = st.free.get(("w", l, s), 0.0)
-                if weights_wait(plan):
+                if weights_wait(plan, first):
                     free = max(free, st.ready[("a", *a_slot[l])])
                 flows.append((l, _loaded_bytes(m.arch, c.kc, nb, mode, nz), free))
                 where.append(("w", l, s))
             work.append((l, s, _mm_cycles(m.arch, plan, mb, c.kc, nb, mode, nz)))
     for key_r, ready in zip(where, m.loads(flows)):
         st.ready[key_r] = ready
+    lead = weight_lead(m.arch, 1)
     for l, s, cycles in work:
         owner, sa = a_slot[l]
-        start = max(m.mat[l], begin[l], st.ready[("a", owner, sa)], st.ready[("w", l, s)])
-        m.mat[l] = start + cycles
+        ready = max(begin[l], st.ready[("a", owner, sa)], st.ready[("w", l, s)])
+        m.mat[l] = max(m.mat[l], ready + lead) + cycles
         m.instructions += l in m.emitted
         st.free[("w", l, s)] = m.mat[l]
         st.free[("a", owner, sa, l)] = m.mat[l]
@@ -584,32 +603,45 @@ def _model_activations(m: _Model, st: _State, b: int, c: Chunk, here: list) -> d
     return a_slot
 
 
-def _model_unit_end(m: _Model, st: _State, l: int, mb: int, nb: int, acc: int, begin: float) -> None:
-    """Correction passes, then the drain (which frees the accumulators)."""
+def _model_unit_end(m: _Model, st: _State, l: int, mb: int, nb: int, acc: int, begin: float,
+                    last: bool) -> None:
+    """Correction passes, then the drain, unless the unit is the tile's ``last`` (drained with
+    the tile's store, ``_model_tile_end``)."""
     p, plan = m.p, m.plan
     m.mat[l] = max(m.mat[l], begin)
     if p.corr_row is not None:
         m.mat[l] += -(-p.k2 // max(plan.corr_depth, 1)) * pass_cycles(m.arch, mb, 1)
     if p.exact:
         st.acc_free[(l, acc)] = m.mat[l]
-        return
-    res = st.turn.get(("res", l), 0) % plan.res_slots
+    elif not last:
+        _model_drain(m, st, l, mb * nb, acc)
+
+
+def _model_drain(m: _Model, st: _State, l: int, elems: int, acc: int) -> None:
+    """A drain into the current result slot; the accumulators are free after it."""
+    res = st.turn.get(("res", l), 0) % m.plan.res_slots
     start = max(m.vec[l], m.mat[l], st.res_free[(l, res)])
-    m.vec[l] = start + -(-mb * nb // m.arch.vector_lanes)
+    m.vec[l] = start + -(-elems // m.arch.vector_lanes)
     m.instructions += l in m.emitted
     st.acc_free[(l, acc)] = m.vec[l]
 
 
-def _model_tile_end(m: _Model, st: _State, l: int, mb: int, tile: tuple, acc: int) -> None:
-    """Requantization, and the tile's store, issued later (see ``_model_stores``)."""
+def _model_tile_end(m: _Model, st: _State, l: int, mb: int, tile: tuple, acc: int, final: bool) -> None:
+    """The last unit's drain, requantization and the store, by row pieces in the Legion's
+    ``final`` tile; the stores are issued later (see ``_model_stores``)."""
     p = m.p
     n0, nb = tile
-    if p.requant is not None:
-        m.vec[l] += 4 * -(-mb * nb // m.arch.vector_lanes)
-    ready = m.mat[l] if p.exact else m.vec[l]
-    slot = acc if p.exact else st.next("res", l)
     cols = sum(piece[3] for piece in stores(p, m.plan, l, n0, nb))
-    st.stores[l].append((ready, mb * cols * 4, slot))
+    slot = acc if p.exact else st.turn.get(("res", l), 0) % m.plan.res_slots
+    for rows in tail_pieces(p, mb, final):
+        if not p.exact:
+            _model_drain(m, st, l, len(rows) * nb, acc)
+        if p.requant is not None:
+            m.vec[l] += 4 * -(-len(rows) * nb // m.arch.vector_lanes)
+        ready = m.mat[l] if p.exact else m.vec[l]
+        st.stores[l].append((ready, len(rows) * cols * 4, slot))
+    if not p.exact:
+        st.next("res", l)
 
 
 def _model_stores(m: _Model, st: _State, l: int) -> None:

@@ -32,8 +32,8 @@ from isa.instructions import BY_MNEMONIC, DmaLoad, DmaStore, Drain, MatMul
 from dlegion_cc.lower.emitter import Emitter
 from dlegion_cc.lower.qplan import (CV_SLOTS, RS_SLOTS, Chunk, Group, Plan, Problem, RowScale, Segment, Slots,
                                     Switches, act_key, act_slot_elems, choose, chunk_blocks, groups, in_order,
-                                    legion_tiles, owners, row_blocks, stores, tile_order, units, weights_wait,
-                                    wgt_slot_bytes)
+                                    legion_tiles, owners, row_blocks, stores, tail_pieces, tile_order, units,
+                                    weights_wait, wgt_slot_bytes)
 
 __all__ = ["Plan", "Problem", "RowScale", "Segment", "emit_tiles", "plan_tiles"]
 
@@ -247,6 +247,7 @@ class _Tiles:
         s = self.w[g].find(key)
         if s is not None:
             return s
+        first = not self.w[g].held
         s = self.w[g].take(key)
         tensor, mode = self.p.weights[piece]
         # Zero blocks are left out of the load only where the slot holds earlier bytes: the
@@ -261,7 +262,7 @@ class _Tiles:
         # them (a queue completes in order): waiting here would only serialize the two loads.
         same_queue = {(l, q) for l, q, _ in act} == {(l, "dma") for l in g.legions}
         self._load("wgt", g, s, g, self._weight_loads(g, s, tensor, mode, c.k0, c.kc, n0, nb, nz),
-                   [act] if weights_wait(self.plan) and not same_queue else [])
+                   [act] if weights_wait(self.plan, first) and not same_queue else [])
         return s
 
     def _weight_loads(self, g, s, tensor, mode, k0, kc, n0, nb, nz) -> list:
@@ -388,7 +389,9 @@ def emit_tiles(em: Emitter, p: Problem, plan: Plan, written: dict | None = None,
     st = _Tiles(em, p, plan, {} if written is None else written, spans)
     _zero_point_row(st)
     count = max(len(t) for t in st.tiles.values())
-    for b, t, backwards in tile_order(p, plan, count):
+    order = tile_order(p, plan, count)
+    last = {g.base: max(k for k, (_, t, _) in enumerate(order) if t < len(st.tiles[g])) for g in st.groups}
+    for k, (b, t, backwards) in enumerate(order):
         here = [g for g in st.groups if t < len(st.tiles[g])]
         st.row_scales(b)
         for g in here:
@@ -401,7 +404,11 @@ def emit_tiles(em: Emitter, p: Problem, plan: Plan, written: dict | None = None,
             for g in here:
                 _finish_unit(st, b, t, u, g, acc[g], first[g], unit)
         for g in here:
-            _end_tile(st, b, t, g, acc[g])
+            # The last unit's drain goes with the store: by row pieces in the group's last tile.
+            for rows in tail_pieces(p, st.blocks[b][1], last[g.base] == k):
+                if not p.exact:
+                    _drain(st, b, t, len(st.units) - 1, g, acc[g], st.units[-1][0].group, rows)
+                _end_tile(st, b, t, g, acc[g], rows)
     for g in st.groups:
         _flush(st, g)
 
@@ -461,7 +468,8 @@ def _chunk(st: _Tiles, b: int, t: int, c: Chunk, here: list, acc: dict, first: d
 
 
 def _finish_unit(st: _Tiles, b: int, t: int, u: int, g: Group, acc: int, first: bool, unit: list) -> None:
-    """The zero-point correction passes and the drain of one accumulation unit."""
+    """The zero-point correction passes of one accumulation unit, and its drain unless it is
+    the tile's last (drained with the tile's store, ``emit_tiles``)."""
     p = st.p
     m0, mb = st.blocks[b]
     n0, nb = st.tiles[g][t]
@@ -474,7 +482,8 @@ def _finish_unit(st: _Tiles, b: int, t: int, u: int, g: Group, acc: int, first: 
         return
     if u == 0:
         _flush(st, g)
-    _drain(st, b, t, u, g, acc, unit[0].group, mb, nb)
+    if u < len(st.units) - 1:
+        _drain(st, b, t, u, g, acc, unit[0].group, range(mb))
 
 
 def _zero_pass(st: _Tiles, b: int, t: int, g: Group, acc: int, c: Chunk) -> None:
@@ -541,13 +550,17 @@ def _column_vectors(st: _Tiles, g: Group, t: int) -> None:
     st._load("cv", g, s, g, loads)
 
 
-def _drain(st: _Tiles, b: int, t: int, u: int, g: Group, acc: int, grp: int, mb: int, nb: int) -> None:
+def _drain(st: _Tiles, b: int, t: int, u: int, g: Group, acc: int, grp: int, rows: range) -> None:
+    """Rows ``rows`` of the tile's accumulators, scaled, into its result slot."""
     p = st.p
-    if u == 0:
+    nb = st.tiles[g][t][1]
+    if u == 0 and rows.start == 0:
         st.res_slot[g] = _next(st, "res", g)
     res = st.res_slot[g]
     cv = st.cv_slot[g]
     rscale, rs_needs = st.rscale_addr(g, b)
+    if rscale is not None:
+        rscale += rows.start
     needs = [st.sync.mark(g, "mat")] + rs_needs
     if u == 0:
         needs += st.readers.pop(("res", g, res), [])
@@ -556,8 +569,10 @@ def _drain(st: _Tiles, b: int, t: int, u: int, g: Group, acc: int, grp: int, mb:
     base = st.cv_at + cv * st.cv_size
     cscale = None if p.scales is None else base + grp * nb
     bias = base + p.groups * nb if p.bias is not None and u == 0 else None
-    done = st.emit(g, Drain(legion=g.base, dst=View("vec", res * st.addr["res"], nb, 1),
-                            acc=View("acc", acc * st.addr["acc"], nb, 1), M=mb, N=nb, zp=None, rscale=rscale,
+    at = rows.start * nb
+    done = st.emit(g, Drain(legion=g.base, dst=View("vec", res * st.addr["res"] + at, nb, 1),
+                            acc=View("acc", acc * st.addr["acc"] + at, nb, 1), M=len(rows), N=nb, zp=None,
+                            rscale=rscale,
                             cscale=cscale, bias=bias, accumulate="set" if u == 0 else "add"), needs)
     st.read_by(("acc", g, acc), done)
     st.read_by(("cv", g, cv), done)
@@ -566,16 +581,18 @@ def _drain(st: _Tiles, b: int, t: int, u: int, g: Group, acc: int, grp: int, mb:
         st.read_by(("rs", owner, st.rs[owner].find(b)), done)
 
 
-def _end_tile(st: _Tiles, b: int, t: int, g: Group, acc: int) -> None:
-    """Requantize on the vector unit, then store the tile (emitted later: see ``_flush``)."""
+def _end_tile(st: _Tiles, b: int, t: int, g: Group, acc: int, rows: range) -> None:
+    """Requantize rows ``rows`` of the tile on the vector unit, then store them (emitted later:
+    see ``_flush``)."""
     p = st.p
-    m0, mb = st.blocks[b]
+    m0, _ = st.blocks[b]
     n0, nb = st.tiles[g][t]
+    m0, mb, at = m0 + rows.start, len(rows), rows.start * nb
     if p.exact:
-        src, space_slot, queue = View("acc", acc * st.addr["acc"], nb, 1), ("acc", g, acc), "mat"
+        src, space_slot, queue = View("acc", acc * st.addr["acc"] + at, nb, 1), ("acc", g, acc), "mat"
     else:
         res = st.res_slot[g]
-        src, space_slot, queue = View("vec", res * st.addr["res"], nb, 1), ("res", g, res), "vec"
+        src, space_slot, queue = View("vec", res * st.addr["res"] + at, nb, 1), ("res", g, res), "vec"
         if p.requant is not None:
             zp, lo, hi = p.requant
             for name, arg in (("vround", None), ("vadd", float(zp)), ("vmax", float(lo)), ("vmin", float(hi))):
