@@ -1,9 +1,12 @@
-"""D-Legion against its baselines on BitNet attention projections: the paper's kind of table.
+"""D-Legion against its baselines on BitNet attention workloads: the paper's kind of table.
 
-    python bench/bench_compare.py [--seq 128,512] [--shape 2b4t --shape large] [--jobs N] [--json FILE]
+    python bench/bench_compare.py [--seq 128,512] [--shape 2b4t --shape large]
+                                  [--workload projections --workload products] [--jobs N] [--json FILE]
 
-Each workload is the Q, K, V and O projections (BitLinear: per-token absmax 8-bit activations x
-ternary weights) of one attention layer of a BitNet shape at one sequence length. Each is
+A workload is one attention layer of a BitNet shape at one sequence length: its Q, K, V and O
+projections (BitLinear: per-token absmax 8-bit activations x ternary weights), or its QK^T and
+PV products with int8 operands (w8 on the arrays; each K/V head multiplies the queries of its
+GQA group, so its tiles are loaded once for the group). Each is
 compiled for dlegion-8x8 against ws-64, dip-64 and adip-64, and for dlegion-32x8 against tpuv4i,
 and timed with the timing model only (no functional emulation). For each machine it prints the
 latency, DRAM and accumulator (psum) traffic, the ratios to its D-Legion, and the term that
@@ -60,23 +63,41 @@ def attention_projections(config: BitNetConfig, seq: int) -> onnx.ModelProto:
                    [tensor_info(p, FLOAT, [1, seq, widths[p]]) for p in PROJECTIONS])
 
 
-def run_all(workloads: list[tuple[str, int]], jobs: int, console: Console) -> list[dict]:
+def attention_products(config: BitNetConfig, seq: int) -> onnx.ModelProto:
+    """QK^T and PV with int8 operands (MatMulInteger, int32 scores and context), each K/V head
+    multiplying the query rows of its whole GQA group: [kv_heads, group * seq, head_dim]."""
+    d = config.hidden // config.heads
+    g, kvh = config.heads // config.kv_heads, config.kv_heads
+    b = GraphBuilder()
+    b.nodes += [onnx.helper.make_node("MatMulInteger", ["q", "kt"], ["scores"], name="self_attn/QK"),
+                onnx.helper.make_node("MatMulInteger", ["p", "v"], ["context"], name="self_attn/PV")]
+    int8, int32 = onnx.TensorProto.INT8, onnx.TensorProto.INT32
+    ins = {"q": [kvh, g * seq, d], "kt": [kvh, d, seq], "p": [kvh, g * seq, seq], "v": [kvh, seq, d]}
+    return b.model([tensor_info(n, int8, s) for n, s in ins.items()],
+                   [tensor_info("scores", int32, [kvh, g * seq, seq]), tensor_info("context", int32, [kvh, g * seq, d])])
+
+
+WORKLOADS = {"projections": (attention_projections, "attention Q/K/V/O projections"),
+             "products": (attention_products, "attention QK^T and PV, int8")}
+
+
+def run_all(workloads: list[tuple[str, int, str]], jobs: int, console: Console) -> list[dict]:
     """Every workload on every machine, ``jobs`` compilations at a time."""
     machines = [arch_mod.load(m) for ref, bases in PAIRS.items() for m in (ref, *bases)]
     rows = []
     with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(max_workers=jobs) as pool:
         pending = []
-        for shape, seq in workloads:
-            path = Path(tmp) / f"{shape}-{seq}.onnx"
-            save(attention_projections(PRESETS[shape], seq), path, external_data=True)
+        for shape, seq, kind in workloads:
+            path = Path(tmp) / f"{shape}-{seq}-{kind}.onnx"
+            save(WORKLOADS[kind][0](PRESETS[shape], seq), path, external_data=True)
             for m in machines:
-                pending.append(((shape, seq, m.name), pool.submit(evaluate, path, config_of(m), {})))
+                pending.append(((shape, seq, kind, m.name), pool.submit(evaluate, path, config_of(m), {})))
                 for off in ABLATIONS if m.name in PAIRS else ():
-                    pending.append(((shape, seq, f"{m.name} no-{off}"),
+                    pending.append(((shape, seq, kind, f"{m.name} no-{off}"),
                                     pool.submit(evaluate, path, config_of(m), {}, {off: False})))
-        for i, ((shape, seq, name), future) in enumerate(pending, 1):
-            rows.append({"shape": shape, "seq": seq, **future.result(), "name": name})
-            console.print(f"[{i}/{len(pending)}] {shape} seq {seq} on {rows[-1]['name']}", highlight=False)
+        for i, ((shape, seq, kind, name), future) in enumerate(pending, 1):
+            rows.append({"shape": shape, "seq": seq, "kind": kind, **future.result(), "name": name})
+            console.print(f"[{i}/{len(pending)}] {shape} seq {seq} {kind} on {rows[-1]['name']}", highlight=False)
     return rows
 
 
@@ -88,9 +109,9 @@ def _reference(machine: str) -> str:
 def add_ratios(rows: list[dict]) -> None:
     """Each machine's latency, DRAM and psum traffic over its D-Legion's on the same workload
     (> 1: D-Legion is faster or moves less)."""
-    ok = {(r["shape"], r["seq"], r["name"]): r for r in rows if r["status"] == "ok"}
+    ok = {(r["shape"], r["seq"], r["kind"], r["name"]): r for r in rows if r["status"] == "ok"}
     for r in rows:
-        ref = ok.get((r["shape"], r["seq"], _reference(r["name"])))
+        ref = ok.get((r["shape"], r["seq"], r["kind"], _reference(r["name"])))
         for key, ratio in (("time_us", "latency_x"), ("dram_bytes", "dram_x"), ("psum_bytes", "psum_x")):
             good = r["status"] == "ok" and ref is not None and ref[key]
             r[ratio] = r[key] / ref[key] if good else None
@@ -104,8 +125,8 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f}"
 
 
-def print_workload(rows: list[dict], shape: str, seq: int, console: Console) -> None:
-    t = Table(title=f"{shape} attention Q/K/V/O projections, sequence {seq}", title_justify="left")
+def print_workload(rows: list[dict], shape: str, seq: int, kind: str, console: Console) -> None:
+    t = Table(title=f"{shape} {WORKLOADS[kind][1]}, sequence {seq}", title_justify="left")
     for col in ("machine", "cycles", "us", "DRAM MiB", "psum MiB", "matrix busy", "DRAM B/BW", "vector busy",
                 "bound", "latency vs D-Legion", "DRAM vs", "psum vs"):
         t.add_column(col, justify="left" if col in ("machine", "bound") else "right", no_wrap=True)
@@ -122,9 +143,12 @@ def print_workload(rows: list[dict], shape: str, seq: int, console: Console) -> 
             console.print(f"  * {r['name']}: {r['warning']}", highlight=False, soft_wrap=True)
 
 
-def print_summary(rows: list[dict], console: Console) -> None:
-    """Geometric means over the workloads of each baseline's ratios to its D-Legion."""
-    t = Table(title="geometric mean over workloads (baseline / D-Legion)", title_justify="left")
+def print_summary(rows: list[dict], console: Console, kind: str | None = None) -> None:
+    """Geometric means over the workloads (of one ``kind``, or all) of each baseline's ratios to
+    its D-Legion."""
+    rows = [r for r in rows if kind is None or r["kind"] == kind]
+    what = "workloads" if kind is None else WORKLOADS[kind][1]
+    t = Table(title=f"geometric mean over {what} (baseline / D-Legion)", title_justify="left")
     for col in ("baseline", "vs", "workloads", "latency", "DRAM", "psum"):
         t.add_column(col, justify="left" if col in ("baseline", "vs") else "right")
     for ref, bases in PAIRS.items():
@@ -145,15 +169,22 @@ def _geomean(values: list[float]) -> float | None:
               help="Sequence lengths (the paper's range is 128..2048).")
 @click.option("--shape", "shapes", multiple=True, type=click.Choice(["2b4t", "large"]),
               help="BitNet shapes (repeatable; default both).")
+@click.option("--workload", "kinds", multiple=True, type=click.Choice(list(WORKLOADS)),
+              help="Workloads (repeatable; default all).")
 @click.option("--jobs", type=click.IntRange(min=1), default=os.cpu_count() or 1, show_default="CPU count")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write every row as JSON.")
-def main(seqs, shapes, jobs, json_path):
+def main(seqs, shapes, kinds, jobs, json_path):
     console = Console() if Console().is_terminal else Console(width=TABLE_WIDTH)
-    workloads = [(shape, seq) for shape in (shapes or ("2b4t", "large")) for seq in seqs]
+    workloads = [(shape, seq, kind) for kind in kinds or WORKLOADS for shape in (shapes or ("2b4t", "large"))
+                 for seq in seqs]
     rows = run_all(workloads, jobs, Console(stderr=True))
     add_ratios(rows)
-    for shape, seq in workloads:
-        print_workload([r for r in rows if (r["shape"], r["seq"]) == (shape, seq)], shape, seq, console)
+    for shape, seq, kind in workloads:
+        print_workload([r for r in rows if (r["shape"], r["seq"], r["kind"]) == (shape, seq, kind)],
+                       shape, seq, kind, console)
+    kinds = list(dict.fromkeys(k for _, _, k in workloads))
+    for kind in kinds if len(kinds) > 1 else ():
+        print_summary(rows, console, kind)
     print_summary(rows, console)
     if json_path:
         from isa.files import atomic_write

@@ -213,14 +213,47 @@ def test_matmul_integer_batched_constant_weights(tmp_path):
     check_exact(tmp_path, m, {"a": rng.integers(0, 256, (2, 5, 32)).astype(np.uint8), "az": np.array(0, np.uint8)})
 
 
-def test_matmul_integer_errors_name_the_node(tmp_path):
-    node = helper.make_node("MatMulInteger", ["a", "b"], ["y"], name="mmi")
-    m = model([node], [("a", TP.UINT8, [4, 8]), ("b", TP.INT8, [8, 8])], [("y", TP.INT32, [4, 8])])
-    with pytest.raises(CompileError, match=r"node 'mmi' \(MatMulInteger\): B 'b' is computed at run time"):
+@pytest.mark.parametrize("bshape", [(2, 32, 16), (32, 16), (2, 32, 12)])
+def test_matmul_integer_of_two_run_time_int8_operands(tmp_path, bshape):
+    """Attention's QK^T or PV quantized by the graph: B computed at run time is loaded as w8
+    weights, one matrix per batch of A (or one for all of A), copied to rows of whole arrays'
+    widths where it is narrower (12 columns on 8-wide arrays)."""
+    node = helper.make_node("MatMulInteger", ["a", "b"], ["y"])
+    n = bshape[-1]
+    m = model([node], [("a", TP.INT8, [2, 5, 32]), ("b", TP.INT8, list(bshape))], [("y", TP.INT32, [2, 5, n])])
+    feeds = {"a": rng.integers(-128, 128, (2, 5, 32)).astype(np.int8),
+             "b": rng.integers(-128, 128, bshape).astype(np.int8)}
+    program = check_exact(tmp_path, m, feeds)
+    assert modes(program) == {"w8"}
+    loaded = {program.tensors[i.src.tensor].name for i in program.instrs
+              if isinstance(i, DmaLoad) and i.dst.space == "wgt"}
+    assert loaded == {"b" if bshape[-1] % ARCH.array == 0 else "b_w8"}
+
+
+@pytest.mark.parametrize("a_type, b_type, bz, b_cols, why", [
+    (TP.UINT8, TP.INT8, None, 8, "A 'a' is uint8; with B computed at run time both operands must be int8"),
+    (TP.INT8, TP.UINT8, None, 8, "B 'b' is uint8"),
+    (TP.INT8, TP.INT8, 3, 8, "B's zero point 'bz' is not 0"),
+])
+def test_matmul_integer_errors_name_the_node(tmp_path, a_type, b_type, bz, b_cols, why):
+    ins = ["a", "b"] if bz is None else ["a", "b", "", "bz"]
+    node = helper.make_node("MatMulInteger", ins, ["y"], name="mmi")
+    inits = [] if bz is None else [const("bz", bz, b_type)]
+    m = model([node], [("a", a_type, [4, 8]), ("b", b_type, [8, b_cols])], [("y", TP.INT32, [4, b_cols])], inits)
+    with pytest.raises(CompileError, match=r"node 'mmi' \(MatMulInteger\): " + why):
         compile_and_run(tmp_path, m, {})
 
 
 # --- QLinearMatMul -------------------------------------------------------------------------
+
+def test_qlinear_matmul_of_a_run_time_b_says_what_takes_one(tmp_path):
+    inits = [const(n, np.float32(0.5)) for n in ("sa", "sb", "sy")] + [const(n, 0, TP.INT8) for n in ("za", "zb", "zy")]
+    node = helper.make_node("QLinearMatMul", ["a", "sa", "za", "b", "sb", "zb", "sy", "zy"], ["y"], name="qlm")
+    m = model([node], [("a", TP.INT8, [4, 8]), ("b", TP.INT8, [8, 8])], [("y", TP.INT8, [4, 8])], inits)
+    with pytest.raises(CompileError, match=r"node 'qlm' \(QLinearMatMul\): B 'b' is computed at run time; "
+                                           r"of the integer matmuls only MatMulInteger of two int8"):
+        compile_and_run(tmp_path, m, {})
+
 
 @pytest.mark.parametrize("opset", [17, 21])
 @pytest.mark.parametrize("a_type", [TP.UINT8, TP.INT8])

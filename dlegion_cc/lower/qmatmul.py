@@ -168,6 +168,48 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
         emit_tiles(em, p, plan_tiles(arch, p, low.switches), low.written)
 
 
+def lower_run_time_weights(low: Lowering, name: str, a: str, b: str, out: str) -> None:
+    """``out = a . b`` in int32 for int8 operands both computed at run time (a graph that
+    quantizes attention's QK^T or PV): b's rows, as they are in DRAM, are the weight rows the
+    arrays load in mode w8. Each batch of b multiplies its slice of a's rows; the weights'
+    zero blocks are unknown when compiling, so every window is passed."""
+    em, arch = low.em, low.em.arch
+    shape, bshape = low.shape(a), low.shape(b)
+    if len(bshape) < 2 or not shape or shape[-1] != bshape[-2]:
+        raise ValueError(f"A of shape {list(shape)} and B of shape {list(bshape)} do not multiply")
+    K, N = bshape[-2:]
+    batches, M = math.prod(bshape[:-2]), math.prod(shape[:-1])
+    if batches > 1 and math.prod(shape[:-2]) != batches:
+        raise ValueError(f"B of shape {list(bshape)} is not one matrix per batch of A {list(shape)}")
+    n_pad = math.ceil(N / arch.array) * arch.array
+    before = len(em.instrs)
+    a8, w = int8_rows(low, a, 0), _padded_rows(low, b, n_pad)
+    if len(em.instrs) > before:
+        em.barrier()                                    # the arrays load what the vector unit wrote
+    dst = low.result(out)
+    if em.tensors[dst.tensor].dtype != "i32":
+        raise ValueError(f"output '{out}' is not stored as int32")
+    per = M // batches
+    for i in range(batches):
+        p = Problem(a8, None, ((w, "w8"),), None, 1, K, None, None, None, 0, "w8", None, True, dst.tensor,
+                    range(i * per, (i + 1) * per), K, N, n_pad, w_offset=i * K * n_pad)
+        emit_tiles(em, p, plan_tiles(arch, p, low.switches), low.written)
+
+
+def _padded_rows(low: Lowering, name: str, n_pad: int) -> int:
+    """``name`` as int8 rows of ``n_pad`` columns (zero past its own), as weights are laid out."""
+    shape = low.shape(name)
+    if shape[-1] == n_pad:
+        return int8_rows(low, name, 0)
+    t = low.em.tensor(f"{name}_w8", "i8", (*shape[:-1], n_pad), "scratch")
+    strides = tuple(math.prod(shape[d + 1:-1]) * n_pad for d in range(len(shape) - 1)) + (1,)
+
+    def body(e, legion, v, rows, cols):
+        e.emit(BY_MNEMONIC["vmov"](legion, v["out"], v["x"], rows, cols))
+    rowwise(low.em, shape, [Arg("x", low.operand(name)), Arg("out", Operand(t, 0, strides), out=True)], body)
+    return t
+
+
 # --- fused matmuls ------------------------------------------------------------------------
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ class Problem:
     n_pad: int
     nonzero: tuple = ()      # per weight piece: bool [ceil(K/array), n_pad/array] nonzero blocks
     segments: tuple = ()     # of a fused matmul (``Segment``): where its columns are stored
+    w_offset: int = 0        # where the weights start in their tensors (one batch of a run-time B)
 
 
 @dataclass(frozen=True)

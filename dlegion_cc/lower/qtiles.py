@@ -273,7 +273,7 @@ class _Tiles:
         for r0, r1, c0, c1 in _rectangles(nz, kc, nb, na):
             b0, b1 = c0 * bits // 8, c1 * bits // 8
             out.append(DmaLoad(g.base, frozenset({g.base}), View("wgt", base + r0 * tile_bytes + b0, tile_bytes, 1),
-                               DramRef(tensor, (k0 + r0) * row_bytes + n0 * bits // 8 + b0, row_bytes),
+                               DramRef(tensor, self.p.w_offset + (k0 + r0) * row_bytes + n0 * bits // 8 + b0, row_bytes),
                                r1 - r0, b1 - b0, lstride=self.lstride(g, bits)))
         return out
 

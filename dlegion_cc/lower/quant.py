@@ -15,7 +15,7 @@ from isa.instructions import BY_MNEMONIC, VSelect
 from dlegion_cc.ir import DLEGION
 from dlegion_cc.lower.context import Lowering, lowers
 from dlegion_cc.lower.layout import Operand, whole
-from dlegion_cc.lower.qmatmul import Activations, Output, Weights, lower_qmatmul
+from dlegion_cc.lower.qmatmul import Activations, Output, Weights, lower_qmatmul, lower_run_time_weights
 from dlegion_cc.lower.rowwise import Arg, rowwise
 from dlegion_cc.passes.dynamic_int8 import integer_weights
 from dlegion_cc.passes.matmul_nbits import nbits_weights
@@ -260,9 +260,26 @@ def activation_offset(low: Lowering, a: str) -> int:
 @lowers("MatMulInteger")
 def matmul_integer(low: Lowering, node) -> None:
     a, b, a_zp, b_zp = (node.inputs + ["", ""])[:4]
+    if low.const(b) is None:
+        return _run_time_b(low, node)
     values = integer_weights(low.graph, b, b_zp)
     acts = Activations(a, activation_offset(low, a), a_zp or 0)
     lower_qmatmul(low, node.name, acts, Weights(values), Output(node.outputs[0]))
+
+
+def _run_time_b(low: Lowering, node) -> None:
+    """Both operands computed at run time: int8 and symmetric (no zero point but 0), as the
+    arrays multiply them with nothing to correct."""
+    a, b, a_zp, b_zp = (node.inputs + ["", ""])[:4]
+    for what, name, zp in (("A", a, a_zp), ("B", b, b_zp)):
+        if low.dtype(name) != np.int8:
+            raise ValueError(f"{what} '{name}' is {low.dtype(name).name}; with B computed at run time "
+                             f"both operands must be int8")
+        z = low.const(zp) if zp else np.zeros(1)
+        if z is None or np.any(z != 0):
+            raise ValueError(f"{what}'s zero point '{zp}' is not 0; with B computed at run time only "
+                             f"symmetric int8 operands are supported")
+    lower_run_time_weights(low, node.name, a, b, node.outputs[0])
 
 
 @lowers("QLinearMatMul")

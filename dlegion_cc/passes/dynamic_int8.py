@@ -27,7 +27,8 @@ def integer_weights(graph: Graph, b: str, b_zp: str) -> np.ndarray:
     """B - b_zero_point for a constant 2-D B (raises ValueError for anything else)."""
     w = graph.const(b)
     if w is None:
-        raise ValueError(f"B '{b}' is computed at run time; the arrays take constant weights only")
+        raise ValueError(f"B '{b}' is computed at run time; of the integer matmuls only MatMulInteger of two int8 "
+                         "values takes a run-time B")
     if w.ndim not in (2, 3):
         raise ValueError(f"B '{b}' has rank {w.ndim}; only 2-D weights (or a batch of them) are supported")
     zp = graph.const(b_zp) if b_zp else None
