@@ -214,8 +214,10 @@ class _Sim:
             k = q.items[q.head]
             i = self.program.instrs[k]
             cond = i.condition()
-            if cond is not None and not self._holds(q, cond):
-                break
+            if cond is not None:
+                if not self._holds(q, cond):
+                    break
+                q.ready = max(q.ready, self._met_at(cond))
             handler = self.handlers.get(type(i), self._issue)
             if not handler(q, k, t, woken):
                 break
@@ -226,12 +228,17 @@ class _Sim:
         """True when ``cond`` holds; else ``q`` is woken when the named queue progresses."""
         target = self.queues.get((cond.legion, cond.queue))
         if target is not None and target.prefix >= cond.count:
-            if cond.count:          # queues complete in order: the count-th is the last to
-                q.ready = max(q.ready, float(self.done[target.items[cond.count - 1]]))
             return True
         if target is not None:
             self.waiters[target.key][q.key] = q
         return False
+
+    def _met_at(self, cond) -> float:
+        """When a condition that holds came true: queues complete in order, so when the
+        count-th instruction of the named queue did."""
+        if not cond.count:
+            return 0.0
+        return float(self.done[self.queues[(cond.legion, cond.queue)].items[cond.count - 1]])
 
     def _mark(self, k: int, t: float) -> None:
         self.start[k] = self.free[k] = self.done[k] = t

@@ -168,7 +168,7 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
         emit_tiles(em, p, plan_tiles(arch, p, low.switches), low.written)
 
 
-def lower_run_time_weights(low: Lowering, name: str, a: str, b: str, out: str) -> None:
+def lower_run_time_weights(low: Lowering, a: str, b: str, out: str) -> None:
     """``out = a . b`` in int32 for int8 operands both computed at run time (a graph that
     quantizes attention's QK^T or PV): b's rows, as they are in DRAM, are the weight rows the
     arrays load in mode w8. Each batch of b multiplies its slice of a's rows; the weights'
@@ -183,7 +183,7 @@ def lower_run_time_weights(low: Lowering, name: str, a: str, b: str, out: str) -
         raise ValueError(f"B of shape {list(bshape)} is not one matrix per batch of A {list(shape)}")
     n_pad = math.ceil(N / arch.array) * arch.array
     before = len(em.instrs)
-    a8, w = int8_rows(low, a, 0), _padded_rows(low, b, n_pad)
+    a8, w = int8_rows(low, a, 0), int8_rows(low, b, 0, width=n_pad)
     if len(em.instrs) > before:
         em.barrier()                                    # the arrays load what the vector unit wrote
     dst = low.result(out)
@@ -194,20 +194,6 @@ def lower_run_time_weights(low: Lowering, name: str, a: str, b: str, out: str) -
         p = Problem(a8, None, ((w, "w8"),), None, 1, K, None, None, None, 0, "w8", None, True, dst.tensor,
                     range(i * per, (i + 1) * per), K, N, n_pad, w_offset=i * K * n_pad)
         emit_tiles(em, p, plan_tiles(arch, p, low.switches), low.written)
-
-
-def _padded_rows(low: Lowering, name: str, n_pad: int) -> int:
-    """``name`` as int8 rows of ``n_pad`` columns (zero past its own), as weights are laid out."""
-    shape = low.shape(name)
-    if shape[-1] == n_pad:
-        return int8_rows(low, name, 0)
-    t = low.em.tensor(f"{name}_w8", "i8", (*shape[:-1], n_pad), "scratch")
-    strides = tuple(math.prod(shape[d + 1:-1]) * n_pad for d in range(len(shape) - 1)) + (1,)
-
-    def body(e, legion, v, rows, cols):
-        e.emit(BY_MNEMONIC["vmov"](legion, v["out"], v["x"], rows, cols))
-    rowwise(low.em, shape, [Arg("x", low.operand(name)), Arg("out", Operand(t, 0, strides), out=True)], body)
-    return t
 
 
 # --- fused matmuls ------------------------------------------------------------------------
@@ -280,24 +266,28 @@ def _weight_const(em: Emitter, name: str, piece: np.ndarray) -> tuple[int, str]:
 
 # --- operands ------------------------------------------------------------------------------
 
-def int8_rows(low: Lowering, name: str, offset: int) -> int:
-    """An i8 DRAM copy of ``name`` - ``offset`` (shared by every matmul reading it)."""
-    key = f"{name}:int8-{offset}"
+def int8_rows(low: Lowering, name: str, offset: int, width: int | None = None) -> int:
+    """An i8 DRAM copy of ``name`` - ``offset`` (shared by every matmul reading it), its rows
+    ``width`` elements apart when given (zero past its own columns: weights padded to whole
+    arrays)."""
+    src, shape, em = low.operand(name), low.shape(name), low.em
+    padded = width is not None and width != shape[-1]
+    key = f"{name}:int8-{offset}" + (f"-{width}" if padded else "")
     if key in low.operands:
         return low.operands[key].tensor
-    src, shape, em = low.operand(name), low.shape(name), low.em
-    if offset == 0 and em.tensors[src.tensor].dtype == "i8" and src == whole(src.tensor, shape):
+    if not padded and offset == 0 and em.tensors[src.tensor].dtype == "i8" and src == whole(src.tensor, shape):
         low.operands[key] = src
         return src.tensor
-    t = em.tensor(f"{name}_i8", "i8", shape, "scratch")
+    rows = (*shape[:-1], width) if padded else shape
+    t = em.tensor(f"{name}_w8" if padded else f"{name}_i8", "i8", rows, "scratch")
 
     def body(e, legion, v, rows, cols):
         if offset:
             e.emit(BY_MNEMONIC["vadd"](legion, v["out"], v["x"], float(-offset), rows, cols))
         else:
             e.emit(BY_MNEMONIC["vmov"](legion, v["out"], v["x"], rows, cols))
-    rowwise(em, shape, [Arg("x", src), Arg("out", whole(t, shape), out=True)], body)
-    low.operands[key] = whole(t, shape)
+    rowwise(em, shape, [Arg("x", src), Arg("out", whole(t, rows), out=True)], body)
+    low.operands[key] = whole(t, rows)
     return t
 
 

@@ -13,8 +13,8 @@ loaded again.
 The cost model replays the schedule chunk by chunk for every Legion with the machine's own
 figures: an ``mm``'s time is ``runtime.costs``' (passes of M + pass_overhead cycles on the
 busiest core, the block mask compacting partially-sparse windows), after its first weight
-window's load unless the matrix queue was still busy when its operands arrived; a load takes its bytes
-at the Legion's share of DRAM bandwidth plus the DRAM latency, a drain ``M*N / lanes``
+window's load unless the matrix queue was still busy when its operands arrived; a load takes
+its bytes at the Legion's share of DRAM bandwidth plus the DRAM latency, a drain ``M*N / lanes``
 cycles; each operation starts when its queue is free and what it depends on is done. The
 total is the latest Legion's finish, and never less than all DRAM bytes at the DRAM rate.
 """
@@ -211,6 +211,11 @@ def tile_order(p: Problem, plan: Plan, tiles: int) -> list[tuple[int, int, bool]
     else:
         order = [(b, t) for t in range(tiles) for b in (blocks[::-1] if t % 2 else blocks)]
     return [(b, t, k % 2 == 1) for k, (b, t) in enumerate(order)]
+
+
+def last_visit(order: list, tiles: int) -> int:
+    """The position in ``order`` (``tile_order``) of the last tile of a Legion with ``tiles``."""
+    return max(k for k, (_, t, _) in enumerate(order) if t < tiles)
 
 
 def in_order(unit: list, backwards: bool) -> list:
@@ -477,7 +482,7 @@ def estimate(arch: Arch, p: Problem, plan: Plan) -> Estimate:
     blocks = row_blocks(p, plan)
     st = _State(m, plan)
     order = tile_order(p, plan, count)
-    last = {l: max(k for k, (_, t, _) in enumerate(order) if t < len(tiles[l])) for l in m.legions}
+    last = {l: last_visit(order, len(tiles[l])) for l in m.legions}
     final = len(units(p, plan)) - 1
     for k, (b, t, backwards) in enumerate(order):
         here = [l for l in m.legions if t < len(tiles[l])]
@@ -620,11 +625,16 @@ def _model_unit_end(m: _Model, st: _State, l: int, mb: int, nb: int, acc: int, b
 
 def _model_drain(m: _Model, st: _State, l: int, elems: int, acc: int) -> None:
     """A drain into the current result slot; the accumulators are free after it."""
-    res = st.turn.get(("res", l), 0) % m.plan.res_slots
+    res = _res_slot(m, st, l)
     start = max(m.vec[l], m.mat[l], st.res_free[(l, res)])
     m.vec[l] = start + -(-elems // m.arch.vector_lanes)
     m.instructions += l in m.emitted
     st.acc_free[(l, acc)] = m.vec[l]
+
+
+def _res_slot(m: _Model, st: _State, l: int) -> int:
+    """The result slot of Legion ``l``'s current tile (``st.next`` moves on to the next)."""
+    return st.turn.get(("res", l), 0) % m.plan.res_slots
 
 
 def _model_tile_end(m: _Model, st: _State, l: int, mb: int, tile: tuple, acc: int, final: bool) -> None:
@@ -633,7 +643,7 @@ def _model_tile_end(m: _Model, st: _State, l: int, mb: int, tile: tuple, acc: in
     p = m.p
     n0, nb = tile
     cols = sum(piece[3] for piece in stores(p, m.plan, l, n0, nb))
-    slot = acc if p.exact else st.turn.get(("res", l), 0) % m.plan.res_slots
+    slot = acc if p.exact else _res_slot(m, st, l)
     for rows in tail_pieces(p, mb, final):
         if not p.exact:
             _model_drain(m, st, l, len(rows) * nb, acc)

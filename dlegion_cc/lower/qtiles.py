@@ -32,8 +32,8 @@ from isa.instructions import BY_MNEMONIC, DmaLoad, DmaStore, Drain, MatMul
 from dlegion_cc.lower.emitter import Emitter
 from dlegion_cc.lower.qplan import (CV_SLOTS, RS_SLOTS, Chunk, Group, Plan, Problem, RowScale, Segment, Slots,
                                     Switches, act_key, act_slot_elems, choose, chunk_blocks, groups, in_order,
-                                    legion_tiles, owners, row_blocks, stores, tail_pieces, tile_order, units,
-                                    weights_wait, wgt_slot_bytes)
+                                    last_visit, legion_tiles, owners, row_blocks, stores, tail_pieces, tile_order,
+                                    units, weights_wait, wgt_slot_bytes)
 
 __all__ = ["Plan", "Problem", "RowScale", "Segment", "emit_tiles", "plan_tiles"]
 
@@ -390,7 +390,7 @@ def emit_tiles(em: Emitter, p: Problem, plan: Plan, written: dict | None = None,
     _zero_point_row(st)
     count = max(len(t) for t in st.tiles.values())
     order = tile_order(p, plan, count)
-    last = {g.base: max(k for k, (_, t, _) in enumerate(order) if t < len(st.tiles[g])) for g in st.groups}
+    last = {g: last_visit(order, len(st.tiles[g])) for g in st.groups}
     for k, (b, t, backwards) in enumerate(order):
         here = [g for g in st.groups if t < len(st.tiles[g])]
         st.row_scales(b)
@@ -405,7 +405,7 @@ def emit_tiles(em: Emitter, p: Problem, plan: Plan, written: dict | None = None,
                 _finish_unit(st, b, t, u, g, acc[g], first[g], unit)
         for g in here:
             # The last unit's drain goes with the store: by row pieces in the group's last tile.
-            for rows in tail_pieces(p, st.blocks[b][1], last[g.base] == k):
+            for rows in tail_pieces(p, st.blocks[b][1], last[g] == k):
                 if not p.exact:
                     _drain(st, b, t, len(st.units) - 1, g, acc[g], st.units[-1][0].group, rows)
                 _end_tile(st, b, t, g, acc[g], rows)
@@ -572,8 +572,8 @@ def _drain(st: _Tiles, b: int, t: int, u: int, g: Group, acc: int, grp: int, row
     at = rows.start * nb
     done = st.emit(g, Drain(legion=g.base, dst=View("vec", res * st.addr["res"] + at, nb, 1),
                             acc=View("acc", acc * st.addr["acc"] + at, nb, 1), M=len(rows), N=nb, zp=None,
-                            rscale=rscale,
-                            cscale=cscale, bias=bias, accumulate="set" if u == 0 else "add"), needs)
+                            rscale=rscale, cscale=cscale, bias=bias, accumulate="set" if u == 0 else "add"),
+                   needs)
     st.read_by(("acc", g, acc), done)
     st.read_by(("cv", g, cv), done)
     if rscale is not None:
@@ -585,9 +585,8 @@ def _end_tile(st: _Tiles, b: int, t: int, g: Group, acc: int, rows: range) -> No
     """Requantize rows ``rows`` of the tile on the vector unit, then store them (emitted later:
     see ``_flush``)."""
     p = st.p
-    m0, _ = st.blocks[b]
     n0, nb = st.tiles[g][t]
-    m0, mb, at = m0 + rows.start, len(rows), rows.start * nb
+    m0, mb, at = st.blocks[b][0] + rows.start, len(rows), rows.start * nb
     if p.exact:
         src, space_slot, queue = View("acc", acc * st.addr["acc"] + at, nb, 1), ("acc", g, acc), "mat"
     else:

@@ -261,16 +261,15 @@ def activation_offset(low: Lowering, a: str) -> int:
 def matmul_integer(low: Lowering, node) -> None:
     a, b, a_zp, b_zp = (node.inputs + ["", ""])[:4]
     if low.const(b) is None:
-        return _run_time_b(low, node)
+        return _run_time_b(low, a, b, a_zp, b_zp, node.outputs[0])
     values = integer_weights(low.graph, b, b_zp)
     acts = Activations(a, activation_offset(low, a), a_zp or 0)
     lower_qmatmul(low, node.name, acts, Weights(values), Output(node.outputs[0]))
 
 
-def _run_time_b(low: Lowering, node) -> None:
+def _run_time_b(low: Lowering, a: str, b: str, a_zp: str, b_zp: str, out: str) -> None:
     """Both operands computed at run time: int8 and symmetric (no zero point but 0), as the
     arrays multiply them with nothing to correct."""
-    a, b, a_zp, b_zp = (node.inputs + ["", ""])[:4]
     for what, name, zp in (("A", a, a_zp), ("B", b, b_zp)):
         if low.dtype(name) != np.int8:
             raise ValueError(f"{what} '{name}' is {low.dtype(name).name}; with B computed at run time "
@@ -279,7 +278,7 @@ def _run_time_b(low: Lowering, node) -> None:
         if z is None or np.any(z != 0):
             raise ValueError(f"{what}'s zero point '{zp}' is not 0; with B computed at run time only "
                              f"symmetric int8 operands are supported")
-    lower_run_time_weights(low, node.name, a, b, node.outputs[0])
+    lower_run_time_weights(low, a, b, out)
 
 
 @lowers("QLinearMatMul")
