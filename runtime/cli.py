@@ -63,12 +63,12 @@ def _check(model: str, inputs, result, tol: float, check_all: bool = False,
     return all(r.ok for r in rows)
 
 
-def _execute(prog_path, arch, inputs_path, seed):
+def _execute(prog_path, arch, inputs_path, seed, races=True):
     from runtime.emulator import run
     program = load(prog_path)
     machine = arch_mod.load(arch or program.arch, base=Path(prog_path).parent)
     inputs = _load_inputs(inputs_path, program, seed)
-    return inputs, run(program, machine, inputs)
+    return inputs, run(program, machine, inputs, races=races)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -97,14 +97,17 @@ def _execute(prog_path, arch, inputs_path, seed):
               help="Write the report's numbers as JSON.")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False), metavar="FILE",
               help="Write a Chrome/Perfetto trace (one track per Legion queue, one for DRAM).")
+@click.option("--race-check/--no-race-check", "races", default=True, show_default=True,
+              help="Check that every two instructions touching the same element (one writing) are "
+                   "ordered by the program's waits, whatever order the timing model runs them in.")
 def run_command(program, arch, inputs_path, seed, out_path, check_model, check_all, reference, tolerance,
-                report, json_path, trace_path):
+                report, json_path, trace_path, races):
     """Run PROGRAM (text .s or binary .bin) in the functional emulator and timing model.
 
     Exit status: 0 when all is well, 1 when --check finds a mismatch, 2 for bad input.
     """
     from runtime import report as rep
-    inputs, result = _execute(program, arch, inputs_path, seed)
+    inputs, result = _execute(program, arch, inputs_path, seed, races)
     if out_path:
         _save_npz(out_path, result.outputs)
     numbers = rep.summarize(result)

@@ -10,6 +10,7 @@ from isa.program import Program, ProgramError, Tensor
 from isa.expand import expand
 from isa.verify import verify
 from runtime import semantics
+from runtime.races import RaceCheck
 from runtime.state import Machine, Trap
 from runtime.timing import Timeline, simulate
 
@@ -23,14 +24,19 @@ class RunResult:
     machine: Machine          # the final state: DRAM tensors, scratchpads
 
 
-def run(program: Program, arch: Arch, inputs: dict[str, np.ndarray]) -> RunResult:
-    """Emulate ``program`` on ``arch``: functional results and timing from one simulation."""
+def run(program: Program, arch: Arch, inputs: dict[str, np.ndarray], races: bool = True) -> RunResult:
+    """Emulate ``program`` on ``arch``: functional results and timing from one simulation;
+    ``races`` also checks that every two conflicting accesses are ordered (runtime/races.py)."""
     verify(program, arch)
     program = expand(program, arch.legions).program      # one task per Legion of each span
     machine = Machine(program, arch)
     bind_inputs(machine, program, inputs)
+    if races:
+        machine.watch = RaceCheck(program, arch)
 
     def execute(i: int) -> None:
+        if machine.watch is not None:
+            machine.watch.now = i
         try:
             semantics.execute(machine, program.instrs[i])
         except Trap as e:

@@ -151,6 +151,7 @@ class Machine:
         elems = arch.derived.spad_elems
         self.spads = [{s: Scratchpad(legion, s, elems[s]) for s in SPACES}
                       for legion in range(arch.legions)]
+        self.watch = None         # told of every access instructions make (runtime/races.py)
 
     def _initial(self, t: Tensor) -> np.ndarray:
         dtype = STORAGE[t.dtype]
@@ -222,6 +223,8 @@ class Machine:
         """A read-only rows x cols view of a tensor's storage elements."""
         if not self._dram_check(ref, rows, cols):
             return np.zeros((rows, cols), self.dram[ref.tensor].dtype)
+        if self.watch is not None:
+            self.watch.dram_access(ref.tensor, ref.offset, ref.rs, rows, cols, write=False)
         return window(self.dram[ref.tensor], ref.offset, rows, cols, ref.rs, 1)
 
     def dram_write(self, ref: DramRef, values: np.ndarray) -> None:
@@ -231,6 +234,8 @@ class Machine:
         if overlaps(rows, cols, ref.rs, 1):
             name = self.tensor(ref.tensor).name
             raise Trap(f"write to @{name} with row stride {ref.rs} < {cols} columns overlaps rows")
+        if self.watch is not None:
+            self.watch.dram_access(ref.tensor, ref.offset, ref.rs, rows, cols, write=True)
         flat = self.dram[ref.tensor]
         target = window(flat, ref.offset, rows, cols, ref.rs, 1, writeable=True)
         target[...] = convert(values, flat.dtype)
@@ -243,8 +248,13 @@ class Machine:
         return self.spads[legion][space]
 
     def read(self, legion: int, view: View, rows: int, cols: int) -> np.ndarray:
-        return self.spad(legion, view.space).read(view, rows, cols)
+        out = self.spad(legion, view.space).read(view, rows, cols)
+        if self.watch is not None:
+            self.watch.spad(legion, view, rows, cols, write=False)
+        return out
 
     def write(self, legion: int, view: View, values: np.ndarray,
               where: np.ndarray | None = None) -> None:
         self.spad(legion, view.space).write(view, values, where)
+        if self.watch is not None:
+            self.watch.spad(legion, view, *values.shape, write=True)

@@ -151,3 +151,15 @@ def test_check_with_the_exact_reference(tmp_path):
     r = dlegion_run(prog, "--check", model, "--reference", "exact")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "ok" in r.stdout
+
+
+def test_a_race_is_bad_input_unless_the_check_is_off(tmp_path):
+    """A store that does not wait for the load it stores: exit 2 naming both lines."""
+    prog = tmp_path / "racy.s"
+    prog.write_text(".arch dlegion-tiny\n.tensor x f32[4,8] input \"x\"\n.tensor y f32[4,8] output \"y\"\n"
+                    "dma.ld L0 {0} vec[0,8,1] @x[0,8] rows=4 cols=8\n"
+                    "dma.st L0 @y[0,8] vec[0,8,1] rows=4 cols=8\n")
+    r = dlegion_run(prog)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"{prog}:5: dma.st: race on L0 vec[0]: line 4 (dma.ld) wrote it" in r.stderr
+    assert dlegion_run(prog, "--no-race-check").returncode == 0

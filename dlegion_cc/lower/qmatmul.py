@@ -160,6 +160,8 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
     segs = () if lay is None else lay.segments(low, outs, dsts, segments)
     per = M // batches
     for b, v in enumerate(values):
+        if b:
+            em.barrier()        # each batch's plan reuses the scratchpad slots of the one before
         pieces = [_pad_cols(piece, n_pad) for piece in weight_pieces(v)]
         weights = tuple(_weight_const(em, f"{name}_w{b or ''}{i or ''}", piece) for i, piece in enumerate(pieces))
         nonzero = block_maps(pieces, arch.array) if low.switches.sparsity else ()
@@ -191,6 +193,8 @@ def lower_run_time_weights(low: Lowering, a: str, b: str, out: str) -> None:
         raise ValueError(f"output '{out}' is not stored as int32")
     per = M // batches
     for i in range(batches):
+        if i:
+            em.barrier()        # each batch's plan reuses the scratchpad slots of the one before
         p = Problem(a8, None, ((w, "w8"),), None, 1, K, None, None, None, 0, "w8", None, True, dst.tensor,
                     range(i * per, (i + 1) * per), K, N, n_pad, w_offset=i * K * n_pad)
         emit_tiles(em, p, plan_tiles(arch, p, low.switches), low.written)

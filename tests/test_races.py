@@ -1,0 +1,103 @@
+"""The race check: conflicting accesses must be ordered by the program's waits, whatever order
+the timing model happens to run them in."""
+import numpy as np
+import pytest
+
+from isa.arch import load
+from isa.asm import parse
+from runtime.emulator import run
+from runtime.races import Order
+from runtime.state import Trap
+
+ARCH = load("dlegion-tiny")
+HEAD = """.arch dlegion-tiny
+.tensor x f32[4,8] input "x"
+.tensor y f32[4,8] output "y"
+.tensor t f32[4,8] scratch
+"""
+X = {"x": np.arange(32, dtype=np.float32).reshape(4, 8)}
+
+
+def emulate(body: str):
+    return run(parse(HEAD + body), ARCH, X)
+
+
+@pytest.mark.parametrize("body", [
+    # A load, then a vector op waiting for it, then a store waiting for the op.
+    """dma.ld L0 {0} vec[0,8,1] @x[0,8] rows=4 cols=8
+vadd L0 vec[0,8,1] vec[0,8,1] #1 rows=4 cols=8 wait=L0.dma>=1
+dma.st L0 @y[0,8] vec[0,8,1] rows=4 cols=8 wait=L0.vec>=1""",
+    # Two loads into the same place on one DMA queue land in order; a store after a load
+    # reads before the next load on its queue lands.
+    """dma.ld L0 {0} vec[0,8,1] @x[0,8] rows=4 cols=8
+dma.ld L0 {0} vec[0,8,1] @x[0,8] rows=4 cols=8
+dma.st L0 @y[0,8] vec[0,8,1] rows=4 cols=8 wait=L0.dma>=2
+dma.ld L0 {0} vec[0,8,1] @x[0,8] rows=4 cols=8""",
+    # A barrier orders everything.
+    """dma.ld L0 {0} vec[0,8,1] @x[0,8] rows=4 cols=8
+barrier
+vadd L0 vec[0,8,1] vec[0,8,1] #1 rows=4 cols=8
+barrier
+dma.st L0 @y[0,8] vec[0,8,1] rows=4 cols=8""",
+    # Ordering is transitive: the store waits for the vector op, which waited for the load.
+    """dma.ld L0 {0} vec[0,8,1] @x[0,8] rows=4 cols=8
+vmov L0 vec[64,8,1] vec[0,8,1] rows=4 cols=8 wait=L0.dma>=1
+dma.st L0 @y[0,8] vec[64,8,1] rows=4 cols=8 wait=L0.vec>=1
+dma.ld L0 {0} vec[0,8,1] @x[0,8] rows=4 cols=8""",
+])
+def test_ordered_programs_run(body):
+    out = emulate(body)
+    assert out.outputs["y"].shape == (4, 8)
+
+
+@pytest.mark.parametrize("body, message", [
+    # Read after write: the second vector op waits for the first load only.
+    ("""dma.ld L0 {0} vec[0,8,1] @x[0,8] rows=4 cols=8
+vadd L0 vec[32,8,1] vec[0,8,1] #1 rows=4 cols=8 wait=L0.dma>=1
+dma.ld L0 {0} vec[0,8,1] @x[0,8] rows=4 cols=8
+vadd L0 vec[32,8,1] vec[0,8,1] #1 rows=4 cols=8
+dma.st L0 @y[0,8] vec[32,8,1] rows=4 cols=8 wait=L0.vec>=2""",
+     "race on L0 vec[0]: line"),
+    # Write after read: the second load may land while the vector op still reads.
+    ("""dma.ld L0 {0} vec[0,8,1] @x[0,8] rows=4 cols=8
+vadd L0 vec[32,8,1] vec[0,8,1] #1 rows=4 cols=8 wait=L0.dma>=1
+dma.ld L0 {0} vec[0,8,1] @x[0,8] rows=4 cols=8
+dma.st L0 @y[0,8] vec[32,8,1] rows=4 cols=8 wait=L0.vec>=1""",
+     "(vadd) read it"),
+    # A store on the queue of the load it reads, without waiting for its data to land.
+    ("""dma.ld L0 {0} vec[0,8,1] @x[0,8] rows=4 cols=8
+dma.st L0 @y[0,8] vec[0,8,1] rows=4 cols=8""",
+     "<text>:6: dma.st: race on L0 vec[0]: line 5 (dma.ld) wrote it"),
+    # DRAM: a load of what a store of another Legion writes, without waiting for it.
+    ("""dma.ld L0 {0} vec[0,8,1] @x[0,8] rows=4 cols=8
+dma.st L0 @t[0,8] vec[0,8,1] rows=4 cols=8 wait=L0.dma>=1
+dma.ld L1 {1} vec[0,8,1] @t[0,8] rows=4 cols=8
+dma.st L1 @y[0,8] vec[0,8,1] rows=4 cols=8 wait=L1.dma>=1""",
+     "race on @t[0]"),
+])
+def test_unordered_accesses_are_races(body, message):
+    with pytest.raises(Trap, match="race") as e:
+        emulate(body)
+    assert message in str(e.value)
+
+
+def test_a_race_goes_unnoticed_without_the_check():
+    body = """dma.ld L0 {0} vec[0,8,1] @x[0,8] rows=4 cols=8
+dma.st L0 @y[0,8] vec[0,8,1] rows=4 cols=8"""
+    run(parse(HEAD + body), ARCH, X, races=False)
+
+
+def test_knowledge_follows_waits_queues_and_barriers():
+    p = parse(HEAD + """dma.ld L0 {0} vec[0,8,1] @x[0,8] rows=4 cols=8
+dma.ld L0 {0} vec[32,8,1] @x[0,8] rows=4 cols=8
+vadd L0 vec[0,8,1] vec[0,8,1] #1 rows=4 cols=8 wait=L0.dma>=1
+vadd L0 vec[0,8,1] vec[0,8,1] #1 rows=4 cols=8
+barrier
+dma.st L1 @y[0,8] vec[0,8,1] rows=4 cols=8""")
+    o = Order(p, ARCH)
+    dma, vec = o.qid(0, "dma"), o.qid(0, "vec")
+    assert o.known[1, dma] == 0                 # the second load starts before the first lands
+    assert o.known[2, dma] == 1 and o.known[2, vec] == 0
+    assert o.known[3, dma] == 1 and o.known[3, vec] == 1    # the vec queue runs one at a time
+    assert (o.known[5] >= 1).all()                           # after the barrier: everything
+    assert o.known[5, dma] == 3 and o.known[5, vec] == 3 and o.known[5, o.qid(1, "dma")] == 1
