@@ -16,10 +16,11 @@ from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
 from isa import arch as arch_mod
-from isa.instructions import DmaLoad, Drain, MatMul
+from isa.instructions import Barrier, DmaLoad, Drain, MatMul
 from dlegion_cc.errors import CompileError
 from dlegion_cc.pipeline import Options, compile_model
 from runtime.emulator import run
+from runtime.timing import simulate
 
 ARCH = arch_mod.load("dlegion-tiny")
 MS = "com.microsoft"
@@ -228,6 +229,35 @@ def test_matmul_integer_of_two_run_time_int8_operands(tmp_path, bshape):
     loaded = {program.tensors[i.src.tensor].name for i in program.instrs
               if isinstance(i, DmaLoad) and i.dst.space == "wgt"}
     assert loaded == {"b" if bshape[-1] % ARCH.array == 0 else "b_w8"}
+
+
+def _run_time_product(tmp_path, batches, M, K, N):
+    """The program of an int8 A [batches, M, K] times a run-time B [batches, K, N], and its timeline."""
+    node = helper.make_node("MatMulInteger", ["a", "b"], ["y"])
+    m = model([node], [("a", TP.INT8, [batches, M, K]), ("b", TP.INT8, [batches, K, N])],
+              [("y", TP.INT32, [batches, M, N])])
+    path = tmp_path / f"m{batches}.onnx"
+    onnx.save(m, path)
+    _, program = compile_model(path, Options(ARCH))
+    return program, simulate(program, ARCH)
+
+
+def test_batches_of_a_product_share_one_schedule(tmp_path):
+    """Each batch's first loads go ahead of the last stores of the batch before (in the same
+    slots, ordered by who reads them), so three batches take well under three times one."""
+    one = _run_time_product(tmp_path, 1, 64, 32, 64)[1].cycles
+    program, three = _run_time_product(tmp_path, 3, 64, 32, 64)
+    assert sum(isinstance(i, Barrier) for i in program.instrs) == 1          # the node's own
+    assert three.cycles < 0.95 * 3 * one
+
+
+def test_an_accumulator_slots_store_waits_behind_the_next_tiles_loads(tmp_path):
+    """Exact int32 results are stored from the accumulators. The store of a slot goes out with
+    the first pass that reuses the slot, after that tile's loads: a load queued behind a store
+    waiting for its pass would leave the arrays idle."""
+    tl = _run_time_product(tmp_path, 1, 512, 32, 64)[1]
+    busy = max(v for (_, q), v in tl.busy.items() if q == "mat")
+    assert busy > 0.9 * tl.cycles
 
 
 @pytest.mark.parametrize("a_type, b_type, bz, b_cols, why", [

@@ -192,12 +192,9 @@ def lower_run_time_weights(low: Lowering, a: str, b: str, out: str) -> None:
     if em.tensors[dst.tensor].dtype != "i32":
         raise ValueError(f"output '{out}' is not stored as int32")
     per = M // batches
-    for i in range(batches):
-        if i:
-            em.barrier()        # each batch's plan reuses the scratchpad slots of the one before
-        p = Problem(a8, None, ((w, "w8"),), None, 1, K, None, None, None, 0, "w8", None, True, dst.tensor,
-                    range(i * per, (i + 1) * per), K, N, n_pad, w_offset=i * K * n_pad)
-        emit_tiles(em, p, plan_tiles(arch, p, low.switches), low.written)
+    batch = [Problem(a8, None, ((w, "w8"),), None, 1, K, None, None, None, 0, "w8", None, True, dst.tensor,
+                     range(i * per, (i + 1) * per), K, N, n_pad, w_offset=i * K * n_pad) for i in range(batches)]
+    emit_tiles(em, batch[0], plan_tiles(arch, batch[0], low.switches), low.written, more=tuple(batch[1:]))
 
 
 # --- fused matmuls ------------------------------------------------------------------------

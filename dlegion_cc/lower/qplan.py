@@ -273,6 +273,11 @@ class Slots:
         self.held[key] = s
         return s
 
+    def forget(self) -> None:
+        """Hold nothing findable; the slots used least recently are taken first."""
+        self.free += list(self.held.values())
+        self.held.clear()
+
 
 # --- scratchpad budget ----------------------------------------------------------------------
 

@@ -193,6 +193,16 @@ class _Tiles:
         self.cv_slot: dict = {}       # group -> column-vector slot of its current tile
         self.res_slot: dict = {}      # group -> result slot of its current tile
 
+    def next_problem(self, p: Problem) -> None:
+        """Go on with ``p``, of the same shapes: what the slots hold is no longer wanted, but
+        who still reads them is kept, and the slots least recently used are taken first."""
+        if p.corr_row is not None or self.p.corr_row is not None:
+            raise ValueError("internal: batches with zero-point rows are emitted one by one")
+        self.p = p
+        self.blocks = row_blocks(p, self.plan)
+        for ring in (*self.a.values(), *self.w.values(), *self.rs.values(), *self.cv.values()):
+            ring.forget()
+
     def lstride(self, g: Group, bits: int | None = None) -> int | None:
         """DRAM elements from one Legion's columns to the next one's: ``per_legion`` columns,
         in bytes for weights packed at ``bits`` a weight."""
@@ -202,6 +212,14 @@ class _Tiles:
 
     def emit(self, g: Group, instr, marks=()) -> Mark:
         return self.sync.emit(g, instr, marks)
+
+    def acc_readers(self, g: Group, acc: int) -> list:
+        """What a pass that overwrites accumulator slot ``acc`` waits for. A store from the slot
+        (exact results) still pending is emitted now: after the first loads of the tile that
+        reuses the slot, which so never wait in the DMA queue behind it."""
+        if any(slot == ("acc", g, acc) for _, _, slot in self.deferred[g]):
+            _flush(self, g)
+        return self.readers.pop(("acc", g, acc), [])
 
     def read_by(self, slot, mark: Mark) -> None:
         self.readers.setdefault(slot, []).append(mark)
@@ -382,11 +400,24 @@ def _runs(row: np.ndarray) -> list[tuple[int, int]]:
 
 # --- the schedule ---------------------------------------------------------------------------
 
-def emit_tiles(em: Emitter, p: Problem, plan: Plan, written: dict | None = None, spans: bool = True) -> None:
+def emit_tiles(em: Emitter, p: Problem, plan: Plan, written: dict | None = None, spans: bool = True,
+               more: tuple = ()) -> None:
     """Emit ``p`` as ``plan`` cuts it; ``written`` (kept across matmuls) records which
     scratchpad bytes earlier instructions wrote. ``spans=False`` emits every Legion's work on
-    its own (the program the spans stand for)."""
+    its own (the program the spans stand for). ``more``: further problems of ``p``'s shapes
+    (the batches of one matmul), emitted after it in the same slots: each one's first loads
+    wait only for the slots they reuse, and go ahead of the last stores of the one before."""
     st = _Tiles(em, p, plan, {} if written is None else written, spans)
+    for i, problem in enumerate((p, *more)):
+        if i:
+            st.next_problem(problem)
+        _emit_problem(st)
+    for g in st.groups:
+        _flush(st, g)
+
+
+def _emit_problem(st: _Tiles) -> None:
+    p, plan = st.p, st.plan
     _zero_point_row(st)
     count = max(len(t) for t in st.tiles.values())
     order = tile_order(p, plan, count)
@@ -409,8 +440,6 @@ def emit_tiles(em: Emitter, p: Problem, plan: Plan, written: dict | None = None,
                 if not p.exact:
                     _drain(st, b, t, len(st.units) - 1, g, acc[g], st.units[-1][0].group, rows)
                 _end_tile(st, b, t, g, acc[g], rows)
-    for g in st.groups:
-        _flush(st, g)
 
 
 def _zero_point_row(st: _Tiles) -> None:
@@ -428,11 +457,9 @@ def _zero_point_row(st: _Tiles) -> None:
 
 
 def _acc_slot(st: _Tiles, g: Group) -> int:
-    """The next accumulator slot, its pending store (exact results) emitted first."""
-    s = _next(st, "acc", g)
-    if any(slot == ("acc", g, s) for _, _, slot in st.deferred[g]):
-        _flush(st, g)
-    return s
+    """The next accumulator slot (its pending store goes out with its first pass: see
+    ``_Tiles.acc_readers``)."""
+    return _next(st, "acc", g)
 
 
 def _next(st: _Tiles, kind: str, g: Group) -> int:
@@ -458,7 +485,7 @@ def _chunk(st: _Tiles, b: int, t: int, c: Chunk, here: list, acc: dict, first: d
             s = st.weights(g, i, c, n0, nb, nz, st.loaded[("act", owner, a_slot)])
             needs = [st.loaded[("act", owner, a_slot)], st.loaded[("wgt", g, s)]]
             if first[g]:
-                needs += st.readers.pop(("acc", g, acc[g]), [])
+                needs += st.acc_readers(g, acc[g])
             wgt = View("wgt", s * st.addr["wgt"], nb * MODE_BITS[mode] // 8, 1)
             done = st.matmul(g, acc[g] * st.addr["acc"], View("act", a_addr, width, 1), wgt, mb, c.kc, nb, mode,
                              first[g], nz, needs)
@@ -495,7 +522,7 @@ def _zero_pass(st: _Tiles, b: int, t: int, g: Group, acc: int, c: Chunk) -> None
     s = st.weights(g, 0, c, n0, nb, None, st.loaded[("act", owner, a_slot)])
     mode = st.p.weights[0][1]
     zero = np.zeros((-(-c.kc // st.arch.array), -(-nb // st.arch.array)), bool)
-    needs = [st.loaded[("act", owner, a_slot)], st.loaded[("wgt", g, s)]] + st.readers.pop(("acc", g, acc), [])
+    needs = [st.loaded[("act", owner, a_slot)], st.loaded[("wgt", g, s)]] + st.acc_readers(g, acc)
     wgt = View("wgt", s * st.addr["wgt"], nb * MODE_BITS[mode] // 8, 1)
     done = st.matmul(g, acc * st.addr["acc"], View("act", a_addr, width, 1), wgt, mb, c.kc, nb, mode, True, zero,
                      needs)
@@ -518,7 +545,7 @@ def _correction(st: _Tiles, g: Group, acc: int, grp: int, mb: int, n0: int, nb: 
             st._load("wgt", g, s, g, loads, [st.corr_loaded[g]])       # as ``weights`` does
         needs = [st.corr_loaded[g], st.loaded[("wgt", g, s)]]
         if first:
-            needs += st.readers.pop(("acc", g, acc), [])
+            needs += st.acc_readers(g, acc)
         act = View("act", st.corr_at + k0 - rows.start, 0, 1)
         wgt = View("wgt", s * st.addr["wgt"], nb * bits // 8, 1)
         done = st.matmul(g, acc * st.addr["acc"], act, wgt, mb, kc, nb, p.corr_mode, first, None, needs)
