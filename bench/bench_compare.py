@@ -11,7 +11,9 @@ compiled for dlegion-8x8 against ws-64, dip-64 and adip-64, and for dlegion-32x8
 and timed with the timing model only (no functional emulation). For each machine it prints the
 latency, DRAM and accumulator (psum) traffic, the ratios to its D-Legion, and the term that
 bounds it: compute (the busiest Legion's matrix queue), DRAM (bytes at full bandwidth) or vector
-(the busiest Legion's vector queue, drains included). Each D-Legion machine is also compiled
+(the busiest Legion's vector queue, drains included). A matmul whose output columns fill
+fewer array-wide tiles than the machine has Legions leaves the others idle: each such matmul
+is named under its table, with the Legions it ran on. Each D-Legion machine is also compiled
 with each of its optimizations switched off (the compiler's --no-multicast, --no-accumulators,
 --no-sparsity, --no-fusion): the ratios of those rows say what each is worth.
 """
@@ -141,6 +143,12 @@ def print_workload(rows: list[dict], shape: str, seq: int, kind: str, console: C
     for r in rows:
         if r["status"] == "ok" and r["warning"]:
             console.print(f"  * {r['name']}: {r['warning']}", highlight=False, soft_wrap=True)
+    for r in rows:
+        if r["status"] == "ok" and r["name"] in PAIRS:
+            for m in r["narrow_matmuls"]:
+                console.print(f"  {r['name']}: {m['region']} ran on {m['legions']} of its {r['legions']} Legions "
+                              "(its output columns fill that many array-wide tiles; rows are not split "
+                              "across Legions)", highlight=False, soft_wrap=True)
 
 
 def print_summary(rows: list[dict], console: Console, kind: str | None = None) -> None:

@@ -94,6 +94,10 @@ def measure(program: Program, arch: Arch) -> dict:
         "psum_bytes": n["psum_bytes"], "instructions": len(program.instrs),
         "compute_cycles": terms["compute"], "dram_cycles": terms["DRAM"], "vector_cycles": terms["vector"],
         "bound": max(BOUNDS, key=lambda b: terms[b]),
+        # Matmuls whose passes ran on fewer Legions than the machine has (JSON only): their
+        # output columns fill fewer array-wide tiles than there are Legions.
+        "narrow_matmuls": [{"region": m["region"], "legions": m["legions"]}
+                           for m in n["matmuls"] if m["legions"] < arch.legions],
     }
 
 

@@ -180,7 +180,8 @@ def _matmul_row(result, name: str, mm_rows: list[dict], members: range) -> dict:
     start, done = _span(result.timeline, members)
     cycles = ceil_cycles(done - start)
     return {"region": name, "nodes": name.split("+"), "mode": "+".join(sorted(macs_by_mode)),
-            "macs": int(sum(macs_by_mode.values())), "cycles": cycles,
+            "macs": int(sum(macs_by_mode.values())), "legions": len({r["legion"] for r in mm_rows}),
+            "cycles": cycles,
             "roofline_cycles": roof["cycles"], "roofline_bound": roof["bound"],
             "roofline_fraction": _fraction(roof["cycles"], cycles)}
 
@@ -313,10 +314,10 @@ def _matmul_table(n: dict) -> Table:
     t = Table(title="matmuls against their roofline (compute at peak, compulsory DRAM traffic)",
               title_justify="left")
     t.add_column("nodes", overflow="fold")
-    for col in ("mode", "MACs", "cycles", "roofline", "bound", "of roofline"):
+    for col in ("mode", "MACs", "Legions", "cycles", "roofline", "bound", "of roofline"):
         t.add_column(col, justify="left" if col in ("mode", "bound") else "right", no_wrap=True)
     for m in n["matmuls"]:
-        t.add_row("\n".join(m["nodes"]), m["mode"], f"{m['macs']:,}", f"{m['cycles']:,}",
+        t.add_row("\n".join(m["nodes"]), m["mode"], f"{m['macs']:,}", str(m["legions"]), f"{m['cycles']:,}",
                   f"{m['roofline_cycles']:,.0f}", m["roofline_bound"], f"{m['roofline_fraction']:.1%}")
     return t
 

@@ -66,6 +66,7 @@ def test_roofline_of_a_dram_bound_program_counts_each_tensor_once():
     # One region over the whole program: the same bound, the same span as the run.
     [mm] = n["matmuls"]
     assert mm["nodes"] == ["x@w"] and mm["mode"] == "w2" and mm["macs"] == 2 * 32 * 64 * 16
+    assert mm["legions"] == 2                   # each Legion runs the passes of its 16 columns
     assert mm["roofline_cycles"] == 104.0 and mm["cycles"] == n["cycles"]
 
 
@@ -217,3 +218,22 @@ def test_the_printed_report_shows_roofline_energy_and_the_matmul_table():
     assert "roofline:" in text and "per run, average power" in text
     assert "model.layers.1.mlp.down_proj/MatMul_233" in text
     assert np.isfinite(report.summarize(result)["tops_per_watt"])
+
+
+def test_a_matmul_narrower_than_the_legions_is_named_with_the_legions_it_ran_on(tmp_path):
+    """8 output columns are one array-wide tile on dlegion-tiny: one of its two Legions runs it,
+    which the report's row and the sweep's ``narrow_matmuls`` say."""
+    from onnx import TensorProto as TP, helper
+    from dlegion_cc.dse_measure import measure
+    node = helper.make_node("MatMulInteger", ["a", "b"], ["y"], name="narrow")
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("a", TP.INT8, [16, 32]),
+                                        helper.make_tensor_value_info("b", TP.INT8, [32, 8])],
+                          [helper.make_tensor_value_info("y", TP.INT32, [16, 8])])
+    path = tmp_path / "narrow.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), path)
+    tiny = arch.load("dlegion-tiny")
+    _, program = compile_model(path, Options(tiny))
+    result = run(program, tiny, random_inputs(program))
+    [mm] = report.summarize(result)["matmuls"]
+    assert mm["nodes"] == ["narrow"] and mm["legions"] == 1
+    assert measure(program, tiny)["narrow_matmuls"] == [{"region": "narrow", "legions": 1}]
