@@ -12,8 +12,9 @@ and timed with the timing model only (no functional emulation). For each machine
 latency, DRAM and accumulator (psum) traffic, the ratios to its D-Legion, and the term that
 bounds it: compute (the busiest Legion's matrix queue), DRAM (bytes at full bandwidth) or vector
 (the busiest Legion's vector queue, drains included). A matmul whose output columns fill
-fewer array-wide tiles than the machine has Legions leaves the others idle: each such matmul
-is named under its table, with the Legions it ran on. Each D-Legion machine is also compiled
+fewer array-wide slices than the machine has Legions leaves the others idle unless its rows
+are cut across them (products with a run-time B are): each matmul that ran on fewer Legions
+is named under its table. Each D-Legion machine is also compiled
 with each of its optimizations switched off (the compiler's --no-multicast, --no-accumulators,
 --no-sparsity, --no-fusion): the ratios of those rows say what each is worth.
 """
@@ -147,8 +148,7 @@ def print_workload(rows: list[dict], shape: str, seq: int, kind: str, console: C
         if r["status"] == "ok" and r["name"] in PAIRS:
             for m in r["narrow_matmuls"]:
                 console.print(f"  {r['name']}: {m['region']} ran on {m['legions']} of its {r['legions']} Legions "
-                              "(its output columns fill that many array-wide tiles; rows are not split "
-                              "across Legions)", highlight=False, soft_wrap=True)
+                              "(its output columns fill that many array-wide slices)", highlight=False, soft_wrap=True)
 
 
 def print_summary(rows: list[dict], console: Console, kind: str | None = None) -> None:

@@ -16,7 +16,7 @@ from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
 from isa import arch as arch_mod
-from isa.instructions import Barrier, DmaLoad, Drain, MatMul
+from isa.instructions import Barrier, DmaLoad, DmaStore, Drain, MatMul
 from dlegion_cc.errors import CompileError
 from dlegion_cc.pipeline import Options, compile_model
 from runtime.emulator import run
@@ -229,6 +229,22 @@ def test_matmul_integer_of_two_run_time_int8_operands(tmp_path, bshape):
     loaded = {program.tensors[i.src.tensor].name for i in program.instrs
               if isinstance(i, DmaLoad) and i.dst.space == "wgt"}
     assert loaded == {"b" if bshape[-1] % ARCH.array == 0 else "b_w8"}
+
+
+def test_a_product_narrower_than_the_legions_splits_its_rows_across_them(tmp_path):
+    """8 columns are one array-wide slice of dlegion-tiny's 8-wide arrays: each batch's 64 rows
+    are cut in two parts, one per Legion, and the result stays exact."""
+    node = helper.make_node("MatMulInteger", ["a", "b"], ["y"])
+    m = model([node], [("a", TP.INT8, [2, 64, 32]), ("b", TP.INT8, [2, 32, 8])], [("y", TP.INT32, [2, 64, 8])])
+    feeds = {"a": rng.integers(-128, 128, (2, 64, 32)).astype(np.int8),
+             "b": rng.integers(-128, 128, (2, 32, 8)).astype(np.int8)}
+    program = check_exact(tmp_path, m, feeds)
+    assert {i.legion for i in program.instrs if isinstance(i, MatMul)} == {0, 1}
+    stored = {0: 0, 1: 0}
+    for i in program.instrs:
+        if isinstance(i, DmaStore):
+            stored[i.legion] += i.rows * (i.span or 1)
+    assert stored == {0: 64, 1: 64}           # 32 rows of each batch a Legion
 
 
 def _run_time_product(tmp_path, batches, M, K, N):

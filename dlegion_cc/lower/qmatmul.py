@@ -192,9 +192,26 @@ def lower_run_time_weights(low: Lowering, a: str, b: str, out: str) -> None:
     if em.tensors[dst.tensor].dtype != "i32":
         raise ValueError(f"output '{out}' is not stored as int32")
     per = M // batches
-    batch = [Problem(a8, None, ((w, "w8"),), None, 1, K, None, None, None, 0, "w8", None, True, dst.tensor,
-                     range(i * per, (i + 1) * per), K, N, n_pad, w_offset=i * K * n_pad) for i in range(batches)]
-    emit_tiles(em, batch[0], plan_tiles(arch, batch[0], low.switches), low.written, more=tuple(batch[1:]))
+    width, parts = row_parts(arch, per, n_pad)
+    for j in range(parts):
+        rows = range(j * per // parts, (j + 1) * per // parts)
+        batch = [Problem(a8, None, ((w, "w8"),), None, 1, K, None, None, None, 0, "w8", None, True, dst.tensor,
+                         range(i * per + rows.start, i * per + rows.stop), K, N, n_pad, w_offset=i * K * n_pad,
+                         legions=range(j * width, (j + 1) * width)) for i in range(batches)]
+        emit_tiles(em, batch[0], plan_tiles(arch, batch[0], low.switches), low.written, more=tuple(batch[1:]))
+
+
+# A part of the rows given Legions of their own has at least this many rows per array row.
+PART_ROWS = 4
+
+
+def row_parts(arch: Arch, rows: int, n_pad: int) -> tuple[int, int]:
+    """(Legions per part, parts): a matmul whose output columns fill fewer array-wide slices
+    than there are Legions is cut into parts of its rows, each on Legions of its own (their
+    activation rows are their own; the weights are read once per part)."""
+    width = min(arch.legions, n_pad // arch.array)
+    parts = max(1, min(arch.legions // width, rows // (PART_ROWS * arch.array)))
+    return (width, parts) if parts > 1 else (arch.legions, 1)
 
 
 # --- fused matmuls ------------------------------------------------------------------------

@@ -58,6 +58,16 @@ class Problem:
     nonzero: tuple = ()      # per weight piece: bool [ceil(K/array), n_pad/array] nonzero blocks
     segments: tuple = ()     # of a fused matmul (``Segment``): where its columns are stored
     w_offset: int = 0        # where the weights start in their tensors (one batch of a run-time B)
+    legions: range | None = None    # the Legions it runs on, column slices in order (None: all)
+
+
+def legion_range(arch: Arch, p: Problem) -> range:
+    return p.legions if p.legions is not None else range(arch.legions)
+
+
+def rank(p: Problem, legion: int) -> int:
+    """Which column slice ``legion`` holds: its place among the Legions ``p`` runs on."""
+    return legion - (p.legions.start if p.legions is not None else 0)
 
 
 @dataclass(frozen=True)
@@ -106,12 +116,12 @@ class Plan:
 # --- the schedule's shape, shared by the emitter and the model ------------------------------
 
 def owners(arch: Arch, p: Problem, plan: Plan) -> list[int]:
-    return [l for l in range(arch.legions) if l * plan.per_legion < p.n_pad]
+    return [l for l in legion_range(arch, p) if rank(p, l) * plan.per_legion < p.n_pad]
 
 
 def legion_tiles(p: Problem, plan: Plan, legion: int) -> list[tuple[int, int]]:
     """(first column, width) of each column tile of ``legion``."""
-    start = legion * plan.per_legion
+    start = rank(p, legion) * plan.per_legion
     stop = min(start + plan.per_legion, p.n_pad)
     return [(n0, min(plan.cols, stop - n0)) for n0 in range(start, stop, plan.cols)]
 
@@ -133,10 +143,10 @@ def segments(p: Problem, plan: Plan) -> tuple:
 def stores(p: Problem, plan: Plan, legion: int, n0: int, nb: int) -> list[tuple[Segment, int, int, int]]:
     """Where ``legion``'s output tile of columns ``n0`` .. ``n0 + nb - 1`` goes: per segment it
     meets, (segment, first column within the tile, first output column, columns)."""
-    local, out = n0 - legion * plan.per_legion, []
+    local, out = n0 - rank(p, legion) * plan.per_legion, []
     for s in segments(p, plan):
         lo, hi = max(local, s.offset), min(local + nb, s.offset + s.width)
-        col = legion * s.width + lo - s.offset
+        col = rank(p, legion) * s.width + lo - s.offset
         cols = min(hi - lo, s.N - col)
         if cols > 0:
             out.append((s, lo - local, col, cols))
@@ -376,7 +386,7 @@ def candidates(arch: Arch, p: Problem, switches: Switches) -> list[Plan]:
     na, cap = arch.array, arch.derived.spad_elems
     window = na * max(MODE_TILES[m] for _, m in p.weights)
     split = split_for(arch, switches)
-    per_legion = math.ceil(p.n_pad / na / arch.legions) * na
+    per_legion = math.ceil(p.n_pad / na / len(legion_range(arch, p))) * na
     group = min(p.block, p.K)
     depths = {d for d in _multiples(na * arch.cores, group) if d <= group} | {group}
     out = []
@@ -428,7 +438,7 @@ def compute_bound(arch: Arch, p: Problem, plan: Plan) -> float:
     if plan.sparse:
         share = sum(float(nz.mean()) for nz in p.nonzero) / len(p.nonzero)
     total = 0
-    for _, nb in legion_tiles(p, plan, 0):
+    for _, nb in legion_tiles(p, plan, legion_range(arch, p).start):
         for _, mb in row_blocks(p, plan):
             for unit in units(p, plan):
                 total += sum(_mm_cycles(arch, plan, mb, c.kc, nb, mode, None)
