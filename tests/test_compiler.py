@@ -160,6 +160,24 @@ def test_float_graph_with_fusion_and_attention_matches(tmp_path):
     assert any(n.op == "RowKernel" for n in graph.nodes)
 
 
+@pytest.mark.parametrize("mask_shape", [(5, 7), (1, 1, 5, 7), (2, 1, 5, 7), (1, 3, 5, 1)])
+def test_a_mask_repeated_over_heads_fuses_with_its_softmax(tmp_path, mask_shape):
+    """Scores [2, 3, 5, 7] scaled, plus a mask that repeats along leading dimensions, then
+    Softmax: one kernel, the mask read in the frame's own shape (a zero stride where it
+    repeats), and onnxruntime's result."""
+    rng = np.random.default_rng(1)
+    nodes = [helper.make_node("Mul", ["s", "scale"], ["ss"]),
+             helper.make_node("Add", ["ss", "mask"], ["sm"]),
+             helper.make_node("Softmax", ["sm"], ["p"], axis=-1)]
+    mask = np.where(rng.random(mask_shape) < 0.3, -1e4, 0).astype(np.float32)
+    path = _model(tmp_path / "m.onnx", nodes, [helper.make_tensor_value_info("s", TensorProto.FLOAT, [2, 3, 5, 7])],
+                  [helper.make_tensor_value_info("p", TensorProto.FLOAT, [2, 3, 5, 7])],
+                  [("scale", np.array(0.125, np.float32)), ("mask", mask)])
+    graph, _, rows = _check(path)
+    assert all(r.ok for r in rows), rows
+    assert [n.op for n in graph.nodes] == ["RowKernel"]
+
+
 def test_check_all_compares_intermediates(tmp_path):
     model = _bitlinear(tmp_path / "b.onnx", seq=7)
     r = dlegion_cc(model, "-o", tmp_path / "b.s", "--arch", "dlegion-tiny")

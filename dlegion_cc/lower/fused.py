@@ -12,17 +12,21 @@ from isa.instructions import BY_MNEMONIC, VSelect
 from dlegion_cc.ir import DLEGION, Node
 from dlegion_cc.lower.context import Lowering, lowers
 from dlegion_cc.lower.elementwise import BINARY, UNARY
-from dlegion_cc.lower.layout import Operand
+from dlegion_cc.lower.layout import Operand, broadcast, contiguous_strides
 from dlegion_cc.lower.rowwise import Arg, rowwise
-from dlegion_cc.passes.fuse import ROW_REDUCE, shape_kind
+from dlegion_cc.passes.fuse import ROW_REDUCE, Frame, is_tiled, shape_kind
 from dlegion_cc.lower.reduce import REDUCE
 
-STRIDES = {"full": lambda c: (c, 1), "col": lambda c: (1, 0), "row": lambda c: (0, 1), "scalar": lambda c: (0, 0)}
 NO_IN_PLACE = {"Where"}      # its first step overwrites the output before reading cond and x
 
 
-def _frame_operand(op: Operand, kind: str, cols: int) -> Operand:
-    return Operand(op.tensor, op.offset, STRIDES[kind](cols))
+def _frame_operand(op: Operand, shape: tuple, kind: str, frame: Frame) -> Operand:
+    """``op``, a value of ``shape`` stored contiguously, walked in the frame's N-D shape."""
+    if is_tiled(shape, frame):
+        return broadcast(op, shape, frame.shape)
+    rows = contiguous_strides(frame.shape[:-1])
+    lead = {"full": tuple(r * frame.cols for r in rows), "col": rows}.get(kind, (0,) * len(rows))
+    return Operand(op.tensor, op.offset, lead + ((0,) if kind in ("col", "scalar") else (1,)))
 
 
 class _Slots:
@@ -72,13 +76,15 @@ def _plan(node: Node, kinds: dict, scalars: dict, inputs: set, outputs: set) -> 
 @lowers("RowKernel", domain=DLEGION)
 def row_kernel(low: Lowering, node) -> None:
     frame, values = node.attrs["frame"], node.attrs["values"]
-    kinds = {n: shape_kind(v.shape, frame) for n, v in values.items()}
+    # A tiled input may come in as one row broadcast over the block: its slot is never reused.
+    kinds = {n: "tiled" if is_tiled(v.shape, frame) else shape_kind(v.shape, frame) for n, v in values.items()}
     scalars = {n: float(np.float32(v.const.reshape(()))) for n, v in values.items()
                if v.const is not None and v.const.size == 1}
     ins = [n for n in node.inputs if n not in scalars]
     slot, temps = _plan(node, kinds, scalars, set(ins), set(node.outputs))
-    args = [Arg(n, _frame_operand(low.operand(n), kinds[n], frame.cols)) for n in ins]
-    args += [Arg(n, _frame_operand(low.result(n), kinds[n], frame.cols), out=True) for n in node.outputs]
+    args = [Arg(n, _frame_operand(low.operand(n), values[n].shape, kinds[n], frame)) for n in ins]
+    args += [Arg(n, _frame_operand(low.result(n), values[n].shape, kinds[n], frame), out=True)
+             for n in node.outputs]
     args += temps
     widths = {n: (frame.cols if kinds.get(n) in ("full", "row") else 1) for n in values}
 
@@ -88,7 +94,7 @@ def row_kernel(low: Lowering, node) -> None:
             emit_op(em, legion, n, view, scalars, rows, cols, cols if widths[n.outputs[0]] > 1 else 1)
     keep = any(k in ("col", "row") for k in kinds.values()) or any(
         n.op in ROW_REDUCE or n.op == "Softmax" for n in node.attrs["nodes"])
-    rowwise(low.em, (frame.rows, frame.cols), args, body, keep_last=keep, where=f"node '{node.name}': ")
+    rowwise(low.em, frame.shape, args, body, keep_last=keep, where=f"node '{node.name}': ")
 
 
 def emit_op(em, legion: int, n: Node, view: dict, scalars: dict, rows: int, width: int, cols: int) -> None:

@@ -5,8 +5,10 @@ element-wise ops, Clip, Where, float casts, and reductions / Softmax over the la
 of such nodes that share one frame (rows = everything but the last axis, cols = the last axis)
 becomes a kernel that loads each row block once, runs every op on the vector unit with its
 intermediates in the scratchpad, and stores only the values used outside the run. Inputs may
-be full ``[rows, cols]``, a column ``[rows, 1]``, a row ``[cols]`` broadcast to every row, or a
-scalar; anything else stays unfused.
+be full ``[rows, cols]``, a column ``[rows, 1]``, a row ``[cols]`` broadcast to every row, a
+scalar, or a value that numpy-broadcasts to the frame's own shape along its leading dimensions
+(an attention mask ``[seq, seq]`` added to scores ``[heads, seq, seq]``); anything else stays
+unfused.
 """
 from __future__ import annotations
 
@@ -29,10 +31,13 @@ FLOATS = {np.dtype(np.float32), np.dtype(np.bool_)}
 class Frame:
     rows: int
     cols: int
+    shape: tuple = ()        # the N-D shape the rows come from
 
 
-def shape_kind(shape: tuple[int, ...], frame: Frame) -> str | None:
-    """How a value of ``shape`` sits in ``frame``: full, col, row, scalar (None: it does not)."""
+def shape_kind(shape: tuple[int, ...], frame: Frame, tiled: bool = False) -> str | None:
+    """How a value of ``shape`` sits in ``frame``: full, col, row, scalar (None: it does not).
+    ``tiled`` also takes a value that broadcasts to ``frame.shape`` along leading dimensions
+    (see ``tiled``): it is loaded into full rows or a column like one of the frame's own."""
     lead, last = shape[:-1], (shape[-1] if shape else 1)
     rows = math.prod(lead)
     if last not in (1, frame.cols):
@@ -41,7 +46,18 @@ def shape_kind(shape: tuple[int, ...], frame: Frame) -> str | None:
         return "full" if last == frame.cols else "col"
     if rows == 1:
         return "row" if last == frame.cols and frame.cols > 1 else "scalar"
+    if tiled and is_tiled(shape, frame):
+        return "full" if last == frame.cols else "col"
     return None
+
+
+def is_tiled(shape: tuple[int, ...], frame: Frame) -> bool:
+    """Whether a value of ``shape`` repeats along some leading dimensions of ``frame.shape``
+    (numpy broadcasting), holding neither one row nor all of them."""
+    rows = math.prod(shape[:-1])
+    if rows in (1, frame.rows) or len(shape) > len(frame.shape):
+        return False
+    return all(d in (1, f) for d, f in zip(shape[::-1], frame.shape[::-1]))
 
 
 def _frame_of(graph: Graph, node: Node) -> Frame | None:
@@ -49,7 +65,7 @@ def _frame_of(graph: Graph, node: Node) -> Frame | None:
     shape = graph.values[src].shape
     if not shape:
         return None
-    return Frame(math.prod(shape[:-1]), shape[-1])
+    return Frame(math.prod(shape[:-1]), shape[-1], tuple(shape))
 
 
 def _last_axis_only(graph: Graph, node: Node) -> bool:
@@ -78,7 +94,10 @@ def row_local(graph: Graph, node: Node, frame: Frame) -> bool:
     values = [graph.values[n] for n in node.inputs + node.outputs if n]
     if any(np.dtype(v.dtype) not in FLOATS and v.const is None for v in values):
         return False
-    return all(shape_kind(v.shape, frame) is not None for v in values if v.const is None or v.const.size > 1)
+    ins = [graph.values[n] for n in node.inputs if n]
+    out = graph.values[node.outputs[0]]
+    return (shape_kind(out.shape, frame) is not None
+            and all(shape_kind(v.shape, frame, tiled=True) is not None for v in ins if v.const is None or v.const.size > 1))
 
 
 @dataclass(frozen=True)
