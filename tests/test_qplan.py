@@ -1,5 +1,7 @@
 """The quantized-matmul scheduler: every candidate schedule is exact, and the cost model's pick
 is as fast as the best of all candidates in the timing model, up to a stated margin."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -168,3 +170,16 @@ def test_instruction_estimate_tracks_the_program():
         for plan in candidates(TINY, p, Switches()):
             emitted = len(compiled(TINY, plan, *case)[0].instrs)
             assert 0.8 * emitted <= estimate(TINY, p, plan).instructions <= 1.2 * emitted, (case, plan)
+
+
+def test_exact_results_get_tiles_of_half_the_accumulators():
+    """Int32 results are stored straight from the accumulators: with tiles that fill them, the
+    next tile's passes wait for the store. Tiles of half of them are candidates too, and the
+    model picks two slots, one storing while the other takes passes."""
+    acc = TINY.derived.spad_elems["acc"]
+    em, p, _, _ = problem(TINY, acc // 8, 64, 16)
+    out = em.tensor("yi", "i32", (acc // 8, 16), "output", io_name="yi")
+    exact = dataclasses.replace(p, rscale=None, scales=None, exact=True, out=out)
+    rows = {plan.rows for plan in candidates(TINY, p, Switches())}
+    assert {plan.rows for plan in candidates(TINY, exact, Switches())} > rows
+    assert choose(TINY, exact).acc_slots >= 2

@@ -392,7 +392,10 @@ def candidates(arch: Arch, p: Problem, switches: Switches) -> list[Plan]:
     out = []
     for cols in _multiples(window if window <= per_legion else na, per_legion):
         cols = min(cols, per_legion)
-        for rows in _even_parts(len(p.rows), cap["acc"] // cols):
+        # Exact results are stored straight from the accumulators: tiles of half of them let
+        # one slot's store overlap the other's passes.
+        most = [cap["acc"] // cols] + ([cap["acc"] // cols // 2] if p.exact else [])
+        for rows in sorted({r for m in most for r in _even_parts(len(p.rows), m)}):
             # With one row block or one column tile per Legion the two orders are the same
             # schedule, and so are both activation slot shapes when one chunk is all of K.
             one = rows >= len(p.rows) or cols >= per_legion
