@@ -245,8 +245,17 @@ def _joules(j: float) -> str:
     return f"{j / 1e-9:.4g} nJ"
 
 
+# Printed to a file or a pipe, tables are this wide (a terminal gives its own width): node
+# names stay readable in logs.
+LOG_WIDTH = 140
+
+
+def report_console() -> Console:
+    return Console() if Console().is_terminal else Console(width=LOG_WIDTH)
+
+
 def print_report(n: dict, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or report_console()
     console.print(f"[bold]{n['arch']}[/bold]: {n['cycles']:,} cycles = {n['time_s'] * 1e6:.3f} us "
                   f"at {n['clock_ghz']:g} GHz")
     peaks = ", ".join(f"{m} {t:.2f}" for m, t in n["peak_tops"].items())
@@ -323,7 +332,7 @@ def _matmul_table(n: dict) -> Table:
 
 
 def print_comparisons(rows, tol: float, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or report_console()
     t = Table(title=f"check against onnxruntime (float: relative L2 <= {tol:g}; integers exact)",
               title_justify="left")
     for col in ("output", "dtype", "rel L2", "max |diff|", "mismatches", "result"):
@@ -395,7 +404,7 @@ def _trace_names(legions: int, dram_pid: int) -> list[dict]:
 
 def print_intermediates(rows, tol: float, console: Console | None = None, most: int = 20) -> None:
     """Summary of the intermediate comparison: the first divergence and the worst ones."""
-    console = console or Console()
+    console = console or report_console()
     bad = [r for r in rows if not r.ok]
     if not bad:
         console.print(f"intermediates: all {len(rows)} within tolerance of onnxruntime")
