@@ -33,6 +33,11 @@ dma.st L0 @y[0,8] vec[0,8,1] rows=4 cols=8 wait=L0.vec>=1""",
 dma.ld L0 {0} vec[0,8,1] @x[0,8] rows=4 cols=8
 dma.st L0 @y[0,8] vec[0,8,1] rows=4 cols=8 wait=L0.dma>=2
 dma.ld L0 {0} vec[0,8,1] @x[0,8] rows=4 cols=8""",
+    # The same multicast, after the reader is done.
+    """dma.ld L0 {0-1} vec[0,8,1] @x[0,8] rows=4 cols=8
+vadd L1 vec[32,8,1] vec[0,8,1] #1 rows=4 cols=8 wait=L0.dma>=1
+dma.ld L0 {0-1} vec[0,8,1] @x[0,8] rows=4 cols=8 wait=L1.vec>=1
+dma.st L1 @y[0,8] vec[32,8,1] rows=4 cols=8 wait=L1.vec>=1""",
     # A barrier orders everything.
     """dma.ld L0 {0} vec[0,8,1] @x[0,8] rows=4 cols=8
 barrier
@@ -68,6 +73,12 @@ dma.st L0 @y[0,8] vec[32,8,1] rows=4 cols=8 wait=L0.vec>=1""",
     ("""dma.ld L0 {0} vec[0,8,1] @x[0,8] rows=4 cols=8
 dma.st L0 @y[0,8] vec[0,8,1] rows=4 cols=8""",
      "<text>:6: dma.st: race on L0 vec[0]: line 5 (dma.ld) wrote it"),
+    # A multicast lands in another Legion's scratchpad while that Legion still reads it.
+    ("""dma.ld L0 {0-1} vec[0,8,1] @x[0,8] rows=4 cols=8
+vadd L1 vec[32,8,1] vec[0,8,1] #1 rows=4 cols=8 wait=L0.dma>=1
+dma.ld L0 {0-1} vec[0,8,1] @x[0,8] rows=4 cols=8
+dma.st L1 @y[0,8] vec[32,8,1] rows=4 cols=8 wait=L1.vec>=1""",
+     "race on L1 vec[0]"),
     # DRAM: a load of what a store of another Legion writes, without waiting for it.
     ("""dma.ld L0 {0} vec[0,8,1] @x[0,8] rows=4 cols=8
 dma.st L0 @t[0,8] vec[0,8,1] rows=4 cols=8 wait=L0.dma>=1
