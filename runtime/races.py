@@ -155,28 +155,42 @@ class RaceCheck:
         k, order = self.now, self.order
         q, count = int(order.queue[k]), int(order.place[k]) + 1
         wq, wc, rc = (_window(a, win) for a in (s.wq, s.wc, s.rc))
-        self._check(wq - 1, wc, write, win, where, "wrote")
+        top = int(wq.max())
+        if top:
+            one = top == int(wq.min())          # one writer queue: one comparison (the usual case)
+            if not (one and self._ordered(top - 1, int(wc.max()), write, "wrote")):
+                self._check(wq - 1, wc, write, win, where, "wrote")
         if not write:
-            np.maximum(rc[s.reader_queues.index(q)], count, out=rc[s.reader_queues.index(q)])
+            reads = rc[s.reader_queues.index(q)]
+            np.maximum(reads, count, out=reads)
             return
-        if rc.any():
-            readers = np.array(s.reader_queues)[:, None, None]
-            self._check(np.where(rc > 0, readers, NONE), rc, write, win, where, "read")
-            rc[...] = 0
+        for r, rq in enumerate(s.reader_queues):
+            last = int(rc[r].max())
+            if last and not self._ordered(rq, last, write, "read"):
+                self._check(np.where(rc[r] > 0, rq, NONE), rc[r], write, win, where, "read")
+            if last:
+                rc[r] = 0
         wq[...], wc[...] = q + 1, count
 
-    def _check(self, qs: np.ndarray, counts: np.ndarray, write: bool, win: tuple, where, verb: str) -> None:
-        """Each element's earlier access (queue ``qs``, NONE for none, and its count) must be
-        ordered before instruction ``now``'s access; ``verb``: what the earlier one did."""
+    def _ordered(self, src: int, count: int, write: bool, verb: str) -> bool:
+        """Whether instruction ``now`` is ordered after the ``count``-th of queue ``src`` for an
+        access that one made (``verb``): it knows it done, it is that instruction itself (a read,
+        then a write), or it comes later on the same DMA queue (ordered after its reads, done
+        when it left, and after its writes when writing too: transfers land in order; not when
+        reading what it wrote)."""
         k, order = self.now, self.order
         q, place = order.queue[k], order.place[k]
-        known = order.known[k][np.clip(qs, 0, None)] >= counts
-        racy = (qs != NONE) & ~known
-        if not racy.any():
-            return
-        racy &= ~((qs == q) & (counts == place + 1))          # its own earlier access (read, then write)
-        # Later on the same DMA queue: ordered after its reads (done when it left) and after
-        # its writes when writing too (transfers land in order); not when reading what it wrote.
+        if order.known[k, src] >= count or (src == q and count == place + 1):
+            return True
+        return src == q and q % len(QUEUES) == DMA and (verb == "read" or write) and count <= place
+
+    def _check(self, qs: np.ndarray, counts: np.ndarray, write: bool, win: tuple, where, verb: str) -> None:
+        """Element by element, for a window with several earlier accesses (queue ``qs``, NONE for
+        none, and count): each must be ordered before instruction ``now``'s (``_ordered``)."""
+        k, order = self.now, self.order
+        q, place = order.queue[k], order.place[k]
+        racy = (qs != NONE) & (order.known[k][np.clip(qs, 0, None)] < counts)
+        racy &= ~((qs == q) & (counts == place + 1))
         if q % len(QUEUES) == DMA and (verb == "read" or write):
             racy &= ~((qs == q) & (counts <= place))
         if racy.any():

@@ -201,7 +201,7 @@ def lower_run_time_weights(low: Lowering, a: str, b: str, out: str) -> None:
         emit_tiles(em, batch[0], plan_tiles(arch, batch[0], low.switches), low.written, more=tuple(batch[1:]))
 
 
-# A part of the rows given Legions of their own has at least this many rows per array row.
+# A part of the rows given Legions of their own is at least this many array heights of rows.
 PART_ROWS = 4
 
 
