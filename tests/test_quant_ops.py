@@ -18,6 +18,7 @@ from onnx import helper, numpy_helper
 from isa import arch as arch_mod
 from isa.instructions import Barrier, DmaLoad, DmaStore, Drain, MatMul
 from dlegion_cc.errors import CompileError
+from dlegion_cc.lower.qmatmul import row_parts
 from dlegion_cc.pipeline import Options, compile_model
 from runtime.emulator import run
 from runtime.timing import simulate
@@ -245,6 +246,16 @@ def test_a_product_narrower_than_the_legions_splits_its_rows_across_them(tmp_pat
         if isinstance(i, DmaStore):
             stored[i.legion] += i.rows * (i.span or 1)
     assert stored == {0: 64, 1: 64}           # 32 rows of each batch a Legion
+
+
+@pytest.mark.parametrize("machine, rows, n_pad, deal", [
+    ("dlegion-8x8", 2048, 512, (8, 1)),       # 32 slices: every Legion has columns
+    ("dlegion-32x8", 2048, 128, (8, 4)),      # 8 slices: four parts of the rows, 8 Legions each
+    ("dlegion-8x8", 2048, 96, (2, 4)),        # 6 slices: three a Legion, two Legions a part
+    ("dlegion-8x8", 100, 96, (8, 1)),         # too few rows to cut
+])
+def test_row_parts_keep_the_most_legions_busy(machine, rows, n_pad, deal):
+    assert row_parts(arch_mod.load(machine), rows, n_pad) == deal
 
 
 def _run_time_product(tmp_path, batches, M, K, N):

@@ -208,10 +208,17 @@ PART_ROWS = 4
 def row_parts(arch: Arch, rows: int, n_pad: int) -> tuple[int, int]:
     """(Legions per part, parts): a matmul whose output columns fill fewer array-wide slices
     than there are Legions is cut into parts of its rows, each on Legions of its own (their
-    activation rows are their own; the weights are read once per part)."""
-    width = min(arch.legions, n_pad // arch.array)
-    parts = max(1, min(arch.legions // width, rows // (PART_ROWS * arch.array)))
-    return (width, parts) if parts > 1 else (arch.legions, 1)
+    activation rows are their own; each part reads the weights). Of the ways to deal the
+    Legions, the one that keeps the most of them busy, then the one with the fewest parts."""
+    slices, legions = n_pad // arch.array, arch.legions
+    most = max(1, rows // (PART_ROWS * arch.array))
+    best = (0, 0, 0)
+    for width in (w for w in range(legions, 0, -1) if legions % w == 0):
+        per = -(-slices // width)                  # slices per Legion
+        parts = min(legions // width, most)
+        best = max(best, (parts * -(-slices // per), -parts, width))
+    _, parts, width = best
+    return (width, -parts) if -parts > 1 else (legions, 1)
 
 
 # --- fused matmuls ------------------------------------------------------------------------
