@@ -37,6 +37,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
 from isa import arch as arch_mod                                   # noqa: E402
+from isa.console import table_console                            # noqa: E402
 from dlegion_cc.dse import int_list                               # noqa: E402
 from dlegion_cc.dse_measure import config_of, evaluate            # noqa: E402
 from models.bitnet import PRESETS, BitLinear, BitNetConfig, save  # noqa: E402
@@ -182,7 +183,7 @@ def _geomean(values: list[float]) -> float | None:
 @click.option("--jobs", type=click.IntRange(min=1), default=os.cpu_count() or 1, show_default="CPU count")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write every row as JSON.")
 def main(seqs, shapes, kinds, jobs, json_path):
-    console = Console() if Console().is_terminal else Console(width=TABLE_WIDTH)
+    console = table_console(TABLE_WIDTH)
     workloads = [(shape, seq, kind) for kind in kinds or WORKLOADS for shape in (shapes or ("2b4t", "large"))
                  for seq in seqs]
     rows = run_all(workloads, jobs, Console(stderr=True))

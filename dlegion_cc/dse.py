@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from isa import arch as arch_mod
+from isa.console import table_console
 from dlegion_cc.dse_measure import COLUMNS, Config, config_of, evaluate, failed_row
 
 BASE = "dlegion-8x8"
@@ -103,9 +104,7 @@ def print_table(rows: list[dict], console: Console) -> None:
 
 
 def _stdout() -> Console:
-    """Rich assumes 80 columns when stdout is not a terminal: too narrow for the table in a log."""
-    console = Console()
-    return console if console.is_terminal else Console(width=TABLE_WIDTH)
+    return table_console(TABLE_WIDTH)
 
 
 def _csv_text(rows: list[dict]) -> str:

@@ -1,4 +1,5 @@
-"""Running a click command as a console script: every user error is one message and exit 2."""
+"""Running a click command as a console script: every user error is one message and exit 2;
+the console its tables print to."""
 from __future__ import annotations
 
 import sys
@@ -42,3 +43,11 @@ def run_script(command: click.Command, name: str, errors: tuple[type, ...],
         fail(name, str(e) or type(e).__name__)
     except OSError as e:
         fail(name, f"{e.filename or ''}: {e.strerror or e}")
+
+
+def table_console(width: int):
+    """Standard output for rich tables. Rich assumes 80 columns when it is not a terminal,
+    too narrow for a table in a log: there, ``width``."""
+    from rich.console import Console
+    console = Console()
+    return console if console.is_terminal else Console(width=width)

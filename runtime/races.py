@@ -28,7 +28,7 @@ from isa.arch import Arch
 from isa.fields import QUEUES, View
 from isa.instructions import Barrier
 from isa.program import Program
-from runtime.state import Trap
+from runtime.state import Trap, window
 
 DMA = QUEUES.index("dma")
 NONE = -1
@@ -149,54 +149,51 @@ class RaceCheck:
                          lambda e: f"@{self.program.tensors[tensor].name}[{e}]")
 
     def _access(self, s: Shadow, win: tuple, write: bool, where) -> None:
-        addr, rows, cols, rs, cs = win
-        if rows == 0 or cols == 0:
+        if win[1] == 0 or win[2] == 0:
             return
         k, order = self.now, self.order
         q, count = int(order.queue[k]), int(order.place[k]) + 1
-        wq, wc, rc = (_window(a, win) for a in (s.wq, s.wc, s.rc))
+        wq, wc, rc = (window(a, *win, writeable=True) for a in (s.wq, s.wc, s.rc))
+        known = order.known[k]
         top = int(wq.max())
-        if top:
-            one = top == int(wq.min())          # one writer queue: one comparison (the usual case)
-            if not (one and self._ordered(top - 1, int(wc.max()), write, "wrote")):
-                self._check(wq - 1, wc, write, win, where, "wrote")
+        # One earlier writer queue (the usual case): its highest count answers for the window,
+        # and it is mostly known done (the full rule, ``_unordered``, is slower).
+        if top and (top != int(wq.min()) or (known[top - 1] < int(wc.max())
+                                             and self._unordered(top - 1, int(wc.max()), write, "wrote"))):
+            self._check(wq - 1, wc, write, win, where, "wrote")
         if not write:
             reads = rc[s.reader_queues.index(q)]
             np.maximum(reads, count, out=reads)
             return
         for r, rq in enumerate(s.reader_queues):
             last = int(rc[r].max())
-            if last and not self._ordered(rq, last, write, "read"):
+            if last and known[rq] < last and self._unordered(rq, last, write, "read"):
                 self._check(np.where(rc[r] > 0, rq, NONE), rc[r], write, win, where, "read")
             if last:
                 rc[r] = 0
         wq[...], wc[...] = q + 1, count
 
-    def _ordered(self, src: int, count: int, write: bool, verb: str) -> bool:
-        """Whether instruction ``now`` is ordered after the ``count``-th of queue ``src`` for an
-        access that one made (``verb``): it knows it done, it is that instruction itself (a read,
-        then a write), or it comes later on the same DMA queue (ordered after its reads, done
-        when it left, and after its writes when writing too: transfers land in order; not when
-        reading what it wrote)."""
+    def _unordered(self, qs, counts, write: bool, verb: str):
+        """Per earlier access (queue ``qs``, NONE for none, and its count; arrays or scalars)
+        that ``verb`` (wrote or read), whether instruction ``now`` is not ordered after it: it
+        neither knows it done, nor is that instruction itself (a read, then a write), nor comes
+        later on the same DMA queue (ordered after its reads, done when it left, and after its
+        writes when writing too: transfers land in order; not when reading what it wrote)."""
         k, order = self.now, self.order
         q, place = order.queue[k], order.place[k]
-        if order.known[k, src] >= count or (src == q and count == place + 1):
-            return True
-        return src == q and q % len(QUEUES) == DMA and (verb == "read" or write) and count <= place
+        qs, counts = np.asarray(qs), np.asarray(counts)
+        out = (qs != NONE) & (order.known[k][np.clip(qs, 0, None)] < counts) & ~((qs == q) & (counts == place + 1))
+        if q % len(QUEUES) == DMA and (verb == "read" or write):
+            out &= ~((qs == q) & (counts <= place))
+        return out
 
     def _check(self, qs: np.ndarray, counts: np.ndarray, write: bool, win: tuple, where, verb: str) -> None:
-        """Element by element, for a window with several earlier accesses (queue ``qs``, NONE for
-        none, and count): each must be ordered before instruction ``now``'s (``_ordered``)."""
-        k, order = self.now, self.order
-        q, place = order.queue[k], order.place[k]
-        racy = (qs != NONE) & (order.known[k][np.clip(qs, 0, None)] < counts)
-        racy &= ~((qs == q) & (counts == place + 1))
-        if q % len(QUEUES) == DMA and (verb == "read" or write):
-            racy &= ~((qs == q) & (counts <= place))
+        """Element by element, for a window the one-comparison test did not clear."""
+        racy = self._unordered(qs, counts, write, verb)
         if racy.any():
             at = np.unravel_index(np.argmax(racy), racy.shape)
             addr, _, _, rs, cs = win
-            other = order.items[int(qs[at])][int(counts[at]) - 1]
+            other = self.order.items[int(qs[at])][int(counts[at]) - 1]
             raise Trap(f"race on {where(addr + at[-2] * rs + at[-1] * cs)}: {self._name(other)} {verb} it, "
                        f"and this instruction is not ordered after it")
 
@@ -206,10 +203,3 @@ class RaceCheck:
         loc = p.where(k).removeprefix(f"{p.source}:").strip()
         return f"{'line ' + loc if loc.isdigit() else loc} ({p.instrs[k].MNEMONIC})"
 
-
-def _window(a: np.ndarray, win: tuple) -> np.ndarray:
-    """The rows x cols window of ``a``'s last axis, as a writable view (strides may be 0)."""
-    addr, rows, cols, rs, cs = win
-    item = a.itemsize
-    return np.ndarray(a.shape[:-1] + (rows, cols), a.dtype, a, addr * item,
-                      a.strides[:-1] + (rs * item, cs * item))

@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from isa.instructions import DMA_CLASSES, QUEUES, MatMul
+from isa.console import table_console
 from runtime.costs import DMA_SIDE, ceil_cycles
 
 FAMILIES = ("dma", "matrix", "drain", "vector", "sync")
@@ -251,7 +252,7 @@ LOG_WIDTH = 140
 
 
 def report_console() -> Console:
-    return Console() if Console().is_terminal else Console(width=LOG_WIDTH)
+    return table_console(LOG_WIDTH)
 
 
 def print_report(n: dict, console: Console | None = None) -> None:

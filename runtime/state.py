@@ -10,7 +10,6 @@ from __future__ import annotations
 from math import gcd
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
 
 from isa.arch import Arch
 from isa.fields import SPACE_DTYPE, SPACES, DramRef, View
@@ -64,10 +63,13 @@ def move(values: np.ndarray, dtype) -> np.ndarray:
 
 def window(flat: np.ndarray, addr: int, rows: int, cols: int, rs: int, cs: int,
            writeable: bool = False) -> np.ndarray:
-    """The rows x cols view of ``flat`` with element (i, j) at addr + i*rs + j*cs (no copy)."""
+    """The rows x cols view of ``flat``'s last axis with element (i, j) at addr + i*rs + j*cs
+    (no copy; leading axes are kept)."""
     item = flat.itemsize
-    return as_strided(flat[addr:], shape=(rows, cols), strides=(rs * item, cs * item),
-                      writeable=writeable)
+    out = np.ndarray(flat.shape[:-1] + (rows, cols), flat.dtype, flat, addr * item,
+                     flat.strides[:-1] + (rs * item, cs * item))
+    out.flags.writeable = writeable
+    return out
 
 
 def last_element(addr: int, rows: int, cols: int, rs: int, cs: int) -> int:

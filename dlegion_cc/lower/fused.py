@@ -14,7 +14,7 @@ from dlegion_cc.lower.context import Lowering, lowers
 from dlegion_cc.lower.elementwise import BINARY, UNARY
 from dlegion_cc.lower.layout import Operand, broadcast, contiguous_strides
 from dlegion_cc.lower.rowwise import Arg, rowwise
-from dlegion_cc.passes.fuse import ROW_REDUCE, Frame, is_tiled, shape_kind
+from dlegion_cc.passes.fuse import ROW_REDUCE, Frame, shape_kind
 from dlegion_cc.lower.reduce import REDUCE
 
 NO_IN_PLACE = {"Where"}      # its first step overwrites the output before reading cond and x
@@ -22,7 +22,7 @@ NO_IN_PLACE = {"Where"}      # its first step overwrites the output before readi
 
 def _frame_operand(op: Operand, shape: tuple, kind: str, frame: Frame) -> Operand:
     """``op``, a value of ``shape`` stored contiguously, walked in the frame's N-D shape."""
-    if is_tiled(shape, frame):
+    if kind == "tiled":
         return broadcast(op, shape, frame.shape)
     rows = contiguous_strides(frame.shape[:-1])
     lead = {"full": tuple(r * frame.cols for r in rows), "col": rows}.get(kind, (0,) * len(rows))
@@ -77,7 +77,7 @@ def _plan(node: Node, kinds: dict, scalars: dict, inputs: set, outputs: set) -> 
 def row_kernel(low: Lowering, node) -> None:
     frame, values = node.attrs["frame"], node.attrs["values"]
     # A tiled input may come in as one row broadcast over the block: its slot is never reused.
-    kinds = {n: "tiled" if is_tiled(v.shape, frame) else shape_kind(v.shape, frame) for n, v in values.items()}
+    kinds = {n: shape_kind(v.shape, frame, tiled=True) for n, v in values.items()}
     scalars = {n: float(np.float32(v.const.reshape(()))) for n, v in values.items()
                if v.const is not None and v.const.size == 1}
     ins = [n for n in node.inputs if n not in scalars]

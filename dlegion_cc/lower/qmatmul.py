@@ -212,13 +212,14 @@ def row_parts(arch: Arch, rows: int, n_pad: int) -> tuple[int, int]:
     Legions, the one that keeps the most of them busy, then the one with the fewest parts."""
     slices, legions = n_pad // arch.array, arch.legions
     most = max(1, rows // (PART_ROWS * arch.array))
-    best = (0, 0, 0)
-    for width in (w for w in range(legions, 0, -1) if legions % w == 0):
+    deals = [(width, min(legions // width, most)) for width in range(1, legions + 1) if legions % width == 0]
+
+    def busy(deal: tuple[int, int]) -> int:
+        width, parts = deal
         per = -(-slices // width)                  # slices per Legion
-        parts = min(legions // width, most)
-        best = max(best, (parts * -(-slices // per), -parts, width))
-    _, parts, width = best
-    return (width, -parts) if -parts > 1 else (legions, 1)
+        return parts * -(-slices // per)
+    width, parts = max(deals, key=lambda d: (busy(d), -d[1], d[0]))
+    return (width, parts) if parts > 1 else (legions, 1)
 
 
 # --- fused matmuls ------------------------------------------------------------------------

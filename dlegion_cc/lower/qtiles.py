@@ -428,7 +428,7 @@ def _emit_problem(st: _Tiles) -> None:
         for g in here:
             _column_vectors(st, g, t)
         for u, unit in enumerate(st.units):
-            acc = {g: _acc_slot(st, g) for g in here}
+            acc = {g: _next(st, "acc", g) for g in here}   # its pending store: ``acc_readers``
             first = {g: True for g in here}
             for c in in_order(unit, backwards):
                 _chunk(st, b, t, c, here, acc, first)
@@ -454,12 +454,6 @@ def _zero_point_row(st: _Tiles) -> None:
         load = DmaLoad(g.base, dests, View("act", st.corr_at, p.k2, 1), DramRef(p.corr_row, 0, p.k2), 1, p.k2)
         mark = st.emit(g, load)
         st.corr_loaded |= {u: mark for u in users}
-
-
-def _acc_slot(st: _Tiles, g: Group) -> int:
-    """The next accumulator slot (its pending store goes out with its first pass: see
-    ``_Tiles.acc_readers``)."""
-    return _next(st, "acc", g)
 
 
 def _next(st: _Tiles, kind: str, g: Group) -> int:

@@ -29,15 +29,21 @@ FLOATS = {np.dtype(np.float32), np.dtype(np.bool_)}
 
 @dataclass(frozen=True)
 class Frame:
-    rows: int
-    cols: int
-    shape: tuple = ()        # the N-D shape the rows come from
+    shape: tuple             # the N-D shape whose rows (all but the last axis) the kernel walks
+
+    @property
+    def rows(self) -> int:
+        return math.prod(self.shape[:-1])
+
+    @property
+    def cols(self) -> int:
+        return self.shape[-1]
 
 
 def shape_kind(shape: tuple[int, ...], frame: Frame, tiled: bool = False) -> str | None:
     """How a value of ``shape`` sits in ``frame``: full, col, row, scalar (None: it does not).
-    ``tiled`` also takes a value that broadcasts to ``frame.shape`` along leading dimensions
-    (see ``tiled``): it is loaded into full rows or a column like one of the frame's own."""
+    With ``tiled``, also "tiled": a value that repeats along leading dimensions of the frame
+    (``is_tiled``), read in the frame's own shape."""
     lead, last = shape[:-1], (shape[-1] if shape else 1)
     rows = math.prod(lead)
     if last not in (1, frame.cols):
@@ -47,7 +53,7 @@ def shape_kind(shape: tuple[int, ...], frame: Frame, tiled: bool = False) -> str
     if rows == 1:
         return "row" if last == frame.cols and frame.cols > 1 else "scalar"
     if tiled and is_tiled(shape, frame):
-        return "full" if last == frame.cols else "col"
+        return "tiled"
     return None
 
 
@@ -65,7 +71,7 @@ def _frame_of(graph: Graph, node: Node) -> Frame | None:
     shape = graph.values[src].shape
     if not shape:
         return None
-    return Frame(math.prod(shape[:-1]), shape[-1], tuple(shape))
+    return Frame(tuple(shape))
 
 
 def _last_axis_only(graph: Graph, node: Node) -> bool:
