@@ -12,6 +12,8 @@ from functools import cached_property
 from importlib import resources
 from pathlib import Path
 
+from isa.fields import ADDR_BITS
+
 MODES = ("w8", "w4", "w2")
 MODE_BITS = {"w8": 8, "w4": 4, "w2": 2}
 # Resident N x N weight tiles one pass holds in each mode (ADiP asymmetric multi-matrix).
@@ -80,6 +82,10 @@ class Arch:
             raise ArchError(f"{self.name}: {', '.join(negative)} must not be negative")
         if self.legions > 64:
             raise ArchError(f"{self.name}: at most 64 Legions (the multicast set is a 64-bit mask)")
+        too_big = [s for s, n in self.derived.spad_elems.items() if n > 1 << ADDR_BITS]
+        if too_big:
+            raise ArchError(f"{self.name}: {', '.join(f'{s}_kib' for s in too_big)} holds more than the "
+                            f"{1 << ADDR_BITS - 20} Mi elements a {ADDR_BITS}-bit address reaches")
 
     @cached_property
     def derived(self) -> "Derived":

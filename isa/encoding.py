@@ -23,8 +23,8 @@ from isa.instructions import BY_OPCODE, INSTRUCTIONS, OPCODE_BITS, WORD_BITS, In
 from isa.program import DTYPES, KINDS, Program, ProgramError, Tensor
 
 MAGIC = b"DLGN"
-VERSION = 5          # 2: 320-bit words and progress-counter synchronization; 3: regions; 4: spans,
-                     # relative waits; 5: skipped work
+VERSION = 6          # 2: 320-bit words and progress-counter synchronization; 3: regions; 4: spans,
+                     # relative waits; 5: skipped work; 6: 26-bit scratchpad addresses
 WORD_BYTES = WORD_BITS // 8
 PREFIX = struct.Struct("<4sHHI")
 NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

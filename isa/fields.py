@@ -42,7 +42,7 @@ SPACE_DOC = {
     "acc": "accumulator scratchpad, int32 elements",
     "vec": "vector scratchpad, fp32 elements",
 }
-ADDR_BITS = 24
+ADDR_BITS = 26          # elements: 64 Mi, the largest scratchpad of the presets (tpuv4i, 48 MiB) fits
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from isa import asm, encoding
-from isa.fields import QUEUES, Cond, DramRef, View, f32_bits
+from isa.fields import ADDR_BITS, QUEUES, Cond, DramRef, View, f32_bits
 from isa.instructions import (BY_MNEMONIC, INSTRUCTIONS, WORD_BITS, Barrier, DmaStore, Wait,
                               word_bits)
 from isa.program import Program, ProgramError, Tensor
@@ -18,7 +18,7 @@ from strategies import instructions, instructions_of, programs
 
 VAdd = BY_MNEMONIC["vadd"]
 WORD = WORD_BITS // 8           # bytes of an instruction word
-VIEW_BITS = 2 + 24 + 16 + 16
+VIEW_BITS = 2 + ADDR_BITS + 16 + 16    # space, address, row and column strides
 
 
 def word(i) -> int:
@@ -44,12 +44,11 @@ def test_views_immediates_and_the_optional_wait_are_packed_by_their_kinds():
     x = word(i)
     assert x & 0xFF == i.OPCODE and x >> 8 & 0xFF == 2
     dst = x >> 16 & ((1 << VIEW_BITS) - 1)
-    assert dst == 3 | 5 << 2 | 6 << 26 | 7 << 42
+    assert dst == 3 | 5 << 2 | 6 << (2 + ADDR_BITS) | 7 << (2 + ADDR_BITS + 16)
     b = x >> (16 + 2 * VIEW_BITS) & ((1 << (1 + VIEW_BITS)) - 1)
     assert b == 1 | f32_bits(-1.5) << 1
     rows_at = 16 + 3 * VIEW_BITS + 1
     assert x >> rows_at == 4 | 64 << 16                 # no wait: its presence bit and all else 0
-    # the wait, last: a presence bit, then the condition
     # then the optional span (a presence bit and 8 bits), and the wait, last: a presence bit,
     # then the condition
     wait_at = rows_at + 32 + 9
@@ -115,7 +114,7 @@ def test_nan_immediates_encode_as_the_quiet_nan():
     a = word(VAdd(0, View("vec", 0, 1, 1), View("vec", 0, 1, 1), nan, 1, 1))
     b = word(VAdd(0, View("vec", 0, 1, 1), View("vec", 0, 1, 1), float("nan"), 1, 1))
     assert a == b
-    other = a ^ (1 << (8 + 8 + 2 * 58 + 1))          # flip the lowest payload bit of the NaN
+    other = a ^ (1 << (16 + 2 * VIEW_BITS + 1))          # flip the lowest payload bit of the NaN
     with pytest.raises(ProgramError, match="non-canonical"):
         encoding.decode_instr(other.to_bytes(WORD, "little"))
 
@@ -132,7 +131,7 @@ def test_nan_immediates_encode_as_the_quiet_nan():
     (VAdd(0, View("vec", 0, 1, 1), View("vec", 0, 1, 1), 1.0, 1, 1, span=256), "span: 256 does not fit in 8 bits"),
     (VAdd(0, View("vec", 0, 1, 1), View("vec", 0, 1, 1), 1.0, 1, 1, wait=Cond(0, "dma", 1, 2)),
      "is absolute and relative at once"),
-    (VAdd(0, View("vec", 1 << 24, 1, 1), View("vec", 0, 1, 1), 1.0, 1, 1), "dst: view addr"),
+    (VAdd(0, View("vec", 1 << ADDR_BITS, 1, 1), View("vec", 0, 1, 1), 1.0, 1, 1), "dst: view addr"),
     (VAdd(0, View("vec", 0, 1, 1), View("vec", 0, 1, 1), 0.1, 1, 1), "b: immediate 0.1 is not an fp32"),
     (VAdd(0, View("vec", 0, 1, 1), View("vec", 0, 1, 1), 1e39, 1, 1),
      "b: immediate 1e\\+39 is outside the fp32 range"),
