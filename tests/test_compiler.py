@@ -107,6 +107,21 @@ def test_every_unsupported_node_is_listed(tmp_path):
     assert not (tmp_path / "u.s").exists() and not (tmp_path / "u.s.data").exists()
 
 
+def test_a_lowering_bug_is_not_taken_for_a_failed_producer(tmp_path, monkeypatch):
+    """A KeyError in a lowering means "an input whose producer failed" only when a failure was
+    reported before it; otherwise it is a bug, which must not leave a program without the node."""
+    from dlegion_cc.lower import context
+
+    def broken(low, node):
+        raise KeyError("internal")
+    monkeypatch.setitem(context.LOWERINGS, ("", "Relu"), broken)
+    model = _model(tmp_path / "r.onnx", [helper.make_node("Relu", ["x"], ["y"], name="relu")],
+                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    with pytest.raises(KeyError, match="internal"):
+        compile_model(model, Options(TINY))
+
+
 def test_bad_files(tmp_path):
     r = dlegion_cc(tmp_path / "none.onnx", "-o", tmp_path / "x.s")
     assert r.returncode == 2 and "no such file" in r.stderr

@@ -29,6 +29,8 @@ def lower_graph(graph: Graph, arch: Arch, data_file: str | None, switches: Switc
         try:
             fn(low, node)
         except KeyError:
+            if not problems:
+                raise     # not a failed producer: a bug, which must not pass for a program
             continue      # an input whose producer already failed; that failure is reported
         except (ValueError, MemoryError) as e:
             problems.append((node.name, node.op, str(e)))

@@ -21,7 +21,7 @@ accumulators; every piece runs in the narrowest mode that holds it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -198,7 +198,8 @@ def lower_run_time_weights(low: Lowering, a: str, b: str, out: str) -> None:
         batch = [Problem(a8, None, ((w, "w8"),), None, 1, K, None, None, None, 0, "w8", None, True, dst.tensor,
                          range(i * per + rows.start, i * per + rows.stop), K, N, n_pad, w_offset=i * K * n_pad,
                          legions=range(j * width, (j + 1) * width)) for i in range(batches)]
-        emit_tiles(em, batch[0], plan_tiles(arch, batch[0], low.switches), low.written, more=tuple(batch[1:]))
+        plan = plan_tiles(arch, replace(batch[0], batches=batches), low.switches)
+        emit_tiles(em, batch[0], plan, low.written, more=tuple(batch[1:]))
 
 
 # A part of the rows given Legions of their own is at least this many array heights of rows.

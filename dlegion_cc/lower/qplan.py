@@ -17,6 +17,8 @@ window's load unless the matrix queue was still busy when its operands arrived; 
 its bytes at the Legion's share of DRAM bandwidth plus the DRAM latency, a drain ``M*N / lanes``
 cycles; each operation starts when its queue is free and what it depends on is done. The
 total is the latest Legion's finish, and never less than all DRAM bytes at the DRAM rate.
+A matmul run several times over in the same slots (``Problem.batches``: the batches of a
+run-time B) is replayed batch by batch.
 """
 from __future__ import annotations
 
@@ -59,6 +61,7 @@ class Problem:
     segments: tuple = ()     # of a fused matmul (``Segment``): where its columns are stored
     w_offset: int = 0        # where the weights start in their tensors (one batch of a run-time B)
     legions: range | None = None    # the Legions it runs on, column slices in order (None: all)
+    batches: int = 1         # run this many times over in the same slots (``emit_tiles``' ``more``)
 
 
 def legion_range(arch: Arch, p: Problem) -> range:
@@ -331,13 +334,17 @@ def with_slots(arch: Arch, p: Problem, plan: Plan) -> Plan | None:
     cap = arch.derived.spad_elems
     chunks = sum(len(u) for u in units(p, plan))
     tiles = -(-plan.per_legion // plan.cols)
-    w_useful = (chunks * len(p.weights) + 1) * (tiles if plan.order == "rows" else 1)
+    # Batches run in the same slots: the next one's chunks load into the slots left over.
+    w_useful = (chunks * len(p.weights) + 1) * (tiles if plan.order == "rows" else 1) * p.batches
     a_chunks = 1 if plan.whole_rows else chunks
-    a_useful = a_chunks * len(row_blocks(p, plan)) + 1
+    a_useful = a_chunks * len(row_blocks(p, plan)) * p.batches + 1
+    # A drain frees its accumulators at once; a store from them (exact results) frees them one
+    # DRAM round trip later, which more slots hide: the slot is reused that many tiles on.
+    acc_useful = tiles * len(row_blocks(p, plan)) * len(units(p, plan)) * p.batches if p.exact else 2
     plan = replace(plan,
                    w_slots=_most_slots(cap["wgt"], wgt_slot_bytes(p, plan), max(2, w_useful)),
                    a_slots=_most_slots(cap["act"] - p.k2, act_slot_elems(p, plan), max(2, a_useful)),
-                   acc_slots=_most_slots(cap["acc"], plan.rows * plan.cols, 2),
+                   acc_slots=_most_slots(cap["acc"], plan.rows * plan.cols, max(2, acc_useful)),
                    res_slots=_most_slots(cap["vec"] - vec_fixed(p, plan), plan.rows * plan.cols, 2))
     if min(plan.w_slots, plan.a_slots, plan.acc_slots, plan.res_slots) < 1:
         return None
@@ -436,7 +443,7 @@ def choose(arch: Arch, p: Problem, switches: Switches = Switches()) -> Plan:
 
 def compute_bound(arch: Arch, p: Problem, plan: Plan) -> float:
     """The first Legion's matrix-queue time if no pass ever waited (dense passes scaled by the
-    share of nonzero weight blocks, when blocks are skipped)."""
+    share of nonzero weight blocks, when blocks are skipped), over all batches."""
     share = 1.0
     if plan.sparse:
         share = sum(float(nz.mean()) for nz in p.nonzero) / len(p.nonzero)
@@ -446,7 +453,7 @@ def compute_bound(arch: Arch, p: Problem, plan: Plan) -> float:
             for unit in units(p, plan):
                 total += sum(_mm_cycles(arch, plan, mb, c.kc, nb, mode, None)
                              for c in unit for _, mode in p.weights)
-    return total * share
+    return total * share * p.batches
 
 
 # --- the cost model -------------------------------------------------------------------------
@@ -457,6 +464,12 @@ class Estimate:
     dram_bytes: int
     instructions: int      # as emitted: passes, loads, stores, drains, a multicast's waits
     detail: dict = field(default_factory=dict)
+
+
+def dram_rate(arch: Arch, p: Problem) -> float:
+    """DRAM bytes a cycle the matmul has. One on some of the Legions (a part of its rows)
+    shares DRAM with the other parts, which run alongside it with work of the same size."""
+    return arch.derived.dram_bytes_per_cycle * len(legion_range(arch, p)) / arch.legions
 
 
 class _Model:
@@ -470,7 +483,7 @@ class _Model:
         self.emitted = {g.base for g in groups(arch, p, plan)}
         self.lat = arch.dram_latency_cycles
         d = arch.derived
-        self.link, self.dram_rate = d.link_bytes_per_cycle, d.dram_bytes_per_cycle
+        self.link, self.dram_rate = d.link_bytes_per_cycle, dram_rate(arch, p)
         self.dma = {l: 0.0 for l in self.legions}
         self.mat = dict(self.dma)
         self.vec = dict(self.dma)
@@ -493,38 +506,60 @@ class _Model:
         return out
 
 
+# Batches modelled one by one; the rest are taken to cost what the last one modelled did.
+MODELLED_BATCHES = 3
+
+
 def estimate(arch: Arch, p: Problem, plan: Plan) -> Estimate:
+    """The cost model's figures for ``plan``; of all ``p.batches`` batches."""
+    if p.batches <= MODELLED_BATCHES:
+        return _estimate(arch, p, plan, p.batches)
+    last, before = (_estimate(arch, p, plan, n) for n in (MODELLED_BATCHES, MODELLED_BATCHES - 1))
+    more = p.batches - MODELLED_BATCHES
+    nbytes = last.dram_bytes + more * (last.dram_bytes - before.dram_bytes)
+    cycles = max(last.cycles + more * (last.cycles - before.cycles), math.ceil(nbytes / dram_rate(arch, p)))
+    return Estimate(cycles, nbytes, last.instructions + more * (last.instructions - before.instructions),
+                    last.detail)
+
+
+def _estimate(arch: Arch, p: Problem, plan: Plan, batches: int) -> Estimate:
     m = _Model(arch, p, plan)
     tiles = {l: legion_tiles(p, plan, l) for l in m.legions}
     count = max(len(t) for t in tiles.values())
-    blocks = row_blocks(p, plan)
     st = _State(m, plan)
     order = tile_order(p, plan, count)
     last = {l: last_visit(order, len(tiles[l])) for l in m.legions}
     final = len(units(p, plan)) - 1
+    for batch in range(batches):
+        if batch:
+            st.forget()
+        _model_batch(m, st, tiles, order, last, final)
+    for l in m.legions:
+        _model_stores(m, st, l)
+    floor = m.bytes / m.dram_rate
+    m.instructions += _vector_loads(p, plan, tiles, m.emitted) * batches
+    return Estimate(math.ceil(max(st.finish, floor)), m.bytes, m.instructions,
+                    {"dram_floor": floor, "finish": st.finish})
+
+
+def _model_batch(m: _Model, st: _State, tiles: dict, order: list, last: dict, final: int) -> None:
+    """One batch's tiles in ``order`` (``last``: each Legion's last; ``final``: the last unit)."""
+    p, plan = m.p, m.plan
+    blocks = row_blocks(p, plan)
     for k, (b, t, backwards) in enumerate(order):
         here = [l for l in m.legions if t < len(tiles[l])]
         mb = blocks[b][1]
         for u, unit in enumerate(units(p, plan)):
             acc = {l: st.next("acc", l) for l in here}
-            for l in here:
-                if p.exact and st.stores[l] and st.stores[l][-1][2] == acc[l]:
-                    _model_stores(m, st, l)       # the store from this accumulator slot goes first
             begin = {l: st.acc_free[(l, acc[l])] for l in here}
-            for c in in_order(unit, backwards):
-                _model_chunk(m, st, b, t, c, here, tiles, begin)
+            for i, c in enumerate(in_order(unit, backwards)):
+                _model_chunk(m, st, b, t, c, here, tiles, begin, acc if p.exact and i == 0 else None)
             for l in here:
                 if u == 0 and not p.exact:
                     _model_stores(m, st, l)       # the previous tile's store, as the emitter places it
                 _model_unit_end(m, st, l, mb, tiles[l][t][1], acc[l], begin[l], u == final)
         for l in here:
             _model_tile_end(m, st, l, mb, tiles[l][t], acc[l], last[l] == k)
-    for l in m.legions:
-        _model_stores(m, st, l)
-    floor = m.bytes / arch.derived.dram_bytes_per_cycle
-    m.instructions += _vector_loads(p, plan, tiles, m.emitted)
-    return Estimate(math.ceil(max(st.finish, floor)), m.bytes, m.instructions,
-                    {"dram_floor": floor, "finish": st.finish})
 
 
 def _vector_loads(p: Problem, plan: Plan, tiles: dict, emitted: set) -> int:
@@ -562,13 +597,22 @@ class _State:
         self.stores: dict = {l: [] for l in m.legions}     # deferred: (ready, bytes, slot)
         self.finish = 0.0
 
+    def forget(self) -> None:
+        """The next batch: what the slots hold is no longer wanted (``qtiles``' ``next_problem``)."""
+        for ring in (*self.a.values(), *self.w.values()):
+            ring.forget()
+
     def next(self, kind: str, l: int) -> int:
         n = self.turn.get((kind, l), 0)
         self.turn[(kind, l)] = n + 1
         return n % self.slots[kind]
 
 
-def _model_chunk(m: _Model, st: _State, b: int, t: int, c: Chunk, here: list, tiles: dict, begin: dict) -> None:
+def _model_chunk(m: _Model, st: _State, b: int, t: int, c: Chunk, here: list, tiles: dict, begin: dict,
+                 acc: dict | None = None) -> None:
+    """Chunk ``c`` of tile ``t`` in row block ``b``: its loads, then its passes. Given the
+    tile's accumulator slots ``acc`` (its first chunk, exact results), a store pending from
+    one of them goes out between the two, as the emitter places it (``acc_readers``)."""
     a_slot = _model_activations(m, st, b, c, here)
     p, plan = m.p, m.plan
     mb = row_blocks(p, plan)[b][1]
@@ -592,6 +636,11 @@ def _model_chunk(m: _Model, st: _State, b: int, t: int, c: Chunk, here: list, ti
             work.append((l, s, _mm_cycles(m.arch, plan, mb, c.kc, nb, mode, nz)))
     for key_r, ready in zip(where, m.loads(flows)):
         st.ready[key_r] = ready
+    for l in here if acc is not None else ():
+        # As the emitter places it: after the loads of the tile that reuses its slot.
+        if any(slot == acc[l] for _, _, slot in st.stores[l]):
+            _model_stores(m, st, l)
+            begin[l] = st.acc_free[(l, acc[l])]
     lead = weight_lead(m.arch, 1)
     for l, s, cycles in work:
         owner, sa = a_slot[l]
@@ -676,7 +725,8 @@ def _model_tile_end(m: _Model, st: _State, l: int, mb: int, tile: tuple, acc: in
 def _model_stores(m: _Model, st: _State, l: int) -> None:
     for ready, nbytes, slot in st.stores[l]:
         start = max(m.dma[l], ready)
-        m.dma[l] = start + nbytes / m.link
+        # Every Legion stores its tile alike, at about the same time: they share DRAM.
+        m.dma[l] = start + max(nbytes / m.link, nbytes * len(m.legions) / m.dram_rate)
         m.bytes += nbytes
         m.instructions += l in m.emitted
         done = m.dma[l] + m.lat
