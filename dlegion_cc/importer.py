@@ -22,7 +22,8 @@ MAX_FOLD_ROUNDS = 8
 
 
 def import_model(path: str | Path, dims: dict[str, int] | None = None) -> Graph:
-    """Load ``path``, bind symbolic dims, infer shapes and fold constants."""
+    """Load ``path``, bind symbolic dims, infer shapes, fold constants and drop the Identities
+    that only name a graph output."""
     source = str(path)
     model = _load(Path(path))
     _check(model, source)
@@ -31,7 +32,24 @@ def import_model(path: str | Path, dims: dict[str, int] | None = None) -> Graph:
         model = _infer(model, source)
         if not _fold(model, source):
             break
-    return _to_graph(model, source)
+    graph = _to_graph(model, source)
+    _drop_output_identities(graph)
+    return graph
+
+
+def _drop_output_identities(graph: Graph) -> None:
+    """An Identity that only gives a computed value a graph output's name goes: the value's
+    producer writes the output itself, instead of a copy through the vector unit."""
+    for node in list(graph.nodes):
+        src, dst = (node.inputs + [""])[0], node.outputs[0]
+        if (node.op != "Identity" or node.domain or dst not in graph.outputs or src in graph.outputs
+                or src in graph.inputs or graph.producer(src) is None):
+            continue
+        graph.nodes.remove(node)
+        for n in graph.nodes:
+            n.inputs = [dst if i == src else i for i in n.inputs]
+            n.outputs = [dst if o == src else o for o in n.outputs]
+        del graph.values[src]
 
 
 def _load(path: Path) -> onnx.ModelProto:

@@ -11,6 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 from isa import arch
 from isa.asm import load
 from dlegion_cc.errors import CompileError
+from dlegion_cc.importer import import_model
 from dlegion_cc.pipeline import Options, compile_model
 from runtime.check import compare, onnx_reference
 from runtime.emulator import random_inputs, run
@@ -120,6 +121,21 @@ def test_a_lowering_bug_is_not_taken_for_a_failed_producer(tmp_path, monkeypatch
                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
     with pytest.raises(KeyError, match="internal"):
         compile_model(model, Options(TINY))
+
+
+def test_an_identity_naming_an_output_costs_nothing(tmp_path):
+    """Identity(x) -> graph output y: x's producer writes y itself. An Identity of a graph
+    input, or of a value that is an output too, still copies."""
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("Identity", ["r"], ["y"], name="name_y"),
+             helper.make_node("Identity", ["x"], ["z"], name="copy_z"),
+             helper.make_node("Identity", ["y"], ["w"], name="copy_w")]
+    info = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [4, 8]) for n in ("x", "y", "z", "w")]
+    path = _model(tmp_path / "i.onnx", nodes, info[:1], info[1:])
+    graph = import_model(path)
+    assert [n.name for n in graph.nodes] == ["relu", "copy_z", "copy_w"]
+    assert graph.nodes[0].outputs == ["y"] and "r" not in graph.values
+    assert all(r.ok for r in _check(path)[2])
 
 
 def test_bad_files(tmp_path):
