@@ -193,13 +193,15 @@ def lower_run_time_weights(low: Lowering, a: str, b: str, out: str) -> None:
         raise ValueError(f"output '{out}' is not stored as int32")
     per = M // batches
     width, parts = row_parts(arch, per, n_pad)
+    plans: dict = {}            # by the rows of a part: parts alike have one plan
     for j in range(parts):
         rows = range(j * per // parts, (j + 1) * per // parts)
         batch = [Problem(a8, None, ((w, "w8"),), None, 1, K, None, None, None, 0, "w8", None, True, dst.tensor,
                          range(i * per + rows.start, i * per + rows.stop), K, N, n_pad, w_offset=i * K * n_pad,
                          legions=range(j * width, (j + 1) * width)) for i in range(batches)]
-        plan = plan_tiles(arch, replace(batch[0], batches=batches), low.switches)
-        emit_tiles(em, batch[0], plan, low.written, more=tuple(batch[1:]))
+        if len(rows) not in plans:
+            plans[len(rows)] = plan_tiles(arch, replace(batch[0], batches=batches), low.switches)
+        emit_tiles(em, batch[0], plans[len(rows)], low.written, more=tuple(batch[1:]))
 
 
 # A part of the rows given Legions of their own is at least this many array heights of rows.

@@ -512,9 +512,10 @@ MODELLED_BATCHES = 3
 
 def estimate(arch: Arch, p: Problem, plan: Plan) -> Estimate:
     """The cost model's figures for ``plan``; of all ``p.batches`` batches."""
+    runs = _estimates(arch, p, plan, min(p.batches, MODELLED_BATCHES))
     if p.batches <= MODELLED_BATCHES:
-        return _estimate(arch, p, plan, p.batches)
-    last, before = (_estimate(arch, p, plan, n) for n in (MODELLED_BATCHES, MODELLED_BATCHES - 1))
+        return runs[-1]
+    last, before = runs[-1], runs[-2]
     more = p.batches - MODELLED_BATCHES
     nbytes = last.dram_bytes + more * (last.dram_bytes - before.dram_bytes)
     cycles = max(last.cycles + more * (last.cycles - before.cycles), math.ceil(nbytes / dram_rate(arch, p)))
@@ -522,7 +523,8 @@ def estimate(arch: Arch, p: Problem, plan: Plan) -> Estimate:
                     last.detail)
 
 
-def _estimate(arch: Arch, p: Problem, plan: Plan, batches: int) -> Estimate:
+def _estimates(arch: Arch, p: Problem, plan: Plan, batches: int) -> list[Estimate]:
+    """The estimate of the first 1, 2, ... ``batches`` batches, from one replay."""
     m = _Model(arch, p, plan)
     tiles = {l: legion_tiles(p, plan, l) for l in m.legions}
     count = max(len(t) for t in tiles.values())
@@ -530,16 +532,26 @@ def _estimate(arch: Arch, p: Problem, plan: Plan, batches: int) -> Estimate:
     order = tile_order(p, plan, count)
     last = {l: last_visit(order, len(tiles[l])) for l in m.legions}
     final = len(units(p, plan)) - 1
+    out = []
     for batch in range(batches):
         if batch:
             st.forget()
         _model_batch(m, st, tiles, order, last, final)
+        out.append(_ended(m, st, _vector_loads(p, plan, tiles, m.emitted) * (batch + 1)))
+    return out
+
+
+def _ended(m: _Model, st: _State, vector_loads: int) -> Estimate:
+    """The estimate if the schedule ended here: the pending stores issued. The replay itself
+    goes on where it was (the stores stay pending)."""
+    saved = (dict(m.dma), m.bytes, m.instructions, dict(st.acc_free), dict(st.res_free), dict(st.stores), st.finish)
     for l in m.legions:
         _model_stores(m, st, l)
     floor = m.bytes / m.dram_rate
-    m.instructions += _vector_loads(p, plan, tiles, m.emitted) * batches
-    return Estimate(math.ceil(max(st.finish, floor)), m.bytes, m.instructions,
-                    {"dram_floor": floor, "finish": st.finish})
+    e = Estimate(math.ceil(max(st.finish, floor)), m.bytes, m.instructions + vector_loads,
+                 {"dram_floor": floor, "finish": st.finish})
+    m.dma, m.bytes, m.instructions, st.acc_free, st.res_free, st.stores, st.finish = saved
+    return e
 
 
 def _model_batch(m: _Model, st: _State, tiles: dict, order: list, last: dict, final: int) -> None:
