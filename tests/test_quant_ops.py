@@ -18,7 +18,7 @@ from onnx import helper, numpy_helper
 from isa import arch as arch_mod
 from isa.instructions import Barrier, DmaLoad, DmaStore, Drain, MatMul
 from dlegion_cc.errors import CompileError
-from dlegion_cc.lower.qmatmul import row_parts
+from dlegion_cc.lower.qparts import row_parts
 from dlegion_cc.pipeline import Options, compile_model
 from runtime.emulator import run
 from runtime.timing import simulate

@@ -121,3 +121,44 @@ def test_no_fusion_keeps_the_matmuls_apart(tmp_path):
     assert sum(n.op == "QMatMul" for n in graph.nodes) == 2
     assert {i.dst.tensor for i in program.instrs if isinstance(i, DmaStore)} >= {
         t for t, x in enumerate(program.tensors) if x.kind == "output"}
+
+
+@pytest.mark.parametrize("widths", [(40, 24, 24), (40,)])
+def test_rows_cut_into_parts_match_onnxruntime(tmp_path, monkeypatch, widths):
+    """Each part of the rows on a Legion of its own (forced here: dlegion-tiny's two Legions,
+    one a part), fused or not: the weights laid out for one Legion, each part storing its own
+    rows of every output."""
+    from dlegion_cc.lower import qmatmul
+    monkeypatch.setattr(qmatmul, "pick_width", lambda arch, switches, widths, part: 1)
+    path, inputs = _siblings_model(tmp_path / "m.onnx", widths, rows=64)
+    _, program = _compile(path, TINY)
+    for row in compare(run(program, TINY, inputs).outputs, onnx_reference(path, inputs)):
+        assert row.ok, f"{row.name}: relative L2 {row.rel_l2:.2e}"
+    stored = {0: set(), 1: set()}
+    for i in program.instrs:
+        if isinstance(i, DmaStore) and i.dst.tensor in {program.tensors.index(t) for t in program.tensors
+                                                        if t.kind == "output"}:
+            row0 = i.dst.offset // i.dst.rs
+            stored[i.legion] |= set(range(row0, row0 + i.rows))
+    assert stored == {0: set(range(32)), 1: set(range(32, 64))}
+
+
+def test_a_legions_slices_that_leave_its_last_pass_part_empty_cut_the_rows(tmp_path, monkeypatch):
+    """dlegion-32x8, 2560 output columns: 5 array-wide slices a Legion, and a w2 pass holds 4
+    windows, so each K-slice takes 2 passes for 5 windows. Parts of the rows on fewer Legions
+    give each more slices to fill its passes: the cost model picks them, and they are faster."""
+    from dlegion_cc.lower import qmatmul
+    from dlegion_cc.lower.qparts import part_widths
+    machine = arch.load("dlegion-32x8")
+    assert part_widths(machine, 256, 160, 4) == [32, 16, 8]
+    assert part_widths(machine, 256, 128, 4) == [32]          # 4 slices a Legion fill one pass
+    assert part_widths(arch.load("dlegion-8x8"), 256, 160, 4) == [8]
+    path, _ = _siblings_model(tmp_path / "o.onnx", (2560,), rows=512, depth=2560)
+    picked = []
+    pick = qmatmul.pick_width
+    monkeypatch.setattr(qmatmul, "pick_width", lambda *a: picked.append(pick(*a)) or picked[-1])
+    parts = simulate(_compile(path, machine)[1], machine).cycles
+    monkeypatch.setattr(qmatmul, "pick_width", lambda *a: machine.legions)
+    whole = simulate(_compile(path, machine)[1], machine).cycles
+    assert picked[0] < machine.legions
+    assert parts < 0.95 * whole, (parts, whole)      # with the input's quantization: 0.91

@@ -2,7 +2,8 @@
 
 ``y = scale((A - zp) . W)``: the activations A are integers (int8 as they are, uint8 stored as
 A - 128), the weight W is a constant of 2, 4 or 8 bits. Each Legion owns a slice of output
-columns; the activations are multicast to every Legion, the packed weights stream through
+columns (of a part of the rows, where the cost model finds parts faster: ``qparts.py``); the
+activations are multicast to every Legion (of the part), the packed weights stream through
 passes split over the cores' K-slices (summed by the parallel accumulators), and the int32
 accumulators drain with the per-row and per-column scales into fp32. How the work is cut and
 ordered is chosen by a cost model (``qplan.py``) and emitted by ``qtiles.py``; all-zero weight
@@ -25,13 +26,14 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from isa.arch import MODE_BITS, Arch
+from isa.arch import MODE_BITS, MODE_TILES, Arch
 from isa.instructions import BY_MNEMONIC
 from dlegion_cc.ir import DLEGION
 from dlegion_cc.lower.context import Lowering, lowers
 from dlegion_cc.lower.emitter import Emitter
 from dlegion_cc.lower.layout import Operand, whole
 from dlegion_cc.lower.rowwise import Arg, rowwise
+from dlegion_cc.lower.qparts import part_widths, pick_width, row_parts, split_rows
 from dlegion_cc.lower.qtiles import Problem, RowScale, Segment, emit_tiles, plan_tiles
 
 WEIGHT_DTYPE = {"w2": "w2", "w4": "w4", "w8": "i8"}
@@ -125,13 +127,12 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
 
     Batched weights [batches, K, N] multiply consecutive equal slices of the activation rows.
     A fused matmul (``passes/siblings.py``) has several outputs, output i the next
-    ``segments[i]`` columns of ``w``.
+    ``segments[i]`` columns of ``w``. Without a zero-point correction the rows may be cut into
+    parts, each on Legions of its own (``qparts``).
     """
     em, arch = low.em, low.em.arch
     outs = out if isinstance(out, list) else [out]
-    lay = legion_major(segments, arch.legions, arch.array) if segments else None
-    if lay is not None:
-        w = lay.weights(w)
+    raw, (w, lay) = w, _laid_out(w, segments, arch.legions, arch.array)
     values = w.values if w.values.ndim == 3 else w.values[None]
     batches, K, N = values.shape
     shape = low.shape(acts.name)
@@ -147,18 +148,25 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
     corrs = [correction(low, f"{name}_{b}" if batches > 1 else name, acts, v, block) for b, v in enumerate(values)]
     if len(em.instrs) > before:
         em.barrier()                                    # every Legion reads what the vector unit wrote
+    dsts = [low.result(o.name) for o in outs]
+    dst, out = dsts[0], outs[0]
+    exact = (low.dtype(out.name) == np.int32 and em.tensors[dst.tensor].dtype == "i32"
+             and rscale is None and w.scales is None and w.bias is None and out.requant is None)
+    per, width = M // batches, arch.legions
+    if all(c[0] is None for c in corrs):               # corrections are laid out for all Legions
+        shapes = _Shapes(low, raw, segments, rscale, block, out.requant, exact, per, K)
+        width = pick_width(arch, low.switches, shapes.widths(), shapes.part)
+        if width != arch.legions:
+            w, lay = _laid_out(raw, segments, width, arch.array)
+            values = w.values if w.values.ndim == 3 else w.values[None]
+            N = values.shape[-1]
     n_pad = math.ceil(N / arch.array) * arch.array
     groups = math.ceil(K / block)
     scales = None if w.scales is None else em.const(f"{name}_scales", _pad_cols(
         np.broadcast_to(np.asarray(w.scales, np.float32).reshape(-1, N), (groups, N)), n_pad), "f32")
     bias = None if w.bias is None else em.const(f"{name}_bias", _pad_cols(
         np.asarray(w.bias, np.float32).reshape(1, N), n_pad)[0], "f32")
-    dsts = [low.result(o.name) for o in outs]
-    dst, out = dsts[0], outs[0]
-    exact = (low.dtype(out.name) == np.int32 and em.tensors[dst.tensor].dtype == "i32"
-             and rscale is None and scales is None and bias is None and out.requant is None)
     segs = () if lay is None else lay.segments(low, outs, dsts, segments)
-    per = M // batches
     for b, v in enumerate(values):
         if b:
             em.barrier()        # each batch's plan reuses the scratchpad slots of the one before
@@ -167,7 +175,61 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
         nonzero = block_maps(pieces, arch.array) if low.switches.sparsity else ()
         p = Problem(a8, rscale, weights, scales, groups, block, bias, *corrs[b], out.requant, exact,
                     dst.tensor, range(b * per, (b + 1) * per), K, N, n_pad, nonzero, segs)
-        emit_tiles(em, p, plan_tiles(arch, p, low.switches), low.written)
+        _emit_parts(low, p, width)
+
+
+def _laid_out(w: Weights, segments: list[int] | None, legions: int, na: int) -> tuple:
+    """(weights, layout) of a fused matmul's weights laid out for ``legions`` Legions."""
+    lay = legion_major(segments, legions, na) if segments else None
+    return (w if lay is None else lay.weights(w)), lay
+
+
+def _emit_parts(low: Lowering, p: Problem, width: int) -> None:
+    """``p`` on all the Legions, or its rows in parts of ``width`` Legions each (one plan for
+    parts of the same rows)."""
+    arch, parts, plans = low.em.arch, low.em.arch.legions // width, {}
+    for j, rows in enumerate(split_rows(p.rows, parts)):
+        part = p if parts == 1 else replace(p, rows=rows, legions=range(j * width, (j + 1) * width))
+        if len(rows) not in plans:
+            plans[len(rows)] = plan_tiles(arch, part, low.switches)
+        emit_tiles(low.em, part, plans[len(rows)], low.written)
+
+
+@dataclass(frozen=True)
+class _Shapes:
+    """What the cost model needs of a constant-weight matmul to compare cuts of its rows: a
+    part of the first batch, for each number of Legions a part may have."""
+
+    low: Lowering
+    raw: Weights
+    segments: list | None
+    rscale: RowScale | None
+    block: int
+    requant: tuple | None
+    exact: bool
+    rows: int
+    K: int
+
+    def widths(self) -> list[int]:
+        arch = self.low.em.arch
+        p = self.part(arch.legions)
+        return part_widths(arch, self.rows, p.n_pad // arch.array, max(MODE_TILES[m] for _, m in p.weights))
+
+    def part(self, width: int) -> Problem:
+        arch = self.low.em.arch
+        w, lay = _laid_out(self.raw, self.segments, width, arch.array)
+        v = w.values if w.values.ndim == 2 else w.values[0]
+        N = v.shape[1]
+        n_pad = math.ceil(N / arch.array) * arch.array
+        pieces = [_pad_cols(piece, n_pad) for piece in weight_pieces(v)]
+        weights = tuple((0, pick_mode(arch, mode_for(piece))) for piece in pieces)
+        nonzero = block_maps(pieces, arch.array) if self.low.switches.sparsity else ()
+        segs = () if lay is None else tuple(Segment(0, n, wd, off) for n, wd, off in
+                                            zip(self.segments, lay.widths, lay.offsets))
+        rows = range(self.rows * width // arch.legions)
+        return Problem(0, self.rscale, weights, None if w.scales is None else 0, math.ceil(self.K / self.block),
+                       self.block, None if w.bias is None else 0, None, None, 0, "w8", self.requant, self.exact,
+                       0, rows, self.K, N, n_pad, nonzero, segs, legions=range(width))
 
 
 def lower_run_time_weights(low: Lowering, a: str, b: str, out: str) -> None:
@@ -202,27 +264,6 @@ def lower_run_time_weights(low: Lowering, a: str, b: str, out: str) -> None:
         if len(rows) not in plans:
             plans[len(rows)] = plan_tiles(arch, replace(batch[0], batches=batches), low.switches)
         emit_tiles(em, batch[0], plans[len(rows)], low.written, more=tuple(batch[1:]))
-
-
-# A part of the rows given Legions of their own is at least this many array heights of rows.
-PART_ROWS = 4
-
-
-def row_parts(arch: Arch, rows: int, n_pad: int) -> tuple[int, int]:
-    """(Legions per part, parts): a matmul whose output columns fill fewer array-wide slices
-    than there are Legions is cut into parts of its rows, each on Legions of its own (their
-    activation rows are their own; each part reads the weights). Of the ways to deal the
-    Legions, the one that keeps the most of them busy, then the one with the fewest parts."""
-    slices, legions = n_pad // arch.array, arch.legions
-    most = max(1, rows // (PART_ROWS * arch.array))
-    deals = [(width, min(legions // width, most)) for width in range(1, legions + 1) if legions % width == 0]
-
-    def busy(deal: tuple[int, int]) -> int:
-        width, parts = deal
-        per = -(-slices // width)                  # slices per Legion
-        return parts * -(-slices // per)
-    width, parts = max(deals, key=lambda d: (busy(d), -d[1], d[0]))
-    return (width, parts) if parts > 1 else (legions, 1)
 
 
 # --- fused matmuls ------------------------------------------------------------------------
