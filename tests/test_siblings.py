@@ -20,10 +20,11 @@ from runtime.timing import simulate
 TINY = arch.load("dlegion-tiny")
 
 
-def _siblings_model(path, widths, rows=6, depth=48, seed=3):
-    """One absmax-quantized input shared by BitLinear projections of ``widths`` columns."""
+def _siblings_model(path, widths, rows=6, depth=48, seed=3, sparsity=0.0):
+    """One absmax-quantized input shared by BitLinear projections of ``widths`` columns (a
+    ``sparsity`` fraction of 8 x 8 weight blocks zero)."""
     b, rng = GraphBuilder(), np.random.default_rng(seed)
-    linear = BitLinear(preset("tiny", seed=seed), rng)
+    linear = BitLinear(preset("tiny", seed=seed, block_sparsity=sparsity, block=8), rng)
     xq = linear.prepare(b, "x")
     outs = [linear.project(b, xq, f"proj{i}", depth, n) for i, n in enumerate(widths)]
     infos = [tensor_info(o, FLOAT, [1, rows, n]) for o, n in zip(outs, widths)]
@@ -123,14 +124,14 @@ def test_no_fusion_keeps_the_matmuls_apart(tmp_path):
         t for t, x in enumerate(program.tensors) if x.kind == "output"}
 
 
-@pytest.mark.parametrize("widths", [(40, 24, 24), (40,)])
-def test_rows_cut_into_parts_match_onnxruntime(tmp_path, monkeypatch, widths):
+@pytest.mark.parametrize("widths, sparsity", [((40, 24, 24), 0.0), ((40,), 0.0), ((40, 24), 0.5)])
+def test_rows_cut_into_parts_match_onnxruntime(tmp_path, monkeypatch, widths, sparsity):
     """Each part of the rows on a Legion of its own (forced here: dlegion-tiny's two Legions,
-    one a part), fused or not: the weights laid out for one Legion, each part storing its own
-    rows of every output."""
+    one a part), fused or not, with zero weight blocks skipped or not: the weights laid out
+    for one Legion, each part storing its own rows of every output."""
     from dlegion_cc.lower import qmatmul
     monkeypatch.setattr(qmatmul, "pick_width", lambda arch, switches, widths, part: 1)
-    path, inputs = _siblings_model(tmp_path / "m.onnx", widths, rows=64)
+    path, inputs = _siblings_model(tmp_path / "m.onnx", widths, rows=64, sparsity=sparsity)
     _, program = _compile(path, TINY)
     for row in compare(run(program, TINY, inputs).outputs, onnx_reference(path, inputs)):
         assert row.ok, f"{row.name}: relative L2 {row.rel_l2:.2e}"
@@ -141,6 +142,7 @@ def test_rows_cut_into_parts_match_onnxruntime(tmp_path, monkeypatch, widths):
             row0 = i.dst.offset // i.dst.rs
             stored[i.legion] |= set(range(row0, row0 + i.rows))
     assert stored == {0: set(range(32)), 1: set(range(32, 64))}
+    assert (simulate(program, TINY).counters["windows_skipped"] > 0) == (sparsity > 0)
 
 
 def test_a_legions_slices_that_leave_its_last_pass_part_empty_cut_the_rows(tmp_path, monkeypatch):
