@@ -227,6 +227,7 @@ class _Shapes:
         segs = () if lay is None else tuple(Segment(0, n, wd, off) for n, wd, off in
                                             zip(self.segments, lay.widths, lay.offsets))
         rows = range(self.rows * width // arch.legions)
+        # Tensor indices are placeholders (0): the model reads shapes, modes and block maps.
         return Problem(0, self.rscale, weights, None if w.scales is None else 0, math.ceil(self.K / self.block),
                        self.block, None if w.bias is None else 0, None, None, 0, "w8", self.requant, self.exact,
                        0, rows, self.K, N, n_pad, nonzero, segs, legions=range(width))
