@@ -506,3 +506,25 @@ def test_matmul_nbits_reordering_g_idx_is_a_node_error(tmp_path):
     m = _nbits(g_idx=np.arange(64, dtype=np.int32)[::-1].copy())
     with pytest.raises(CompileError, match=r"node 'nbits' \(MatMulNBits\): a g_idx that reorders"):
         compile_and_run(tmp_path, m, {})
+
+
+@pytest.mark.parametrize("zp_input", [True, False])
+def test_rows_in_parts_with_a_zero_point_correction(tmp_path, monkeypatch, zp_input):
+    """uint8 activations with a zero point (a graph input, or a constant) and constant int8
+    weights, the rows cut into parts (forced: one Legion a part): each part's correction pass
+    reads its own copy of the zero-point row, against correction weights laid out as the
+    part's weights are."""
+    from dlegion_cc.lower import qmatmul
+    monkeypatch.setattr(qmatmul, "pick_width", lambda arch, switches, widths, part: 1)
+    b = rng.integers(-63, 64, (32, 20)).astype(np.int8)     # onnxruntime's u8 x s8 kernels stay exact
+    node = helper.make_node("MatMulInteger", ["a", "b", "az"], ["y"])
+    inputs = [("a", TP.UINT8, [64, 32])] + ([("az", TP.UINT8, [])] if zp_input else [])
+    inits = [const("b", b)] + ([] if zp_input else [const("az", 137, TP.UINT8)])
+    m = model([node], inputs, [("y", TP.INT32, [64, 20])], inits)
+    feeds = {"a": rng.integers(0, 256, (64, 32)).astype(np.uint8)} | ({"az": np.array(9, np.uint8)} if zp_input else {})
+    program = check_exact(tmp_path, m, feeds)
+    stored = {0: set(), 1: set()}
+    for i in program.instrs:
+        if isinstance(i, DmaStore) and program.tensors[i.dst.tensor].kind == "output":
+            stored[i.legion] |= set(range(i.dst.offset // i.dst.rs, i.dst.offset // i.dst.rs + i.rows))
+    assert stored == {0: set(range(32)), 1: set(range(32, 64))}       # each Legion its part's rows

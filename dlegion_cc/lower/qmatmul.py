@@ -127,8 +127,8 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
 
     Batched weights [batches, K, N] multiply consecutive equal slices of the activation rows.
     A fused matmul (``passes/siblings.py``) has several outputs, output i the next
-    ``segments[i]`` columns of ``w``. Without a zero-point correction the rows may be cut into
-    parts, each on Legions of its own (``qparts``).
+    ``segments[i]`` columns of ``w``. The rows may be cut into parts, each on Legions of its
+    own (``qparts``).
     """
     em, arch = low.em, low.em.arch
     outs = out if isinstance(out, list) else [out]
@@ -145,21 +145,21 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
     before = len(em.instrs)
     a8 = int8_rows(low, acts.name, acts.offset)
     rscale = row_scale(low, acts, M) if acts.rscale else None
-    corrs = [correction(low, f"{name}_{b}" if batches > 1 else name, acts, v, block) for b, v in enumerate(values)]
-    if len(em.instrs) > before:
-        em.barrier()                                    # every Legion reads what the vector unit wrote
     dsts = [low.result(o.name) for o in outs]
     dst, out = dsts[0], outs[0]
     exact = (low.dtype(out.name) == np.int32 and em.tensors[dst.tensor].dtype == "i32"
              and rscale is None and w.scales is None and w.bias is None and out.requant is None)
-    per, width = M // batches, arch.legions
-    if all(c[0] is None for c in corrs):               # corrections are laid out for all Legions
-        shapes = _Shapes(low, raw, segments, rscale, block, out.requant, exact, per, K)
-        width = pick_width(arch, low.switches, shapes.widths(), shapes.part)
-        if width != arch.legions:
-            w, lay = _laid_out(raw, segments, width, arch.array)
-            values = w.values if w.values.ndim == 3 else w.values[None]
-            N = values.shape[-1]
+    corr = None if zero_point(low, acts) == acts.offset else correction_shape(arch, values[0], block)
+    shapes = _Shapes(low, raw, segments, rscale, block, corr, out.requant, exact, M // batches, K)
+    width = pick_width(arch, low.switches, shapes.widths(), shapes.part)
+    if width != arch.legions:
+        w, lay = _laid_out(raw, segments, width, arch.array)
+        values = w.values if w.values.ndim == 3 else w.values[None]
+        N = values.shape[-1]
+    corrs = [correction(low, f"{name}_{b}" if batches > 1 else name, acts, v, block) for b, v in enumerate(values)]
+    if len(em.instrs) > before:
+        em.barrier()                                    # every Legion reads what the vector unit wrote
+    per = M // batches
     n_pad = math.ceil(N / arch.array) * arch.array
     groups = math.ceil(K / block)
     scales = None if w.scales is None else em.const(f"{name}_scales", _pad_cols(
@@ -205,6 +205,7 @@ class _Shapes:
     segments: list | None
     rscale: RowScale | None
     block: int
+    corr: tuple | None          # (k2, mode) of the zero-point correction
     requant: tuple | None
     exact: bool
     rows: int
@@ -229,7 +230,8 @@ class _Shapes:
         rows = range(self.rows * width // arch.legions)
         # Tensor indices are placeholders (0): the model reads shapes, modes and block maps.
         return Problem(0, self.rscale, weights, None if w.scales is None else 0, math.ceil(self.K / self.block),
-                       self.block, None if w.bias is None else 0, None, None, 0, "w8", self.requant, self.exact,
+                       self.block, None if w.bias is None else 0, *((None, None, 0, "w8") if self.corr is None
+                                                                     else (0, 0, *self.corr)), self.requant, self.exact,
                        0, rows, self.K, N, n_pad, nonzero, segs, legions=range(width))
 
 
@@ -392,15 +394,27 @@ def correction_weights(values: np.ndarray, block: int, lo: int, hi: int) -> tupl
     return rows.reshape(-1, N), k2
 
 
-def correction(low: Lowering, name: str, acts: Activations, values: np.ndarray, block: int):
-    """(row, weights, k2, mode) of the zero-point correction pass, or Nones when it is 0."""
-    em, arch = low.em, low.em.arch
+def zero_point(low: Lowering, acts: Activations) -> int | str:
+    """The activations' zero point: an int, or the graph value holding it at run time."""
     zp = acts.zero_point
     if isinstance(zp, str):
         c = low.const(zp)
         if (c.size if c is not None else math.prod(low.shape(zp))) != 1:
             raise ValueError(f"zero point '{zp}' is not per tensor (per-row zero points are not supported)")
         zp = zp if c is None else int(c.reshape(()))
+    return zp
+
+
+def correction_shape(arch: Arch, values: np.ndarray, block: int) -> tuple[int, str]:
+    """(k2, mode) of the correction pass of weights ``values`` (whatever their column order)."""
+    mode = max(arch.modes, key=lambda m: MODE_BITS[m])
+    return correction_weights(values, block, *mode_range(mode))[1], mode
+
+
+def correction(low: Lowering, name: str, acts: Activations, values: np.ndarray, block: int):
+    """(row, weights, k2, mode) of the zero-point correction pass, or Nones when it is 0."""
+    em, arch = low.em, low.em.arch
+    zp = zero_point(low, acts)
     if zp == acts.offset:
         return None, None, 0, "w8"
     mode = max(arch.modes, key=lambda m: MODE_BITS[m])
