@@ -40,10 +40,9 @@ def import_model(path: str | Path, dims: dict[str, int] | None = None) -> Graph:
 def _drop_output_identities(graph: Graph) -> None:
     """An Identity that only gives a computed value a graph output's name goes: the value's
     producer writes the output itself, instead of a copy through the vector unit."""
-    for node in list(graph.nodes):
-        src, dst = (node.inputs + [""])[0], node.outputs[0]
-        if (node.op != "Identity" or node.domain or dst not in graph.outputs or src in graph.outputs
-                or src in graph.inputs or graph.producer(src) is None):
+    for node in [n for n in graph.nodes if n.op == "Identity" and not n.domain]:
+        src, dst = node.inputs[0], node.outputs[0]
+        if dst not in graph.outputs or src in graph.outputs or src in graph.inputs or graph.producer(src) is None:
             continue
         graph.nodes.remove(node)
         for n in graph.nodes:

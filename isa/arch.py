@@ -85,7 +85,7 @@ class Arch:
         too_big = [s for s, n in self.derived.spad_elems.items() if n > 1 << ADDR_BITS]
         if too_big:
             raise ArchError(f"{self.name}: {', '.join(f'{s}_kib' for s in too_big)} holds more than the "
-                            f"{1 << ADDR_BITS - 20} Mi elements a {ADDR_BITS}-bit address reaches")
+                            f"{1 << (ADDR_BITS - 20)} Mi elements a {ADDR_BITS}-bit address reaches")
 
     @cached_property
     def derived(self) -> "Derived":

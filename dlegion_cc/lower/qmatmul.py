@@ -149,8 +149,9 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
     dst, out = dsts[0], outs[0]
     exact = (low.dtype(out.name) == np.int32 and em.tensors[dst.tensor].dtype == "i32"
              and rscale is None and w.scales is None and w.bias is None and out.requant is None)
+    per = M // batches
     corr = None if zero_point(low, acts) == acts.offset else correction_shape(arch, values[0], block)
-    shapes = _Shapes(low, raw, segments, rscale, block, corr, out.requant, exact, M // batches, K)
+    shapes = _Shapes(low, raw, segments, rscale, block, corr, out.requant, exact, per, K)
     width = pick_width(arch, low.switches, shapes.widths(), shapes.part)
     if width != arch.legions:
         w, lay = _laid_out(raw, segments, width, arch.array)
@@ -159,7 +160,6 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
     corrs = [correction(low, f"{name}_{b}" if batches > 1 else name, acts, v, block) for b, v in enumerate(values)]
     if len(em.instrs) > before:
         em.barrier()                                    # every Legion reads what the vector unit wrote
-    per = M // batches
     n_pad = math.ceil(N / arch.array) * arch.array
     groups = math.ceil(K / block)
     scales = None if w.scales is None else em.const(f"{name}_scales", _pad_cols(
@@ -170,9 +170,8 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
     for b, v in enumerate(values):
         if b:
             em.barrier()        # each batch's plan reuses the scratchpad slots of the one before
-        pieces = [_pad_cols(piece, n_pad) for piece in weight_pieces(v)]
+        pieces, nonzero = _pieces(low, v, n_pad)
         weights = tuple(_weight_const(em, f"{name}_w{b or ''}{i or ''}", piece) for i, piece in enumerate(pieces))
-        nonzero = block_maps(pieces, arch.array) if low.switches.sparsity else ()
         p = Problem(a8, rscale, weights, scales, groups, block, bias, *corrs[b], out.requant, exact,
                     dst.tensor, range(b * per, (b + 1) * per), K, N, n_pad, nonzero, segs)
         _emit_parts(low, p, width)
@@ -182,6 +181,13 @@ def _laid_out(w: Weights, segments: list[int] | None, legions: int, na: int) -> 
     """(weights, layout) of a fused matmul's weights laid out for ``legions`` Legions."""
     lay = legion_major(segments, legions, na) if segments else None
     return (w if lay is None else lay.weights(w)), lay
+
+
+def _pieces(low: Lowering, v: np.ndarray, n_pad: int) -> tuple[list, tuple]:
+    """The int8 pieces of weights ``v`` (columns padded to ``n_pad``), and their nonzero block
+    maps when zero blocks are skipped."""
+    pieces = [_pad_cols(piece, n_pad) for piece in weight_pieces(v)]
+    return pieces, block_maps(pieces, low.em.arch.array) if low.switches.sparsity else ()
 
 
 def _emit_parts(low: Lowering, p: Problem, width: int) -> None:
@@ -222,9 +228,8 @@ class _Shapes:
         v = w.values if w.values.ndim == 2 else w.values[0]
         N = v.shape[1]
         n_pad = math.ceil(N / arch.array) * arch.array
-        pieces = [_pad_cols(piece, n_pad) for piece in weight_pieces(v)]
-        weights = tuple((0, pick_mode(arch, mode_for(piece))) for piece in pieces)
-        nonzero = block_maps(pieces, arch.array) if self.low.switches.sparsity else ()
+        pieces, nonzero = _pieces(self.low, v, n_pad)
+        weights = tuple((0, _piece_mode(arch, piece)) for piece in pieces)
         segs = () if lay is None else tuple(Segment(0, n, wd, off) for n, wd, off in
                                             zip(self.segments, lay.widths, lay.offsets))
         rows = range(self.rows * width // arch.legions)
@@ -259,8 +264,7 @@ def lower_run_time_weights(low: Lowering, a: str, b: str, out: str) -> None:
     per = M // batches
     width, parts = row_parts(arch, per, n_pad)
     plans: dict = {}            # by the rows of a part: parts alike have one plan
-    for j in range(parts):
-        rows = range(j * per // parts, (j + 1) * per // parts)
+    for j, rows in enumerate(split_rows(range(per), parts)):
         batch = [Problem(a8, None, ((w, "w8"),), None, 1, K, None, None, None, 0, "w8", None, True, dst.tensor,
                          range(i * per + rows.start, i * per + rows.stop), K, N, n_pad, w_offset=i * K * n_pad,
                          legions=range(j * width, (j + 1) * width)) for i in range(batches)]
@@ -332,8 +336,12 @@ def _pad_cols(a: np.ndarray, n_pad: int) -> np.ndarray:
     return np.pad(a, ((0, 0), (0, n_pad - a.shape[1])))
 
 
+def _piece_mode(arch: Arch, piece: np.ndarray) -> str:
+    return pick_mode(arch, mode_for(piece))
+
+
 def _weight_const(em: Emitter, name: str, piece: np.ndarray) -> tuple[int, str]:
-    mode = pick_mode(em.arch, mode_for(piece))
+    mode = _piece_mode(em.arch, piece)
     return em.const(name, piece.astype(np.int8), WEIGHT_DTYPE[mode]), mode
 
 

@@ -50,8 +50,10 @@ def part_widths(arch: Arch, rows: int, slices: int, tiles: int) -> list[int]:
 def pick_width(arch: Arch, switches: Switches, widths: list[int], part: Callable[[int], Problem]) -> int:
     """Of ``widths`` (the first: all the Legions), the one whose first part (``part(width)``)
     the cost model finds faster than all the others by more than ``EQUAL``; the parts run
-    alongside each other, alike."""
+    alongside each other, alike. One width needs no model: its plan is chosen when emitted."""
     best, cycles = widths[0], None
+    if len(widths) == 1:
+        return best
     for width in widths:
         p = part(width)
         e = estimate(arch, p, choose(arch, p, switches)).cycles

@@ -543,7 +543,8 @@ def _estimates(arch: Arch, p: Problem, plan: Plan, batches: int) -> list[Estimat
 
 def _ended(m: _Model, st: _State, vector_loads: int) -> Estimate:
     """The estimate if the schedule ended here: the pending stores issued. The replay itself
-    goes on where it was (the stores stay pending)."""
+    goes on where it was (the stores stay pending: ``_model_stores`` replaces a Legion's list
+    of them, so a shallow copy of the dict keeps them)."""
     saved = (dict(m.dma), m.bytes, m.instructions, dict(st.acc_free), dict(st.res_free), dict(st.stores), st.finish)
     for l in m.legions:
         _model_stores(m, st, l)
