@@ -191,6 +191,25 @@ def test_float_graph_with_fusion_and_attention_matches(tmp_path):
     assert any(n.op == "RowKernel" for n in graph.nodes)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_square_is_a_multiply_and_equals_onnxruntime_bit_for_bit(tmp_path, fused):
+    """Pow(x, 2), alone or in a row kernel (x^2 - 1): one vmul a lane, not a transcendental
+    vpow, and onnxruntime's result bit for bit, overflow and infinities included."""
+    nodes = [helper.make_node("Pow", ["x", "two"], ["y" if not fused else "x2"])]
+    nodes += [helper.make_node("Sub", ["x2", "one"], ["y"])] if fused else []
+    path = _model(tmp_path / "p.onnx", nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [6, 40])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [6, 40])],
+                  [("two", np.array(2, np.float32)), ("one", np.array(1, np.float32))])
+    graph, program = compile_model(path, Options(TINY))
+    assert [n.op for n in graph.nodes] == (["RowKernel"] if fused else ["Pow"])
+    assert "vmul" in {i.MNEMONIC for i in program.instrs} and "vpow" not in {i.MNEMONIC for i in program.instrs}
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((6, 40)) * 10.0 ** rng.integers(-25, 25, (6, 40))).astype(np.float32)
+    x[0, :4] = [np.inf, -np.inf, 3e38, -0.0]
+    got = run(program, TINY, {"x": x}).outputs["y"]
+    np.testing.assert_array_equal(got.view(np.uint32), onnx_reference(path, {"x": x})["y"].view(np.uint32))
+
+
 @pytest.mark.parametrize("mask_shape", [(5, 7), (1, 1, 5, 7), (2, 1, 5, 7), (1, 3, 5, 1)])
 def test_a_mask_repeated_over_heads_fuses_with_its_softmax(tmp_path, mask_shape):
     """Scores [2, 3, 5, 7] scaled, plus a mask that repeats along leading dimensions, then

@@ -11,7 +11,7 @@ import numpy as np
 from isa.instructions import BY_MNEMONIC, VSelect
 from dlegion_cc.ir import DLEGION, Node
 from dlegion_cc.lower.context import Lowering, lowers
-from dlegion_cc.lower.elementwise import BINARY, UNARY
+from dlegion_cc.lower.elementwise import BINARY, UNARY, squares
 from dlegion_cc.lower.layout import Operand, broadcast, contiguous_strides
 from dlegion_cc.lower.rowwise import Arg, rowwise
 from dlegion_cc.passes.fuse import ROW_REDUCE, Frame, shape_kind
@@ -130,7 +130,9 @@ SWAPPED = {"Add": "Add", "Mul": "Mul", "Max": "Max", "Min": "Min", "Equal": "Equ
 
 def _binary(em, l, n, out, arg, rows, cols):
     op, a, b = n.op, arg(n.inputs[0]), arg(n.inputs[1])
-    if isinstance(a, float) and op in SWAPPED:
+    if squares(op, b) and not isinstance(a, float):
+        op, b = "Mul", a
+    elif isinstance(a, float) and op in SWAPPED:
         op, a, b = SWAPPED[op], b, a
     elif isinstance(a, float) and op == "Sub":            # a - b = -(b - a), exactly
         em.emit(BY_MNEMONIC["vsub"](l, out, b, a, rows, cols))
