@@ -36,3 +36,22 @@ def test_blocks_alternate_halves_and_the_vector_unit_stays_busy(tmp_path):
     tl = result.timeline
     vec = min(tl.busy[(legion, "vec")] for legion in range(WIDE.legions))
     assert vec >= 0.9 * tl.cycles, (vec, tl.cycles)
+
+
+def test_a_row_every_block_reads_is_loaded_once_on_each_legion(tmp_path):
+    """x * g with g one row broadcast over the 4096 rows: each Legion loads g once, below its
+    two halves of blocks, not with every block (274 loads of g before)."""
+    g = np.random.default_rng(1).standard_normal(COLS).astype(np.float32)
+    node = helper.make_node("Mul", ["x", "g"], ["y"])
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TP.FLOAT, [ROWS, COLS])],
+                              [helper.make_tensor_value_info("y", TP.FLOAT, [ROWS, COLS])],
+                              [onnx.numpy_helper.from_array(g, "g")])
+    path = tmp_path / "mul.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]), path)
+    program = compile_model(path, Options(WIDE))[1]
+    loads = [i for i in program.instrs if isinstance(i, DmaLoad)]
+    of_g = [i for i in loads if program.tensors[i.src.tensor].kind == "const"]
+    assert sum(i.span or 1 for i in of_g) == WIDE.legions
+    assert {i.dst.addr for i in loads if i not in of_g} == {COLS, COLS + (WIDE.derived.spad_elems["vec"] - COLS) // 2}
+    x = np.random.default_rng(0).standard_normal((ROWS, COLS)).astype(np.float32)
+    np.testing.assert_array_equal(run(program, WIDE, {"x": x}).outputs["y"], x * g)

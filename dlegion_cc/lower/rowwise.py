@@ -4,11 +4,12 @@ A kernel names its operands (:class:`Arg`) in one N-D frame and a ``body`` that 
 instructions on their scratchpad views. ``rowwise`` merges dimensions, cuts the 2-D loop into
 row blocks that fit a Legion's vector scratchpad, deals the blocks to the Legions, and for each
 block loads the inputs (dma queue), runs the body (vec queue) and stores the outputs (dma queue),
-with the dependencies in between. When a Legion gets several blocks, each takes half of the
-scratchpad and the next block's loads are issued before the current one's body, so they overlap
-(``_InFlight``). Equal blocks dealt to adjacent Legions are one group: its
-instructions are emitted once with a span of Legions, each DMA's DRAM offset stepping one
-block per Legion (``lstride``).
+with the dependencies in between. Inputs every block reads whole (a norm's weight row) sit
+below the blocks and each Legion loads them once (``_Resident``). When a Legion gets several
+blocks, each takes half of the rest of the scratchpad and the next block's loads are issued
+before the current one's body, so they overlap (``_InFlight``). Equal blocks dealt to adjacent
+Legions are one group: its instructions are emitted once with a span of Legions, each DMA's DRAM
+offset stepping one block per Legion (``lstride``).
 """
 from __future__ import annotations
 
@@ -72,14 +73,15 @@ def rowwise(em: Emitter, shape: tuple[int, ...], args: list[Arg], body: Body,
     if not keep_last and cols > width:
         _folded(em, args, shape2, bound, width, body, where)
         return
-    block = _rows_per_block(em, args, strides, rows, width, where)
+    resident = _Resident(args, bound, cols)
+    block = _rows_per_block(em, args, strides, rows, width, where, resident)
     if block >= rows and len(shape2) > 2:
-        _whole_frames(em, args, shape2, bound, strides, body)
+        _whole_frames(em, args, shape2, bound, strides, body, resident)
         return
-    half = em.capacity("vec") // 2
-    in_half = _rows_per_block(em, args, strides, rows, cols, where, half, strict=False)
+    half = resident.half(em)
+    in_half = _rows_per_block(em, args, strides, rows, cols, where, resident, half, strict=False)
     overlap = 0 < in_half < rows                 # several blocks, each fitting half the scratchpad
-    blocks = _InFlight(em, half if overlap else 0)
+    blocks = _InFlight(em, half if overlap else 0, resident)
     block = in_half if overlap else block
     for outer in outer_indices(shape2):
         at = {n: op.at(outer) for n, op in bound.items()}
@@ -89,13 +91,43 @@ def rowwise(em: Emitter, shape: tuple[int, ...], args: list[Arg], body: Body,
     blocks.flush()
 
 
-def _whole_frames(em, args, shape, bound, strides, body) -> None:
+class _Resident:
+    """The inputs every block of a kernel reads whole and alike (a row broadcast over all the
+    frame, a scalar): they sit below the blocks in the vector scratchpad and each Legion loads
+    them once, not with every block. ``size``: the elements they take."""
+
+    def __init__(self, args: list[Arg], bound: dict, cols: int):
+        self.views, addr = {}, 0
+        for a in args:
+            if a.operand is not None and not a.out and not any(bound[a.name].strides[:-1]):
+                self.views[a.name] = _view(addr, 0, bound[a.name].strides[-1], cols, False)
+                addr += cols if bound[a.name].strides[-1] else 1
+        self.size = addr
+        self.held: set = set()          # (Legion, name) loaded
+
+    def half(self, em: Emitter) -> int:
+        return (em.capacity("vec") - self.size) // 2
+
+    def wanted(self, name: str, legion: int, count: int) -> bool:
+        """Whether a load of ``name`` on Legions legion.. must be issued: always for a streamed
+        input; for a resident one, unless every Legion of the span holds it already (then none
+        loads it, so the span stays uniform)."""
+        if name not in self.views:
+            return True
+        want = {(legion + j, name) for j in range(count)}
+        if want <= self.held:
+            return False
+        self.held |= want
+        return True
+
+
+def _whole_frames(em, args, shape, bound, strides, body, resident) -> None:
     """A block holds a whole 2-D frame: the frames along the innermost outer dimension go to
     spans of Legions."""
     rows, cols = shape[-2:]
-    half = em.capacity("vec") // 2
-    fits = _rows_per_block(em, args, strides, rows, cols, "", half, strict=False) >= rows
-    blocks = _InFlight(em, half if fits else 0)
+    half = resident.half(em)
+    fits = _rows_per_block(em, args, strides, rows, cols, "", resident, half, strict=False) >= rows
+    blocks = _InFlight(em, half if fits else 0, resident)
     for outer in outer_indices(shape[:-1]):
         for i0, _, count in _groups(shape[-3], 1, em.arch.legions):
             at = {n: op.at(outer + (i0,)) for n, op in bound.items()}
@@ -152,17 +184,19 @@ def _cols_per_block(em, args, strides, cols) -> int:
     return max(1, min(cols, (cap - narrow) // max(full, 1), em.extent()))
 
 
-def _rows_per_block(em, args, strides, rows, cols, where, cap: int | None = None, strict: bool = True) -> int:
-    """Rows a block of ``cap`` vector elements (default: all of them) holds; 0 when not one row
-    fits and not ``strict`` (else an error)."""
-    cap = em.capacity("vec") if cap is None else cap
-    fixed = sum(_footprint(a, *strides[a.name], 0, cols) for a in args)
-    per_row = sum(_footprint(a, *strides[a.name], 1, cols) for a in args) - fixed
+def _rows_per_block(em, args, strides, rows, cols, where, resident: _Resident, cap: int | None = None,
+                    strict: bool = True) -> int:
+    """Rows a block of ``cap`` vector elements (default: all of them but the resident inputs')
+    holds; 0 when not one row fits and not ``strict`` (else an error)."""
+    cap = em.capacity("vec") - resident.size if cap is None else cap
+    streamed = [a for a in args if a.name not in resident.views]
+    fixed = sum(_footprint(a, *strides[a.name], 0, cols) for a in streamed)
+    per_row = sum(_footprint(a, *strides[a.name], 1, cols) for a in streamed) - fixed
     if fixed + per_row > cap:
         if not strict:
             return 0
-        raise CompileError(f"{where}a row of {cols} elements needs {fixed + per_row} vector "
-                           f"scratchpad elements, more than the {cap} a Legion has")
+        raise CompileError(f"{where}a row of {cols} elements needs {resident.size + fixed + per_row} vector "
+                           f"scratchpad elements, more than the {em.capacity('vec')} a Legion has")
     return max(1, min(rows, (cap - fixed) // max(per_row, 1), em.extent()))
 
 
@@ -174,8 +208,8 @@ class _InFlight:
     overlaps it: a relative wait counts the same instructions on every Legion of a span only
     when they were all issued them."""
 
-    def __init__(self, em: Emitter, half: int):
-        self.em, self.half = em, half
+    def __init__(self, em: Emitter, half: int, resident: _Resident):
+        self.em, self.half, self.resident = em, half, resident
         self.pending = None            # (span, what emits the previous group's body and stores)
         self.turn = 0
 
@@ -183,7 +217,8 @@ class _InFlight:
         span = (self.em.take_legions(count), count)
         if self.pending is not None and (self.pending[0] != span or not self.half):
             self.flush()
-        rest = _emit_group(self.em, span, self.turn * self.half, args, at, strides, r0, n, cols, body, steps)
+        base = self.resident.size + self.turn * self.half
+        rest = _emit_group(self.em, span, base, args, at, strides, r0, n, cols, body, steps, self.resident)
         self.flush()
         self.pending = (span, rest)
         self.turn ^= 1 if self.half else 0
@@ -194,20 +229,23 @@ class _InFlight:
             self.pending = None
 
 
-def _emit_group(em, span, base, args, at, strides, r0, n, cols, body, steps):
+def _emit_group(em, span, base, args, at, strides, r0, n, cols, body, steps, resident):
     """Load ``count`` blocks of ``n`` rows from row ``r0``, one per Legion of the span, into the
-    vector scratchpad from ``base``; ``steps``: the DRAM elements from one Legion's block of
-    each operand to the next one's. Returns what emits their body and stores."""
+    vector scratchpad from ``base`` (the resident inputs where they are, if not held yet);
+    ``steps``: the DRAM elements from one Legion's block of each operand to the next one's.
+    Returns what emits their body and stores."""
     legion, count = span
     steps = {name: (step if count > 1 else None) for name, step in steps.items()}
-    views, addr = {}, base
+    views, addr = dict(resident.views), base
     for a in args:
-        rs, cs = strides[a.name]
-        views[a.name] = _view(addr, rs, cs, cols, a.operand is None and a.col)
-        addr += _footprint(a, rs, cs, n, cols)
+        if a.name not in resident.views:
+            rs, cs = strides[a.name]
+            views[a.name] = _view(addr, rs, cs, cols, a.operand is None and a.col)
+            addr += _footprint(a, rs, cs, n, cols)
     with em.spanning(legion, count):
         for a in args:
-            if a.operand is not None and not a.out:
+            if (a.operand is not None and not a.out
+                    and resident.wanted(a.name, legion, count)):
                 _load(em, legion, views[a.name], at[a.name], r0, n, cols, steps[a.name])
     loaded = em.issued.get((legion, "dma"), 0)
 
