@@ -9,7 +9,7 @@ import numpy as np
 from dlegion_cc.errors import node_error
 from dlegion_cc.ir import DLEGION, Graph, Node
 from dlegion_cc.lower.emitter import Emitter
-from dlegion_cc.lower.layout import Operand, whole
+from dlegion_cc.lower.layout import Operand, is_contiguous, whole
 
 DRAM_DTYPE = {np.dtype(np.float32): "f32", np.dtype(np.int64): "i64", np.dtype(np.int32): "i32",
               np.dtype(np.int8): "i8", np.dtype(np.uint8): "u8", np.dtype(np.bool_): "u8"}
@@ -27,13 +27,33 @@ class Switches:
 
 Lowerer = Callable[["Lowering", Node], None]
 LOWERINGS: dict[tuple[str, str], Lowerer] = {}
+# Lowerings that read their inputs through ``Operand`` strides, with what each needs of a
+# strided view ``op`` of its input ``name`` (``Lowering.view``): ``test(node, name, op)``.
+ViewTest = Callable[[Node, str, Operand], bool]
+VIEW_READERS: dict[tuple[str, str], ViewTest] = {}
 
 
-def lowers(*ops: str, domain: str = ""):
-    """Register a lowering for ONNX op types ``ops``."""
+def any_view(node: Node, name: str, op: Operand) -> bool:
+    return True
+
+
+def row_view(node: Node, name: str, op: Operand) -> bool:
+    """Rows of consecutive elements (or one element repeated), as a row block loads them."""
+    return op.strides[-1] in (0, 1)
+
+
+def _no_view(node: Node, name: str, op: Operand) -> bool:
+    return False
+
+
+def lowers(*ops: str, domain: str = "", views: ViewTest | None = None):
+    """Register a lowering for ONNX op types ``ops``; ``views``: it reads strided views of
+    other values that pass this test (else only a contiguous value, from its start)."""
     def deco(fn: Lowerer) -> Lowerer:
         for op in ops:
             LOWERINGS[(domain, op)] = fn
+            if views is not None:
+                VIEW_READERS[(domain, op)] = views
         return fn
     return deco
 
@@ -83,12 +103,22 @@ class Lowering:
         return self.operands[name]
 
     def alias(self, name: str, src: str) -> bool:
-        """Let ``name`` share ``src``'s DRAM (a reshape); False when it needs its own copy."""
-        if name in self.graph.outputs or src not in self.operands:
+        """Let ``name`` share ``src``'s DRAM as it is (``view``)."""
+        return src in self.operands and self.view(name, self.operands[src])
+
+    def view(self, name: str, op: Operand) -> bool:
+        """Let ``name`` be ``op``, another value's DRAM read through strides (a reshape, a
+        transpose, a slice, an expand): no copy. Every node reads a contiguous view from the
+        tensor's start; any other view only nodes whose lowerings read it (``VIEW_READERS``).
+        False when ``name`` needs a tensor of its own (a graph output has one)."""
+        if name in self.graph.outputs:
             return False
-        op = self.operands[src]
-        self.operands[name] = whole(op.tensor, self.shape(name)) if op.offset == 0 else op
-        return op.offset == 0
+        plain = op.offset == 0 and is_contiguous(op, self.shape(name))
+        if not plain and not all(VIEW_READERS.get((n.domain, n.op), _no_view)(n, name, op)
+                                 for n in self.graph.consumers(name)):
+            return False
+        self.operands[name] = op
+        return True
 
     def declare_inputs(self) -> None:
         for name in self.graph.inputs:

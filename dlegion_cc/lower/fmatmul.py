@@ -148,12 +148,17 @@ def _as_matrix(low: Lowering, name: str, batch: tuple[int, ...], vector_as_row: 
     return _batched(op, shape, batch), shape[-2:]
 
 
+def matrix_view(node, name: str, op: Operand) -> bool:
+    """A matrix operand loads by rows or by columns: one of its last two strides is 1."""
+    return 1 in op.strides[-2:]
+
+
 def _batched(op: Operand, shape, batch) -> Operand:
     lead = broadcast(Operand(op.tensor, op.offset, op.strides[:-2]), shape[:-2], batch)
     return Operand(op.tensor, op.offset, lead.strides + op.strides[-2:])
 
 
-@lowers("MatMul")
+@lowers("MatMul", views=matrix_view)
 def matmul(low: Lowering, node) -> None:
     a_name, b_name = node.inputs
     a_shape, b_shape = low.shape(a_name), low.shape(b_name)

@@ -12,7 +12,7 @@ from isa.instructions import BY_MNEMONIC, VSelect
 from dlegion_cc.ir import DLEGION, Node
 from dlegion_cc.lower.context import Lowering, lowers
 from dlegion_cc.lower.elementwise import BINARY, UNARY, squares
-from dlegion_cc.lower.layout import Operand, broadcast, contiguous_strides
+from dlegion_cc.lower.layout import Operand, broadcast, reshaped
 from dlegion_cc.lower.rowwise import Arg, rowwise
 from dlegion_cc.passes.fuse import ROW_REDUCE, Frame, shape_kind
 from dlegion_cc.lower.reduce import REDUCE
@@ -20,13 +20,24 @@ from dlegion_cc.lower.reduce import REDUCE
 NO_IN_PLACE = {"Where"}      # its first step overwrites the output before reading cond and x
 
 
-def _frame_operand(op: Operand, shape: tuple, kind: str, frame: Frame) -> Operand:
-    """``op``, a value of ``shape`` stored contiguously, walked in the frame's N-D shape."""
+def _frame_operand(op: Operand, shape: tuple, kind: str, frame: Frame) -> Operand | None:
+    """``op``, a value of ``shape`` (a strided view, maybe), walked in the frame's N-D shape;
+    None when strides cannot say it."""
     if kind == "tiled":
         return broadcast(op, shape, frame.shape)
-    rows = contiguous_strides(frame.shape[:-1])
-    lead = {"full": tuple(r * frame.cols for r in rows), "col": rows}.get(kind, (0,) * len(rows))
-    return Operand(op.tensor, op.offset, lead + ((0,) if kind in ("col", "scalar") else (1,)))
+    last = op.strides[-1] if shape and kind in ("full", "row") else 0
+    if kind in ("row", "scalar"):
+        return Operand(op.tensor, op.offset, (0,) * (len(frame.shape) - 1) + (last,))
+    lead = reshaped(Operand(op.tensor, op.offset, op.strides[:-1]), shape[:-1], frame.shape[:-1])
+    return None if lead is None else Operand(op.tensor, op.offset, lead.strides + (last,))
+
+
+def frame_view(node: Node, name: str, op: Operand) -> bool:
+    """Whether the kernel reads input ``name`` from view ``op``: in rows of its frame."""
+    frame, shape = node.attrs["frame"], node.attrs["values"][name].shape
+    kind = shape_kind(shape, frame, tiled=True)
+    framed = _frame_operand(op, shape, kind, frame) if kind else None
+    return framed is not None and framed.strides[-1] in (0, 1)
 
 
 class _Slots:
@@ -73,7 +84,7 @@ def _plan(node: Node, kinds: dict, scalars: dict, inputs: set, outputs: set) -> 
     return slot, slots.temps
 
 
-@lowers("RowKernel", domain=DLEGION)
+@lowers("RowKernel", domain=DLEGION, views=frame_view)
 def row_kernel(low: Lowering, node) -> None:
     frame, values = node.attrs["frame"], node.attrs["values"]
     # A tiled input may come in as one row broadcast over the block: its slot is never reused.

@@ -36,6 +36,43 @@ def whole(tensor: int, shape: tuple[int, ...]) -> Operand:
     return Operand(tensor, 0, contiguous_strides(shape))
 
 
+def is_contiguous(op: Operand, shape: tuple[int, ...]) -> bool:
+    """Whether ``op`` walks ``shape`` in row-major order without gaps (size-1 dimensions'
+    strides do not matter)."""
+    return all(d == 1 or s == c for d, s, c in zip(shape, op.strides, contiguous_strides(shape)))
+
+
+def reshaped(op: Operand, shape: tuple[int, ...], new_shape: tuple[int, ...]) -> Operand | None:
+    """``op`` (of ``shape``) read in ``new_shape``, the same elements in row-major order, with
+    no copy; None when strides cannot say it. As numpy decides: dimensions merge or split only
+    within a run that is contiguous in itself."""
+    if 0 in shape or 0 in new_shape:
+        return None
+    old = [(d, s) for d, s in zip(shape, op.strides) if d != 1]
+    strides, oi, ni = [0] * len(new_shape), 0, 0
+    while ni < len(new_shape):
+        if new_shape[ni] == 1:
+            ni += 1
+            continue
+        if oi == len(old):
+            return None
+        nj, oj, n_size, o_size = ni + 1, oi + 1, new_shape[ni], old[oi][0]
+        while n_size != o_size:
+            if n_size < o_size and nj < len(new_shape):
+                n_size, nj = n_size * new_shape[nj], nj + 1
+            elif n_size > o_size and oj < len(old):
+                o_size, oj = o_size * old[oj][0], oj + 1
+            else:
+                return None
+        if any(old[k][1] != old[k + 1][1] * old[k + 1][0] for k in range(oi, oj - 1)):
+            return None
+        step = old[oj - 1][1]
+        for k in reversed(range(ni, nj)):
+            strides[k], step = step, step * new_shape[k]
+        ni, oi = nj, oj
+    return Operand(op.tensor, op.offset, tuple(strides)) if oi == len(old) else None
+
+
 def broadcast(op: Operand, shape: tuple[int, ...], out_shape: tuple[int, ...]) -> Operand:
     """View ``op`` (of ``shape``) in the frame of ``out_shape`` under numpy broadcasting."""
     lead = len(out_shape) - len(shape)

@@ -1,5 +1,6 @@
-"""Data movement: reshapes share DRAM; slices, transposes, concats, expands and gathers copy
-through a Legion's vector scratchpad with strided DMA."""
+"""Data movement. A reshape, transpose, slice, expand or split is a strided view of its input's
+DRAM when its readers take one (``Lowering.view``); otherwise it, like a concat or a gather,
+copies through a Legion's vector scratchpad with strided DMA."""
 from __future__ import annotations
 
 import math
@@ -8,9 +9,9 @@ import numpy as np
 
 from isa.fields import DramRef, View
 from isa.instructions import BY_MNEMONIC, DmaLoad, DmaStore, Gather
-from dlegion_cc.lower.context import Lowering, lowers
+from dlegion_cc.lower.context import Lowering, any_view, lowers
 from dlegion_cc.lower.emitter import Emitter
-from dlegion_cc.lower.layout import Operand, broadcast, coalesce, contiguous_strides, outer_indices, whole
+from dlegion_cc.lower.layout import Operand, broadcast, coalesce, contiguous_strides, outer_indices, reshaped, whole
 from dlegion_cc.lower.rowwise import Arg, rowwise
 
 
@@ -62,33 +63,38 @@ def _element_rows(em, shape, src: Operand, dst: Operand, where) -> None:
     rowwise(em, tuple(shape) + (1,), args, body, keep_last=True, where=where)
 
 
-def _copy_into(low: Lowering, node, src: Operand) -> None:
-    out = node.outputs[0]
-    nd_copy(low.em, low.result(out), src, low.shape(out), where=f"node '{node.name}': ")
-
-
-@lowers("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+@lowers("Reshape", "Flatten", "Squeeze", "Unsqueeze", views=any_view)
 def reshape(low: Lowering, node) -> None:
+    """A view when strides can say it (always, of a contiguous value); else a copy."""
     x, out = node.inputs[0], node.outputs[0]
-    if low.alias(out, x):
+    op = low.operand(x)
+    new = reshaped(op, low.shape(x), low.shape(out))
+    if new is not None and low.view(out, new):
         return
-    src = whole(low.operand(x).tensor, low.shape(out))
-    _copy_into(low, node, Operand(src.tensor, low.operand(x).offset, src.strides))
+    dst = low.result(out)
+    nd_copy(low.em, whole(dst.tensor, low.shape(x)), op, low.shape(x), where=f"node '{node.name}': ")
 
 
-@lowers("Transpose")
+def _view_or_copy(low: Lowering, node, src: Operand, out: str | None = None) -> None:
+    """``out`` (default: the node's output) is ``src``, a strided view, if its readers take one."""
+    out = out or node.outputs[0]
+    if not low.view(out, src):
+        nd_copy(low.em, low.result(out), src, low.shape(out), where=f"node '{node.name}': ")
+
+
+@lowers("Transpose", views=any_view)
 def transpose(low: Lowering, node) -> None:
     x = node.inputs[0]
     rank = len(low.shape(x))
     perm = node.attrs.get("perm", list(range(rank))[::-1])
     op = low.operand(x)
-    _copy_into(low, node, Operand(op.tensor, op.offset, tuple(op.strides[p] for p in perm)))
+    _view_or_copy(low, node, Operand(op.tensor, op.offset, tuple(op.strides[p] for p in perm)))
 
 
-@lowers("Expand")
+@lowers("Expand", views=any_view)
 def expand(low: Lowering, node) -> None:
     x, out = node.inputs[0], node.outputs[0]
-    _copy_into(low, node, broadcast(low.operand(x), low.shape(x), low.shape(out)))
+    _view_or_copy(low, node, broadcast(low.operand(x), low.shape(x), low.shape(out)))
 
 
 def _slice_ranges(low: Lowering, node) -> dict[int, range]:
@@ -112,7 +118,7 @@ def _picks(start: int, end: int, step: int, dim: int) -> range:
     return range(min(max(start, lo), hi), min(max(end, lo), hi), step)
 
 
-@lowers("Slice")
+@lowers("Slice", views=any_view)
 def slice_(low: Lowering, node) -> None:
     x = node.inputs[0]
     shape, op = low.shape(x), low.operand(x)
@@ -127,7 +133,7 @@ def slice_(low: Lowering, node) -> None:
         view[axis] = len(picks)
     src = Operand(op.tensor, offset, tuple(strides))
     if not downward or math.prod(view) == 0:
-        _copy_into(low, node, src)
+        _view_or_copy(low, node, src)
         return
     _reverse(low, node, src, tuple(view), downward)
 
@@ -148,7 +154,7 @@ def _reverse(low: Lowering, node, src: Operand, shape, axes: list[int]) -> None:
         cur = dst
 
 
-@lowers("Concat")
+@lowers("Concat", views=any_view)
 def concat(low: Lowering, node) -> None:
     out = node.outputs[0]
     rank = len(low.shape(out))
@@ -162,7 +168,7 @@ def concat(low: Lowering, node) -> None:
         pos += shape[axis]
 
 
-@lowers("Split")
+@lowers("Split", views=any_view)
 def split(low: Lowering, node) -> None:
     x = node.inputs[0]
     shape, op = low.shape(x), low.operand(x)
@@ -170,8 +176,7 @@ def split(low: Lowering, node) -> None:
     pos = 0
     for out in node.outputs:
         size = low.shape(out)[axis]
-        src = Operand(op.tensor, op.offset + pos * op.strides[axis], op.strides)
-        nd_copy(low.em, low.result(out), src, low.shape(out), where=f"node '{node.name}': ")
+        _view_or_copy(low, node, Operand(op.tensor, op.offset + pos * op.strides[axis], op.strides), out)
         pos += size
 
 
