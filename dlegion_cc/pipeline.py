@@ -14,6 +14,7 @@ from dlegion_cc.lower.graph import lower_graph
 from dlegion_cc.passes.bitlinear import RecognizeBitLinear
 from dlegion_cc.passes.causal import CausalSkip
 from dlegion_cc.passes.fuse import FuseRowwise
+from dlegion_cc.passes.gqa import SplitGroupedHeads
 from dlegion_cc.passes.dynamic_int8 import RecognizeDynamicInt8
 from dlegion_cc.passes.legalize import Legalize
 from dlegion_cc.passes.matmul_nbits import RecognizeMatMulNBits
@@ -28,6 +29,7 @@ PASSES = (
     RecognizeQDQMatMul(),       # DQ(int activations) x DQ(int weights) MatMul -> one w8/w4 matmul
     FuseSiblings(),             # matmuls sharing their input -> one, each Legion a slice of each
     CausalSkip(),               # attention blocks a constant causal mask wipes out are not computed
+    SplitGroupedHeads(),        # query heads read their group's key/value head, not a copy of it
     FuseRowwise(),              # runs of row-local ops -> one kernel per row block
     Legalize(),                 # every remaining node has a lowering and supported dtypes
 )

@@ -33,7 +33,8 @@ INTEGER_OPS = {"MatMulInteger", "QLinearMatMul", "DynamicQuantizeLinear", "Quant
 
 def session(model: str | Path, reference: str = "onnxruntime", extra_outputs: list[str] = ()):
     """An onnxruntime session of ``model`` (``reference``: see REFERENCES), with
-    ``extra_outputs`` added as graph outputs."""
+    ``extra_outputs`` that are values of the model added as graph outputs (the compiler's own
+    values, such as a reshape a pass put in, are not)."""
     import onnx
     import onnxruntime as ort
     opts = ort.SessionOptions()
@@ -41,8 +42,9 @@ def session(model: str | Path, reference: str = "onnxruntime", extra_outputs: li
     if reference == "onnxruntime" and not extra_outputs:
         return ort.InferenceSession(str(model), opts, providers=["CPUExecutionProvider"])
     m = onnx.load(str(model))
-    present = {o.name for o in m.graph.output}
-    m.graph.output.extend(onnx.helper.make_empty_tensor_value_info(n) for n in extra_outputs if n not in present)
+    present, made = {o.name for o in m.graph.output}, {o for n in m.graph.node for o in n.output}
+    m.graph.output.extend(onnx.helper.make_empty_tensor_value_info(n) for n in extra_outputs
+                          if n in made and n not in present)
     if reference == "exact":
         unsigned_integer_weights(m)
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
