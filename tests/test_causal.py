@@ -53,9 +53,9 @@ def test_causal_blocks_are_skipped_and_the_result_is_the_same_bit_for_bit(tmp_pa
     np.testing.assert_array_equal(a, b)
     want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, x)[0]
     assert np.linalg.norm(a - want) / np.linalg.norm(want) < 1e-5
-    # QK^T: 6 x 6 output blocks of 64 x 64, the 15 above the diagonal skipped. PV: K in two
-    # chunks of 192; the first three row blocks (rows < 192) skip the second, all zeros of P.
-    skipped = H * (15 * 64 * 64 * D + 3 * 64 * 192 * D)
+    # QK^T: 6 x 6 output blocks of 64 x 64, the 15 above the diagonal skipped. PV: K in six
+    # chunks of 64; row block i skips the 5 - i chunks right of the diagonal, all zeros of P.
+    skipped = H * (15 * 64 * 64 * D + 15 * 64 * 64 * D)
     assert _vmm_tasks(sparse) == _vmm_tasks(dense) - skipped
     # The program says what it left out, for the report; the dense one left out nothing.
     assert sparse.skipped == {"causal_skipped_blocks": H * 15, "causal_skipped_macs": skipped}

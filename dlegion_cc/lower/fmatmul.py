@@ -37,13 +37,32 @@ def _load_matrix(em: Emitter, legion: int, addr: int, op: Operand, r0: int, c0: 
     return View("vec", addr, cols, 1)
 
 
-def _blocks(em: Emitter, M: int, K: int, N: int) -> tuple[int, int, int]:
+@dataclass(frozen=True)
+class Chunks:
+    """How a block's K is cut: chunks of ``size`` rows of b (columns of a), loaded into
+    ``buffers`` buffers in turn (two: the next chunk loads while the current one multiplies)."""
+
+    size: int
+    buffers: int
+
+    def at(self, base: int, m: int, n: int, j: int) -> int:
+        """Where chunk ``j``'s a and b go."""
+        return base + (j % self.buffers) * (m + n) * self.size
+
+
+def _blocks(em: Emitter, M: int, K: int, N: int) -> tuple[int, Chunks, int]:
+    """Rows, K-chunks and columns of an output block. K that one buffer holds is one chunk;
+    longer K goes in two buffers, in chunks of whole row blocks where they fit, so a causal P
+    skips all the K its rows do not reach (the chunks do not depend on the skips: with or
+    without them the sums are the same, bit for bit)."""
     cap = em.capacity("vec")
     mb, nb = min(M, TILE), min(N, TILE)
-    kb = min(K, (cap - 2 * mb * nb) // (mb + nb))
-    if kb < 1:
+    room = (cap - 2 * mb * nb) // (mb + nb)        # K-rows of a and b one buffer holds
+    if room < 1:
         raise ValueError(f"a {mb}x{nb} output block does not fit the vector scratchpad")
-    return mb, kb, nb
+    if K <= room or room < 2:
+        return mb, Chunks(min(K, room), 1), nb
+    return mb, Chunks(room // 2 // mb * mb or room // 2, 2), nb
 
 
 @dataclass(frozen=True)
@@ -110,31 +129,41 @@ def _runs(size: int, block: int, legions: int):
         yield full * block, size % block, 1
 
 
-def _block(em, a, b, out, m0, n0, m, K, n, kb, count, step, skip: Skip = NO_SKIP) -> None:
+def _block(em, a, b, out, m0, n0, m, K, n, kb: Chunks, count, step, skip: Skip = NO_SKIP) -> None:
     """The m x n output block at (m0, n0) and the ``count - 1`` after it along a span of Legions:
     Legion r of the span reads and writes DRAM ``r * step`` = (a, b, out) elements further on.
     Each Legion loads its own tiles: a multicast would have to wait for every Legion of the span
     to be done with the previous tile, which one condition cannot say. K-chunks whose rows of
     ``a`` are all zero are left out (the first is kept when all are: it zeroes the block)."""
     legion = em.take_legions(count)
-    o = View("vec", 0, n, 1)
-    tmp = View("vec", m * n, n, 1)
-    base = 2 * m * n
     a_step, b_step, out_step = (s if count > 1 else None for s in step)
-    chunks = [k0 for k0 in range(0, K, kb) if not skip.chunk(m0, m, k0, min(kb, K - k0))] or [0]
-    kept = sum(min(kb, K - k0) for k0 in chunks)
+    chunks = [k0 for k0 in range(0, K, kb.size) if not skip.chunk(m0, m, k0, min(kb.size, K - k0))] or [0]
+    kept = sum(min(kb.size, K - k0) for k0 in chunks)
     if kept < K:
         em.skipped["causal_skipped_macs"] += count * m * (K - kept) * n
+    o, tmp = View("vec", 0, n, 1), View("vec", m * n, n, 1)
+    loaded, done, views = [], [], {}
+
+    def load(j: int) -> None:
+        k0, k = chunks[j], min(kb.size, K - chunks[j])
+        if j >= kb.buffers:                 # its buffer is free once chunk j - buffers is multiplied
+            em.depend((legion, "vec"), (legion, "dma"), upto=done[j - kb.buffers])
+        at = kb.at(2 * m * n, m, n, j)
+        views[j] = (_load_matrix(em, legion, at, a, m0, k0, m, k, lstride=a_step),
+                    _load_matrix(em, legion, at + m * k, b, k0, n0, k, n, lstride=b_step), k)
+        loaded.append(em.issued[(legion, "dma")])
+
     with em.spanning(legion, count):
-        for first, k0 in zip([True] + [False] * len(chunks), chunks):
-            k = min(kb, K - k0)
-            va = _load_matrix(em, legion, base, a, m0, k0, m, k, lstride=a_step)
-            vb = _load_matrix(em, legion, base + m * k, b, k0, n0, k, n, lstride=b_step)
-            em.depend((legion, "dma"), (legion, "vec"))
-            em.emit(VMatMul(legion, o if first else tmp, va, vb, m, k, n))
-            if not first:
+        for j in range(len(chunks)):
+            while len(loaded) < min(len(chunks), j + kb.buffers):
+                load(len(loaded))
+            em.depend((legion, "dma"), (legion, "vec"), upto=loaded[j])
+            va, vb, k = views.pop(j)
+            em.emit(VMatMul(legion, tmp if j else o, va, vb, m, k, n))
+            if j:
                 em.emit(BY_MNEMONIC["vadd"](legion, o, o, tmp, m, n))
-            em.depend((legion, "vec"), (legion, "dma"))
+            done.append(em.issued[(legion, "vec")])
+        em.depend((legion, "vec"), (legion, "dma"))
         rs = out.strides[-2]
         em.emit(DmaStore(legion, DramRef(out.tensor, out.offset + m0 * rs + n0, rs), o, m, n, lstride=out_step))
 
