@@ -38,31 +38,43 @@ def _load_matrix(em: Emitter, legion: int, addr: int, op: Operand, r0: int, c0: 
 
 
 @dataclass(frozen=True)
-class Chunks:
-    """How a block's K is cut: chunks of ``size`` rows of b (columns of a), loaded into
-    ``buffers`` buffers in turn (two: the next chunk loads while the current one multiplies)."""
+class Layout:
+    """A float matmul's blocks in a Legion's vector scratchpad: ``results`` output blocks of
+    ``mb`` x ``nb`` (two: one block's store reads one while the next block sums into the other),
+    a product buffer, and ``buffers`` buffers of one K-chunk's a and b, ``size`` rows of b each
+    (two: the next chunk loads while the current one multiplies, the next block's first chunk
+    too)."""
 
+    mb: int
+    nb: int
     size: int
     buffers: int
 
-    def at(self, base: int, m: int, n: int, j: int) -> int:
-        """Where chunk ``j``'s a and b go."""
-        return base + (j % self.buffers) * (m + n) * self.size
+    def out(self, block: int) -> int:
+        return (block % self.buffers) * self.mb * self.nb
+
+    @property
+    def tmp(self) -> int:
+        return self.buffers * self.mb * self.nb
+
+    def chunk(self, j: int) -> int:
+        """Where chunk ``j`` of the stream puts its a and b."""
+        return (self.buffers + 1) * self.mb * self.nb + (j % self.buffers) * (self.mb + self.nb) * self.size
 
 
-def _blocks(em: Emitter, M: int, K: int, N: int) -> tuple[int, Chunks, int]:
-    """Rows, K-chunks and columns of an output block. K that one buffer holds is one chunk;
-    longer K goes in two buffers, in chunks of whole row blocks where they fit, so a causal P
-    skips all the K its rows do not reach (the chunks do not depend on the skips: with or
-    without them the sums are the same, bit for bit)."""
+def _layout(em: Emitter, M: int, K: int, N: int) -> Layout:
+    """Two of everything where a chunk of at least one row fits; a long K in chunks of whole row
+    blocks, so a causal P skips all the K its rows do not reach (the chunks do not depend on the
+    skips: with or without them the sums are the same, bit for bit)."""
     cap = em.capacity("vec")
     mb, nb = min(M, TILE), min(N, TILE)
-    room = (cap - 2 * mb * nb) // (mb + nb)        # K-rows of a and b one buffer holds
+    room = (cap - 3 * mb * nb) // (2 * (mb + nb))
+    if room >= 1:
+        return Layout(mb, nb, min(K, room // mb * mb or room), 2)
+    room = (cap - 2 * mb * nb) // (mb + nb)
     if room < 1:
         raise ValueError(f"a {mb}x{nb} output block does not fit the vector scratchpad")
-    if K <= room or room < 2:
-        return mb, Chunks(min(K, room), 1), nb
-    return mb, Chunks(room // 2 // mb * mb or room // 2, 2), nb
+    return Layout(mb, nb, min(K, room), 1)
 
 
 @dataclass(frozen=True)
@@ -96,28 +108,30 @@ def matmul_blocks(em: Emitter, a: Operand, b: Operand, out: Operand, M: int, K: 
     Otherwise equal output blocks go to spans of Legions along the rows or the columns of
     ``out``, whichever has more of them, unless blocks are skipped, which differ from block to
     block."""
-    mb, kb, nb = _blocks(em, M, K, N)
+    lay = _layout(em, M, K, N)
+    mb, nb = lay.mb, lay.nb
+    streams = _Streams(em, lay)
     if span is not None or skip.any:
         count, step = span or (1, (0, 0, 0))
         for m0 in range(0, M, mb):
             for n0 in range(0, N, nb):
                 m, n = min(mb, M - m0), min(nb, N - n0)
                 if not skip.block(m0, m, n0, n):
-                    _block(em, a, b, out, m0, n0, m, K, n, kb, count, step, skip)
+                    streams.add(_job(em, lay, a, b, out, m0, n0, m, K, n, count, step, skip), count)
                 else:
                     em.skipped["causal_skipped_blocks"] += count
                     em.skipped["causal_skipped_macs"] += count * m * K * n
-        return
-    if M // mb > N // nb:
+    elif M // mb > N // nb:
         for n0 in range(0, N, nb):
             for m0, m, count in _runs(M, mb, em.arch.legions):
                 step = (m * a.strides[-2], 0, m * out.strides[-2])
-                _block(em, a, b, out, m0, n0, m, K, min(nb, N - n0), kb, count, step)
-        return
-    for m0 in range(0, M, mb):
-        for n0, n, count in _runs(N, nb, em.arch.legions):
-            step = (0, n * b.strides[-1], n * out.strides[-1])
-            _block(em, a, b, out, m0, n0, min(mb, M - m0), K, n, kb, count, step)
+                streams.add(_job(em, lay, a, b, out, m0, n0, m, K, min(nb, N - n0), count, step), count)
+    else:
+        for m0 in range(0, M, mb):
+            for n0, n, count in _runs(N, nb, em.arch.legions):
+                step = (0, n * b.strides[-1], n * out.strides[-1])
+                streams.add(_job(em, lay, a, b, out, m0, n0, min(mb, M - m0), K, n, count, step), count)
+    streams.flush()
 
 
 def _runs(size: int, block: int, legions: int):
@@ -129,43 +143,127 @@ def _runs(size: int, block: int, legions: int):
         yield full * block, size % block, 1
 
 
-def _block(em, a, b, out, m0, n0, m, K, n, kb: Chunks, count, step, skip: Skip = NO_SKIP) -> None:
-    """The m x n output block at (m0, n0) and the ``count - 1`` after it along a span of Legions:
-    Legion r of the span reads and writes DRAM ``r * step`` = (a, b, out) elements further on.
-    Each Legion loads its own tiles: a multicast would have to wait for every Legion of the span
-    to be done with the previous tile, which one condition cannot say. K-chunks whose rows of
-    ``a`` are all zero are left out (the first is kept when all are: it zeroes the block)."""
-    legion = em.take_legions(count)
-    a_step, b_step, out_step = (s if count > 1 else None for s in step)
-    chunks = [k0 for k0 in range(0, K, kb.size) if not skip.chunk(m0, m, k0, min(kb.size, K - k0))] or [0]
-    kept = sum(min(kb.size, K - k0) for k0 in chunks)
+@dataclass(frozen=True)
+class _Job:
+    """The m x n output block at (m0, n0), and on each further Legion of its span the one
+    ``steps`` = (a, b, out) DRAM elements further on; ``chunks``: the K offsets it sums."""
+
+    a: Operand
+    b: Operand
+    out: Operand
+    m0: int
+    n0: int
+    m: int
+    n: int
+    K: int
+    chunks: tuple
+    steps: tuple
+
+
+def _job(em, lay: Layout, a, b, out, m0, n0, m, K, n, count, step, skip: Skip = NO_SKIP) -> _Job:
+    """A block's job; K-chunks whose rows of ``a`` are all zero are left out (the first is kept
+    when all are: it zeroes the block)."""
+    chunks = [k0 for k0 in range(0, K, lay.size) if not skip.chunk(m0, m, k0, min(lay.size, K - k0))] or [0]
+    kept = sum(min(lay.size, K - k0) for k0 in chunks)
     if kept < K:
         em.skipped["causal_skipped_macs"] += count * m * (K - kept) * n
-    o, tmp = View("vec", 0, n, 1), View("vec", m * n, n, 1)
-    loaded, done, views = [], [], {}
+    return _Job(a, b, out, m0, n0, m, n, K, tuple(chunks), tuple(s if count > 1 else None for s in step))
 
-    def load(j: int) -> None:
-        k0, k = chunks[j], min(kb.size, K - chunks[j])
-        if j >= kb.buffers:                 # its buffer is free once chunk j - buffers is multiplied
-            em.depend((legion, "vec"), (legion, "dma"), upto=done[j - kb.buffers])
-        at = kb.at(2 * m * n, m, n, j)
-        views[j] = (_load_matrix(em, legion, at, a, m0, k0, m, k, lstride=a_step),
-                    _load_matrix(em, legion, at + m * k, b, k0, n0, k, n, lstride=b_step), k)
-        loaded.append(em.issued[(legion, "dma")])
 
-    with em.spanning(legion, count):
-        for j in range(len(chunks)):
-            while len(loaded) < min(len(chunks), j + kb.buffers):
-                load(len(loaded))
-            em.depend((legion, "dma"), (legion, "vec"), upto=loaded[j])
-            va, vb, k = views.pop(j)
-            em.emit(VMatMul(legion, tmp if j else o, va, vb, m, k, n))
-            if j:
-                em.emit(BY_MNEMONIC["vadd"](legion, o, o, tmp, m, n))
-            done.append(em.issued[(legion, "vec")])
-        em.depend((legion, "vec"), (legion, "dma"))
-        rs = out.strides[-2]
-        em.emit(DmaStore(legion, DramRef(out.tensor, out.offset + m0 * rs + n0, rs), o, m, n, lstride=out_step))
+@dataclass(frozen=True)
+class _Chunk:
+    """Chunk ``j`` of a stream: K rows ``k`` of ``job``'s block number ``block``, loaded to
+    ``a`` and ``b``."""
+
+    job: _Job
+    j: int
+    block: int
+    first: bool
+    last: bool
+    a: View
+    b: View
+    k: int
+
+
+class _Streams:
+    """The open streams, one per span of Legions: a block on Legions an open stream of another
+    span uses closes that one first (they would share scratchpad buffers)."""
+
+    def __init__(self, em: Emitter, lay: Layout):
+        self.em, self.lay, self.open = em, lay, {}
+
+    def add(self, job: _Job, count: int) -> None:
+        legion = self.em.take_legions(count)
+        here = set(range(legion, legion + count))
+        for key in [k for k in self.open if k != (legion, count) and here & set(range(k[0], k[0] + k[1]))]:
+            self.open.pop(key).flush()
+        self.open.setdefault((legion, count), _Stream(self.em, self.lay, legion, count)).add(job)
+
+    def flush(self) -> None:
+        for stream in self.open.values():
+            stream.flush()
+        self.open.clear()
+
+
+class _Stream:
+    """Consecutive blocks on one span of Legions as one stream of K-chunks: each chunk's loads
+    are issued before the product of the chunk before it, across blocks too. Each Legion loads
+    its own tiles: a multicast would have to wait for every Legion of the span to be done with
+    the previous tile, which one condition cannot say."""
+
+    def __init__(self, em: Emitter, lay: Layout, legion: int, count: int):
+        self.em, self.lay, self.legion, self.count = em, lay, legion, count
+        self.loaded, self.done, self.stored = [], [], []   # DMA/vec/DMA counts after each chunk/product/block
+        self.blocks = 0
+        self.pending: _Chunk | None = None
+
+    def add(self, job: _Job) -> None:
+        with self.em.spanning(self.legion, self.count):
+            block, self.blocks = self.blocks, self.blocks + 1
+            for k0 in job.chunks:
+                item = self._load(job, k0, block, k0 == job.chunks[0], k0 == job.chunks[-1])
+                if self.lay.buffers == 1:
+                    self._product(item)
+                    continue
+                if self.pending is not None:
+                    self._product(self.pending)
+                self.pending = item
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            with self.em.spanning(self.legion, self.count):
+                self._product(self.pending)
+            self.pending = None
+
+    def _load(self, job: _Job, k0: int, block: int, first: bool, last: bool) -> "_Chunk":
+        em, lay, legion, j = self.em, self.lay, self.legion, len(self.loaded)
+        if j >= lay.buffers:                # its buffer is free once chunk j - buffers is multiplied
+            em.depend((legion, "vec"), (legion, "dma"), upto=self.done[j - lay.buffers])
+        k, at = min(lay.size, job.K - k0), lay.chunk(j)
+        va = _load_matrix(em, legion, at, job.a, job.m0, k0, job.m, k, lstride=job.steps[0])
+        vb = _load_matrix(em, legion, at + job.m * k, job.b, k0, job.n0, k, job.n, lstride=job.steps[1])
+        self.loaded.append(em.issued[(legion, "dma")])
+        return _Chunk(job, j, block, first, last, va, vb, k)
+
+    def _product(self, c: "_Chunk") -> None:
+        """A chunk's product, summed into its block's result; the block's store after its last."""
+        em, lay, legion = self.em, self.lay, self.legion
+        job, block, first = c.job, c.block, c.first
+        need = self.loaded[c.j]
+        if first and block >= lay.buffers:   # its result buffer is free once that block is stored
+            need = max(need, self.stored[block - lay.buffers])
+        em.depend((legion, "dma"), (legion, "vec"), upto=need)
+        o, tmp = View("vec", lay.out(block), job.n, 1), View("vec", lay.tmp, job.n, 1)
+        em.emit(VMatMul(legion, o if first else tmp, c.a, c.b, job.m, c.k, job.n))
+        if not first:
+            em.emit(BY_MNEMONIC["vadd"](legion, o, o, tmp, job.m, job.n))
+        self.done.append(em.issued[(legion, "vec")])
+        if c.last:
+            em.depend((legion, "vec"), (legion, "dma"))
+            rs = job.out.strides[-2]
+            ref = DramRef(job.out.tensor, job.out.offset + job.m0 * rs + job.n0, rs)
+            em.emit(DmaStore(legion, ref, o, job.m, job.n, lstride=job.steps[2]))
+            self.stored.append(em.issued[(legion, "dma")])
 
 
 def _as_matrix(low: Lowering, name: str, batch: tuple[int, ...], vector_as_row: bool):

@@ -82,7 +82,7 @@ def rowwise(em: Emitter, shape: tuple[int, ...], args: list[Arg], body: Body,
     in_half = _rows_per_block(em, args, strides, rows, cols, where, resident, half, strict=False)
     overlap = 0 < in_half < rows                 # several blocks, each fitting half the scratchpad
     blocks = _InFlight(em, half if overlap else 0, resident)
-    block = in_half if overlap else block
+    block = _balanced(rows, in_half if overlap else block, em.arch.legions)
     for outer in outer_indices(shape2):
         at = {n: op.at(outer) for n, op in bound.items()}
         for r0, n, count in _groups(rows, block, em.arch.legions):
@@ -164,6 +164,19 @@ def _call(em, args, shape, ops, body, where) -> None:
     it = iter(ops)
     bound_args = [Arg(a.name, next(it), a.out, a.col) if a.operand is not None else a for a in args]
     rowwise(em, shape, bound_args, body, keep_last=True, where=where)
+
+
+def _balanced(rows: int, most: int, legions: int) -> int:
+    """Rows per block, at most ``most``, that deal ``rows`` to the Legions in as few rounds of
+    ``legions`` blocks as ``most`` allows, with every block full where a divisor of ``rows``
+    allows: a shorter last block goes alone, and a group on other Legions than the one before
+    it does not overlap it (``_InFlight``). Rows one block holds stay one block, on one Legion:
+    the next kernel's independent blocks go to the next Legions (``take_legions``)."""
+    if rows <= most:
+        return rows
+    rounds = -(-rows // (most * legions))
+    block = -(-rows // (rounds * legions))
+    return next((d for d in range(block, most + 1) if rows % d == 0), block)
 
 
 def _groups(rows: int, block: int, legions: int):
