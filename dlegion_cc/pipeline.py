@@ -15,6 +15,7 @@ from dlegion_cc.passes.bitlinear import RecognizeBitLinear
 from dlegion_cc.passes.causal import CausalSkip
 from dlegion_cc.passes.fuse import FuseRowwise
 from dlegion_cc.passes.gqa import SplitGroupedHeads
+from dlegion_cc.passes.rope import SplitRotaryHalves
 from dlegion_cc.passes.dynamic_int8 import RecognizeDynamicInt8
 from dlegion_cc.passes.legalize import Legalize
 from dlegion_cc.passes.matmul_nbits import RecognizeMatMulNBits
@@ -30,6 +31,7 @@ PASSES = (
     FuseSiblings(),             # matmuls sharing their input -> one, each Legion a slice of each
     CausalSkip(),               # attention blocks a constant causal mask wipes out are not computed
     SplitGroupedHeads(),        # query heads read their group's key/value head, not a copy of it
+    SplitRotaryHalves(),        # rotary embeddings by halves of q, not a rotated copy
     FuseRowwise(),              # runs of row-local ops -> one kernel per row block
     Legalize(),                 # every remaining node has a lowering and supported dtypes
 )

@@ -2,16 +2,19 @@
 reader takes one: no copy is emitted, and the graph still computes what onnxruntime does."""
 import numpy as np
 import onnx
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
 from isa import arch
+from isa.instructions import DmaStore
 from dlegion_cc.lower.layout import Operand, reshaped
 from dlegion_cc.pipeline import Options, compile_model
 from runtime.check import compare, onnx_reference
 from runtime.emulator import random_inputs, run
+from runtime.report import region_ranges
 
 TINY = arch.load("dlegion-tiny")
 
@@ -79,8 +82,8 @@ def _rope_attention(path, out_transposed: bool = False):
     return path
 
 
-def _compiled_regions(path):
-    graph, program = compile_model(path, Options(TINY))
+def _compiled_regions(path, fusion: bool = True):
+    graph, program = compile_model(path, Options(TINY, fusion=fusion))
     inputs = random_inputs(program, 0)
     rows = compare(run(program, TINY, inputs).outputs, onnx_reference(path, inputs))
     assert all(r.ok for r in rows), rows
@@ -89,8 +92,7 @@ def _compiled_regions(path):
 
 def test_heads_rotations_and_k_transposed_are_views(tmp_path):
     regions = _compiled_regions(_rope_attention(tmp_path / "rope.onnx"))
-    assert not [r for r in regions if any(op in r for op in ("Reshape", "Transpose", "Slice"))], regions
-    assert any("Concat" in r for r in regions) and any("MatMul" in r for r in regions)
+    assert len(regions) == 2 and "MatMul" in regions[1], regions     # the rotation's kernel, QK^T
 
 
 def test_a_graph_output_gets_its_own_copy(tmp_path):
@@ -137,3 +139,61 @@ def test_grouped_query_heads_multiply_their_shared_head_where_it_is(tmp_path):
     inputs = random_inputs(program, 0)
     rows = compare(run(program, wide, inputs).outputs, onnx_reference(path, inputs))
     assert all(r.ok for r in rows), rows
+
+
+def _rope(path, swapped: bool):
+    """q * cos + rotate_half(q) * sin, rotate_half by Slice/Neg/Concat (``swapped``: each Mul's
+    operands and the Add's the other way round, the halves sliced from the end)."""
+    H, S, D = 2, 6, 8
+    rng = np.random.default_rng(3)
+    big = np.iinfo(np.int64).max
+    lo, hi = ((-D, -D // 2), (-D // 2, big)) if swapped else ((0, D // 2), (D // 2, D))
+    two = (lambda a, b: [b, a]) if swapped else (lambda a, b: [a, b])
+    nodes = [helper.make_node("Slice", ["q", "lo0", "lo1", "ax"], ["q1"]),
+             helper.make_node("Slice", ["q", "hi0", "hi1", "ax"], ["q2"]),
+             helper.make_node("Neg", ["q2"], ["nq2"]),
+             helper.make_node("Concat", ["nq2", "q1"], ["rot"], axis=-1),
+             helper.make_node("Mul", two("q", "cos"), ["qc"]),
+             helper.make_node("Mul", two("rot", "sin"), ["rs"]),
+             helper.make_node("Add", two("qc", "rs"), ["y"])]
+    inits = [("lo0", np.array([lo[0]])), ("lo1", np.array([lo[1]])), ("hi0", np.array([hi[0]])),
+             ("hi1", np.array([hi[1]])), ("ax", np.array([-1])),
+             ("cos", rng.standard_normal((S, D)).astype(np.float32)),
+             ("sin", rng.standard_normal((S, D)).astype(np.float32))]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("q", TP.FLOAT, [1, H, S, D])],
+                              [helper.make_tensor_value_info("y", TP.FLOAT, [1, H, S, D])],
+                              [numpy_helper.from_array(np.asarray(a), n) for n, a in inits])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]), path)
+    return path
+
+
+@pytest.mark.parametrize("swapped", [False, True])
+def test_rotary_embeddings_go_by_halves_into_their_output_bit_for_bit(tmp_path, swapped):
+    """No rotated copy of q, no negation, no concat copy: one row kernel computes both halves
+    from q's halves and writes them where the concat puts them; onnxruntime's bits."""
+    path = _rope(tmp_path / "rope.onnx", swapped)
+    graph, program = compile_model(path, Options(TINY))
+    assert "Neg" not in {n.op for n in graph.nodes}
+    assert [name.split(".")[-1] for _, name in program.regions] == ["hi"], program.regions
+    q = np.random.default_rng(0).standard_normal((1, 2, 6, 8)).astype(np.float32)
+    got = run(program, TINY, {"q": q}).outputs["y"]
+    np.testing.assert_array_equal(got, onnx_reference(path, {"q": q})["y"])
+
+
+@pytest.mark.parametrize("fusion", [True, False])
+def test_a_concat_input_is_written_in_place_unless_it_is_read_elsewhere(tmp_path, fusion):
+    """Concat(Relu(x), Exp(x), Sigmoid(x)) on axis 1: the element-wise ops (one row kernel, or
+    each alone) write their parts of the output themselves; Sigmoid's result is an output too,
+    so the concat copies it."""
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Exp", ["x"], ["b"]),
+             helper.make_node("Sigmoid", ["x"], ["c"]), helper.make_node("Concat", ["a", "b", "c"], ["y"], axis=1)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TP.FLOAT, [5, 3, 4])],
+                              [helper.make_tensor_value_info("y", TP.FLOAT, [5, 9, 4]),
+                               helper.make_tensor_value_info("c", TP.FLOAT, [5, 3, 4])])
+    path = tmp_path / "cat.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]), path)
+    regions = _compiled_regions(path, fusion)
+    assert regions[-1] == "Concat_3" and len(regions) == (2 if fusion else 4), regions
+    _, program = compile_model(path, Options(TINY, fusion=fusion))
+    concat = dict(zip([n for _, n in program.regions], region_ranges(program)))[regions[-1]]
+    assert sum(isinstance(program.instrs[k], DmaStore) for k in concat) == 1    # only c's part

@@ -31,6 +31,9 @@ LOWERINGS: dict[tuple[str, str], Lowerer] = {}
 # strided view ``op`` of its input ``name`` (``Lowering.view``): ``test(node, name, op)``.
 ViewTest = Callable[[Node, str, Operand], bool]
 VIEW_READERS: dict[tuple[str, str], ViewTest] = {}
+# Lowerings that write their output through the strides ``Lowering.result`` gives, with what
+# each needs of them: ``test(node, name, op)`` as for reading.
+VIEW_WRITERS: dict[tuple[str, str], ViewTest] = {}
 
 
 def any_view(node: Node, name: str, op: Operand) -> bool:
@@ -46,14 +49,18 @@ def _no_view(node: Node, name: str, op: Operand) -> bool:
     return False
 
 
-def lowers(*ops: str, domain: str = "", views: ViewTest | None = None):
+def lowers(*ops: str, domain: str = "", views: ViewTest | None = None, writes: ViewTest | None = None):
     """Register a lowering for ONNX op types ``ops``; ``views``: it reads strided views of
-    other values that pass this test (else only a contiguous value, from its start)."""
+    other values that pass this test (else only a contiguous value, from its start);
+    ``writes``: it writes its output to strided views that pass this test (else only to a
+    contiguous tensor)."""
     def deco(fn: Lowerer) -> Lowerer:
         for op in ops:
             LOWERINGS[(domain, op)] = fn
             if views is not None:
                 VIEW_READERS[(domain, op)] = views
+            if writes is not None:
+                VIEW_WRITERS[(domain, op)] = writes
         return fn
     return deco
 
@@ -92,7 +99,12 @@ class Lowering:
         return self.operands[name]
 
     def result(self, name: str) -> Operand:
-        """A fresh contiguous DRAM tensor for ``name``: an output tensor if the graph returns it."""
+        """Where ``name`` is written: its part of the concat that is its only reader (``in_concat``),
+        else a fresh contiguous DRAM tensor, an output tensor if the graph returns it."""
+        placed = self.in_concat(name)
+        if placed is not None:
+            self.operands[name] = placed
+            return placed
         shape = self.shape(name)
         if name in self.graph.outputs:
             dtype = DRAM_DTYPE.get(self.dtype(name))
@@ -101,6 +113,25 @@ class Lowering:
             idx = self.em.tensor(name, "i8" if name in self.int8 else "f32", shape, "scratch", io_name=name)
         self.operands[name] = whole(idx, shape)
         return self.operands[name]
+
+    def in_concat(self, name: str) -> Operand | None:
+        """``name``'s part of the Concat output, when that Concat is its one reader and its
+        producer writes strided results (``lowers``' ``writes``): the Concat then copies
+        nothing of it. None otherwise."""
+        readers = self.graph.consumers(name)
+        if name in self.graph.outputs or len(readers) != 1 or name in self.int8:
+            return None
+        cat, producer = readers[0], self.graph.producer(name)
+        if (cat.op, cat.domain) != ("Concat", "") or cat.inputs.count(name) != 1 or producer is None:
+            return None
+        out, writes = cat.outputs[0], VIEW_WRITERS.get((producer.domain, producer.op))
+        if writes is None or self.dtype(out) != self.dtype(name):
+            return None
+        dst = self.operands.get(out) or self.result(out)
+        axis = cat.attrs["axis"] % len(dst.strides)
+        pos = sum(self.shape(i)[axis] for i in cat.inputs[:cat.inputs.index(name)])
+        part = Operand(dst.tensor, dst.offset + pos * dst.strides[axis], dst.strides)
+        return part if writes(producer, name, part) else None
 
     def alias(self, name: str, src: str) -> bool:
         """Let ``name`` share ``src``'s DRAM as it is (``view``)."""

@@ -32,7 +32,7 @@ def _kernel(low: Lowering, node, inputs: list[str], body) -> None:
     rowwise(low.em, shape, args, body, where=f"node '{node.name}': ")
 
 
-@lowers(*UNARY, views=row_view)
+@lowers(*UNARY, views=row_view, writes=row_view)
 def unary(low: Lowering, node) -> None:
     cls = BY_MNEMONIC[UNARY[node.op]]
     x = node.inputs[0]
@@ -41,7 +41,7 @@ def unary(low: Lowering, node) -> None:
     _kernel(low, node, [x], lambda em, l, v, r, c: em.emit(cls(l, v["out"], v[x], r, c)))
 
 
-@lowers("IsInf", views=row_view)
+@lowers("IsInf", views=row_view, writes=row_view)
 def isinf(low: Lowering, node) -> None:
     pos, neg = node.attrs.get("detect_positive", 1), node.attrs.get("detect_negative", 1)
     x = node.inputs[0]
@@ -65,7 +65,7 @@ def squares(op: str, b) -> bool:
     return op == "Pow" and isinstance(b, float) and b == 2.0
 
 
-@lowers(*BINARY, views=row_view)
+@lowers(*BINARY, views=row_view, writes=row_view)
 def binary(low: Lowering, node) -> None:
     a, b = node.inputs
     imm = low.scalar(b)
@@ -85,7 +85,7 @@ def _then_trunc(body):
     return wrapped
 
 
-@lowers(*VARIADIC, views=row_view)
+@lowers(*VARIADIC, views=row_view, writes=row_view)
 def variadic(low: Lowering, node) -> None:
     """Max, Min, Sum, Mean of any number of inputs: one instruction per further input."""
     cls = BY_MNEMONIC[BINARY.get(node.op, "vadd")]
@@ -104,7 +104,7 @@ def variadic(low: Lowering, node) -> None:
     _kernel(low, node, [first] + [n for n in rest if imms[n] is None], body)
 
 
-@lowers("Mod", views=row_view)
+@lowers("Mod", views=row_view, writes=row_view)
 def mod(low: Lowering, node) -> None:
     if not node.attrs.get("fmod", 0):
         raise ValueError("Mod with fmod=0 (integer modulo) is not supported")
@@ -117,7 +117,7 @@ def binary_like(low: Lowering, node, mnemonic: str) -> None:
     _kernel(low, node, [a] if imm is not None else [a, b], _binary_body(BY_MNEMONIC[mnemonic], a, b, imm))
 
 
-@lowers("Clip", views=row_view)
+@lowers("Clip", views=row_view, writes=row_view)
 def clip(low: Lowering, node) -> None:
     x, lo, hi = (node.inputs + ["", ""])[:3]
     lo_imm, hi_imm = (low.scalar(lo) if lo else None), (low.scalar(hi) if hi else None)
@@ -136,7 +136,7 @@ def clip(low: Lowering, node) -> None:
     _kernel(low, node, [x, *extra], body)
 
 
-@lowers("Where", views=row_view)
+@lowers("Where", views=row_view, writes=row_view)
 def where(low: Lowering, node) -> None:
     cond, x, y = node.inputs
     x_imm, y_imm = low.scalar(x), low.scalar(y)
@@ -152,7 +152,7 @@ def where(low: Lowering, node) -> None:
     _kernel(low, node, names, body)
 
 
-@lowers("Cast", "CastLike", views=row_view)
+@lowers("Cast", "CastLike", views=row_view, writes=row_view)
 def cast(low: Lowering, node) -> None:
     """Cast, and CastLike (its second input only gives the dtype, which the output has)."""
     x, out = node.inputs[0], node.outputs[0]

@@ -84,7 +84,7 @@ def _plan(node: Node, kinds: dict, scalars: dict, inputs: set, outputs: set) -> 
     return slot, slots.temps
 
 
-@lowers("RowKernel", domain=DLEGION, views=frame_view)
+@lowers("RowKernel", domain=DLEGION, views=frame_view, writes=frame_view)
 def row_kernel(low: Lowering, node) -> None:
     frame, values = node.attrs["frame"], node.attrs["values"]
     # A tiled input may come in as one row broadcast over the block: its slot is never reused.

@@ -82,7 +82,7 @@ def _view_or_copy(low: Lowering, node, src: Operand, out: str | None = None) -> 
         nd_copy(low.em, low.result(out), src, low.shape(out), where=f"node '{node.name}': ")
 
 
-@lowers("Transpose", views=any_view)
+@lowers("Transpose", views=any_view, writes=any_view)
 def transpose(low: Lowering, node) -> None:
     x = node.inputs[0]
     rank = len(low.shape(x))
@@ -91,7 +91,7 @@ def transpose(low: Lowering, node) -> None:
     _view_or_copy(low, node, Operand(op.tensor, op.offset, tuple(op.strides[p] for p in perm)))
 
 
-@lowers("Expand", views=any_view)
+@lowers("Expand", views=any_view, writes=any_view)
 def expand(low: Lowering, node) -> None:
     x, out = node.inputs[0], node.outputs[0]
     _view_or_copy(low, node, broadcast(low.operand(x), low.shape(x), low.shape(out)))
@@ -154,17 +154,18 @@ def _reverse(low: Lowering, node, src: Operand, shape, axes: list[int]) -> None:
         cur = dst
 
 
-@lowers("Concat", views=any_view)
+@lowers("Concat", views=any_view, writes=any_view)
 def concat(low: Lowering, node) -> None:
     out = node.outputs[0]
     rank = len(low.shape(out))
     axis = node.attrs["axis"] % rank
-    dst = low.result(out)
+    dst = low.operands.get(out) or low.result(out)     # an input written in place allocated it
     pos = 0
     for name in node.inputs:
         shape = low.shape(name)
         part = Operand(dst.tensor, dst.offset + pos * dst.strides[axis], dst.strides)
-        nd_copy(low.em, part, low.operand(name), shape, where=f"node '{node.name}': ")
+        if low.operand(name) != part:
+            nd_copy(low.em, part, low.operand(name), shape, where=f"node '{node.name}': ")
         pos += shape[axis]
 
 
