@@ -1,6 +1,7 @@
 """The state of lowering one graph: which DRAM view holds each value, and the op registry."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -144,7 +145,9 @@ class Lowering:
         False when ``name`` needs a tensor of its own (a graph output has one)."""
         if name in self.graph.outputs:
             return False
-        plain = op.offset == 0 and is_contiguous(op, self.shape(name))
+        shape = self.shape(name)
+        whole_tensor = math.prod(shape) == math.prod(self.em.tensors[op.tensor].shape)
+        plain = op.offset == 0 and whole_tensor and is_contiguous(op, shape)
         if not plain and not all(VIEW_READERS.get((n.domain, n.op), _no_view)(n, name, op)
                                  for n in self.graph.consumers(name)):
             return False
