@@ -7,7 +7,8 @@ Beside the timing model's counters the report gives three estimates:
   whichever is longer. Compulsory traffic reads every input and constant tensor once and writes
   every output once; scratch tensors that go to DRAM and back are the program's own choice.
 - **Per matmul.** The same bound for each region (``.region``, one per ONNX node) that runs
-  ``mm`` instructions, against the cycles from its first start to its last completion. A
+  ``mm`` instructions, or ``vmm`` ones (fp32 products, mode ``f32``, whose peak is one
+  multiply-add per vector lane), against the cycles from its first start to its last completion. A
   region's compulsory traffic is every DRAM tensor its loads read plus every one its stores
   write, each tensor counted once per direction.
 - **Energy**, reported as MLPerf Power does: joules per run and average watts (energy / time).
@@ -22,7 +23,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from isa.instructions import DMA_CLASSES, QUEUES, MatMul
+from isa.instructions import DMA_CLASSES, QUEUES, MatMul, VMatMul
 from isa.console import table_console
 from runtime.costs import DMA_SIDE, ceil_cycles
 
@@ -113,10 +114,21 @@ def roofline(arch, macs_by_mode: dict, nbytes: int) -> dict:
     """The compute bound (each mode's MACs at its peak rate, summed), the DRAM bound (``nbytes``
     at the DRAM bandwidth), and the roofline: the larger, in cycles."""
     d = arch.derived
-    compute = sum(macs / d.macs_per_cycle[mode] for mode, macs in macs_by_mode.items())
+    compute = sum(macs / macs_per_cycle(arch, mode) for mode, macs in macs_by_mode.items())
     dram = nbytes / d.dram_bytes_per_cycle
     return {"compute_cycles": compute, "dram_cycles": dram, "cycles": max(compute, dram),
             "bound": "compute" if compute >= dram else "dram"}
+
+
+# fp32 products on the vector lanes (``vmm``): a mode of the per-matmul table beside the arrays'.
+VECTOR_MODE = "f32"
+
+
+def macs_per_cycle(arch, mode: str) -> float:
+    """The chip's peak rate in ``mode``: the arrays', or one multiply-add per vector lane."""
+    if mode == VECTOR_MODE:
+        return arch.vector_lanes * arch.legions
+    return arch.derived.macs_per_cycle[mode]
 
 
 def _fraction(best: float, cycles: float) -> float:
@@ -164,13 +176,17 @@ def region_dram_bytes(program, members) -> int:
 
 
 def matmul_table(result) -> list[dict]:
-    """One row per region that runs ``mm`` instructions, in program order."""
+    """One row per region that runs ``mm`` instructions (on the arrays, by mode) or ``vmm``
+    (fp32 products on the vector lanes, mode ``f32``), in program order."""
     program, tl = result.program, result.timeline
     owner, ranges = region_of(program), region_ranges(program)
     rows_of = defaultdict(list)
     for row in tl.counters.get("per_instr", []):
         if owner[row["index"]] >= 0:
             rows_of[int(owner[row["index"]])].append(row)
+    for k, i in enumerate(program.instrs):
+        if isinstance(i, VMatMul) and owner[k] >= 0:
+            rows_of[int(owner[k])].append({"mode": VECTOR_MODE, "macs": i.M * i.K * i.N, "legion": i.legion})
     return [_matmul_row(result, program.regions[r][1], rows, ranges[r])
             for r, rows in sorted(rows_of.items())]
 

@@ -144,7 +144,7 @@ def _bitnet():
 
 def test_every_quantized_matmul_of_bitnet_has_a_row_named_after_its_matmul():
     graph, result = _bitnet()
-    rows = report.summarize(result)["matmuls"]
+    rows = [r for r in report.summarize(result)["matmuls"] if r["mode"] != report.VECTOR_MODE]
     matmuls = [n.name for n in onnx.load(BITNET).graph.node if n.op_type == "MatMul"]
     # 7 BitLinear layers (q, k, v, o, gate, up, down) per decoder layer, 2 layers; Q/K/V and
     # gate/up each run as one fused matmul, whose row names all of its MatMuls
@@ -155,12 +155,27 @@ def test_every_quantized_matmul_of_bitnet_has_a_row_named_after_its_matmul():
     assert sum(r["macs"] for r in rows) == result.timeline.counters["macs"]
 
 
+def test_float_matmuls_have_rows_against_the_vector_lanes_peak():
+    """QK^T and PV of both layers and the head run in fp32 on the vector lanes: a row each, with
+    all their vmm products, at most the lanes' rate."""
+    graph, result = _bitnet()
+    rows = [r for r in report.summarize(result)["matmuls"] if r["mode"] == report.VECTOR_MODE]
+    float_mms = [n.name for n in graph.nodes if n.op == "MatMul"]
+    assert [r["region"] for r in rows] == float_mms and len(rows) == 5
+    vmm = [i for i in result.program.instrs if i.MNEMONIC == "vmm"]
+    assert sum(r["macs"] for r in rows) == sum(i.M * i.K * i.N for i in vmm)
+    lanes = result.arch.vector_lanes * result.arch.legions
+    assert all(r["macs"] / lanes <= r["roofline_cycles"] <= r["cycles"] for r in rows)
+
+
 def test_bitnet_matmuls_take_at_least_their_roofline():
     graph, result = _bitnet()
     p = result.program
     qmm = {n.name: n for n in graph.nodes if n.op == "QMatMul"}
     ranges = {name: members for (_, name), members in zip(p.regions, report.region_ranges(p))}
     for r in report.summarize(result)["matmuls"]:
+        if r["mode"] == report.VECTOR_MODE:
+            continue
         k, n = qmm[r["region"]].attrs["weight"].shape
         mms = [p.instrs[j] for j in ranges[r["region"]] if p.instrs[j].MNEMONIC == "mm"]
         # dense weights: every streamed row (sequence 6, padded to whole blocks) meets all K x N

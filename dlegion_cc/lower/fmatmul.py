@@ -39,7 +39,7 @@ def _load_matrix(em: Emitter, legion: int, addr: int, op: Operand, r0: int, c0: 
 
 @dataclass(frozen=True)
 class Layout:
-    """A float matmul's blocks in a Legion's vector scratchpad: ``results`` output blocks of
+    """A float matmul's blocks in a Legion's vector scratchpad: ``buffers`` output blocks of
     ``mb`` x ``nb`` (two: one block's store reads one while the next block sums into the other),
     a product buffer, and ``buffers`` buffers of one K-chunk's a and b, ``size`` rows of b each
     (two: the next chunk loads while the current one multiplies, the next block's first chunk
