@@ -115,3 +115,11 @@ def test_a_float_matmul_loads_the_next_block_while_the_vector_unit_multiplies(tm
     other buffers, and its sum goes to the other result buffer while the store reads this one."""
     _, busy = _float_matmul(tmp_path, 1024, 128, 1024)
     assert busy >= 0.95     # 99.6%; 86.5% block after block
+
+
+def test_rows_per_block_deal_full_rounds_where_they_can():
+    from dlegion_cc.lower.rowwise import _balanced
+    assert _balanced(20, 21, 8) == 20            # one block holds them: one Legion, the next kernel the next
+    assert _balanced(256, 21, 8) == 16           # two full rounds of 8 blocks, not 12 blocks of 21 and a tail
+    assert _balanced(100, 21, 8) == 20           # one round of 5 equal blocks
+    assert _balanced(257, 21, 8) == 17           # a prime: as even as it gets, one short block left
