@@ -4,7 +4,9 @@ how fast the compiler and the timing model handle it.
     python bench/bench_layer.py [--seq 512] [--arch dlegion-8x8]
 
 Prints the instruction count by family (budget: 20,000 at sequence 512), the simulated
-cycles, and the wall time of compiling and of timing the program (median of 3).
+cycles and where they go (the regions of quantized matmuls, of fp32 matmuls on the vector
+lanes, and of the other vector kernels and copies), and the wall time of compiling and of
+timing the program (median of 3).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from isa import arch as arch_mod                               # noqa: E402
 from isa.instructions import family                           # noqa: E402
 from dlegion_cc.pipeline import Options, compile_model        # noqa: E402
 from models.bitnet import build_bitnet, preset, save          # noqa: E402
+from runtime.report import region_ranges                      # noqa: E402
 from runtime.timing import simulate                           # noqa: E402
 
 BUDGET = 20_000
@@ -35,6 +38,18 @@ def _median_time(fn, runs: int = 3):
         out = fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times), out
+
+
+def _cycles_by_kind(timeline) -> Counter:
+    """Each region's cycles (first start to last completion), by what runs it."""
+    program, out = timeline.program, Counter()
+    for members in region_ranges(program):
+        if len(members):
+            ops = {program.instrs[k].MNEMONIC for k in members}
+            kind = "quantized matmuls" if "mm" in ops else "fp32 matmuls" if "vmm" in ops else "other vector work"
+            out[kind] += int(timeline.done[members.start:members.stop].max()
+                             - timeline.start[members.start:members.stop].min())
+    return out
 
 
 @click.command()
@@ -54,6 +69,8 @@ def main(seq: int, arch_name: str) -> None:
     print("  by family: " + ", ".join(f"{f} {c:,}" for f, c in counts.most_common()))
     print(f"  {timeline.cycles:,} cycles; compile {t_compile:.1f} s; timing model {t_time:.2f} s "
           f"({timeline.cycles / t_time / 1e6:.1f} M simulated cycles/s, {n / t_time:,.0f} instructions/s)")
+    print("  by region: " + ", ".join(f"{kind} {c:,} ({c / timeline.cycles:.0%})"
+                                      for kind, c in _cycles_by_kind(timeline).most_common()))
 
 
 if __name__ == "__main__":
