@@ -91,3 +91,20 @@ def test_heads_go_to_spans_of_legions(tmp_path):
     _, program = compile_model(attention(tmp_path / "attn.onnx"), Options(WIDE))
     spans = {i.span for i in program.instrs if isinstance(i, VMatMul)}
     assert spans == {H}
+
+
+def test_a_row_masked_whole_is_not_taken_for_zeros(tmp_path):
+    """Row 0 of the mask wipes out every score: its softmax is uniform, not zeros, so P.V must
+    read all of that row (before, its row block's chunks past the diagonal were skipped)."""
+    path = tmp_path / "masked.onnx"
+    attention(path)
+    m = onnx.load(path)
+    mask = numpy_helper.to_array(m.graph.initializer[0]).copy()
+    mask[..., 0, :] = np.finfo(np.float32).min
+    m.graph.initializer[0].CopyFrom(numpy_helper.from_array(mask, "mask"))
+    onnx.save(m, path)
+    _, program = compile_model(path, Options(WIDE))
+    x = _inputs()
+    got = run(program, WIDE, x).outputs["o"]
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, x)[0]
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5

@@ -9,11 +9,11 @@ Source construct (a decoder's attention, scores of shape [..., S_q, S_k])::
     o = MatMul(p, v)                # PV
 
 Where the mask holds the fp32 minimum (or -inf), ``s + mask`` is the mask itself whatever the
-score (any score below 1e30 is lost in its rounding), and softmax makes ``p`` exactly 0 there.
-So the QK^T MatMul gets ``dead`` (those outputs are never looked at) and the PV MatMul
-``zero_a`` (those left-operand entries are exact zeros, whose products add nothing); the
-float matmul lowering skips the blocks and K-chunks that lie wholly inside. The program is the
-same bit for bit; only the work goes away.
+score (any score below 1e30 is lost in its rounding), and softmax makes ``p`` exactly 0 there
+(unless the whole row is masked: then its scores tie). So the QK^T MatMul gets ``dead`` (those
+outputs are never looked at) and the PV MatMul ``zero_a`` (those entries of ``p`` are exact
+zeros, whose products add nothing); the float matmul lowering skips the blocks and K-chunks
+that lie wholly inside. The program is the same bit for bit; only the work goes away.
 """
 from __future__ import annotations
 
@@ -59,9 +59,11 @@ def _mark(graph: Graph, softmax: Node) -> None:
     if graph.values[qk.outputs[0]].shape[-2:] != dead.shape:
         return
     qk.attrs["dead"] = dead
+    # A row the mask wipes out whole is not zeros after the softmax (all its scores tie).
+    zero = dead & ~dead.all(axis=1, keepdims=True)
     for pv in graph.consumers(softmax.outputs[0]):
         if pv.op == "MatMul" and pv.domain == "" and pv.inputs[0] == softmax.outputs[0]:
-            pv.attrs["zero_a"] = dead
+            pv.attrs["zero_a"] = zero
 
 
 def _mask_and_scores(graph: Graph, add: Node):
