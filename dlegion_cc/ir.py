@@ -81,6 +81,12 @@ class Graph:
             i += 1
         return f"{base}_{i}"
 
+    def add_value(self, base: str, shape, dtype, const: np.ndarray | None = None) -> str:
+        """A new value (a constant when ``const`` is given) named after ``base``; its name."""
+        name = self.fresh(base)
+        self.values[name] = Value(name, tuple(shape), np.dtype(dtype), const)
+        return name
+
     def remove_dead(self) -> None:
         """Drop nodes and constants that no graph output depends on."""
         live = set(self.outputs)

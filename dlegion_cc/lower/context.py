@@ -115,6 +115,11 @@ class Lowering:
         self.operands[name] = whole(idx, shape)
         return self.operands[name]
 
+    def destination(self, name: str) -> Operand:
+        """Where ``name`` is written: where an input written in place already put it, else
+        ``result``."""
+        return self.operands.get(name) or self.result(name)
+
     def in_concat(self, name: str) -> Operand | None:
         """``name``'s part of the Concat output, when that Concat is its one reader and its
         producer writes strided results (``lowers``' ``writes``): the Concat then copies
@@ -122,13 +127,14 @@ class Lowering:
         readers = self.graph.consumers(name)
         if name in self.graph.outputs or len(readers) != 1 or name in self.int8:
             return None
-        cat, producer = readers[0], self.graph.producer(name)
-        if (cat.op, cat.domain) != ("Concat", "") or cat.inputs.count(name) != 1 or producer is None:
+        cat = readers[0]
+        if (cat.op, cat.domain) != ("Concat", "") or cat.inputs.count(name) != 1:
             return None
-        out, writes = cat.outputs[0], VIEW_WRITERS.get((producer.domain, producer.op))
+        producer, out = self.graph.producer(name), cat.outputs[0]
+        writes = VIEW_WRITERS.get((producer.domain, producer.op)) if producer is not None else None
         if writes is None or self.dtype(out) != self.dtype(name):
             return None
-        dst = self.operands.get(out) or self.result(out)
+        dst = self.destination(out)
         axis = cat.attrs["axis"] % len(dst.strides)
         pos = sum(self.shape(i)[axis] for i in cat.inputs[:cat.inputs.index(name)])
         part = Operand(dst.tensor, dst.offset + pos * dst.strides[axis], dst.strides)

@@ -159,7 +159,7 @@ def concat(low: Lowering, node) -> None:
     out = node.outputs[0]
     rank = len(low.shape(out))
     axis = node.attrs["axis"] % rank
-    dst = low.operands.get(out) or low.result(out)     # an input written in place allocated it
+    dst = low.destination(out)
     pos = 0
     for name in node.inputs:
         shape = low.shape(name)

@@ -133,7 +133,7 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
     em, arch = low.em, low.em.arch
     outs = out if isinstance(out, list) else [out]
     raw, (w, lay) = w, _laid_out(w, segments, arch.legions, arch.array)
-    values = w.values if w.values.ndim == 3 else w.values[None]
+    values = _batches(w)
     batches, K, N = values.shape
     shape = low.shape(acts.name)
     M = math.prod(shape[:-1])
@@ -155,7 +155,7 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
     width = pick_width(arch, low.switches, shapes.widths(), shapes.part)
     if width != arch.legions:
         w, lay = _laid_out(raw, segments, width, arch.array)
-        values = w.values if w.values.ndim == 3 else w.values[None]
+        values = _batches(w)
         N = values.shape[-1]
     corrs = [correction(low, f"{name}_{b}" if batches > 1 else name, acts, v, block) for b, v in enumerate(values)]
     if len(em.instrs) > before:
@@ -181,6 +181,11 @@ def _laid_out(w: Weights, segments: list[int] | None, legions: int, na: int) -> 
     """(weights, layout) of a fused matmul's weights laid out for ``legions`` Legions."""
     lay = legion_major(segments, legions, na) if segments else None
     return (w if lay is None else lay.weights(w)), lay
+
+
+def _batches(w: Weights) -> np.ndarray:
+    """The weight values as [batches, K, N] (one batch for a plain matmul)."""
+    return w.values if w.values.ndim == 3 else w.values[None]
 
 
 def _pieces(low: Lowering, v: np.ndarray, n_pad: int) -> tuple[list, tuple]:
@@ -225,7 +230,7 @@ class _Shapes:
     def part(self, width: int) -> Problem:
         arch = self.low.em.arch
         w, lay = _laid_out(self.raw, self.segments, width, arch.array)
-        v = w.values if w.values.ndim == 2 else w.values[0]
+        v = _batches(w)[0]
         N = v.shape[1]
         n_pad = math.ceil(N / arch.array) * arch.array
         pieces, nonzero = _pieces(self.low, v, n_pad)
@@ -413,9 +418,14 @@ def zero_point(low: Lowering, acts: Activations) -> int | str:
     return zp
 
 
+def _correction_mode(arch: Arch) -> str:
+    """The correction pass runs in the widest mode: its weights are column sums."""
+    return max(arch.modes, key=lambda m: MODE_BITS[m])
+
+
 def correction_shape(arch: Arch, values: np.ndarray, block: int) -> tuple[int, str]:
     """(k2, mode) of the correction pass of weights ``values`` (whatever their column order)."""
-    mode = max(arch.modes, key=lambda m: MODE_BITS[m])
+    mode = _correction_mode(arch)
     return correction_weights(values, block, *mode_range(mode))[1], mode
 
 
@@ -425,7 +435,7 @@ def correction(low: Lowering, name: str, acts: Activations, values: np.ndarray, 
     zp = zero_point(low, acts)
     if zp == acts.offset:
         return None, None, 0, "w8"
-    mode = max(arch.modes, key=lambda m: MODE_BITS[m])
+    mode = _correction_mode(arch)
     rows, k2 = correction_weights(values, block, *mode_range(mode))
     n_pad = math.ceil(values.shape[1] / arch.array) * arch.array
     weight = em.const(f"{name}_zp_w", _pad_cols(rows, n_pad).astype(np.int8), WEIGHT_DTYPE[mode])

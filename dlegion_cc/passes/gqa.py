@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dlegion_cc.ir import Graph, Node, Value
+from dlegion_cc.ir import Graph, Node
 
 
 @dataclass(frozen=True)
@@ -77,23 +77,21 @@ def _rewrite(graph: Graph, mm: Node) -> None:
         full = graph.values[kv].shape
         kv = _add(graph, at + 1, "Transpose", f"{t.name}_groups", kv, full[:-2] + full[-2:][::-1],
                   perm=list(range(len(full) - 2)) + [len(full) - 1, len(full) - 2])
-    y, y5 = mm.outputs[0], graph.fresh(f"{mm.outputs[0]}_groups")
-    graph.values[y5] = Value(y5, split(ys), graph.values[y].dtype)
+    y = mm.outputs[0]
+    y5 = graph.add_value(f"{y}_groups", split(ys), graph.values[y].dtype)
     mm.inputs, mm.outputs = [x5, kv], [y5]
-    at = graph.nodes.index(mm) + 1
-    shape = graph.fresh(f"{y}_shape")
-    graph.values[shape] = Value(shape, (len(ys),), np.dtype(np.int64), np.array(ys, np.int64))
-    graph.nodes.insert(at, Node("Reshape", f"{mm.name}_heads", [y5, shape], [y]))
+    graph.nodes.insert(graph.nodes.index(mm) + 1, Node("Reshape", f"{mm.name}_heads", [y5, _shape(graph, y, ys)], [y]))
+
+
+def _shape(graph: Graph, base: str, shape: tuple) -> str:
+    """A Reshape's shape constant."""
+    return graph.add_value(f"{base}_shape", (len(shape),), np.int64, np.array(shape, np.int64))
 
 
 def _add(graph: Graph, at: int, op: str, name: str, src: str, shape: tuple, **attrs) -> str:
     """Insert ``out = op(src)`` of ``shape`` before node ``at`` (a Reshape gets its shape
     constant); returns ``out``."""
-    out = graph.fresh(f"{src}_groups")
-    graph.values[out] = Value(out, tuple(shape), graph.values[src].dtype)
-    inputs = [src]
-    if op == "Reshape":
-        inputs.append(graph.fresh(f"{out}_shape"))
-        graph.values[inputs[1]] = Value(inputs[1], (len(shape),), np.dtype(np.int64), np.array(shape, np.int64))
+    out = graph.add_value(f"{src}_groups", shape, graph.values[src].dtype)
+    inputs = [src] + ([_shape(graph, out, shape)] if op == "Reshape" else [])
     graph.nodes.insert(at, Node(op, name, inputs, [out], attrs))
     return out

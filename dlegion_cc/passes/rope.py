@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dlegion_cc.ir import Graph, Node, Value
+from dlegion_cc.ir import Graph, Node
 
 
 @dataclass(frozen=True)
@@ -94,24 +94,19 @@ def _rewrite(graph: Graph, add: Node, q: str, cos: str, sin: str) -> None:
     half = width // 2
     new: list[Node] = []
 
-    def value(base: str, shape: tuple, array=None) -> str:
-        name = graph.fresh(base)
-        dtype = np.dtype(np.int64) if array is not None else np.dtype(np.float32)
-        graph.values[name] = Value(name, tuple(shape), dtype, array)
-        return name
+    def index(base: str, v: int) -> str:
+        return graph.add_value(base, (1,), np.int64, np.array([v], np.int64))
 
     def piece(x: str, role: str, first: int) -> str:
         shape = graph.values[x].shape
-        axis = np.array([len(shape) - 1], np.int64)
-        ins = [x, value(f"{x}_from", (1,), np.array([first], np.int64)),
-               value(f"{x}_to", (1,), np.array([first + half], np.int64)), value(f"{x}_axis", (1,), axis)]
-        y = value(f"{x}_{'lo' if first == 0 else 'hi'}", shape[:-1] + (half,))
+        ins = [x, index(f"{x}_from", first), index(f"{x}_to", first + half), index(f"{x}_axis", len(shape) - 1)]
+        y = graph.add_value(f"{x}_{'lo' if first == 0 else 'hi'}", shape[:-1] + (half,), np.float32)
         new.append(Node("Slice", f"{add.name}.{role}{1 + (first > 0)}", ins, [y]))
         return y
 
     def op(kind: str, role: str, a: str, b: str) -> str:
         shape = np.broadcast_shapes(graph.values[a].shape, graph.values[b].shape)
-        y = value(f"{out}_{role}", shape)
+        y = graph.add_value(f"{out}_{role}", shape, np.float32)
         new.append(Node(kind, f"{add.name}.{role}", [a, b], [y]))
         return y
 
