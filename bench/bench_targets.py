@@ -6,6 +6,9 @@
    with its activation quantization) on dlegion-8x8: their simulated cycles against the sum of
    their roofline bounds (target <= 1.10x), and the DRAM bytes they move against the compulsory
    bytes of the tensors they touch (target <= 1.10x), for prefill (sequence 256) and decode (1).
+   With them, the floors of ``dlegion_cc.lower.qbound``: what passes of all the rows re-read, and
+   the fewest cycles any schedule within the DRAM target can take (on dlegion-8x8 at 256, more
+   than the cycle target allows: the two targets cannot both hold there).
 2. An int8 GEMM (MatMulInteger) of --gemm cubed on ws-32, compiled and timed, against SCALE-Sim
    v3's 22,399 cycles for 256^3 on a 32x32 weight-stationary array (target within 5%). SCALE-Sim
    counts the array's compute cycles with its operands already in SRAM: that is our matrix
@@ -32,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 from isa import arch as arch_mod                                  # noqa: E402
 from isa.instructions import DMA_CLASSES                         # noqa: E402
 from isa.program import STORAGE                                  # noqa: E402
+from dlegion_cc.lower.qbound import Shape, fewest_cycles, reread_floor  # noqa: E402
 from dlegion_cc.pipeline import Options, compile_model           # noqa: E402
 from models.bitnet import build_bitnet, preset, save             # noqa: E402
 from runtime.emulator import RunResult                           # noqa: E402
@@ -39,6 +43,7 @@ from runtime.report import matmul_table, region_dram_bytes, region_ranges  # noq
 from runtime.timing import simulate                              # noqa: E402
 
 SCALE_SIM_256 = 22_399
+DRAM_TARGET = 1.10
 BITLINEAR = re.compile(r"(q|k|v|o|gate|up|down)_proj")
 
 
@@ -73,23 +78,24 @@ def bitlinear_layer(seq: int, arch) -> dict:
             "rows": rows}
 
 
-def full_height_extra(seq: int, arch) -> int:
-    """DRAM bytes beyond compulsory that every schedule whose tiles hold all ``seq`` rows moves.
-
-    A pass costs its rows plus the array's depth, so tiles of all the rows have the fewest
-    pass overheads. A Legion's tile of ``seq`` rows is then at most ``acc`` / ``seq`` columns
-    wide, and its activations (seq x K int8) are read again for each further tile of the
-    Legion's columns, but for what the activation scratchpad keeps."""
+def bitlinear_shapes(seq: int) -> list[Shape]:
+    """The layer's quantized matmuls as the compiler fuses them: QKV, O, gate and up, down."""
     c = preset("2b4t")
     kv = c.hidden // c.heads * c.kv_heads
-    shapes = [(c.hidden, c.hidden + 2 * kv), (c.hidden, c.hidden), (c.hidden, 2 * c.ffn), (c.ffn, c.hidden)]
-    na, cap = arch.array, arch.derived.spad_elems
-    width = max(na, cap["acc"] // seq // na * na)
-    extra = 0
-    for K, N in shapes:
-        tiles = -(-(-(-N // (na * arch.legions)) * na) // width)
-        extra += (tiles - 1) * max(0, seq * K - cap["act"])
-    return extra
+    return [Shape(seq, c.hidden, c.hidden + 2 * kv, "w2"), Shape(seq, c.hidden, c.hidden, "w2"),
+            Shape(seq, c.hidden, 2 * c.ffn, "w2"), Shape(seq, c.ffn, c.hidden, "w2")]
+
+
+def floors(seq: int, arch, compulsory: int) -> dict:
+    """What ``qbound`` says every schedule of the layer's matmuls costs: the activations re-read
+    with passes of all ``seq`` rows (the fewest pass overheads), and the fewest pass cycles of
+    any schedule within the DRAM target. Each matmul's span adds at least a DRAM latency before
+    its first pass (its operands' load) and one after its last (its results' store)."""
+    shapes = bitlinear_shapes(seq)
+    allowance = (DRAM_TARGET - 1) * compulsory
+    return {"full_height_extra": sum(reread_floor(arch, s, 1) for s in shapes),
+            "passes_within_dram": fewest_cycles(arch, shapes, allowance),
+            "latencies": 2 * arch.dram_latency_cycles * len(shapes)}
 
 
 def gemm_model(n: int, path: Path) -> None:
@@ -120,10 +126,14 @@ def main(seqs, gemm, big) -> None:
               f"roofline of {r['roofline']:,.0f} ({r['cycles'] / r['roofline']:.3f}x, target <= 1.10x); DRAM "
               f"{r['dram'] / 1e6:.1f} MB against {r['compulsory'] / 1e6:.1f} MB compulsory "
               f"({r['dram'] / r['compulsory']:.3f}x, target <= 1.10x)")
-        extra = full_height_extra(seq, dlegion)
-        if extra:
-            print(f"    (tiles of all {seq} rows, the fewest pass overheads, re-read activations: at least "
-                  f"{(r['compulsory'] + extra) / 1e6:.1f} MB, {1 + extra / r['compulsory']:.3f}x compulsory)")
+        floor = floors(seq, dlegion, r["compulsory"])
+        if floor["full_height_extra"]:
+            print(f"    floors: passes of all {seq} rows (the fewest pass overheads) re-read activations, at least "
+                  f"{1 + floor['full_height_extra'] / r['compulsory']:.3f}x compulsory; within "
+                  f"{DRAM_TARGET:.2f}x compulsory the passes alone take at least "
+                  f"{floor['passes_within_dram']:,.0f} cycles ({floor['passes_within_dram'] / r['roofline']:.3f}x "
+                  f"the roofline), {floor['passes_within_dram'] + floor['latencies']:,.0f} with each matmul's "
+                  f"first load and last store ({(floor['passes_within_dram'] + floor['latencies']) / r['roofline']:.3f}x)")
         for row in r["rows"]:
             print(f"    {row['region']:<48} {row['cycles']:>10,} / {row['roofline_cycles']:>10,.0f} "
                   f"({row['cycles'] / row['roofline_cycles']:.2f}x, {row['roofline_bound']}-bound)")

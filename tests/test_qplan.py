@@ -1,16 +1,20 @@
 """The quantized-matmul scheduler: every candidate schedule is exact, and the cost model's pick
 is as fast as the best of all candidates in the timing model, up to a stated margin."""
 import dataclasses
+import itertools
+import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from isa import arch
 from isa.instructions import DmaLoad, Drain, MatMul
 from dlegion_cc.lower.context import Switches
 from dlegion_cc.lower.emitter import Emitter
 from dlegion_cc.lower.qmatmul import block_maps
-from dlegion_cc.lower import qplan
+from dlegion_cc.lower import qbound, qplan
 from dlegion_cc.lower.qplan import TAIL_PIECES, Problem, RowScale, candidates, choose, estimate
 from dlegion_cc.lower.qtiles import emit_tiles
 from runtime.emulator import run
@@ -222,3 +226,49 @@ def test_model_tracks_the_timing_model_on_batched_exact_products(case):
     for plan in candidates(machine, p, Switches()):
         est, real = estimate(machine, p, plan).cycles, timed(plan)
         assert 0.9 * real <= est <= 1.1 * real, (case, plan, est, real)
+
+
+# --- floors (qbound) --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", [(128, 1024, 256), (96, 768, 200), (48, 1536, 384, 0.0, 0, "w8")])
+def test_every_tile_shape_does_at_least_as_badly_as_the_floors(case):
+    """A schedule whose passes stream a row block of ``plan.rows`` reads at least the floor's
+    activation bytes and takes at least the floor's pass cycles (a single part: bands are its
+    row blocks). The cases' activations outgrow ``act``, so the floors are not zero. One
+    candidate of each tile shape, order and activation slot shape."""
+    M, K, N = case[:3]
+    mode = case[5] if len(case) > 5 else "w2"
+    _, p, _, _ = problem(TINY, *case)
+    shape = qbound.Shape(M, K, N, mode)
+    assert qbound.reread_floor(TINY, shape, 1) > 0
+    shapes = {(plan.rows, plan.cols, plan.order, plan.whole_rows): plan for plan in candidates(TINY, p, Switches())}
+    for plan in shapes.values():
+        program = compiled(TINY, plan, *case)[0]
+        a8 = next(k for k, t in enumerate(program.tensors) if t.name == "a")
+        moved = sum(i.rows * i.cols for i in program.instrs if isinstance(i, DmaLoad) and i.src.tensor == a8)
+        bands = -(-M // plan.rows)
+        assert moved - M * K >= qbound.reread_floor(TINY, shape, bands), plan
+        assert simulate(program, TINY).cycles >= qbound.pass_floor(TINY, shape, bands), plan
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 50)), min_size=1, max_size=3),
+                min_size=1, max_size=3), st.integers(0, 120))
+def test_mix_is_the_cheapest_convex_combination(options, allowance):
+    """Against every combination of the items' options in steps of a tenth: none is cheaper
+    within the allowance, and the finest one found is no dearer than the mix plus a step's worth."""
+    best = qbound.mix(options, allowance)
+    grid = [w / 10 for w in range(11)]
+    found = math.inf
+    for choice in itertools.product(*[itertools.product(range(len(o)), range(len(o)), grid) for o in options]):
+        nbytes = cost = 0.0
+        for points, (i, j, w) in zip(options, choice):
+            nbytes += w * points[i][0] + (1 - w) * points[j][0]
+            cost += w * points[i][1] + (1 - w) * points[j][1]
+        if nbytes <= allowance + 1e-9:
+            found = min(found, cost)
+    assert found >= best - 1e-6
+    if found < math.inf:
+        assert found <= best + 5 * len(options) + 1e-6
+    else:
+        assert best == math.inf or best >= min(p[1] for o in options for p in o)
