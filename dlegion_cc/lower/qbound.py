@@ -12,6 +12,10 @@ pass_overhead`` cycles. Two figures pull against each other:
   its capacity of them for the next tile. Taller tiles mean more tiles per Legion, each
   reading again what the scratchpad could not keep.
 
+A schedule could also keep partial sums outside the accumulators: drained (``drain`` adding
+into ``vec``) as fp32 integers, exact below 2**24, and scaled once complete. ``psums`` gives
+the elements a Legion holds partial sums in, so the floors of such schedules follow too.
+
 ``reread_floor`` gives the fewest activation bytes beyond the compulsory ``M x K`` for a number
 of bands; ``fewest_cycles`` the fewest pass cycles of several matmuls whose re-reads together
 stay within a number of bytes. Both are lower bounds, checked against emitted schedules in
@@ -40,15 +44,17 @@ def pass_floor(arch: Arch, s: Shape, bands: int) -> float:
     return s.M * s.K * s.N / d.macs_per_cycle[s.mode] * (s.M + bands * d.pass_overhead) / s.M
 
 
-def reread_floor(arch: Arch, s: Shape, bands: int) -> int:
+def reread_floor(arch: Arch, s: Shape, bands: int, psums: int | None = None) -> int:
     """Activation bytes beyond ``M x K`` read from DRAM by any schedule whose rows are cut into
     ``bands``: ``parts`` of the rows on Legions of their own (their activations are their own),
     each part's rows in ``bands / parts`` blocks. The best of the ways to factor ``bands``.
 
     A Legion with ``n`` columns and tiles of ``h`` rows has at least ``blocks * ceil(n / w)``
-    tiles, ``w = acc / h``; each after the first reads its ``h x K`` activations but for what
-    ``act`` kept. A multicast serves a part's Legions with one read."""
+    tiles, ``w = psums / h`` (default: the accumulators); each after the first reads its
+    ``h x K`` activations but for what ``act`` kept. A multicast serves a part's Legions with
+    one read."""
     cap = arch.derived.spad_elems
+    psums = psums or cap["acc"]
     best = math.inf
     for parts in range(1, bands + 1):
         if bands % parts or arch.legions % parts:
@@ -57,18 +63,19 @@ def reread_floor(arch: Arch, s: Shape, bands: int) -> int:
         rows = -(-s.M // parts)
         h = max(1, rows // blocks)
         n = -(-s.N // (arch.array * legions)) * arch.array
-        tiles = blocks * -(-n // min(n, max(1, cap["acc"] // h)))
+        tiles = blocks * -(-n // min(n, max(1, psums // h)))
         legion = max(rows * s.K, h * s.K + (tiles - 1) * max(0, h * s.K - cap["act"]))
         best = min(best, max(0, parts * legion - s.M * s.K))
     return int(best)
 
 
-def fewest_cycles(arch: Arch, shapes: list[Shape], allowance: float, most_bands: int = 4) -> float:
+def fewest_cycles(arch: Arch, shapes: list[Shape], allowance: float, most_bands: int = 4,
+                  psums: int | None = None) -> float:
     """The fewest pass cycles of ``shapes`` together whose activation re-reads (``reread_floor``)
     add up to at most ``allowance`` bytes, each matmul's work split between band counts up to
     ``most_bands`` in any proportion (the linear relaxation: a floor for whole choices too).
     ``inf`` if not even ``most_bands`` bands everywhere keep within it."""
-    options = [[(reread_floor(arch, s, b), pass_floor(arch, s, b)) for b in range(1, most_bands + 1)]
+    options = [[(reread_floor(arch, s, b, psums), pass_floor(arch, s, b)) for b in range(1, most_bands + 1)]
                for s in shapes]
     return mix(options, allowance)
 
