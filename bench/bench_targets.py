@@ -40,7 +40,7 @@ from dlegion_cc.lower.qbound import Shape, fewest_cycles, reread_floor  # noqa: 
 from dlegion_cc.pipeline import Options, compile_model           # noqa: E402
 from models.bitnet import build_bitnet, preset, save             # noqa: E402
 from runtime.emulator import RunResult                           # noqa: E402
-from runtime.report import matmul_table, region_dram_bytes, region_ranges  # noqa: E402
+from runtime.report import matmul_table, region_dram_bytes, regions_by_name  # noqa: E402
 from runtime.timing import simulate                              # noqa: E402
 
 SCALE_SIM_256 = 22_399
@@ -71,7 +71,7 @@ def bitlinear_layer(seq: int, arch) -> dict:
         _, program = compile_model(path, Options(arch))
     result = _timed(program, arch)
     rows = [r for r in matmul_table(result) if BITLINEAR.search(r["region"])]
-    ranges = {name: members for (_, name), members in zip(result.program.regions, region_ranges(result.program))}
+    ranges = regions_by_name(result.program)
     moved = sum(_dram_bytes(result.program, ranges[r["region"]]) for r in rows)
     compulsory = sum(region_dram_bytes(result.program, ranges[r["region"]]) for r in rows)
     return {"seq": seq, "matmuls": len(rows), "cycles": sum(r["cycles"] for r in rows),

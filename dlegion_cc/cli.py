@@ -79,8 +79,11 @@ def _write(program, graph, output: str, emit: str) -> None:
               help="Ablation: dense schedule; all-zero weight blocks and causally masked attention blocks are not skipped.")
 @click.option("--no-fusion", is_flag=True,
               help="Ablation: no fusion of matmuls sharing an input, nor of row-local ops into kernels.")
+@click.option("--prefetch", is_flag=True,
+              help="Load a quantized matmul's first weights during the row kernel before it: a decode step runs "
+                   "faster, each matmul's own span takes a DRAM round trip longer.")
 def compile_command(model, output, arch, dims, inputs_path, emit, print_after, no_multicast, no_accumulators,
-                    no_sparsity, no_fusion):
+                    no_sparsity, no_fusion, prefetch):
     """Compile MODEL (ONNX) into a D-Legion program for ``dlegion-run``."""
     from dlegion_cc.pipeline import Options, compile_model
     bound = _dims_from_inputs(model, inputs_path) if inputs_path else {}
@@ -88,7 +91,7 @@ def compile_command(model, output, arch, dims, inputs_path, emit, print_after, n
     machine = arch_mod.load(arch)
     data_file = Path(output).name + ".data"
     options = Options(machine, bound, multicast=not no_multicast, accumulators=not no_accumulators,
-                      sparsity=not no_sparsity, fusion=not no_fusion)
+                      sparsity=not no_sparsity, fusion=not no_fusion, prefetch=prefetch)
     graph, program = compile_model(model, options, data_file, _print_after(print_after))
     _write(program, graph, output, emit)
     click.echo(f"{output}: {len(program.instrs)} instructions for {machine.name}", err=True)

@@ -47,9 +47,12 @@ class Options:
     accumulators: bool = True     # off: schedule as if the parallel accumulators were absent
     sparsity: bool = True         # off: dense schedule, no block masks
     fusion: bool = True           # off: no FuseSiblings (multi-matrix fusion) and no FuseRowwise
+    # On: a quantized matmul's first weights load during the row kernel before it. Decode runs
+    # faster, but each matmul's own span grows by a DRAM round trip (see docs/DESIGN.md).
+    prefetch: bool = False
 
     def switches(self) -> Switches:
-        return Switches(self.multicast, self.accumulators, self.sparsity)
+        return Switches(self.multicast, self.accumulators, self.sparsity, self.prefetch)
 
 
 Hook = Callable[[str, Graph], None]

@@ -6,7 +6,8 @@ Beside the timing model's counters the report gives three estimates:
   (``derived.macs_per_cycle``), or its *compulsory* DRAM traffic at the DRAM bandwidth,
   whichever is longer. Compulsory traffic reads every input and constant tensor once and writes
   every output once; scratch tensors that go to DRAM and back are the program's own choice.
-- **Per matmul.** The same bound for each region (``.region``, one per ONNX node) that runs
+- **Per matmul.** The same bound for each region (``.region``: one ONNX node's instructions,
+  in one entry or several, as a matmul's weights loaded during the node before it) that runs
   ``mm`` instructions, or ``vmm`` ones (fp32 products, mode ``f32``, whose peak is one
   multiply-add per vector lane), against the cycles from its first start to its last completion. A
   region's compulsory traffic is every DRAM tensor its loads read plus every one its stores
@@ -157,10 +158,19 @@ def region_ranges(program) -> list[range]:
     return [range(at, end) for (at, _), end in zip(program.regions, ends)]
 
 
-def _span(tl, members: range) -> tuple[float, float]:
+def regions_by_name(program) -> dict[str, list[int]]:
+    """The instructions of each region, by name in order of first appearance: the entries that
+    share a name are one region."""
+    out: dict[str, list[int]] = {}
+    for (_, name), members in zip(program.regions, region_ranges(program)):
+        out.setdefault(name, []).extend(members)
+    return out
+
+
+def _span(tl, members) -> tuple[float, float]:
     """First start and last completion of the instructions ``members`` (not empty)."""
-    return (float(np.nanmin(tl.start[members.start:members.stop])),
-            float(np.nanmax(tl.done[members.start:members.stop])))
+    at = np.asarray(members, dtype=np.int64)
+    return float(np.nanmin(tl.start[at])), float(np.nanmax(tl.done[at]))
 
 
 def region_dram_bytes(program, members) -> int:
@@ -179,19 +189,19 @@ def matmul_table(result) -> list[dict]:
     """One row per region that runs ``mm`` instructions (on the arrays, by mode) or ``vmm``
     (fp32 products on the vector lanes, mode ``f32``), in program order."""
     program, tl = result.program, result.timeline
-    owner, ranges = region_of(program), region_ranges(program)
+    owner, members = region_of(program), regions_by_name(program)
     rows_of = defaultdict(list)
     for row in tl.counters.get("per_instr", []):
         if owner[row["index"]] >= 0:
-            rows_of[int(owner[row["index"]])].append(row)
+            rows_of[program.regions[owner[row["index"]]][1]].append(row)
     for k, i in enumerate(program.instrs):
         if isinstance(i, VMatMul) and owner[k] >= 0:
-            rows_of[int(owner[k])].append({"mode": VECTOR_MODE, "macs": i.M * i.K * i.N, "legion": i.legion})
-    return [_matmul_row(result, program.regions[r][1], rows, ranges[r])
-            for r, rows in sorted(rows_of.items())]
+            rows_of[program.regions[owner[k]][1]].append({"mode": VECTOR_MODE, "macs": i.M * i.K * i.N,
+                                                          "legion": i.legion})
+    return [_matmul_row(result, name, rows_of[name], members[name]) for name in members if name in rows_of]
 
 
-def _matmul_row(result, name: str, mm_rows: list[dict], members: range) -> dict:
+def _matmul_row(result, name: str, mm_rows: list[dict], members: list[int]) -> dict:
     macs_by_mode = _macs_by_mode(mm_rows)
     roof = roofline(result.arch, macs_by_mode, region_dram_bytes(result.program, members))
     start, done = _span(result.timeline, members)

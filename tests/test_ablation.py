@@ -1,6 +1,6 @@
-"""The ablation switches (--no-multicast, --no-accumulators, --no-sparsity, --no-fusion): every
-combination compiles a tiny BitNet and a tiny int8 model that still match onnxruntime, and
-each switch changes the program the way it says."""
+"""The ablation switches (--no-multicast, --no-accumulators, --no-sparsity, --no-fusion) and
+--prefetch: every combination compiles a tiny BitNet and a tiny int8 model that still match
+onnxruntime, and each switch changes the program the way it says."""
 import itertools
 import subprocess
 import sys
@@ -18,7 +18,7 @@ from runtime.check import compare, onnx_reference
 from runtime.emulator import random_inputs, run
 
 TINY = arch.load("dlegion-tiny")
-SWITCHES = ("multicast", "accumulators", "sparsity", "fusion")
+SWITCHES = ("multicast", "accumulators", "sparsity", "fusion", "prefetch")
 COMBOS = [dict(zip(SWITCHES, on)) for on in itertools.product((True, False), repeat=len(SWITCHES))]
 
 
@@ -83,12 +83,14 @@ def test_each_switch_changes_the_program_as_it_says(models):
     assert any(i.mask is not None for i in _mm(base))
     assert all(i.mask is None for i in _mm(_build(path, {"sparsity": False})))
     assert len(_build(path, {"fusion": False}).instrs) > len(base.instrs)
+    entered = lambda p: len(p.regions) - len({name for _, name in p.regions})
+    assert entered(base) == 0 and entered(_build(path, {"prefetch": True})) > 0
 
 
 def test_command_line_flags(models, tmp_path):
     code = "import sys; from dlegion_cc.cli import main; sys.argv[0] = 'dlegion-cc'; main()"
     out = tmp_path / "p.s"
-    flags = ["--no-multicast", "--no-accumulators", "--no-sparsity", "--no-fusion"]
+    flags = ["--no-multicast", "--no-accumulators", "--no-sparsity", "--no-fusion", "--prefetch"]
     r = subprocess.run([sys.executable, "-c", code, str(models["bitnet"][0]), "-o", str(out), "--arch",
                         "dlegion-tiny", *flags], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

@@ -24,6 +24,7 @@ class Switches:
     multicast: bool = True        # one DRAM read of the activations serves every Legion
     accumulators: bool = True     # the parallel accumulators sum a pass's K-slices across cores
     sparsity: bool = True         # all-zero weight blocks are neither loaded nor multiplied
+    prefetch: bool = False        # a matmul's first weights load while the node before it runs
 
 
 Lowerer = Callable[["Lowering", Node], None]

@@ -13,6 +13,7 @@ from dlegion_cc.lower import elementwise, fmatmul, fused, movement, qmatmul, qua
 from dlegion_cc.lower.context import LOWERINGS, Lowering, Switches
 from dlegion_cc.lower.emitter import Emitter
 from dlegion_cc.lower.movement import nd_copy
+from dlegion_cc.lower.prefetch import prefetch_weights
 
 
 def lower_graph(graph: Graph, arch: Arch, data_file: str | None, switches: Switches = Switches()) -> Program:
@@ -43,7 +44,7 @@ def lower_graph(graph: Graph, arch: Arch, data_file: str | None, switches: Switc
     _materialize_outputs(low, regions)
     program = em.program(data_file)
     program.regions = regions
-    return program
+    return prefetch_weights(program, arch) if switches.prefetch else program
 
 
 NAMED_IN_FULL = 3       # a longer fused run is named by its first and last nodes

@@ -1,0 +1,247 @@
+"""A quantized matmul's first weights, loaded while the node before it runs.
+
+Every node ends with a barrier. At decode a row kernel (a norm, a quantization) runs on one
+Legion, and the next projection's weights wait behind that barrier, though nothing in the
+kernel touches the weight scratchpad. This pass moves the projection's first weight loads that
+wait for nothing to just after the kernel's last load. Once the kernel's own loads have landed
+(sharing DRAM with them would slow the kernel down), they stream while it computes and stores;
+the barrier still orders them before every pass.
+
+- **How much.** As many bytes as DRAM carries in the kernel's time (``_window``), an equal
+  share for each Legion: a Legion that got less would hold up the whole matmul.
+- **When not.** A node that keeps every Legion's DMA queue busy (a prefill kernel, block after
+  block) leaves no time to fill, and one that touches the weight scratchpad no room.
+- **Reports.** The moved loads form an entry of the matmul's region, so they count with it.
+
+Moving instructions changes what a relative condition (``dma~2``) stands for, so every one is
+rewritten to wait for at least the instructions it waited for before (``_Counts``).
+"""
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import replace
+
+from isa.arch import Arch
+from isa.fields import QUEUES, Cond, DramRef
+from isa.instructions import Barrier, DmaLoad, Gather, MatMul, Wait
+from isa.program import Program
+from runtime.costs import Env, cost
+
+Key = tuple[int, str]        # (Legion, queue)
+
+
+def prefetch_weights(program: Program, arch: Arch) -> Program:
+    order, regions = reorder(program, arch)
+    if all(k == j for j, (k, _) in enumerate(order)):
+        return program
+    return replace(program, instrs=_Counts(program.instrs, arch).rewrite(order), regions=regions)
+
+
+def reorder(program: Program, arch: Arch) -> tuple[list[tuple[int, object]], list[tuple[int, str]]]:
+    """The instructions in their new order, each with its index in ``program`` (a load cut in
+    parts appears once per part; a new ``wait`` has None), and the new regions. Conditions
+    are not yet fixed."""
+    instrs, old = program.instrs, program.regions
+    ends = [at for at, _ in old[1:]] + [len(instrs)]
+    order = [(k, instrs[k]) for k in range(old[0][0] if old else len(instrs))]
+    regions: list[tuple[int, str]] = []
+    for r, (at, name) in enumerate(old):
+        matmul = range(at, ends[r])
+        node = range(old[r - 1][0], at) if r else range(0)
+        moved, kept = [], [(k, instrs[k]) for k in matmul]
+        if _prefetchable(instrs, arch, node, matmul):
+            moved, kept = _split(program, arch, node, matmul)
+        if moved:
+            # The node before went into ``order`` as it was (it runs no matmul): the moved loads
+            # go in after its last load and the waits for it (the node's own), as an entry of
+            # this region.
+            gates = _gates(instrs, arch, node)
+            place = len(order) - len(_tail(instrs, node)) + len(gates)
+            order[place - len(gates):place - len(gates)] = gates + moved
+            regions += [(place, name), (place + len(moved), old[r - 1][1])]
+        regions.append((len(order), name))
+        order += kept
+    return order, regions
+
+
+def _prefetchable(instrs, arch: Arch, node: range, matmul: range) -> bool:
+    """A matmul's region after a node's that ends in a barrier, never touches the weight
+    scratchpad and leaves some Legion's DMA queue idle."""
+    if not (len(node) > 0 and isinstance(instrs[node.stop - 1], Barrier)
+            and any(isinstance(instrs[k], MatMul) for k in matmul)):
+        return False
+    if any(_touches_weights(instrs[k]) for k in node):
+        return False
+    return len(_dma_legions(instrs, node)) < arch.legions
+
+
+def _dma_legions(instrs, node: range) -> list[int]:
+    """The Legions whose DMA queues the node uses."""
+    return sorted({l for k in node if not isinstance(instrs[k], Barrier) and instrs[k].queue() == "dma"
+                   for l in _legions(instrs[k])})
+
+
+def _gates(instrs, arch: Arch, node: range) -> list[tuple[None, Wait]]:
+    """Waits that hold every Legion's moved loads until the node's own loads have landed:
+    sharing DRAM with them would slow the node down."""
+    span = arch.legions if arch.legions > 1 else None
+    return [(None, Wait(0, "dma", Cond(x, "dma", None, 0), span=span)) for x in _dma_legions(instrs, node)]
+
+
+def _tail(instrs, node: range) -> range:
+    """What the node runs after its last load: its compute, its stores and its barrier."""
+    loads = [k for k in node if isinstance(instrs[k], (DmaLoad, Gather))]
+    return range(loads[-1] + 1 if loads else node.start, node.stop)
+
+
+def _touches_weights(i) -> bool:
+    return isinstance(i, MatMul) or (isinstance(i, DmaLoad) and i.dst.space == "wgt")
+
+
+def _legions(i) -> range:
+    return range(i.legion, i.legion + (i.span or 1))
+
+
+def _split(program: Program, arch: Arch, node: range, matmul: range) -> tuple[list, list]:
+    """(the loads to move, the rest of the matmul's region), each as (old index, instruction).
+    A Legion's loads move while its DMA queue has met nothing that waits, up to its share of
+    what DRAM carries while the node runs."""
+    instrs = program.instrs
+    d = arch.derived
+    share = min(d.spad_elems["wgt"], _window(program, arch, node) * d.dram_bytes_per_cycle / arch.legions)
+    open_ = {l: True for l in range(arch.legions)}
+    room = {l: share for l in range(arch.legions)}
+    moved, kept = [], []
+    for k in matmul:
+        i = instrs[k]
+        if isinstance(i, Barrier) or i.queue() != "dma":
+            kept.append((k, i))
+            continue
+        if _free_weight_load(i):
+            for l in _legions(i):
+                open_[l] = open_[l] and room[l] >= i.rows * i.cols
+            for run, move in _runs(i, open_):
+                (moved if move else kept).append((k, _part(i, run)))
+            for l in _legions(i):
+                room[l] -= i.rows * i.cols
+            continue
+        if i.condition() is not None:
+            for l in _legions(i):
+                open_[l] = False
+        kept.append((k, i))
+    return moved, kept
+
+
+def _window(program: Program, arch: Arch, node: range) -> float:
+    """Cycles the node takes on its busiest Legion: its vector work, its transfers at one
+    Legion's share of DRAM (the prefetch takes the rest), and a DRAM latency each way."""
+    env = Env(tuple(program.tensors), {})
+    busy: Counter = Counter()
+    share = arch.derived.dram_bytes_per_cycle / arch.legions
+    for k in node:
+        i = program.instrs[k]
+        if isinstance(i, Barrier):
+            continue
+        c = cost(i, arch, env)
+        busy[i.legion] += c.flow_bytes / share if c.flow_bytes is not None else c.cycles
+    return max(busy.values(), default=0) + 2 * arch.dram_latency_cycles
+
+
+def _free_weight_load(i) -> bool:
+    return (isinstance(i, DmaLoad) and i.dst.space == "wgt" and i.wait is None
+            and i.dests == frozenset({i.legion}))
+
+
+def _runs(i, open_: dict) -> list[tuple[range, bool]]:
+    """The Legions of ``i``'s span in runs of those that may move and those that may not."""
+    out: list = []
+    for l in _legions(i):
+        if out and out[-1][1] == open_[l]:
+            out[-1] = (range(out[-1][0].start, l + 1), open_[l])
+        else:
+            out.append((range(l, l + 1), open_[l]))
+    return out
+
+
+def _part(i: DmaLoad, run: range) -> DmaLoad:
+    """``i`` on the Legions ``run`` of its span only."""
+    if run == _legions(i):
+        return i
+    rank = run.start - i.legion
+    src = i.src if i.lstride is None else DramRef(i.src.tensor, i.src.offset + rank * i.lstride, i.src.rs)
+    many = len(run) > 1
+    return replace(i, legion=run.start, dests=frozenset({run.start}), src=src,
+                   span=len(run) if many else None, lstride=i.lstride if many else None)
+
+
+class _Counts:
+    """Queue by queue, which instructions a relative condition of the old order stood for.
+
+    A condition ``q~b`` on an instruction means: all the instructions issued to queue ``q``
+    before it, but the last ``b``. In the new order it must still cover those, so it becomes
+    the shortest prefix of the queue that holds them all (moved loads only come earlier, so it
+    never waits for an instruction issued after it)."""
+
+    def __init__(self, instrs, arch: Arch):
+        self.arch = arch
+        self.old = defaultdict(list)      # key -> old indices issued to it, in the old order
+        self.target: dict = {}            # old index -> {key: completed count it needs}
+        issued: Counter = Counter()
+        for k, i in enumerate(instrs):
+            cond = i.condition()
+            if cond is not None and cond.count is None:
+                self.target[k] = {key: issued[key] - cond.back for key in self._keys(i, cond)}
+            for key in self._issued_to(i):
+                self.old[key].append(k)
+            for key in self._issued_to(i):
+                issued[key] += 1
+
+    def rewrite(self, order: list) -> list:
+        position = defaultdict(dict)      # key -> old index -> place in the new order
+        issued: Counter = Counter()
+        for k, i in order:
+            for key in self._issued_to(i):
+                position[key][k] = issued[key]
+                issued[key] += 1
+        reach = {key: _prefix_max([position[key][k] for k in ks]) for key, ks in self.old.items()}
+        out, issued = [], Counter()
+        for k, i in order:
+            if k in self.target:
+                i = self._retarget(i, k, issued, reach)
+            for key in self._issued_to(i):
+                issued[key] += 1
+            out.append(i)
+        return out
+
+    def _retarget(self, i, k: int, issued: Counter, reach: dict):
+        cond = i.condition()
+        backs = []
+        for key in self._keys(i, cond):
+            need = self.target[k].get(key, 0)
+            covered = reach[key][need - 1] + 1 if need > 0 else 0
+            if covered > issued[key]:
+                raise ValueError(f"internal: moving weight loads made an instruction wait for a later one ({i})")
+            backs.append(issued[key] - covered)
+        back = min(backs)
+        if back == cond.back:
+            return i
+        new = Cond(cond.legion, cond.queue, None, back)
+        return replace(i, until=new) if isinstance(i, Wait) else replace(i, wait=new)
+
+    def _keys(self, i, cond: Cond) -> list[Key]:
+        if cond.legion is not None:
+            return [(cond.legion, cond.queue)]
+        return [(l, cond.queue) for l in _legions(i)]
+
+    def _issued_to(self, i) -> list[Key]:
+        if isinstance(i, Barrier):
+            return [(l, q) for l in range(self.arch.legions) for q in QUEUES]
+        return [(l, i.queue()) for l in _legions(i)]
+
+
+def _prefix_max(values: list[int]) -> list[int]:
+    out, best = [], -1
+    for v in values:
+        best = max(best, v)
+        out.append(best)
+    return out
