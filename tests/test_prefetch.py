@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from isa import arch
+from isa import arch, asm, encoding
 from isa.expand import expand
 from isa.fields import QUEUES
 from isa.instructions import DmaLoad, Wait
@@ -42,6 +42,9 @@ def test_each_projections_first_weights_load_during_the_kernel_before():
     assert all(isinstance(w, Wait) and w.queue() == "dma" for w in gates)
     loads = [program.instrs[k] for r in prefetched for k in r]
     assert loads and all(isinstance(i, DmaLoad) and i.dst.space == "wgt" and i.wait is None for i in loads)
+    # a region entered twice survives the text and binary formats
+    assert asm.parse(asm.format_program(program)).regions == program.regions
+    assert encoding.decode_program(encoding.encode_program(program)).regions == program.regions
     # the same work, sooner, to the bit
     assert simulate(program, EIGHT).cycles < simulate(plain, EIGHT).cycles
     inputs = random_inputs(plain, 0)
