@@ -132,15 +132,14 @@ def main(seqs, gemm, big) -> None:
               f"({r['dram'] / r['compulsory']:.3f}x, target <= 1.10x)")
         floor = floors(seq, dlegion, r["compulsory"])
         if floor["full_height_extra"]:
+            passes = floor["passes_within_dram"]
+            spans, spans_vec = passes + floor["latencies"], floor["passes_within_dram_vec"] + floor["latencies"]
             print(f"    floors: passes of all {seq} rows (the fewest pass overheads) re-read activations, at least "
-                  f"{1 + floor['full_height_extra'] / r['compulsory']:.3f}x compulsory; within "
-                  f"{DRAM_TARGET:.2f}x compulsory, with partial sums in the accumulators, the passes alone take "
-                  f"at least "
-                  f"{floor['passes_within_dram']:,.0f} cycles ({floor['passes_within_dram'] / r['roofline']:.3f}x "
-                  f"the roofline), {floor['passes_within_dram'] + floor['latencies']:,.0f} with each matmul's "
-                  f"first load and last store ({(floor['passes_within_dram'] + floor['latencies']) / r['roofline']:.3f}x); "
-                  f"with partial sums in vec as well, at least "
-                  f"{(floor['passes_within_dram_vec'] + floor['latencies']) / r['roofline']:.3f}x")
+                  f"{1 + floor['full_height_extra'] / r['compulsory']:.3f}x compulsory; within {DRAM_TARGET:.2f}x "
+                  f"compulsory, with partial sums in the accumulators, the passes alone take at least {passes:,.0f} "
+                  f"cycles ({passes / r['roofline']:.3f}x the roofline), {spans:,.0f} with each matmul's first load "
+                  f"and last store ({spans / r['roofline']:.3f}x); with partial sums in vec as well, at least "
+                  f"{spans_vec / r['roofline']:.3f}x")
         for row in r["rows"]:
             print(f"    {row['region']:<48} {row['cycles']:>10,} / {row['roofline_cycles']:>10,.0f} "
                   f"({row['cycles'] / row['roofline_cycles']:.2f}x, {row['roofline_bound']}-bound)")

@@ -22,6 +22,7 @@ from collections import Counter, defaultdict
 from dataclasses import replace
 
 from isa.arch import Arch
+from isa.expand import absolute
 from isa.fields import QUEUES, Cond, DramRef
 from isa.instructions import Barrier, DmaLoad, Gather, MatMul, Wait
 from isa.program import Program
@@ -118,12 +119,13 @@ def _split(program: Program, arch: Arch, node: range, matmul: range) -> tuple[li
             kept.append((k, i))
             continue
         if _free_weight_load(i):
+            nbytes = i.rows * i.cols
             for l in _legions(i):
-                open_[l] = open_[l] and room[l] >= i.rows * i.cols
+                open_[l] = open_[l] and room[l] >= nbytes
             for run, move in _runs(i, open_):
                 (moved if move else kept).append((k, _part(i, run)))
             for l in _legions(i):
-                room[l] -= i.rows * i.cols
+                room[l] -= nbytes
             continue
         if i.condition() is not None:
             for l in _legions(i):
@@ -190,10 +192,10 @@ class _Counts:
         for k, i in enumerate(instrs):
             cond = i.condition()
             if cond is not None and cond.count is None:
-                self.target[k] = {key: issued[key] - cond.back for key in self._keys(i, cond)}
+                counts = (absolute(cond, l, issued) for l in _legions(i))
+                self.target[k] = {(c.legion, c.queue): c.count for c in counts}
             for key in self._issued_to(i):
                 self.old[key].append(k)
-            for key in self._issued_to(i):
                 issued[key] += 1
 
     def rewrite(self, order: list) -> list:
