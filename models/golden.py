@@ -13,15 +13,6 @@ FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # zip entries carry no wall-clock time, so r
 ELEM_TYPES = {onnx.TensorProto.INT64: np.int64, onnx.TensorProto.FLOAT: np.float32}
 
 
-def session(path: str | Path):
-    """A single-threaded CPU session: thread count changes how some kernels split their sums."""
-    import onnxruntime as ort
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    options.inter_op_num_threads = 1
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-
-
 def seeded_inputs(model: onnx.ModelProto, seq: int, vocab: int, seed: int) -> dict[str, np.ndarray]:
     """Token ids in [0, vocab) for every int64 graph input, shape [1, seq]."""
     rng = np.random.default_rng(seed)
@@ -34,8 +25,13 @@ def seeded_inputs(model: onnx.ModelProto, seq: int, vocab: int, seed: int) -> di
 
 
 def run(path: str | Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Graph outputs by name from a fresh onnxruntime session."""
-    sess = session(path)
+    """Graph outputs by name from a fresh single-threaded onnxruntime session (thread counts
+    change how some kernels split their sums). A model with quantized integer operators runs
+    with the kernels that compute their definition (``runtime.check``'s "exact" reference):
+    onnxruntime's default uint8 x int8 kernels saturate on CPUs without VNNI and not on others,
+    and a golden must not depend on the CPU's instruction set."""
+    from runtime.check import integer_ops, session
+    sess = session(path, "exact" if integer_ops(path) else "onnxruntime", threads=1)
     names = [o.name for o in sess.get_outputs()]
     return dict(zip(names, sess.run(names, inputs)))
 

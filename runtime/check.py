@@ -31,14 +31,18 @@ REFERENCES = ("onnxruntime", "exact")
 INTEGER_OPS = {"MatMulInteger", "QLinearMatMul", "DynamicQuantizeLinear", "QuantizeLinear", "DequantizeLinear"}
 
 
-def session(model: str | Path, reference: str = "onnxruntime", extra_outputs: list[str] = ()):
+def session(model: str | Path, reference: str = "onnxruntime", extra_outputs: list[str] = (),
+            threads: int | None = None):
     """An onnxruntime session of ``model`` (``reference``: see REFERENCES), with
     ``extra_outputs`` that are values of the model added as graph outputs (the compiler's own
-    values, such as a reshape a pass put in, are not)."""
+    values, such as a reshape a pass put in, are not); ``threads``: its intra- and inter-op
+    thread counts (default: onnxruntime's)."""
     import onnx
     import onnxruntime as ort
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
+    if threads is not None:
+        opts.intra_op_num_threads = opts.inter_op_num_threads = threads
     if reference == "onnxruntime" and not extra_outputs:
         return ort.InferenceSession(str(model), opts, providers=["CPUExecutionProvider"])
     m = onnx.load(str(model))

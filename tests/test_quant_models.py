@@ -3,11 +3,12 @@ agree with onnxruntime; the BitNet models still do.
 
 References. onnxruntime's uint8 x int8 kernels on x86 CPUs without VNNI sum pairs of products in
 saturating int16 (pmaddubsw); with the full-range int8 weights of the dynamic and QDQ int8
-models that changes their logits by about 5 % on such machines, and the stored goldens were made
-on one. Those two models are therefore compared with a fresh onnxruntime run of the same model
-that cannot saturate: the int8 MatMulInteger weights shifted to uint8 with zero point 128 (the
-same numbers, a uint8 x uint8 kernel) and optimizations at ORT_ENABLE_BASIC (no QDQ fusion into
-QLinearMatMul). That run equals ONNX's reference evaluator bit for bit.
+models that changes their logits by about 5 % on such machines, and not on others. Those two
+models are therefore compared with a fresh onnxruntime run of the same model that cannot
+saturate: the int8 MatMulInteger weights shifted to uint8 with zero point 128 (the same numbers,
+a uint8 x uint8 kernel) and optimizations at ORT_ENABLE_BASIC (no QDQ fusion into
+QLinearMatMul). That run equals ONNX's reference evaluator bit for bit, and the stored goldens
+of models with integer operators are made with it (``models.golden.run``).
 """
 from __future__ import annotations
 
