@@ -64,11 +64,11 @@ def _dram_bytes(program, members) -> int:
     return total
 
 
-def bitlinear_layer(seq: int, arch) -> dict:
+def bitlinear_layer(seq: int, arch, objective: str = "latency") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "layer.onnx"
         save(build_bitnet(preset("2b4t", layers=1, seq=seq, vocab=512)), path, external_data=True)
-        _, program = compile_model(path, Options(arch))
+        _, program = compile_model(path, Options(arch, objective=objective))
     result = _timed(program, arch)
     rows = [r for r in matmul_table(result) if BITLINEAR.search(r["region"])]
     ranges = regions_by_name(result.program)
@@ -140,6 +140,10 @@ def main(seqs, gemm, big) -> None:
                   f"cycles ({passes / r['roofline']:.3f}x the roofline), {spans:,.0f} with each matmul's first load "
                   f"and last store ({spans / r['roofline']:.3f}x); with partial sums in vec as well, at least "
                   f"{spans_vec / r['roofline']:.3f}x")
+            for objective in ("energy", "edp"):
+                o = bitlinear_layer(seq, dlegion, objective)
+                print(f"    schedules chosen for {objective} (--objective {objective}): {o['cycles']:,} cycles "
+                      f"({o['cycles'] / o['roofline']:.3f}x), DRAM {o['dram'] / 1e6:.1f} MB ({o['dram'] / o['compulsory']:.3f}x)")
         for row in r["rows"]:
             print(f"    {row['region']:<48} {row['cycles']:>10,} / {row['roofline_cycles']:>10,.0f} "
                   f"({row['cycles'] / row['roofline_cycles']:.2f}x, {row['roofline_bound']}-bound)")

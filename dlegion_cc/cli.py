@@ -6,6 +6,7 @@ from pathlib import Path
 import click
 
 from isa import arch as arch_mod
+from dlegion_cc.lower.qplan import OBJECTIVES
 
 EMITS = ("asm", "bin", "ir")
 
@@ -82,8 +83,11 @@ def _write(program, graph, output: str, emit: str) -> None:
 @click.option("--prefetch", is_flag=True,
               help="Load a quantized matmul's first weights during the row kernel before it: a decode step runs "
                    "faster, each matmul's own span takes a DRAM round trip longer.")
+@click.option("--objective", type=click.Choice(OBJECTIVES), default="latency", show_default=True,
+              help="What each quantized matmul's schedule is chosen for: the fewest cycles, the fewest joules "
+                   "by the architecture's energy table (mostly DRAM traffic), or the least energy x delay.")
 def compile_command(model, output, arch, dims, inputs_path, emit, print_after, no_multicast, no_accumulators,
-                    no_sparsity, no_fusion, prefetch):
+                    no_sparsity, no_fusion, prefetch, objective):
     """Compile MODEL (ONNX) into a D-Legion program for ``dlegion-run``."""
     from dlegion_cc.pipeline import Options, compile_model
     bound = _dims_from_inputs(model, inputs_path) if inputs_path else {}
@@ -91,7 +95,8 @@ def compile_command(model, output, arch, dims, inputs_path, emit, print_after, n
     machine = arch_mod.load(arch)
     data_file = Path(output).name + ".data"
     options = Options(machine, bound, multicast=not no_multicast, accumulators=not no_accumulators,
-                      sparsity=not no_sparsity, fusion=not no_fusion, prefetch=prefetch)
+                      sparsity=not no_sparsity, fusion=not no_fusion, prefetch=prefetch,
+                      objective=objective)
     graph, program = compile_model(model, options, data_file, _print_after(print_after))
     _write(program, graph, output, emit)
     click.echo(f"{output}: {len(program.instrs)} instructions for {machine.name}", err=True)

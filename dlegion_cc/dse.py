@@ -23,6 +23,7 @@ from rich.table import Table
 from isa import arch as arch_mod
 from isa.console import table_console
 from dlegion_cc.dse_measure import COLUMNS, Config, config_of, evaluate, failed_row
+from dlegion_cc.lower.qplan import OBJECTIVES
 
 BASE = "dlegion-8x8"
 TABLE_WIDTH = 150
@@ -47,12 +48,14 @@ def sweep_configs(base: arch_mod.Arch, legions, cores, arrays) -> list[Config]:
     return out
 
 
-def run_sweep(model: str, configs: list[Config], dims: dict, jobs: int, console: Console) -> list[dict]:
-    """Evaluate every configuration in ``jobs`` worker processes, with a progress bar on ``console``."""
+def run_sweep(model: str, configs: list[Config], dims: dict, jobs: int, console: Console,
+              switches: dict | None = None) -> list[dict]:
+    """Evaluate every configuration in ``jobs`` worker processes, with a progress bar on ``console``
+    (``switches``: Options fields for every compile, such as ``objective``)."""
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         # Submit (and so start the workers) before the progress bar starts its refresh thread.
-        futures = {pool.submit(evaluate, model, c, dims): c for c in configs}
+        futures = {pool.submit(evaluate, model, c, dims, switches): c for c in configs}
         with Progress(*columns, console=console) as progress:
             rows = _collect(futures, progress, progress.add_task("compiling and timing", total=len(configs)))
     return sort_rows(rows)
@@ -84,7 +87,7 @@ def print_table(rows: list[dict], console: Console) -> None:
     """The configurations that ran, by latency; then a line per configuration that failed or whose
     program does not verify (its numbers are shown, flagged)."""
     t = Table(title="configurations by latency", title_justify="left")
-    for col in ("configuration", "L x c x N", "cycles", "us", "TOPS", "of peak", "DRAM MiB", "ops/B",
+    for col in ("configuration", "L x c x N", "cycles", "us", "TOPS", "of peak", "DRAM MiB", "ops/B", "uJ",
                 "instrs", "bound"):
         t.add_column(col, justify="left" if col in ("configuration", "bound") else "right", no_wrap=True)
     for r in rows:
@@ -93,7 +96,8 @@ def print_table(rows: list[dict], console: Console) -> None:
         intensity = f"{r['intensity']:.1f}" if r["intensity"] else "-"
         t.add_row(r["name"] + ("*" if r["warning"] else ""), f"{r['legions']}x{r['cores']}x{r['array']}", f"{r['cycles']:,}",
                   f"{r['time_us']:.2f}", f"{r['achieved_tops']:.3g}", f"{r['peak_fraction']:.2%}",
-                  f"{r['dram_bytes'] / 2**20:.2f}", intensity, f"{r['instructions']:,}", r["bound"])
+                  f"{r['dram_bytes'] / 2**20:.2f}", intensity, f"{r['energy_uj']:.3g}", f"{r['instructions']:,}",
+                  r["bound"])
     console.print(t)
     for r in rows:
         if r["status"] != "ok":
@@ -115,12 +119,13 @@ def _csv_text(rows: list[dict]) -> str:
     return buf.getvalue()
 
 
-def write_outputs(out: Path, rows: list[dict], model: str, dims: dict) -> list[Path]:
+def write_outputs(out: Path, rows: list[dict], model: str, dims: dict, objective: str = "latency") -> list[Path]:
     """All four files, or none (each written to a temporary first, then renamed)."""
     from isa.files import atomic_write_all
     from dlegion_cc.dse_plots import latency_png, roofline_png
     title = Path(model).name + "".join(f" {k}={v}" for k, v in sorted(dims.items()))
-    doc = {"model": str(model), "dims": dims, "base": BASE, "columns": list(COLUMNS), "rows": rows}
+    doc = {"model": str(model), "dims": dims, "base": BASE, "objective": objective, "columns": list(COLUMNS),
+           "rows": rows}
     bodies = (json.dumps(doc, indent=2) + "\n", _csv_text(rows),
               latency_png(rows, f"latency: {title}"), roofline_png(rows, f"roofline: {title}"))
     files = [(out / name, body.encode() if isinstance(body, str) else body)
@@ -164,7 +169,9 @@ def _check_model(model: str, dims: dict) -> None:
               help="Worker processes.")
 @click.option("--out", "out_dir", default="dse", show_default=True, type=click.Path(file_okay=False),
               help="Folder for dse.json, dse.csv, latency.png and roofline.png.")
-def dse_command(model, dims, legions, cores, arrays, presets, jobs, out_dir):
+@click.option("--objective", type=click.Choice(OBJECTIVES), default="latency", show_default=True,
+              help="What each quantized matmul's schedule is chosen for (as dlegion-cc --objective).")
+def dse_command(model, dims, legions, cores, arrays, presets, jobs, out_dir, objective):
     """Compile MODEL (ONNX) for many machine configurations, time each with the timing model,
     print them by latency and write JSON, CSV and plots.
 
@@ -176,9 +183,9 @@ def dse_command(model, dims, legions, cores, arrays, presets, jobs, out_dir):
     bound = _parse_dims(dims)
     configs = sweep_configs(arch_mod.load(BASE), legions, cores, arrays) + _presets(presets)
     _check_model(model, bound)
-    rows = run_sweep(model, configs, bound, jobs, Console(stderr=True))
+    rows = run_sweep(model, configs, bound, jobs, Console(stderr=True), {"objective": objective})
     print_table(rows, _stdout())
-    paths = write_outputs(Path(out_dir), rows, model, bound)
+    paths = write_outputs(Path(out_dir), rows, model, bound, objective)
     failed = sum(r["status"] != "ok" for r in rows)
     click.echo(f"{len(rows)} configuration(s), {failed} failed; wrote {', '.join(map(str, paths))}", err=True)
 

@@ -50,9 +50,11 @@ class Options:
     # On: a quantized matmul's first weights load during the row kernel before it. Decode runs
     # faster, but each matmul's own span grows by a DRAM round trip (see docs/DESIGN.md).
     prefetch: bool = False
+    # What quantized-matmul schedules are chosen for: "latency", "energy" or "edp" (qplan.OBJECTIVES).
+    objective: str = "latency"
 
     def switches(self) -> Switches:
-        return Switches(self.multicast, self.accumulators, self.sparsity, self.prefetch)
+        return Switches(self.multicast, self.accumulators, self.sparsity, self.prefetch, self.objective)
 
 
 Hook = Callable[[str, Graph], None]

@@ -13,6 +13,8 @@ from isa import arch
 from dlegion_cc.dse import sort_rows, sweep_configs
 from dlegion_cc.dse_measure import COLUMNS, evaluate, roof, verify_warning
 from dlegion_cc.pipeline import Options, compile_model
+from runtime.emulator import RunResult
+from runtime.report import summarize
 from runtime.timing import simulate
 
 MODEL = Path(__file__).parent.parent / "models" / "bitnet_tiny_relu2.onnx"
@@ -38,7 +40,7 @@ def sweep(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dse")
     out = tmp / "out"
     r = dlegion_dse(MODEL, "--legions", "1,2", "--cores", "1", "--array", "4",
-                    "--preset", _tiny_vector_spad(tmp), "--jobs", "2", "--out", out)
+                    "--preset", _tiny_vector_spad(tmp), "--jobs", "2", "--out", out, "--objective", "energy")
     return r, out
 
 
@@ -47,7 +49,7 @@ def test_sweep_writes_one_row_per_configuration(sweep):
     assert r.returncode == 0, r.stderr
     doc = json.loads((out / "dse.json").read_text())
     rows = {row["name"]: row for row in doc["rows"]}
-    assert sorted(rows) == ["L1-c1-a4", "L2-c1-a4", "tiny-vec1k"]
+    assert sorted(rows) == ["L1-c1-a4", "L2-c1-a4", "tiny-vec1k"] and doc["objective"] == "energy"
     for name in ("L1-c1-a4", "L2-c1-a4"):
         row = rows[name]
         assert row["status"] == "ok" and row["reason"] == "" and row["warning"] == ""
@@ -90,9 +92,11 @@ def test_row_matches_the_timing_model(sweep):
     _, out = sweep
     row = next(r for r in json.loads((out / "dse.json").read_text())["rows"] if r["name"] == "L2-c1-a4")
     (config,) = sweep_configs(arch.load("dlegion-8x8"), [2], [1], [4])
-    _, program = compile_model(MODEL, Options(config.arch))
+    _, program = compile_model(MODEL, Options(config.arch, objective="energy"))
     tl = simulate(program, config.arch)
     assert row["cycles"] == tl.cycles
+    energy = summarize(RunResult({}, tl, config.arch, tl.program, None))["energy_joules"]
+    assert row["energy_uj"] == pytest.approx(energy * 1e6)
     assert row["instructions"] == len(program.instrs)
     assert row["dram_read_bytes"] == tl.counters["dram_read_bytes"]
     # The sweep changes only Legions, cores and array; scratchpads stay the base's.

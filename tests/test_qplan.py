@@ -17,7 +17,8 @@ from dlegion_cc.lower.qmatmul import block_maps
 from dlegion_cc.lower import qbound, qplan
 from dlegion_cc.lower.qplan import TAIL_PIECES, Problem, RowScale, candidates, choose, estimate
 from dlegion_cc.lower.qtiles import emit_tiles
-from runtime.emulator import run
+from runtime.emulator import RunResult, run
+from runtime.report import summarize
 from runtime.timing import simulate
 
 TINY = arch.load("dlegion-tiny")
@@ -226,6 +227,53 @@ def test_model_tracks_the_timing_model_on_batched_exact_products(case):
     for plan in candidates(machine, p, Switches()):
         est, real = estimate(machine, p, plan).cycles, timed(plan)
         assert 0.9 * real <= est <= 1.1 * real, (case, plan, est, real)
+
+
+# --- objectives: latency, energy, energy x delay ---------------------------------------------
+
+OBJECTIVE_CASES = [(256, 512, 256, 0.0, 0, "w8"), (128, 1024, 256), (96, 768, 200)]
+
+
+@pytest.mark.parametrize("objective", qplan.OBJECTIVES)
+@pytest.mark.parametrize("case", OBJECTIVE_CASES)
+def test_each_objective_picks_what_it_ranks_best(case, objective):
+    """Against every candidate: none is better by the objective's own measure beyond ``EQUAL``."""
+    _, p, _, _ = problem(TINY, *case)
+    scores = {plan: qplan.score(TINY, p, plan, estimate(TINY, p, plan), objective)
+              for plan in candidates(TINY, p, Switches())}
+    pick = choose(TINY, p, Switches(objective=objective))
+    assert scores[pick] <= (1 + qplan.EQUAL) * min(scores.values()), (pick, min(scores.values()))
+
+
+@pytest.mark.parametrize("case", OBJECTIVE_CASES[:2])
+def test_energy_trades_cycles_for_dram_traffic(case):
+    """Timed, the energy pick moves fewer DRAM bytes than the latency pick and the latency pick
+    takes fewer cycles; edp lies between them or on one of them."""
+    _, p, _, _ = problem(TINY, *case)
+    timed = {o: simulate(compiled(TINY, choose(TINY, p, Switches(objective=o)), *case)[0], TINY)
+             for o in qplan.OBJECTIVES}
+    dram = {o: t.counters["dram_read_bytes"] + t.counters["dram_write_bytes"] for o, t in timed.items()}
+    assert dram["energy"] < dram["latency"] and timed["latency"].cycles < timed["energy"].cycles
+    assert dram["energy"] <= dram["edp"] <= dram["latency"]
+
+
+def test_picojoules_track_the_reports_energy():
+    """The estimate's terms (DRAM, MACs, static power) against the same parts of the timed
+    program's energy report, for every candidate: within 5%."""
+    case = OBJECTIVE_CASES[1]
+    _, p, _, _ = problem(TINY, *case)
+    for plan in candidates(TINY, p, Switches())[::7]:
+        tl = simulate(compiled(TINY, plan, *case)[0], TINY)
+        parts = summarize(RunResult({}, tl, TINY, tl.program, None))["energy"]
+        timed = sum(v for k, v in parts.items() if k in ("dram", "static") or k.startswith("mac_"))
+        est = qplan.picojoules(TINY, p, plan, estimate(TINY, p, plan)) * 1e-12
+        assert est == pytest.approx(timed, rel=0.05), plan
+
+
+def test_an_unknown_objective_is_refused():
+    _, p, _, _ = problem(TINY, 8, 64, 32)
+    with pytest.raises(ValueError, match="unknown objective 'speed'"):
+        choose(TINY, p, Switches(objective="speed"))
 
 
 # --- floors (qbound) --------------------------------------------------------------------------

@@ -19,12 +19,14 @@ DRAM_DTYPE = {np.dtype(np.float32): "f32", np.dtype(np.int64): "i64", np.dtype(n
 
 @dataclass(frozen=True)
 class Switches:
-    """Features of the lowering a user may turn off to measure what each is worth."""
+    """Features of the lowering a user may turn off to measure what each is worth, and what
+    the schedules of quantized matmuls are chosen for (``qplan.OBJECTIVES``)."""
 
     multicast: bool = True        # one DRAM read of the activations serves every Legion
     accumulators: bool = True     # the parallel accumulators sum a pass's K-slices across cores
     sparsity: bool = True         # all-zero weight blocks are neither loaded nor multiplied
     prefetch: bool = False        # a matmul's first weights load while the node before it runs
+    objective: str = "latency"    # fewest cycles; or fewest joules ("energy"), or their product ("edp")
 
 
 Lowerer = Callable[["Lowering", Node], None]

@@ -12,7 +12,7 @@ from typing import Callable
 
 from isa.arch import Arch
 from dlegion_cc.lower.context import Switches
-from dlegion_cc.lower.qplan import EQUAL, Problem, choose, estimate
+from dlegion_cc.lower.qplan import EQUAL, Problem, choose, estimate, score
 
 # A part of the rows given Legions of their own is at least this many array heights of rows.
 PART_ROWS = 4
@@ -49,16 +49,18 @@ def part_widths(arch: Arch, rows: int, slices: int, tiles: int) -> list[int]:
 
 def pick_width(arch: Arch, switches: Switches, widths: list[int], part: Callable[[int], Problem]) -> int:
     """Of ``widths`` (the first: all the Legions), the one whose first part (``part(width)``)
-    the cost model finds faster than all the others by more than ``EQUAL``; the parts run
-    alongside each other, alike. One width needs no model: its plan is chosen when emitted."""
-    best, cycles = widths[0], None
+    the cost model finds better than all the others by more than ``EQUAL``, by the objective
+    of ``switches``; the parts run alongside each other, alike (their energy adds up, their
+    time does not). One width needs no model: its plan is chosen when emitted."""
+    best, cost = widths[0], None
     if len(widths) == 1:
         return best
     for width in widths:
         p = part(width)
-        e = estimate(arch, p, choose(arch, p, switches)).cycles
-        if cycles is None or e < cycles * (1 - EQUAL):
-            best, cycles = width, e
+        plan = choose(arch, p, switches)
+        c = score(arch, p, plan, estimate(arch, p, plan), switches.objective, arch.legions // width)
+        if cost is None or c < cost * (1 - EQUAL):
+            best, cost = width, c
     return best
 
 

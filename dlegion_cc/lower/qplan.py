@@ -417,18 +417,33 @@ def candidates(arch: Arch, p: Problem, switches: Switches) -> list[Plan]:
     return out
 
 
-# Schedules whose estimates are this close count as equally fast; of those the one that moves
-# the fewest DRAM bytes (energy) is taken, then the one with the fewest instructions, as
-# programs are held to an instruction budget.
+# Schedules whose estimates are this close count as equally good. Of the equally good by the
+# objective, the equally fast; of those the one that moves the fewest DRAM bytes (energy), then
+# the one with the fewest instructions, as programs are held to an instruction budget.
 EQUAL = 0.025
+# What a schedule is chosen for: fewest cycles, fewest joules, or the least energy x delay.
+OBJECTIVES = ("latency", "energy", "edp")
 
 
 def choose(arch: Arch, p: Problem, switches: Switches = Switches()) -> Plan:
-    """The candidate the cost model finds fastest (see ``EQUAL``). Candidates are modelled in
-    order of their compute bound, and the search stops where that bound rules out the rest."""
+    """The candidate the cost model finds best for ``switches.objective`` (see ``EQUAL``).
+    For latency, candidates are modelled in order of their compute bound, and the search stops
+    where that bound rules out the rest; energy has no such bound, so every one is modelled."""
     plans = candidates(arch, p, switches)
     if not plans:
         raise ValueError(f"no tiling of a {len(p.rows)}x{p.K}x{p.N} matmul fits the scratchpads of {arch.name}")
+    goal = switches.objective
+    scored = _fastest(arch, p, plans) if goal == "latency" else [(estimate(arch, p, plan), plan) for plan in plans]
+    costs = [score(arch, p, plan, e, goal) for e, plan in scored]
+    near = [(e, plan) for (e, plan), c in zip(scored, costs) if c <= min(costs) * (1 + EQUAL)]
+    fastest = min(e.cycles for e, _ in near)
+    return min(((e.dram_bytes, e.instructions, e.cycles), k, plan) for k, (e, plan) in enumerate(near)
+               if e.cycles <= fastest * (1 + EQUAL))[-1]
+
+
+def _fastest(arch: Arch, p: Problem, plans: list[Plan]) -> list[tuple["Estimate", Plan]]:
+    """The plans that may be within ``EQUAL`` of the fastest, modelled: in order of their
+    compute bound, up to the first whose bound rules it out."""
     scored, best = [], math.inf
     for bound, plan in sorted(((compute_bound(arch, p, plan), plan) for plan in plans), key=lambda x: x[0]):
         if bound > best * (1 + EQUAL):
@@ -436,17 +451,40 @@ def choose(arch: Arch, p: Problem, switches: Switches = Switches()) -> Plan:
         e = estimate(arch, p, plan)
         best = min(best, e.cycles)
         scored.append((e, plan))
-    near = [(e.dram_bytes, e.instructions, e.cycles, k) for k, (e, _) in enumerate(scored)
-            if e.cycles <= best * (1 + EQUAL)]
-    return scored[min(near)[-1]][1]
+    return scored
+
+
+def score(arch: Arch, p: Problem, plan: Plan, e: "Estimate", objective: str, copies: int = 1) -> float:
+    """What ``objective`` ranks schedules by: cycles, picojoules, or picojoule-cycles; of
+    ``copies`` of ``p`` running alongside each other on Legions of their own, alike."""
+    if objective == "latency":
+        return e.cycles
+    if objective not in OBJECTIVES:
+        raise ValueError(f"unknown objective {objective!r}; known: {', '.join(OBJECTIVES)}")
+    pj = copies * picojoules(arch, p, plan, e)
+    return pj if objective == "energy" else pj * e.cycles
+
+
+def picojoules(arch: Arch, p: Problem, plan: Plan, e: "Estimate") -> float:
+    """The energy of a schedule by the architecture's ``[energy]`` table: its DRAM bytes, its
+    MACs in the arrays (fewer where all-zero windows are skipped), and the static power of the
+    Legions it runs on over its cycles. Scratchpad and vector terms, which vary little between
+    schedules, are left out."""
+    share = _nonzero_share(p) if plan.sparse else 1.0
+    macs = sum(len(p.rows) * p.K * p.N * arch.derived.pj_per_mac[mode] for _, mode in p.weights)
+    legions = len(legion_range(arch, p)) / arch.legions
+    static = arch.static_watts * legions * e.cycles / arch.clock_ghz * 1e3       # W x ns = 1e3 pJ
+    return e.dram_bytes * arch.pj_per_dram_byte + macs * share * p.batches + static
+
+
+def _nonzero_share(p: Problem) -> float:
+    return sum(float(nz.mean()) for nz in p.nonzero) / len(p.nonzero)
 
 
 def compute_bound(arch: Arch, p: Problem, plan: Plan) -> float:
     """The first Legion's matrix-queue time if no pass ever waited (dense passes scaled by the
     share of nonzero weight blocks, when blocks are skipped), over all batches."""
-    share = 1.0
-    if plan.sparse:
-        share = sum(float(nz.mean()) for nz in p.nonzero) / len(p.nonzero)
+    share = _nonzero_share(p) if plan.sparse else 1.0
     total = 0
     for _, nb in legion_tiles(p, plan, legion_range(arch, p).start):
         for _, mb in row_blocks(p, plan):
