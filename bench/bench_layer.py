@@ -1,7 +1,7 @@
 """One BitNet-2B4T decoder layer on dlegion-8x8: program size against the ISA's budget, and
 how fast the compiler and the timing model handle it.
 
-    python bench/bench_layer.py [--seq 512] [--arch dlegion-8x8] [--prefetch]
+    python bench/bench_layer.py [--seq 512] [--arch dlegion-8x8] [--no-prefetch]
 
 Prints the instruction count by family (budget: 20,000 at sequence 512), the simulated
 cycles and where they go (the regions of quantized matmuls, of fp32 matmuls on the vector
@@ -55,7 +55,8 @@ def _cycles_by_kind(timeline) -> Counter:
 @click.command()
 @click.option("--seq", default=512, show_default=True)
 @click.option("--arch", "arch_name", default="dlegion-8x8", show_default=True)
-@click.option("--prefetch", is_flag=True, help="Compile with --prefetch (weights load during the kernel before).")
+@click.option("--prefetch/--no-prefetch", default=True, show_default=True,
+              help="Weights load during the row kernel before each matmul (dlegion-cc --no-prefetch turns it off).")
 def main(seq: int, arch_name: str, prefetch: bool) -> None:
     machine = arch_mod.load(arch_name)
     with tempfile.TemporaryDirectory() as tmp:

@@ -80,14 +80,14 @@ def _write(program, graph, output: str, emit: str) -> None:
               help="Ablation: dense schedule; all-zero weight blocks and causally masked attention blocks are not skipped.")
 @click.option("--no-fusion", is_flag=True,
               help="Ablation: no fusion of matmuls sharing an input, nor of row-local ops into kernels.")
-@click.option("--prefetch", is_flag=True,
-              help="Load a quantized matmul's first weights during the row kernel before it: a decode step runs "
-                   "faster, each matmul's own span takes a DRAM round trip longer.")
+@click.option("--no-prefetch", is_flag=True,
+              help="Ablation: a quantized matmul's first weights do not load during the row kernel before it "
+                   "(at decode, while the kernel runs on one Legion).")
 @click.option("--objective", type=click.Choice(OBJECTIVES), default="latency", show_default=True,
               help="What each quantized matmul's schedule is chosen for: the fewest cycles, the fewest joules "
                    "by the architecture's energy table (mostly DRAM traffic), or the least energy x delay.")
 def compile_command(model, output, arch, dims, inputs_path, emit, print_after, no_multicast, no_accumulators,
-                    no_sparsity, no_fusion, prefetch, objective):
+                    no_sparsity, no_fusion, no_prefetch, objective):
     """Compile MODEL (ONNX) into a D-Legion program for ``dlegion-run``."""
     from dlegion_cc.pipeline import Options, compile_model
     bound = _dims_from_inputs(model, inputs_path) if inputs_path else {}
@@ -95,7 +95,7 @@ def compile_command(model, output, arch, dims, inputs_path, emit, print_after, n
     machine = arch_mod.load(arch)
     data_file = Path(output).name + ".data"
     options = Options(machine, bound, multicast=not no_multicast, accumulators=not no_accumulators,
-                      sparsity=not no_sparsity, fusion=not no_fusion, prefetch=prefetch,
+                      sparsity=not no_sparsity, fusion=not no_fusion, prefetch=not no_prefetch,
                       objective=objective)
     graph, program = compile_model(model, options, data_file, _print_after(print_after))
     _write(program, graph, output, emit)

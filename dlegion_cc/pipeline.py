@@ -47,9 +47,7 @@ class Options:
     accumulators: bool = True     # off: schedule as if the parallel accumulators were absent
     sparsity: bool = True         # off: dense schedule, no block masks
     fusion: bool = True           # off: no FuseSiblings (multi-matrix fusion) and no FuseRowwise
-    # On: a quantized matmul's first weights load during the row kernel before it. Decode runs
-    # faster, but each matmul's own span grows by a DRAM round trip (see docs/DESIGN.md).
-    prefetch: bool = False
+    prefetch: bool = True         # off: a matmul's first weights wait for the row kernel before it
     # What quantized-matmul schedules are chosen for: "latency", "energy" or "edp" (qplan.OBJECTIVES).
     objective: str = "latency"
 

@@ -1,5 +1,5 @@
-"""The ablation switches (--no-multicast, --no-accumulators, --no-sparsity, --no-fusion) and
---prefetch: every combination compiles a tiny BitNet and a tiny int8 model that still match
+"""The ablation switches (--no-multicast, --no-accumulators, --no-sparsity, --no-fusion,
+--no-prefetch): every combination compiles a tiny BitNet and a tiny int8 model that still match
 onnxruntime, and each switch changes the program the way it says."""
 import itertools
 import subprocess
@@ -84,15 +84,17 @@ def test_each_switch_changes_the_program_as_it_says(models):
     assert all(i.mask is None for i in _mm(_build(path, {"sparsity": False})))
     assert len(_build(path, {"fusion": False}).instrs) > len(base.instrs)
     entered = lambda p: len(p.regions) - len({name for _, name in p.regions})
-    assert entered(base) == 0 and entered(_build(path, {"prefetch": True})) > 0
+    assert entered(base) > 0 and entered(_build(path, {"prefetch": False})) == 0
 
 
 def test_command_line_flags(models, tmp_path):
     code = "import sys; from dlegion_cc.cli import main; sys.argv[0] = 'dlegion-cc'; main()"
     out = tmp_path / "p.s"
-    flags = ["--no-multicast", "--no-accumulators", "--no-sparsity", "--no-fusion", "--prefetch"]
+    flags = ["--no-multicast", "--no-accumulators", "--no-sparsity", "--no-fusion", "--no-prefetch"]
     r = subprocess.run([sys.executable, "-c", code, str(models["bitnet"][0]), "-o", str(out), "--arch",
                         "dlegion-tiny", *flags], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     text = out.read_text()
     assert "split=n" in text and "split=k" not in text and "mask=@" not in text
+    regions = [line.split(None, 1)[1] for line in text.splitlines() if line.startswith(".region")]
+    assert regions and len(regions) == len(set(regions))          # no weights moved into a kernel

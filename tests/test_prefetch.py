@@ -9,7 +9,7 @@ import numpy as np
 from isa import arch, asm, encoding
 from isa.expand import expand
 from isa.fields import QUEUES
-from isa.instructions import DmaLoad, Wait
+from isa.instructions import Barrier, DmaLoad, Wait
 from dlegion_cc.lower.prefetch import prefetch_weights, reorder
 from dlegion_cc.pipeline import Options, compile_model
 from models.bitnet import build_bitnet, preset, save
@@ -63,16 +63,35 @@ def test_a_kernel_on_every_legion_leaves_no_time_to_fill(tmp_path):
 
 
 def test_every_condition_still_covers_what_it_covered():
-    """Expanded, each task waits for at least the instructions it waited for before the move,
-    and for nothing more but moved loads and the waits that hold them (index None)."""
+    """Expanded, each task waits for at least the instructions it waited for before the move, but
+    for loads another Legion now issues, and for nothing more but moved loads, the waits that
+    hold them (index None) and the waits that stand for the barrier they replace (its index)."""
     plain = _compiled(False)
     order, _ = reorder(plain, EIGHT)
     moved = _moved(order) | {None}
+    barriers = {k for k, i in enumerate(plain.instrs) if isinstance(i, Barrier)}
+    reissued = {k for k, i in order if k is not None and isinstance(i, DmaLoad) and i.legion != plain.instrs[k].legion}
     before = _covered(plain, list(range(len(plain.instrs))))
     after = _covered(prefetch_weights(plain, EIGHT), [k for k, _ in order])
-    assert len(moved) > 1 and before.keys() == {task for task in after if task[0] is not None}
+    assert len(moved) > 1 and reissued
+    assert before.keys() == {task for task in after if task[0] is not None and task[0] not in barriers}
     for task, need in before.items():
-        assert need <= after[task] and after[task] - need <= moved, task
+        assert need - after[task] <= reissued and after[task] - need <= moved | barriers, task
+
+
+def test_a_kernels_barrier_gives_way_to_waits_and_its_legions_loads_to_the_others():
+    """The row kernel's own Legion stores last; its share of the weights is issued by the Legions
+    the kernel leaves idle, and its matrix queue waits for them before its first pass."""
+    program, plain = _compiled(True), _compiled(False)
+    count = lambda p: sum(isinstance(i, Barrier) for i in p.instrs)
+    assert count(program) == count(plain) - 8          # one per projection
+    foreign = [i for i in program.instrs if isinstance(i, DmaLoad) and i.dests != frozenset({i.legion})
+               and len(i.dests) == 1]
+    assert foreign and all(i.dst.space == "wgt" for i in foreign)
+    for receiver in {next(iter(i.dests)) for i in foreign}:
+        waits = [i for i in program.instrs if isinstance(i, Wait) and i.legion == receiver
+                 and i.queue() == "mat" and i.until.queue == "dma" and i.until.legion != receiver]
+        assert {w.until.legion for w in waits} >= {i.legion for i in foreign if i.dests == frozenset({receiver})}
 
 
 def _moved(order) -> set[int]:

@@ -25,7 +25,7 @@ class Switches:
     multicast: bool = True        # one DRAM read of the activations serves every Legion
     accumulators: bool = True     # the parallel accumulators sum a pass's K-slices across cores
     sparsity: bool = True         # all-zero weight blocks are neither loaded nor multiplied
-    prefetch: bool = False        # a matmul's first weights load while the node before it runs
+    prefetch: bool = True         # a matmul's first weights load while the node before it runs
     objective: str = "latency"    # fewest cycles; or fewest joules ("energy"), or their product ("edp")
 
 

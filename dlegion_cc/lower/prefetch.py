@@ -1,14 +1,20 @@
 """A quantized matmul's first weights, loaded while the node before it runs.
 
 Every node ends with a barrier. At decode a row kernel (a norm, a quantization) runs on one
-Legion, and the next projection's weights wait behind that barrier, though nothing in the
+Legion, and the next projection's weights would wait behind that barrier, though nothing in the
 kernel touches the weight scratchpad. This pass moves the projection's first weight loads that
 wait for nothing to just after the kernel's last load. Once the kernel's own loads have landed
-(sharing DRAM with them would slow the kernel down), they stream while it computes and stores;
-the barrier still orders them before every pass.
+(sharing DRAM with them would slow the kernel down), they stream while it computes and stores.
 
 - **How much.** As many bytes as DRAM carries in the kernel's time (``_window``), an equal
   share for each Legion: a Legion that got less would hold up the whole matmul.
+- **The kernel's barrier** gives way to waits that do what it did but for the moved loads
+  (``_hand_off``): every queue waits for every queue the kernel ran on. A barrier would hold
+  everything until the moved loads had landed, a DRAM round trip in which DRAM idles.
+- **The kernel's own Legions.** A queue completes in order, so a wait for the kernel's stores
+  would wait for loads issued on the same queue before them: the shares of the Legions whose
+  DMA queues the kernel uses are issued, in row pieces, by the others (a load may deliver to
+  another Legion's scratchpad), and the receiving matrix queue waits for those issuers.
 - **When not.** A node that keeps every Legion's DMA queue busy (a prefill kernel, block after
   block) leaves no time to fill, and one that touches the weight scratchpad no room.
 - **Reports.** The moved loads form an entry of the matmul's region, so they count with it.
@@ -53,16 +59,67 @@ def reorder(program: Program, arch: Arch) -> tuple[list[tuple[int, object]], lis
         if _prefetchable(instrs, arch, node, matmul):
             moved, kept = _split(program, arch, node, matmul)
         if moved:
-            # The node before went into ``order`` as it was (it runs no matmul): the moved loads
-            # go in after its last load and the waits for it (the node's own), as an entry of
-            # this region.
-            gates = _gates(instrs, arch, node)
-            place = len(order) - len(_tail(instrs, node)) + len(gates)
-            order[place - len(gates):place - len(gates)] = gates + moved
+            moved, issuers = _reissued(moved, _dma_legions(instrs, node), arch)
+            place = _hand_over(order, instrs, arch, node, _gates(instrs, arch, node), moved, issuers)
             regions += [(place, name), (place + len(moved), old[r - 1][1])]
         regions.append((len(order), name))
         order += kept
     return order, regions
+
+
+def _hand_over(order: list, instrs, arch: Arch, node: range, gates: list, moved: list, issuers: dict) -> int:
+    """Rewrite the node, which went into ``order`` as it was (it runs no matmul): the ``moved``
+    loads go in after its last load and ``gates``; its barrier gives way to waits that stand for
+    it (``_hand_off``, each with the barrier's index), and the matrix queue of a Legion whose
+    loads another issued (``issuers``: receiver -> issuers) waits for those. Returns where
+    ``moved`` starts."""
+    barrier = order.pop()
+    at = len(order) - (len(_tail(instrs, node)) - 1)
+    order[at:at] = gates + moved
+    order += [(barrier[0], w) for w in _hand_off(instrs, arch, node)]
+    order += [(None, Wait(x, "mat", Cond(l, "dma", None, 0))) for x, ls in sorted(issuers.items()) for l in ls]
+    return at + len(gates)
+
+
+def _hand_off(instrs, arch: Arch, node: range) -> list[Wait]:
+    """What the barrier that ends the node did for what follows, but for the moved loads: every
+    queue of every Legion waits for every queue the node ran instructions on. A barrier would
+    also hold them until the moved loads have landed, a DRAM round trip in which DRAM idles."""
+    span = arch.legions if arch.legions > 1 else None
+    used = sorted({(l, instrs[k].queue()) for k in node if not isinstance(instrs[k], Barrier)
+                   for l in _legions(instrs[k])})
+    return [Wait(0, q, Cond(x, queue, None, 0), span=span) for x, queue in used for q in QUEUES]
+
+
+def _reissued(moved: list, busy: list[int], arch: Arch) -> tuple[list, dict]:
+    """``moved`` with the loads of Legions whose DMA queues the node uses (``busy``) issued by
+    the others, in turn, into the same scratchpads; and per such Legion, the Legions that issue
+    its loads. A wait for the node's stores on its own queue would otherwise wait for them too:
+    a queue completes in order."""
+    idle = [l for l in range(arch.legions) if l not in busy]
+    inside = {l: l in busy for l in range(arch.legions)}
+    out, issuers, turn = [], {}, 0
+    for k, i in moved:
+        for run, on_busy in _runs(i, inside):
+            if not on_busy:
+                out.append((k, _part(i, run)))
+                continue
+            for x in run:
+                for piece in _row_pieces(_part(i, range(x, x + 1)), len(idle)):
+                    l = idle[turn % len(idle)]
+                    turn += 1
+                    out.append((k, replace(piece, legion=l)))
+                    issuers.setdefault(x, set()).add(l)
+    return out, {x: sorted(ls) for x, ls in issuers.items()}
+
+
+def _row_pieces(i: DmaLoad, parts: int) -> list[DmaLoad]:
+    """``i`` (on one Legion) cut into up to ``parts`` loads of consecutive rows, so that as many
+    queues share it."""
+    cuts = [i.rows * j // parts for j in range(parts + 1)]
+    return [replace(i, dst=replace(i.dst, addr=i.dst.addr + r0 * i.dst.rs),
+                    src=DramRef(i.src.tensor, i.src.offset + r0 * i.src.rs, i.src.rs), rows=r1 - r0)
+            for r0, r1 in zip(cuts, cuts[1:]) if r1 > r0]
 
 
 def _prefetchable(instrs, arch: Arch, node: range, matmul: range) -> bool:
@@ -205,7 +262,9 @@ class _Counts:
             for key in self._issued_to(i):
                 position[key][k] = issued[key]
                 issued[key] += 1
-        reach = {key: _prefix_max([position[key][k] for k in ks]) for key, ks in self.old.items()}
+        # A load another Legion now issues is not on its old queue: what waited for it there
+        # waits for it by other means (``_hand_over``).
+        reach = {key: _prefix_max([position[key].get(k, -1) for k in ks]) for key, ks in self.old.items()}
         out, issued = [], Counter()
         for k, i in order:
             if k in self.target:
