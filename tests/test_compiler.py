@@ -273,3 +273,29 @@ def test_blocks_never_exceed_what_one_instruction_can_name(tmp_path):
     _, program, rows = _check(path, arch.load("ws-64"))
     assert all(r.ok for r in rows)
     assert all(getattr(i, "cols", 0) < 1 << 16 for i in program.instrs)
+
+
+@pytest.mark.parametrize("merged_is_output", [False, True])
+def test_heads_merged_after_pv_are_written_in_place(tmp_path, merged_is_output):
+    """o = P.V [1, H, S, d] -> Transpose -> Reshape [1, S, H*d]: the matmul stores its blocks where
+    the merge puts them, and no copy runs; unless the merged value is a graph output (a tensor of
+    its own, which the merge then fills)."""
+    S, D, H = 8, 16, 2
+    nodes = [helper.make_node("Reshape", ["x", "shp"], ["x4"]),
+             helper.make_node("Transpose", ["x4"], ["q"], perm=[0, 2, 1, 3]),
+             helper.make_node("Transpose", ["x4"], ["kt"], perm=[0, 2, 3, 1]),
+             helper.make_node("MatMul", ["q", "kt"], ["sc"]),
+             helper.make_node("Softmax", ["sc"], ["p"], axis=-1),
+             helper.make_node("MatMul", ["p", "q"], ["o"]),
+             helper.make_node("Transpose", ["o"], ["ot"], perm=[0, 2, 1, 3]),
+             helper.make_node("Reshape", ["ot", "flat"], ["om"])]
+    out = "om" if merged_is_output else "y"
+    if not merged_is_output:
+        nodes.append(helper.make_node("Add", ["om", "x"], ["y"]))
+    inits = [("shp", np.array([1, S, H, D // H], np.int64)), ("flat", np.array([1, S, D], np.int64))]
+    path = _model(tmp_path / "heads.onnx", nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, S, D])],
+                  [helper.make_tensor_value_info(out, TensorProto.FLOAT, [1, S, D])], inits)
+    _, program, rows = _check(path)
+    assert rows and all(r.ok for r in rows), rows
+    copies = [i for i in program.instrs if i.MNEMONIC == "vmov"]
+    assert bool(copies) == merged_is_output

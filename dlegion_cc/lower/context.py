@@ -10,7 +10,7 @@ import numpy as np
 from dlegion_cc.errors import node_error
 from dlegion_cc.ir import DLEGION, Graph, Node
 from dlegion_cc.lower.emitter import Emitter
-from dlegion_cc.lower.layout import Operand, is_contiguous, whole
+from dlegion_cc.lower.layout import Operand, is_contiguous, reshaped, whole
 
 DRAM_DTYPE = {np.dtype(np.float32): "f32", np.dtype(np.int64): "i64", np.dtype(np.int32): "i32",
               np.dtype(np.int8): "i8", np.dtype(np.uint8): "u8", np.dtype(np.bool_): "u8"}
@@ -38,6 +38,25 @@ VIEW_READERS: dict[tuple[str, str], ViewTest] = {}
 # Lowerings that write their output through the strides ``Lowering.result`` gives, with what
 # each needs of them: ``test(node, name, op)`` as for reading.
 VIEW_WRITERS: dict[tuple[str, str], ViewTest] = {}
+# Nodes that only change how a value's elements are addressed (``Lowering.through_views``).
+VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose"})
+
+
+def _perm(node: Node, rank: int) -> list[int]:
+    return list(node.attrs.get("perm", range(rank)[::-1]))
+
+
+def _applied(chain: list[Node], op: Operand, shape) -> Operand | None:
+    """What the chain of reshapes and transposes makes of ``op`` as views; None where one of
+    them needs a copy."""
+    for node in chain:
+        if node.op == "Transpose":
+            op = Operand(op.tensor, op.offset, tuple(op.strides[p] for p in _perm(node, len(op.strides))))
+        else:
+            op = reshaped(op, shape(node.inputs[0]), shape(node.outputs[0]))
+            if op is None:
+                return None
+    return op
 
 
 def any_view(node: Node, name: str, op: Operand) -> bool:
@@ -104,8 +123,11 @@ class Lowering:
 
     def result(self, name: str) -> Operand:
         """Where ``name`` is written: its part of the concat that is its only reader (``in_concat``),
+        where the reshapes and transposes that are its only readers put it (``through_views``),
         else a fresh contiguous DRAM tensor, an output tensor if the graph returns it."""
         placed = self.in_concat(name)
+        if placed is None:
+            placed = self.through_views(name)
         if placed is not None:
             self.operands[name] = placed
             return placed
@@ -143,6 +165,50 @@ class Lowering:
         part = Operand(dst.tensor, dst.offset + pos * dst.strides[axis], dst.strides)
         return part if writes(producer, name, part) else None
 
+    def through_views(self, name: str) -> Operand | None:
+        """``name`` written where a chain of reshapes and transposes puts it, when each value of
+        the chain has that one reader and the producer writes strided results (``lowers``'
+        ``writes``): the chain is then views, and nothing is copied (attention's heads merged
+        back after P.V). None otherwise."""
+        producer = self.graph.producer(name)
+        writes = VIEW_WRITERS.get((producer.domain, producer.op)) if producer is not None else None
+        chain, end = self._view_chain(name)
+        if (writes is None or not chain or _applied(chain, whole(-1, self.shape(name)), self.shape) is not None
+                or self._undone(chain, whole(-1, self.shape(end))) is None):
+            return None                # nothing to place, or the chain is views already
+        op = self._undone(chain, self.destination(end))
+        return op if op is not None and writes(producer, name, op) else None
+
+    def _view_chain(self, name: str) -> tuple[list[Node], str]:
+        """The reshapes and transposes that follow ``name``, each its value's one reader, and the
+        value at the end, which keeps ``name``'s dtype and is not a graph output."""
+        chain, cur = [], name
+        while cur not in self.graph.outputs and cur not in self.int8:
+            readers = self.graph.consumers(cur)
+            if (len(readers) != 1 or readers[0].domain or readers[0].op not in VIEW_OPS
+                    or readers[0].inputs[0] != cur):
+                break
+            chain.append(readers[0])
+            cur = readers[0].outputs[0]
+        while chain and (cur in self.graph.outputs or self.dtype(cur) != self.dtype(name)):
+            cur = chain.pop().inputs[0]
+        return chain, cur
+
+    def _undone(self, chain: list[Node], op: Operand) -> Operand | None:
+        """The operand of the chain's first input that the chain turns into ``op``."""
+        for node in reversed(chain):
+            src, out = self.shape(node.inputs[0]), self.shape(node.outputs[0])
+            if node.op == "Transpose":
+                strides = [0] * len(src)
+                for i, p in enumerate(_perm(node, len(src))):
+                    strides[p] = op.strides[i]
+                op = Operand(op.tensor, op.offset, tuple(strides))
+            else:
+                op = reshaped(op, out, src)
+                if op is None:
+                    return None
+        return op
+
     def alias(self, name: str, src: str) -> bool:
         """Let ``name`` share ``src``'s DRAM as it is (``view``)."""
         return src in self.operands and self.view(name, self.operands[src])
@@ -160,7 +226,7 @@ class Lowering:
         if not plain and not all(VIEW_READERS.get((n.domain, n.op), _no_view)(n, name, op)
                                  for n in self.graph.consumers(name)):
             return False
-        self.operands[name] = op
+        self.operands[name] = whole(op.tensor, shape) if plain else op      # size-1 axes' strides as usual
         return True
 
     def declare_inputs(self) -> None:

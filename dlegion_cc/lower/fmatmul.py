@@ -13,7 +13,7 @@ from isa.fields import DramRef, View
 from isa.instructions import BY_MNEMONIC, DmaLoad, DmaStore, VMatMul
 from dlegion_cc.lower.context import Lowering, lowers
 from dlegion_cc.lower.emitter import Emitter
-from dlegion_cc.lower.layout import Operand, broadcast, outer_indices
+from dlegion_cc.lower.layout import Operand, broadcast, outer_indices, reshaped
 from dlegion_cc.lower.rowwise import Arg, rowwise
 
 TILE = 64       # rows and columns of an output block, before the scratchpad limits them
@@ -285,15 +285,22 @@ def _batched(op: Operand, shape, batch) -> Operand:
     return Operand(op.tensor, op.offset, lead.strides + op.strides[-2:])
 
 
-@lowers("MatMul", views=matrix_view)
+def row_major_out(node, name: str, op: Operand) -> bool:
+    """Output blocks are stored by rows: consecutive elements along the last dimension."""
+    return bool(op.strides) and op.strides[-1] == 1
+
+
+@lowers("MatMul", views=matrix_view, writes=row_major_out)
 def matmul(low: Lowering, node) -> None:
     a_name, b_name = node.inputs
     a_shape, b_shape = low.shape(a_name), low.shape(b_name)
     batch = _batch_shape(a_shape, b_shape)
     a, (M, K) = _as_matrix(low, a_name, batch, vector_as_row=True)
     b, (_, N) = _as_matrix(low, b_name, batch, vector_as_row=False)
-    dst = low.result(node.outputs[0])
-    out = Operand(dst.tensor, 0, _contiguous(batch + (M, N)))
+    name = node.outputs[0]
+    # The output may be strided (its part of a concat, heads merged in place): its operand
+    # read as [*batch, M, N], a vector operand's dimension put back.
+    out = reshaped(low.result(name), low.shape(name), batch + (M, N))
     skip = Skip(node.attrs.get("dead"), node.attrs.get("zero_a"))
     if not batch or batch[-1] == 1:
         for idx in outer_indices(batch + (1, 1)):
@@ -314,14 +321,6 @@ def _batch_shape(a_shape, b_shape) -> tuple[int, ...]:
     rank = max(len(a_b), len(b_b))
     a_b, b_b = (1,) * (rank - len(a_b)) + a_b, (1,) * (rank - len(b_b)) + b_b
     return tuple(max(x, y) for x, y in zip(a_b, b_b))
-
-
-def _contiguous(shape) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for d in reversed(shape):
-        strides.append(acc)
-        acc *= d
-    return tuple(reversed(strides))
 
 
 @lowers("Gemm")
