@@ -2,6 +2,7 @@
 one computes."""
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto as TP
 from onnx import helper
 
@@ -75,6 +76,22 @@ def _float_matmul(tmp_path, M: int, K: int, N: int):
     want = x.astype(np.float64) @ w.astype(np.float64)
     assert np.linalg.norm(result.outputs["y"] - want) / np.linalg.norm(want) < 1e-6
     return program, _least_busy(result)
+
+
+@pytest.mark.parametrize("heads", [20, 4])
+def test_a_table_shared_by_the_heads_is_loaded_once_a_block(tmp_path, heads):
+    """x [1, H, S, D] * t [1, 1, S, D] (rotary's tables): with 20 heads, the heads become the
+    rows of a block (a position each), which loads its row of t once for all of them: t is read
+    once in all. With 4 heads, blocks of so few rows would cost more than they save: t is read
+    once per head."""
+    S, D = 256, 128
+    t = np.random.default_rng(2).standard_normal((1, 1, S, D)).astype(np.float32)
+    program = _compiled(tmp_path, [helper.make_node("Mul", ["x", "t"], ["y"])], ("x", [1, heads, S, D]),
+                        ("y", [1, heads, S, D]), {"t": t})
+    of_t = [i for i in program.instrs if isinstance(i, DmaLoad) and program.tensors[i.src.tensor].kind == "const"]
+    assert sum(i.rows * i.cols * (i.span or 1) for i in of_t) == S * D * (1 if heads >= 16 else heads)
+    x = np.random.default_rng(3).standard_normal((1, heads, S, D)).astype(np.float32)
+    np.testing.assert_array_equal(run(program, WIDE, {"x": x}).outputs["y"], x * t)
 
 
 def test_a_float_matmul_loads_the_next_k_chunk_while_the_vector_unit_multiplies(tmp_path):
