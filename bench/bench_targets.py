@@ -88,7 +88,7 @@ def bitlinear_shapes(seq: int) -> list[Shape]:
 
 
 def floors(seq: int, arch, compulsory: int) -> dict:
-    """What ``qbound`` says every schedule of the layer's matmuls costs: the activations re-read
+    """What ``qbound`` says every schedule of the layer's matmuls costs: the bytes read again
     with passes of all ``seq`` rows (the fewest pass overheads), and the fewest pass cycles of
     any schedule within the DRAM target, whose partial sums stay in the accumulators (as all the
     compiler's do) or also fill ``vec``. Each matmul's span adds at least a DRAM latency before
@@ -134,7 +134,7 @@ def main(seqs, gemm, big) -> None:
         if floor["full_height_extra"]:
             passes = floor["passes_within_dram"]
             spans, spans_vec = passes + floor["latencies"], floor["passes_within_dram_vec"] + floor["latencies"]
-            print(f"    floors: passes of all {seq} rows (the fewest pass overheads) re-read activations, at least "
+            print(f"    floors: passes of all {seq} rows (the fewest pass overheads) read activations again, at least "
                   f"{1 + floor['full_height_extra'] / r['compulsory']:.3f}x compulsory; within {DRAM_TARGET:.2f}x "
                   f"compulsory, with partial sums in the accumulators, the passes alone take at least {passes:,.0f} "
                   f"cycles ({passes / r['roofline']:.3f}x the roofline), {spans:,.0f} with each matmul's first load "

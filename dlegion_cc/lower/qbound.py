@@ -7,17 +7,18 @@ pass_overhead`` cycles. Two figures pull against each other:
 - **Pass overhead.** Cutting the rows into ``bands`` (row blocks of a Legion, or parts of the
   rows on Legions of their own) makes passes shorter, so the arrays spend more of their time
   on the overhead.
-- **Activation re-reads.** A tile of ``h`` rows is at most ``acc / h`` columns wide. All of its
-  ``h x K`` activations stream through the Legion's ``act`` scratchpad, which can keep at most
-  its capacity of them for the next tile. Taller tiles mean more tiles per Legion, each
-  reading again what the scratchpad could not keep.
+- **Re-reads.** A tile of ``h`` rows is at most ``acc / h`` columns wide. All of its ``h x K``
+  activations stream through the Legion's ``act`` scratchpad and all of its weights through
+  ``wgt``, which can keep at most their capacity for the next tile. Taller tiles mean more
+  tiles per Legion, each reading again the activations the scratchpad could not keep; more
+  row blocks mean reading the weights again.
 
 A schedule could also keep partial sums outside the accumulators: drained (``drain`` adding
 into ``vec``) as fp32 integers, exact below 2**24, and scaled once complete. ``psums`` gives
 the elements a Legion holds partial sums in, so the floors of such schedules follow too.
 
-``reread_floor`` gives the fewest activation bytes beyond the compulsory ``M x K`` for a number
-of bands; ``fewest_cycles`` the fewest pass cycles of several matmuls whose re-reads together
+``reread_floor`` gives the fewest bytes read beyond the compulsory ones for a number of bands;
+``fewest_cycles`` the fewest pass cycles of several matmuls whose re-reads together
 stay within a number of bytes. Both are lower bounds, checked against emitted schedules in
 the tests: any real schedule does at least as badly.
 """
@@ -26,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from isa.arch import Arch
+from isa.arch import MODE_BITS, Arch
 
 
 @dataclass(frozen=True)
@@ -45,16 +46,21 @@ def pass_floor(arch: Arch, s: Shape, bands: int) -> float:
 
 
 def reread_floor(arch: Arch, s: Shape, bands: int, psums: int | None = None) -> int:
-    """Activation bytes beyond ``M x K`` read from DRAM by any schedule whose rows are cut into
-    ``bands``: ``parts`` of the rows on Legions of their own (their activations are their own),
-    each part's rows in ``bands / parts`` blocks. The best of the ways to factor ``bands``.
+    """Bytes beyond the compulsory ``M x K`` activations and ``K x N`` weights that any schedule
+    whose rows are cut into ``bands`` reads from DRAM: ``parts`` of the rows on Legions of their
+    own (their activations are their own), each part's rows in ``bands / parts`` blocks. The
+    best of the ways to factor ``bands`` and of the tile widths.
 
-    A Legion with ``n`` columns and tiles of ``h`` rows has at least ``blocks * ceil(n / w)``
-    tiles, ``w = psums / h`` (default: the accumulators); each after the first reads its
-    ``h x K`` activations but for what ``act`` kept. A multicast serves a part's Legions with
-    one read."""
+    A Legion with ``n`` columns, blocks of ``h`` rows and tiles ``w`` columns wide (``h x w`` at
+    most ``psums``, default: the accumulators) visits each block once per column tile and each
+    column tile once per block. A tile streams all of K: each visit but a block's first reads
+    its ``h x K`` activations again, but for what ``act`` kept; each but a column tile's first
+    its ``K x w`` weights, but for what ``wgt`` kept. A multicast serves a part's Legions with
+    one read of the activations, and the Legions of every part with the same columns with one
+    read of the weights."""
     cap = arch.derived.spad_elems
     psums = psums or cap["acc"]
+    per_weight = MODE_BITS[s.mode] / 8
     best = math.inf
     for parts in range(1, bands + 1):
         if bands % parts or arch.legions % parts:
@@ -63,15 +69,18 @@ def reread_floor(arch: Arch, s: Shape, bands: int, psums: int | None = None) -> 
         rows = -(-s.M // parts)
         h = max(1, rows // blocks)
         n = -(-s.N // (arch.array * legions)) * arch.array
-        tiles = blocks * -(-n // min(n, max(1, psums // h)))
-        legion = max(rows * s.K, h * s.K + (tiles - 1) * max(0, h * s.K - cap["act"]))
-        best = min(best, max(0, parts * legion - s.M * s.K))
+        for w in range(arch.array, max(arch.array, min(n, psums // h)) + 1, arch.array):
+            columns = -(-n // w)
+            again = blocks * columns
+            act = (again - blocks) * max(0, h * s.K - cap["act"])
+            wgt = (again - columns) * max(0, w * s.K * per_weight - cap["wgt"])
+            best = min(best, parts * act + legions * wgt)
     return int(best)
 
 
 def fewest_cycles(arch: Arch, shapes: list[Shape], allowance: float, most_bands: int = 4,
                   psums: int | None = None) -> float:
-    """The fewest pass cycles of ``shapes`` together whose activation re-reads (``reread_floor``)
+    """The fewest pass cycles of ``shapes`` together whose re-reads (``reread_floor``)
     add up to at most ``allowance`` bytes, each matmul's work split between band counts up to
     ``most_bands`` in any proportion (the linear relaxation: a floor for whole choices too).
     ``inf`` if not even ``most_bands`` bands everywhere keep within it."""
