@@ -299,3 +299,20 @@ def test_heads_merged_after_pv_are_written_in_place(tmp_path, merged_is_output):
     assert rows and all(r.ok for r in rows), rows
     copies = [i for i in program.instrs if i.MNEMONIC == "vmov"]
     assert bool(copies) == merged_is_output
+
+
+def test_a_kernel_output_transposed_in_its_last_two_axes_and_merged_stays_exact(tmp_path):
+    """A row kernel's output read through a transpose of its last two axes and a merge that
+    strides cannot say: in place it would need columns of stride > 1, which no writer stores
+    (``Lowering.through_views`` asks for rows of consecutive elements); the result is
+    onnxruntime's."""
+    nodes = [helper.make_node("Mul", ["x", "two"], ["m"]),
+             helper.make_node("Add", ["m", "x"], ["k"]),
+             helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("Reshape", ["kt", "flat"], ["kf"]),
+             helper.make_node("Mul", ["kf", "kf"], ["y"])]
+    inits = [("two", np.array(2, np.float32)), ("flat", np.array([1, 2, 48], np.int64))]
+    path = _model(tmp_path / "t.onnx", nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 6, 8])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 48])], inits)
+    _, _, rows = _check(path)
+    assert rows and all(r.ok for r in rows), rows

@@ -177,7 +177,8 @@ class Lowering:
                 or self._undone(chain, whole(-1, self.shape(end))) is None):
             return None                # nothing to place, or the chain is views already
         op = self._undone(chain, self.destination(end))
-        return op if op is not None and writes(producer, name, op) else None
+        # Rows of consecutive elements, as every strided writer stores them.
+        return op if op is not None and op.strides[-1] == 1 and writes(producer, name, op) else None
 
     def _view_chain(self, name: str) -> tuple[list[Node], str]:
         """The reshapes and transposes that follow ``name``, each its value's one reader, and the
