@@ -10,7 +10,7 @@ import numpy as np
 from dlegion_cc.errors import node_error
 from dlegion_cc.ir import DLEGION, Graph, Node
 from dlegion_cc.lower.emitter import Emitter
-from dlegion_cc.lower.layout import Operand, is_contiguous, reshaped, whole
+from dlegion_cc.lower.layout import Operand, is_contiguous, reshaped, transposed, whole
 
 DRAM_DTYPE = {np.dtype(np.float32): "f32", np.dtype(np.int64): "i64", np.dtype(np.int32): "i32",
               np.dtype(np.int8): "i8", np.dtype(np.uint8): "u8", np.dtype(np.bool_): "u8"}
@@ -42,21 +42,9 @@ VIEW_WRITERS: dict[tuple[str, str], ViewTest] = {}
 VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose"})
 
 
-def _perm(node: Node, rank: int) -> list[int]:
+def perm_of(node: Node, rank: int) -> list[int]:
+    """A Transpose's axis order (ONNX's default: reversed)."""
     return list(node.attrs.get("perm", range(rank)[::-1]))
-
-
-def _applied(chain: list[Node], op: Operand, shape) -> Operand | None:
-    """What the chain of reshapes and transposes makes of ``op`` as views; None where one of
-    them needs a copy."""
-    for node in chain:
-        if node.op == "Transpose":
-            op = Operand(op.tensor, op.offset, tuple(op.strides[p] for p in _perm(node, len(op.strides))))
-        else:
-            op = reshaped(op, shape(node.inputs[0]), shape(node.outputs[0]))
-            if op is None:
-                return None
-    return op
 
 
 def any_view(node: Node, name: str, op: Operand) -> bool:
@@ -173,7 +161,7 @@ class Lowering:
         producer = self.graph.producer(name)
         writes = VIEW_WRITERS.get((producer.domain, producer.op)) if producer is not None else None
         chain, end = self._view_chain(name)
-        if (writes is None or not chain or _applied(chain, whole(-1, self.shape(name)), self.shape) is not None
+        if (writes is None or not chain or self._applied(chain, whole(-1, self.shape(name))) is not None
                 or self._undone(chain, whole(-1, self.shape(end))) is None):
             return None                # nothing to place, or the chain is views already
         op = self._undone(chain, self.destination(end))
@@ -195,19 +183,26 @@ class Lowering:
             cur = chain.pop().inputs[0]
         return chain, cur
 
+    def _applied(self, chain: list[Node], op: Operand) -> Operand | None:
+        """What the chain makes of ``op`` as views; None where one of its nodes needs a copy."""
+        for node in chain:
+            src, out = self.shape(node.inputs[0]), self.shape(node.outputs[0])
+            op = transposed(op, perm_of(node, len(src))) if node.op == "Transpose" else reshaped(op, src, out)
+            if op is None:
+                return None
+        return op
+
     def _undone(self, chain: list[Node], op: Operand) -> Operand | None:
         """The operand of the chain's first input that the chain turns into ``op``."""
         for node in reversed(chain):
             src, out = self.shape(node.inputs[0]), self.shape(node.outputs[0])
             if node.op == "Transpose":
-                strides = [0] * len(src)
-                for i, p in enumerate(_perm(node, len(src))):
-                    strides[p] = op.strides[i]
-                op = Operand(op.tensor, op.offset, tuple(strides))
+                perm = perm_of(node, len(src))
+                op = transposed(op, [perm.index(a) for a in range(len(perm))])
             else:
                 op = reshaped(op, out, src)
-                if op is None:
-                    return None
+            if op is None:
+                return None
         return op
 
     def alias(self, name: str, src: str) -> bool:

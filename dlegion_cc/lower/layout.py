@@ -42,6 +42,11 @@ def is_contiguous(op: Operand, shape: tuple[int, ...]) -> bool:
     return all(d == 1 or s == c for d, s, c in zip(shape, op.strides, contiguous_strides(shape)))
 
 
+def transposed(op: Operand, perm) -> Operand:
+    """``op`` with its axes in the order ``perm`` (axis i of the result is axis ``perm[i]``)."""
+    return Operand(op.tensor, op.offset, tuple(op.strides[p] for p in perm))
+
+
 def reshaped(op: Operand, shape: tuple[int, ...], new_shape: tuple[int, ...]) -> Operand | None:
     """``op`` (of ``shape``) read in ``new_shape``, the same elements in row-major order, with
     no copy; None when strides cannot say it. As numpy decides: dimensions merge or split only

@@ -9,9 +9,9 @@ import numpy as np
 
 from isa.fields import DramRef, View
 from isa.instructions import BY_MNEMONIC, DmaLoad, DmaStore, Gather
-from dlegion_cc.lower.context import Lowering, any_view, lowers
+from dlegion_cc.lower.context import Lowering, any_view, lowers, perm_of
 from dlegion_cc.lower.emitter import Emitter
-from dlegion_cc.lower.layout import Operand, broadcast, coalesce, contiguous_strides, outer_indices, reshaped, whole
+from dlegion_cc.lower.layout import Operand, broadcast, coalesce, contiguous_strides, outer_indices, reshaped, transposed, whole
 from dlegion_cc.lower.rowwise import Arg, rowwise
 
 
@@ -85,10 +85,7 @@ def _view_or_copy(low: Lowering, node, src: Operand, out: str | None = None) -> 
 @lowers("Transpose", views=any_view, writes=any_view)
 def transpose(low: Lowering, node) -> None:
     x = node.inputs[0]
-    rank = len(low.shape(x))
-    perm = node.attrs.get("perm", list(range(rank))[::-1])
-    op = low.operand(x)
-    _view_or_copy(low, node, Operand(op.tensor, op.offset, tuple(op.strides[p] for p in perm)))
+    _view_or_copy(low, node, transposed(low.operand(x), perm_of(node, len(low.shape(x)))))
 
 
 @lowers("Expand", views=any_view, writes=any_view)

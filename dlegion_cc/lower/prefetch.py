@@ -85,10 +85,7 @@ def _hand_off(instrs, arch: Arch, node: range) -> list[Wait]:
     """What the barrier that ends the node did for what follows, but for the moved loads: every
     queue of every Legion waits for every queue the node ran instructions on. A barrier would
     also hold them until the moved loads have landed, a DRAM round trip in which DRAM idles."""
-    span = arch.legions if arch.legions > 1 else None
-    used = sorted({(l, instrs[k].queue()) for k in node if not isinstance(instrs[k], Barrier)
-                   for l in _legions(instrs[k])})
-    return [Wait(0, q, Cond(x, queue, None, 0), span=span) for x, queue in used for q in QUEUES]
+    return [_everywhere(arch, q, x, queue) for x, queue in _queues_used(instrs, node) for q in QUEUES]
 
 
 def _reissued(moved: list, busy: list[int], arch: Arch) -> tuple[list, dict]:
@@ -133,17 +130,26 @@ def _prefetchable(instrs, arch: Arch, node: range, matmul: range) -> bool:
     return len(_dma_legions(instrs, node)) < arch.legions
 
 
+def _queues_used(instrs, node: range) -> list[Key]:
+    """The queues the node runs instructions on (its barrier aside)."""
+    return sorted({(l, instrs[k].queue()) for k in node if not isinstance(instrs[k], Barrier)
+                   for l in _legions(instrs[k])})
+
+
 def _dma_legions(instrs, node: range) -> list[int]:
     """The Legions whose DMA queues the node uses."""
-    return sorted({l for k in node if not isinstance(instrs[k], Barrier) and instrs[k].queue() == "dma"
-                   for l in _legions(instrs[k])})
+    return [l for l, queue in _queues_used(instrs, node) if queue == "dma"]
+
+
+def _everywhere(arch: Arch, queue: str, legion: int, until: str) -> Wait:
+    """A wait on ``queue`` of every Legion for all that was issued to ``until`` of ``legion``."""
+    return Wait(0, queue, Cond(legion, until, None, 0), span=arch.legions if arch.legions > 1 else None)
 
 
 def _gates(instrs, arch: Arch, node: range) -> list[tuple[None, Wait]]:
     """Waits that hold every Legion's moved loads until the node's own loads have landed:
     sharing DRAM with them would slow the node down."""
-    span = arch.legions if arch.legions > 1 else None
-    return [(None, Wait(0, "dma", Cond(x, "dma", None, 0), span=span)) for x in _dma_legions(instrs, node)]
+    return [(None, _everywhere(arch, "dma", x, "dma")) for x in _dma_legions(instrs, node)]
 
 
 def _tail(instrs, node: range) -> range:

@@ -13,14 +13,14 @@ offset stepping one block per Legion (``lstride``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from isa.fields import DramRef, View
 from isa.instructions import DmaLoad, DmaStore
 from dlegion_cc.errors import CompileError
 from dlegion_cc.lower.emitter import Emitter
-from dlegion_cc.lower.layout import Operand, coalesce, outer_indices
+from dlegion_cc.lower.layout import Operand, coalesce, outer_indices, transposed
 
 
 @dataclass(frozen=True)
@@ -122,9 +122,7 @@ def _broadcast_rows(em: Emitter, shape: tuple[int, ...], args: list[Arg], keep_l
     if shared(best) <= shared(row) or shape[best] < SHARED_ROWS:
         return shape, args
     order = [a for a in range(row + 1) if a != best] + [best, row + 1]
-    moved = [a if a.operand is None else Arg(a.name, Operand(a.operand.tensor, a.operand.offset,
-                                                            tuple(a.operand.strides[k] for k in order)), a.out, a.col)
-             for a in args]
+    moved = [a if a.operand is None else replace(a, operand=transposed(a.operand, order)) for a in args]
     new = tuple(shape[k] for k in order)
     shape2, bound, strides = _coalesced(new, moved, keep_last)
     resident = _Resident(moved, bound, shape2[-1])
