@@ -3,12 +3,15 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
 from isa import arch
 from isa.expand import expand
-from isa.instructions import VMatMul
+from isa.instructions import BY_MNEMONIC, VMatMul
+from dlegion_cc.lower.fused import summed_alike
 from dlegion_cc.pipeline import Options, compile_model
 from runtime.emulator import run
 
@@ -16,27 +19,27 @@ WIDE = arch.load("dlegion-8x8")
 H, S, D = 2, 384, 64
 
 
-def attention(path, mask_value=np.finfo(np.float32).min, extra_use=False):
-    mask = np.where(np.tril(np.ones((S, S), bool)), 0, mask_value).astype(np.float32).reshape(1, 1, S, S)
+def attention(path, mask_value=np.finfo(np.float32).min, extra_use=False, heads=H, seq=S):
+    mask = np.where(np.tril(np.ones((seq, seq), bool)), 0, mask_value).astype(np.float32).reshape(1, 1, seq, seq)
     nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
              helper.make_node("MatMul", ["q", "kt"], ["s"]),
              helper.make_node("Mul", ["s", "scale"], ["ss"]),
              helper.make_node("Add", ["ss", "mask"], ["sm"]),
              helper.make_node("Softmax", ["sm"], ["p"], axis=-1),
              helper.make_node("MatMul", ["p", "v"], ["o"])]
-    outs = [helper.make_tensor_value_info("o", TP.FLOAT, [1, H, S, D])]
+    outs = [helper.make_tensor_value_info("o", TP.FLOAT, [1, heads, seq, D])]
     if extra_use:                       # the raw scores are an output too: nothing may be skipped
-        outs.append(helper.make_tensor_value_info("s", TP.FLOAT, [1, H, S, S]))
-    ins = [helper.make_tensor_value_info(n, TP.FLOAT, [1, H, S, D]) for n in "qkv"]
+        outs.append(helper.make_tensor_value_info("s", TP.FLOAT, [1, heads, seq, seq]))
+    ins = [helper.make_tensor_value_info(n, TP.FLOAT, [1, heads, seq, D]) for n in "qkv"]
     inits = [numpy_helper.from_array(mask, "mask"), numpy_helper.from_array(np.float32(D ** -0.5), "scale")]
     graph = helper.make_graph(nodes, "attn", ins, outs, inits)
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]), path)
     return path
 
 
-def _inputs():
+def _inputs(heads=H, seq=S):
     rng = np.random.default_rng(0)
-    return {n: rng.standard_normal((1, H, S, D)).astype(np.float32) for n in "qkv"}
+    return {n: rng.standard_normal((1, heads, seq, D)).astype(np.float32) for n in "qkv"}
 
 
 def _vmm_tasks(program):
@@ -55,11 +58,46 @@ def test_causal_blocks_are_skipped_and_the_result_is_the_same_bit_for_bit(tmp_pa
     assert np.linalg.norm(a - want) / np.linalg.norm(want) < 1e-5
     # QK^T: 6 x 6 output blocks of 64 x 64, the 15 above the diagonal skipped. PV: K in six
     # chunks of 64; row block i skips the 5 - i chunks right of the diagonal, all zeros of P.
-    skipped = H * (15 * 64 * 64 * D + 15 * 64 * 64 * D)
+    # On the diagonal, two strips of 32 rows: strip j computes 32 (j + 1) score columns and
+    # sums 32 (j + 1) rows of V, 32 x 32 x (1 + 2) of the block's 64 x 64 each.
+    diagonal = 64 * 64 - 32 * 32 * 3
+    skipped = H * 2 * (15 * 64 * 64 + 6 * diagonal) * D
     assert _vmm_tasks(sparse) == _vmm_tasks(dense) - skipped
     # The program says what it left out, for the report; the dense one left out nothing.
     assert sparse.skipped == {"causal_skipped_blocks": H * 15, "causal_skipped_macs": skipped}
     assert dense.skipped == {}
+
+
+def _lane_elems(program, cls):
+    return sum(i.rows * i.cols for i in expand(program, WIDE.legions).program.instrs if isinstance(i, cls))
+
+
+@pytest.mark.parametrize("heads, seq", [(H, S), (16, 128)])
+def test_softmax_runs_only_as_wide_as_its_rows_reach(tmp_path, heads, seq):
+    """P's rows are computed, and stored, only as far as their last nonzero (widened to where
+    vrsum adds alike): the rest stays zeros in DRAM, and the output is the same bit for bit.
+    With 16 heads, a block is one query position of every head (the mask row read once)."""
+    path = attention(tmp_path / "attn.onnx", heads=heads, seq=seq)
+    _, sparse = compile_model(path, Options(WIDE))
+    _, dense = compile_model(path, Options(WIDE, sparsity=False))
+    x = _inputs(heads, seq)
+    np.testing.assert_array_equal(run(sparse, WIDE, x).outputs["o"], run(dense, WIDE, x).outputs["o"])
+    exps, all_of_them = _lane_elems(sparse, BY_MNEMONIC["vexp"]), _lane_elems(dense, BY_MNEMONIC["vexp"])
+    assert all_of_them == heads * seq * seq
+    assert heads * seq * (seq + 1) // 2 <= exps < 0.7 * all_of_them
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 2048), st.data())
+def test_a_reach_is_widened_to_where_vrsum_adds_alike(n, data):
+    need = data.draw(st.integers(1, n))
+    width = summed_alike(n, need)
+    assert need <= width <= n
+    rng = np.random.default_rng(need)
+    row = np.zeros((4, n), np.float32)
+    row[:, :need] = rng.random((4, need), np.float32) * np.float32(1e3) ** rng.uniform(-1, 1, (4, need))
+    whole, prefix = BY_MNEMONIC["vrsum"].FUNC(row), BY_MNEMONIC["vrsum"].FUNC(row[:, :width])
+    np.testing.assert_array_equal(whole.view(np.int32), prefix.view(np.int32))
 
 
 def test_skipped_work_survives_text_and_binary_and_reaches_the_report(tmp_path):

@@ -105,7 +105,43 @@ def row_kernel(low: Lowering, node) -> None:
             emit_op(em, legion, n, view, scalars, rows, cols, cols if widths[n.outputs[0]] > 1 else 1)
     keep = any(k in ("col", "row") for k in kinds.values()) or any(
         n.op in ROW_REDUCE or n.op == "Softmax" for n in node.attrs["nodes"])
-    rowwise(low.em, frame.shape, args, body, keep_last=keep, where=f"node '{node.name}': ")
+    rowwise(low.em, frame.shape, args, body, keep_last=keep, where=f"node '{node.name}': ",
+            reach=_reach(node, frame))
+
+
+def _reach(node: Node, frame: Frame) -> np.ndarray | None:
+    """How many leading columns each row of the frame needs, when the kernel ends in a causal
+    softmax (``passes/causal.py``) that is its one output, after elementwise ops only: the
+    columns beyond a row's reach are P's exact zeros, which stay zeros in DRAM. Each reach is
+    widened to where ``vrsum`` adds the same as over the whole row (``summed_alike``)."""
+    subs = node.attrs["nodes"]
+    last = subs[-1]
+    if (last.op != "Softmax" or "reach" not in last.attrs or node.outputs != last.outputs
+            or any(_family(n.op) not in ("unary", "binary") for n in subs[:-1])):
+        return None
+    reach = last.attrs["reach"]
+    if frame.shape[-2:] != (reach.size, frame.cols):
+        return None
+    widths = np.array([summed_alike(frame.cols, int(r)) for r in reach])
+    return np.broadcast_to(widths, frame.shape[:-1])
+
+
+# numpy's pairwise summation, which ``vrsum`` follows: runs of at most this many elements are
+# summed in 8 interleaved partial sums; longer ones are split in two halves, each a multiple of 8.
+PAIRWISE_BLOCK = 8 * 16
+
+
+def summed_alike(n: int, need: int) -> int:
+    """The fewest leading columns, at least ``need``, that ``vrsum`` adds up bit for bit as it
+    adds all ``n`` when the others are zeros: the same halves at every split, and in the run of
+    the first half where ``need`` falls, whole groups of 8 (at least one)."""
+    if need >= n:
+        return n
+    if n > PAIRWISE_BLOCK:
+        half = n // 2 - n // 2 % 8
+        return summed_alike(half, need) if need <= half else n
+    width = max(8, -(-need // 8) * 8)
+    return width if width <= n - n % 8 else n
 
 
 def emit_op(em, legion: int, n: Node, view: dict, scalars: dict, rows: int, width: int, cols: int) -> None:

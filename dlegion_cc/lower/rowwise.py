@@ -9,12 +9,16 @@ below the blocks and each Legion loads them once (``_Resident``). When a Legion 
 blocks, each takes half of the rest of the scratchpad and the next block's loads are issued
 before the current one's body, so they overlap (``_InFlight``). Equal blocks dealt to adjacent
 Legions are one group: its instructions are emitted once with a span of Legions, each DMA's DRAM
-offset stepping one block per Legion (``lstride``).
+offset stepping one block per Legion (``lstride``). A kernel whose rows need only their first
+columns (``reach``: a causal softmax) loads, computes and stores each group only as wide as its
+rows reach; the columns beyond are left as they are in DRAM.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Callable
+
+import numpy as np
 
 from isa.fields import DramRef, View
 from isa.instructions import DmaLoad, DmaStore
@@ -59,10 +63,13 @@ def _view(addr: int, rs: int, cs: int, cols: int, col_temp: bool) -> View:
 
 
 def rowwise(em: Emitter, shape: tuple[int, ...], args: list[Arg], body: Body,
-            keep_last: bool = False, where: str = "") -> None:
-    """Emit ``body`` over every row block of the frame ``shape``."""
-    shape, args = _broadcast_rows(em, shape, args, keep_last)
+            keep_last: bool = False, where: str = "", reach: np.ndarray | None = None) -> None:
+    """Emit ``body`` over every row block of the frame ``shape``. ``reach`` (with
+    ``keep_last``), of the frame's rows (``shape[:-1]``): how many leading columns each row
+    needs; a group of blocks runs as wide as the widest of its rows."""
+    shape, args, reach = _broadcast_rows(em, shape, args, keep_last, reach)
     shape2, bound, strides = _coalesced(shape, args, keep_last)
+    reach = _Reach(reach.reshape(shape2[:-1]) if reach is not None and keep_last else None, shape2[-1])
     rows, cols = shape2[-2], shape2[-1]
     width = cols if keep_last else _cols_per_block(em, args, strides, cols)
     if width > em.extent():
@@ -74,7 +81,7 @@ def rowwise(em: Emitter, shape: tuple[int, ...], args: list[Arg], body: Body,
     resident = _Resident(args, bound, cols)
     block = _rows_per_block(em, args, strides, rows, width, where, resident)
     if block >= rows and len(shape2) > 2:
-        _whole_frames(em, args, shape2, bound, strides, body, resident)
+        _whole_frames(em, args, shape2, bound, strides, body, resident, reach)
         return
     half = resident.half(em)
     in_half = _rows_per_block(em, args, strides, rows, cols, where, resident, half, strict=False)
@@ -85,8 +92,19 @@ def rowwise(em: Emitter, shape: tuple[int, ...], args: list[Arg], body: Body,
         at = {n: op.at(outer) for n, op in bound.items()}
         for r0, n, count in _groups(rows, block, em.arch.legions):
             steps = {name: op.strides[-2] * n for name, op in at.items()}
-            blocks.add(args, at, strides, r0, n, count, cols, body, steps)
+            width = reach.widest(outer, slice(r0, r0 + n * count))
+            blocks.add(args, at, strides, r0, n, count, cols, body, steps, width)
     blocks.flush()
+
+
+class _Reach:
+    """How wide a group of rows runs: as far as its rows reach (all ``cols`` when not said)."""
+
+    def __init__(self, reach: np.ndarray | None, cols: int):
+        self.reach, self.cols = reach, cols
+
+    def widest(self, outer: tuple, rows: slice) -> int:
+        return self.cols if self.reach is None else int(self.reach[outer][rows].max())
 
 
 # The fewest rows of a block worth making the row axis for inputs it shares: blocks of fewer
@@ -105,14 +123,14 @@ def _coalesced(shape: tuple[int, ...], args: list[Arg], keep_last: bool) -> tupl
     return shape2, bound, strides
 
 
-def _broadcast_rows(em: Emitter, shape: tuple[int, ...], args: list[Arg], keep_last: bool) -> tuple:
+def _broadcast_rows(em: Emitter, shape: tuple[int, ...], args: list[Arg], keep_last: bool, reach) -> tuple:
     """The frame with the leading axis along which the most input elements are broadcast (stride
     0) as its row axis, if that is more than along the row axis now and a block of all its rows
     still fits half the vector scratchpad (the next one loading meanwhile). Rows are independent,
     so any order of the leading axes computes the same; a block then loads such an input's row
     once for all its rows, not once a row (rotary tables shared by the heads)."""
     if len(shape) < 3:
-        return shape, args
+        return shape, args, reach
     ins = [a.operand for a in args if a.operand is not None and not a.out]
 
     def shared(axis: int) -> int:
@@ -120,14 +138,16 @@ def _broadcast_rows(em: Emitter, shape: tuple[int, ...], args: list[Arg], keep_l
     row = len(shape) - 2
     best = max(range(row), key=shared, default=row)
     if shared(best) <= shared(row) or shape[best] < SHARED_ROWS:
-        return shape, args
+        return shape, args, reach
     order = [a for a in range(row + 1) if a != best] + [best, row + 1]
     moved = [a if a.operand is None else replace(a, operand=transposed(a.operand, order)) for a in args]
     new = tuple(shape[k] for k in order)
     shape2, bound, strides = _coalesced(new, moved, keep_last)
     resident = _Resident(moved, bound, shape2[-1])
     fits = _rows_per_block(em, moved, strides, shape2[-2], shape2[-1], "", resident, resident.half(em), strict=False)
-    return (new, moved) if fits >= shape2[-2] else (shape, args)
+    if fits < shape2[-2]:
+        return shape, args, reach
+    return new, moved, (None if reach is None else reach.transpose(order[:-1]))
 
 
 class _Resident:
@@ -160,7 +180,7 @@ class _Resident:
         return True
 
 
-def _whole_frames(em, args, shape, bound, strides, body, resident) -> None:
+def _whole_frames(em, args, shape, bound, strides, body, resident, reach: _Reach) -> None:
     """A block holds a whole 2-D frame: the frames along the innermost outer dimension go to
     spans of Legions."""
     rows, cols = shape[-2:]
@@ -171,7 +191,8 @@ def _whole_frames(em, args, shape, bound, strides, body, resident) -> None:
         for i0, _, count in _groups(shape[-3], 1, em.arch.legions):
             at = {n: op.at(outer + (i0,)) for n, op in bound.items()}
             steps = {name: op.strides[-3] for name, op in bound.items()}
-            blocks.add(args, at, strides, 0, rows, count, cols, body, steps)
+            width = reach.widest(outer, slice(i0, i0 + count))
+            blocks.add(args, at, strides, 0, rows, count, cols, body, steps, width)
     blocks.flush()
 
 
@@ -265,12 +286,13 @@ class _InFlight:
         self.pending = None            # (span, what emits the previous group's body and stores)
         self.turn = 0
 
-    def add(self, args, at, strides, r0, n, count, cols, body, steps) -> None:
+    def add(self, args, at, strides, r0, n, count, cols, body, steps, width) -> None:
         span = (self.em.take_legions(count), count)
         if self.pending is not None and (self.pending[0] != span or not self.half):
             self.flush()
         base = self.resident.size + self.turn * self.half
-        rest = _emit_group(self.em, span, base, args, at, strides, r0, n, cols, body, steps, self.resident)
+        rest = _emit_group(self.em, span, base, args, at, strides, r0, n, (cols, width), body, steps,
+                           self.resident)
         self.flush()
         self.pending = (span, rest)
         self.turn ^= 1 if self.half else 0
@@ -281,12 +303,14 @@ class _InFlight:
             self.pending = None
 
 
-def _emit_group(em, span, base, args, at, strides, r0, n, cols, body, steps, resident):
+def _emit_group(em, span, base, args, at, strides, r0, n, cols_width, body, steps, resident):
     """Load ``count`` blocks of ``n`` rows from row ``r0``, one per Legion of the span, into the
     vector scratchpad from ``base`` (the resident inputs where they are, if not held yet);
     ``steps``: the DRAM elements from one Legion's block of each operand to the next one's.
-    Returns what emits their body and stores."""
+    Blocks are laid out rows of ``cols`` apart, of which the first ``width`` are loaded, computed
+    and stored. Returns what emits their body and stores."""
     legion, count = span
+    cols, width = cols_width
     steps = {name: (step if count > 1 else None) for name, step in steps.items()}
     views, addr = dict(resident.views), base
     for a in args:
@@ -298,17 +322,17 @@ def _emit_group(em, span, base, args, at, strides, r0, n, cols, body, steps, res
         for a in args:
             if (a.operand is not None and not a.out
                     and resident.wanted(a.name, legion, count)):
-                _load(em, legion, views[a.name], at[a.name], r0, n, cols, steps[a.name])
+                _load(em, legion, views[a.name], at[a.name], r0, n, cols, width, steps[a.name])
     loaded = em.issued.get((legion, "dma"), 0)
 
     def rest() -> None:
         with em.spanning(legion, count):
             em.depend((legion, "dma"), (legion, "vec"), upto=loaded)
-            body(em, legion, views, n, cols)
+            body(em, legion, views, n, width)
             em.depend((legion, "vec"), (legion, "dma"))
             for a in args:
                 if a.out:
-                    _store(em, legion, views[a.name], at[a.name], r0, n, cols, steps[a.name])
+                    _store(em, legion, views[a.name], at[a.name], r0, n, cols, width, steps[a.name])
     return rest
 
 
@@ -322,16 +346,16 @@ def _check_cols(op: Operand) -> None:
         raise CompileError(f"internal: operand with column stride {op.strides[-1]} reached a row kernel")
 
 
-def _load(em, legion, view: View, op: Operand, r0, n, cols, lstride) -> None:
+def _load(em, legion, view: View, op: Operand, r0, n, cols, width, lstride) -> None:
     _check_cols(op)
     per_row, full = op.strides[-2] != 0, op.strides[-1] != 0
     dst = View("vec", view.addr, cols if full else 1, 1)
     em.emit(DmaLoad(legion, frozenset({legion}), dst, _dram(op, r0, per_row),
-                    n if per_row else 1, cols if full else 1, lstride=lstride))
+                    n if per_row else 1, width if full else 1, lstride=lstride))
 
 
-def _store(em, legion, view: View, op: Operand, r0, n, cols, lstride) -> None:
+def _store(em, legion, view: View, op: Operand, r0, n, cols, width, lstride) -> None:
     _check_cols(op)
     full = op.strides[-1] != 0
     src = View("vec", view.addr, cols if full else 1, 1)
-    em.emit(DmaStore(legion, _dram(op, r0, True), src, n, cols if full else 1, lstride=lstride))
+    em.emit(DmaStore(legion, _dram(op, r0, True), src, n, width if full else 1, lstride=lstride))

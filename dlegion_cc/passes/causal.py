@@ -13,7 +13,9 @@ score (any score below 1e30 is lost in its rounding), and softmax makes ``p`` ex
 (unless the whole row is masked: then its scores tie). So the QK^T MatMul gets ``dead`` (those
 outputs are never looked at) and the PV MatMul ``zero_a`` (those entries of ``p`` are exact
 zeros, whose products add nothing); the float matmul lowering skips the blocks and K-chunks
-that lie wholly inside. The program is the same bit for bit; only the work goes away.
+that lie wholly inside, and cuts the blocks the diagonal crosses into strips of rows that
+compute only the columns, and sum only the K rows, they reach. The program is the same bit for
+bit; only the work goes away.
 """
 from __future__ import annotations
 
@@ -61,9 +63,20 @@ def _mark(graph: Graph, softmax: Node) -> None:
     qk.attrs["dead"] = dead
     # A row the mask wipes out whole is not zeros after the softmax (all its scores tie).
     zero = dead & ~dead.all(axis=1, keepdims=True)
-    for pv in graph.consumers(softmax.outputs[0]):
-        if pv.op == "MatMul" and pv.domain == "" and pv.inputs[0] == softmax.outputs[0]:
-            pv.attrs["zero_a"] = zero
+    readers = graph.consumers(softmax.outputs[0])
+    pvs = [pv for pv in readers if pv.op == "MatMul" and pv.domain == "" and pv.inputs[0] == softmax.outputs[0]]
+    for pv in pvs:
+        pv.attrs["zero_a"] = zero
+    if len(pvs) == len(readers) and softmax.outputs[0] not in graph.outputs:
+        softmax.attrs["reach"] = _reach(zero)
+
+
+def _reach(zero: np.ndarray) -> np.ndarray:
+    """Per row of P, the columns up to its last one that is not an exact zero: all P.V reads
+    of the rest are zeros, which P's DRAM tensor holds unless written (it starts zeroed)."""
+    live = ~zero
+    last = live.shape[1] - np.argmax(live[:, ::-1], axis=1)
+    return np.where(live.any(axis=1), last, 0).astype(np.int64)
 
 
 def _mask_and_scores(graph: Graph, add: Node):
