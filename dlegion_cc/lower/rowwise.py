@@ -322,7 +322,8 @@ def _emit_group(em, span, base, args, at, strides, r0, n, cols_width, body, step
         for a in args:
             if (a.operand is not None and not a.out
                     and resident.wanted(a.name, legion, count)):
-                _load(em, legion, views[a.name], at[a.name], r0, n, cols, width, steps[a.name])
+                whole = a.name in resident.views        # loaded once, for every group's width
+                _load(em, legion, views[a.name], at[a.name], r0, n, cols, cols if whole else width, steps[a.name])
     loaded = em.issued.get((legion, "dma"), 0)
 
     def rest() -> None:
