@@ -69,7 +69,9 @@ class Program:
     # to the last region starting at or before i (instructions before the first belong to none).
     regions: list[tuple[int, str]] = field(default_factory=list)
     # Work the compiler proved unneeded and left out, by kind (``causal_skipped_macs``: the
-    # multiply-adds of attention blocks a causal mask makes dead or zero): for the report.
+    # multiply-adds of attention blocks a causal mask makes dead or zero;
+    # ``causal_skipped_vector_ops``: the lane operations of softmax columns past P's nonzeros):
+    # for the report.
     skipped: dict[str, int] = field(default_factory=dict)
     # Where each instruction came from, for messages; not part of a program's identity.
     lines: list[int] = field(default_factory=list, compare=False, repr=False)

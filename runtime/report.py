@@ -90,11 +90,13 @@ def _mask_numbers(program) -> dict:
 
 
 def _causal_numbers(program, arch) -> dict:
-    """Attention blocks the compiler left out under a causal mask (``Program.skipped``), and
-    the vector-lane cycles their multiply-adds would have held the Legions (summed over them)."""
+    """Attention work the compiler left out under a causal mask (``Program.skipped``): blocks,
+    multiply-adds, the softmax's lane operations, and the vector-lane cycles they would have
+    held the Legions (summed over them)."""
     macs = program.skipped.get("causal_skipped_macs", 0)
+    ops = program.skipped.get("causal_skipped_vector_ops", 0)
     return {"causal_blocks_skipped": program.skipped.get("causal_skipped_blocks", 0), "causal_macs_skipped": macs,
-            "causal_cycles_saved": -(-macs // arch.vector_lanes)}
+            "causal_vector_ops_skipped": ops, "causal_cycles_saved": -(-(macs + ops) // arch.vector_lanes)}
 
 
 def _macs_by_mode(rows) -> dict:
@@ -298,7 +300,8 @@ def print_report(n: dict, console: Console | None = None) -> None:
                   f"masked mm skip {sp['masked_zero_blocks']:,} zero weight blocks")
     if sp["causal_macs_skipped"]:
         console.print(f"causal attention: {sp['causal_blocks_skipped']:,} blocks above the diagonal not computed, "
-                      f"{sp['causal_macs_skipped']:,} multiply-adds left out in all (vector cycles saved "
+                      f"{sp['causal_macs_skipped']:,} multiply-adds and {sp['causal_vector_ops_skipped']:,} softmax "
+                      f"lane operations left out in all (vector cycles saved "
                       f"{sp['causal_cycles_saved']:,}, summed over Legions)")
     console.print(f"roofline: {n['roofline_cycles']:,.0f} cycles, {n['roofline_bound']}-bound (compulsory "
                   f"DRAM traffic {_bytes(n['compulsory_dram_bytes'])}); the run reaches "

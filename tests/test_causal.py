@@ -10,7 +10,7 @@ from onnx import helper, numpy_helper
 
 from isa import arch
 from isa.expand import expand
-from isa.instructions import BY_MNEMONIC, VMatMul
+from isa.instructions import BY_MNEMONIC, VMatMul, family
 from dlegion_cc.lower.fused import summed_alike
 from dlegion_cc.pipeline import Options, compile_model
 from runtime.emulator import run
@@ -64,7 +64,8 @@ def test_causal_blocks_are_skipped_and_the_result_is_the_same_bit_for_bit(tmp_pa
     skipped = H * 2 * (15 * 64 * 64 + 6 * diagonal) * D
     assert _vmm_tasks(sparse) == _vmm_tasks(dense) - skipped
     # The program says what it left out, for the report; the dense one left out nothing.
-    assert sparse.skipped == {"causal_skipped_blocks": H * 15, "causal_skipped_macs": skipped}
+    assert sparse.skipped == {"causal_skipped_blocks": H * 15, "causal_skipped_macs": skipped,
+                              "causal_skipped_vector_ops": _softmax_ops(dense) - _softmax_ops(sparse)}
     assert dense.skipped == {}
 
 
@@ -85,6 +86,17 @@ def test_softmax_runs_only_as_wide_as_its_rows_reach(tmp_path, heads, seq):
     exps, all_of_them = _lane_elems(sparse, BY_MNEMONIC["vexp"]), _lane_elems(dense, BY_MNEMONIC["vexp"])
     assert all_of_them == heads * seq * seq
     assert heads * seq * (seq + 1) // 2 <= exps < 0.7 * all_of_them
+    # The program says how many lane operations of the softmax kernel it left out.
+    assert sparse.skipped["causal_skipped_vector_ops"] == _softmax_ops(dense) - _softmax_ops(sparse) > 0
+
+
+def _softmax_ops(program) -> int:
+    from runtime.costs import cost
+    from runtime.report import regions_by_name
+    flat = expand(program, WIDE.legions).program
+    members = next(m for name, m in regions_by_name(flat).items() if "Softmax" in name)
+    body = [flat.instrs[k] for k in members if family(type(flat.instrs[k])) == "vector"]
+    return sum(cost(i, WIDE, None).counters["vector_ops"] for i in body)
 
 
 @settings(max_examples=300, deadline=None)
@@ -111,7 +123,8 @@ def test_skipped_work_survives_text_and_binary_and_reaches_the_report(tmp_path):
     sp = report.summarize(run(program, WIDE, _inputs()))["sparsity"]
     assert sp["causal_blocks_skipped"] == H * 15
     assert sp["causal_macs_skipped"] == program.skipped["causal_skipped_macs"]
-    assert sp["causal_cycles_saved"] == -(-sp["causal_macs_skipped"] // WIDE.vector_lanes)
+    assert sp["causal_vector_ops_skipped"] == program.skipped["causal_skipped_vector_ops"] > 0
+    assert sp["causal_cycles_saved"] == -(-(sp["causal_macs_skipped"] + sp["causal_vector_ops_skipped"]) // WIDE.vector_lanes)
 
 
 def test_nothing_is_skipped_when_the_scores_are_used_elsewhere(tmp_path):

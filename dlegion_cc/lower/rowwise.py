@@ -25,6 +25,7 @@ from isa.instructions import DmaLoad, DmaStore
 from dlegion_cc.errors import CompileError
 from dlegion_cc.lower.emitter import Emitter
 from dlegion_cc.lower.layout import Operand, coalesce, outer_indices, transposed
+from runtime.costs import cost
 
 
 @dataclass(frozen=True)
@@ -329,12 +330,23 @@ def _emit_group(em, span, base, args, at, strides, r0, n, cols_width, body, step
     def rest() -> None:
         with em.spanning(legion, count):
             em.depend((legion, "dma"), (legion, "vec"), upto=loaded)
+            first = len(em.instrs)
             body(em, legion, views, n, width)
+            if width < cols:
+                em.skipped["causal_skipped_vector_ops"] += count * _left_out(em, em.instrs[first:], cols, width)
             em.depend((legion, "vec"), (legion, "dma"))
             for a in args:
                 if a.out:
                     _store(em, legion, views[a.name], at[a.name], r0, n, cols, width, steps[a.name])
     return rest
+
+
+def _left_out(em: Emitter, body: list, cols: int, width: int) -> int:
+    """Lane operations the body's full-width instructions would have taken over all ``cols``
+    columns beyond what they take over ``width`` (for the report)."""
+    def ops(i) -> int:
+        return cost(i, em.arch, None).counters.get("vector_ops", 0)
+    return sum(ops(replace(i, cols=cols)) - ops(i) for i in body if getattr(i, "cols", None) == width)
 
 
 def _dram(op: Operand, r0: int, per_row: bool) -> DramRef:
