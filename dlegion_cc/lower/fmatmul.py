@@ -15,6 +15,7 @@ from dlegion_cc.lower.context import Lowering, lowers
 from dlegion_cc.lower.emitter import Emitter
 from dlegion_cc.lower.layout import Operand, broadcast, outer_indices, reshaped
 from dlegion_cc.lower.rowwise import Arg, rowwise
+from dlegion_cc.passes.causal import reach
 
 TILE = 64       # rows and columns of an output block, before the scratchpad limits them
 # A block the causal mask cuts through is computed in this many strips of rows, each only as
@@ -103,18 +104,15 @@ class Skip:
 
     def columns(self, m0: int, m: int, n0: int, n: int) -> int:
         """How many of the block's columns its rows need: up to the last one not wholly dead."""
-        return _reach(self.dead, m0, m, n0, n)
+        return _block_reach(self.dead, m0, m, n0, n)
 
     def depth(self, m0: int, m: int, k0: int, k: int) -> int:
         """How many of a chunk's K rows the block's rows need: up to the last not wholly zero."""
-        return _reach(self.zero_a, m0, m, k0, k)
+        return _block_reach(self.zero_a, m0, m, k0, k)
 
 
-def _reach(mask: np.ndarray | None, r0: int, rows: int, c0: int, cols: int) -> int:
-    if mask is None:
-        return cols
-    live = np.flatnonzero(~mask[r0:r0 + rows, c0:c0 + cols].all(axis=0))
-    return int(live[-1]) + 1 if live.size else 0
+def _block_reach(mask: np.ndarray | None, r0: int, rows: int, c0: int, cols: int) -> int:
+    return cols if mask is None else int(reach(~mask[r0:r0 + rows, c0:c0 + cols].all(axis=0)))
 
 
 NO_SKIP = Skip()

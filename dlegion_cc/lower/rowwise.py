@@ -292,7 +292,7 @@ class _InFlight:
         if self.pending is not None and (self.pending[0] != span or not self.half):
             self.flush()
         base = self.resident.size + self.turn * self.half
-        rest = _emit_group(self.em, span, base, args, at, strides, r0, n, (cols, width), body, steps,
+        rest = _emit_group(self.em, span, base, args, at, strides, r0, n, cols, width, body, steps,
                            self.resident)
         self.flush()
         self.pending = (span, rest)
@@ -304,14 +304,13 @@ class _InFlight:
             self.pending = None
 
 
-def _emit_group(em, span, base, args, at, strides, r0, n, cols_width, body, steps, resident):
+def _emit_group(em, span, base, args, at, strides, r0, n, cols, width, body, steps, resident):
     """Load ``count`` blocks of ``n`` rows from row ``r0``, one per Legion of the span, into the
     vector scratchpad from ``base`` (the resident inputs where they are, if not held yet);
     ``steps``: the DRAM elements from one Legion's block of each operand to the next one's.
     Blocks are laid out rows of ``cols`` apart, of which the first ``width`` are loaded, computed
     and stored. Returns what emits their body and stores."""
     legion, count = span
-    cols, width = cols_width
     steps = {name: (step if count > 1 else None) for name, step in steps.items()}
     views, addr = dict(resident.views), base
     for a in args:

@@ -68,15 +68,16 @@ def _mark(graph: Graph, softmax: Node) -> None:
     for pv in pvs:
         pv.attrs["zero_a"] = zero
     if len(pvs) == len(readers) and softmax.outputs[0] not in graph.outputs:
-        softmax.attrs["reach"] = _reach(zero)
+        # Per row of P, the columns up to its last one that is not an exact zero: all P.V
+        # reads of the rest are zeros, which P's DRAM tensor holds unless written (it starts
+        # zeroed).
+        softmax.attrs["reach"] = reach(~zero)
 
 
-def _reach(zero: np.ndarray) -> np.ndarray:
-    """Per row of P, the columns up to its last one that is not an exact zero: all P.V reads
-    of the rest are zeros, which P's DRAM tensor holds unless written (it starts zeroed)."""
-    live = ~zero
-    last = live.shape[1] - np.argmax(live[:, ::-1], axis=1)
-    return np.where(live.any(axis=1), last, 0).astype(np.int64)
+def reach(live: np.ndarray) -> np.ndarray | int:
+    """Along the last axis: 1 + the index of the last true entry (0 where there is none)."""
+    last = live.shape[-1] - np.argmax(live[..., ::-1], axis=-1)
+    return np.where(live.any(axis=-1), last, 0).astype(np.int64)
 
 
 def _mask_and_scores(graph: Graph, add: Node):
