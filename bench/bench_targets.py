@@ -9,7 +9,8 @@
    With them, the floors of ``dlegion_cc.lower.qbound``: what passes of all the rows re-read, and
    the fewest cycles any schedule within the DRAM target can take. On dlegion-8x8 at 256 that is
    more than the cycle target allows while partial sums stay in the accumulators, as in every
-   schedule the compiler emits; a schedule that also kept them in ``vec`` might meet both.
+   schedule the compiler emits. A schedule that also kept them in ``vec`` has a floor just
+   under it (see docs/DESIGN.md, "What no schedule can beat").
 2. An int8 GEMM (MatMulInteger) of --gemm cubed on ws-32, compiled and timed, against SCALE-Sim
    v3's 22,399 cycles for 256^3 on a 32x32 weight-stationary array (target within 5%). SCALE-Sim
    counts the array's compute cycles with its operands already in SRAM: that is our matrix
@@ -96,10 +97,9 @@ def floors(seq: int, arch, compulsory: int) -> dict:
     its first pass (its operands' load) and one after its last (its results' store)."""
     shapes = bitlinear_shapes(seq)
     allowance = (DRAM_TARGET - 1) * compulsory
-    cap = arch.derived.spad_elems
     return {"full_height_extra": sum(reread_floor(arch, s, 1) for s in shapes),
             "passes_within_dram": fewest_cycles(arch, shapes, allowance),
-            "passes_within_dram_vec": fewest_cycles(arch, shapes, allowance, psums=cap["acc"] + cap["vec"]),
+            "passes_within_dram_vec": fewest_cycles(arch, shapes, allowance, vec=True),
             "latencies": 2 * arch.dram_latency_cycles * len(shapes)}
 
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from isa import arch
-from isa.arch import MODE_BITS
+from isa.arch import MODE_BITS, MODE_TILES
 from isa.expand import expand
 from isa.instructions import DmaLoad, Drain, MatMul
 from dlegion_cc.lower.context import Switches
@@ -293,8 +293,7 @@ def test_every_tile_shape_does_at_least_as_badly_as_the_floors(case):
     shape = qbound.Shape(M, K, N, mode)
     assert qbound.reread_floor(TINY, shape, 1) > 0
     # Room for more partial sums (vec as well) makes tiles wider: fewer of them read again.
-    acc = TINY.derived.spad_elems["acc"]
-    assert qbound.reread_floor(TINY, shape, 1, psums=4 * acc) < qbound.reread_floor(TINY, shape, 1)
+    assert qbound.reread_floor(TINY, shape, 1, vec=True) < qbound.reread_floor(TINY, shape, 1)
     shapes = {(plan.rows, plan.cols, plan.order, plan.whole_rows): plan for plan in candidates(TINY, p, Switches())}
     for plan in shapes.values():
         program = compiled(TINY, plan, *case)[0]
@@ -306,6 +305,16 @@ def test_every_tile_shape_does_at_least_as_badly_as_the_floors(case):
         bands = -(-M // plan.rows)
         assert moved - compulsory >= qbound.reread_floor(TINY, shape, bands), plan
         assert simulate(program, TINY).cycles >= qbound.pass_floor(TINY, shape, bands), plan
+
+
+def test_partial_sums_in_vec_still_take_a_window_of_the_accumulators():
+    """The arrays add into the accumulators: a tile whose window of rows is as large as ``vec``
+    gains nothing from keeping partial sums there, a tile of half its rows does."""
+    window = TINY.array * MODE_TILES["w2"]
+    rows = TINY.derived.spad_elems["vec"] // window
+    tall, short = qbound.Shape(rows, 4096, 512, "w2"), qbound.Shape(rows // 2, 4096, 512, "w2")
+    assert qbound.reread_floor(TINY, tall, 1, vec=True) == qbound.reread_floor(TINY, tall, 1) > 0
+    assert qbound.reread_floor(TINY, short, 1, vec=True) < qbound.reread_floor(TINY, short, 1)
 
 
 @settings(max_examples=60, deadline=None)

@@ -14,8 +14,10 @@ pass_overhead`` cycles. Two figures pull against each other:
   row blocks mean reading the weights again.
 
 A schedule could also keep partial sums outside the accumulators: drained (``drain`` adding
-into ``vec``) as fp32 integers, exact below 2**24, and scaled once complete. ``psums`` gives
-the elements a Legion holds partial sums in, so the floors of such schedules follow too.
+into ``vec``) as fp32 integers, exact below 2**24, and scaled once complete. The arrays still
+make them in the accumulators: a column of the tile held in ``vec`` also needs room there for
+what the current pass adds to it, at least one window of the tile's rows. ``vec=True`` gives
+the floors of such schedules: their tiles hold ``acc + vec`` elements less one such window.
 
 ``reread_floor`` gives the fewest bytes read beyond the compulsory ones for a number of bands;
 ``fewest_cycles`` the fewest pass cycles of several matmuls whose re-reads together
@@ -27,7 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from isa.arch import MODE_BITS, Arch
+from isa.arch import MODE_BITS, MODE_TILES, Arch
 
 
 @dataclass(frozen=True)
@@ -45,21 +47,27 @@ def pass_floor(arch: Arch, s: Shape, bands: int) -> float:
     return s.M * s.K * s.N / d.macs_per_cycle[s.mode] * (s.M + bands * d.pass_overhead) / s.M
 
 
-def reread_floor(arch: Arch, s: Shape, bands: int, psums: int | None = None) -> int:
+def psum_room(arch: Arch, s: Shape, rows: int, vec: bool = False) -> int:
+    """Partial sums a Legion can hold for a tile of ``rows`` rows: the accumulators, or (``vec``)
+    the accumulators and ``vec`` less the window of rows the arrays add into."""
+    cap = arch.derived.spad_elems
+    return cap["acc"] + cap["vec"] - rows * arch.array * MODE_TILES[s.mode] if vec else cap["acc"]
+
+
+def reread_floor(arch: Arch, s: Shape, bands: int, vec: bool = False) -> int:
     """Bytes beyond the compulsory ``M x K`` activations and ``K x N`` weights that any schedule
     whose rows are cut into ``bands`` reads from DRAM: ``parts`` of the rows on Legions of their
     own (their activations are their own), each part's rows in ``bands / parts`` blocks. The
     best of the ways to factor ``bands`` and of the tile widths.
 
     A Legion with ``n`` columns, blocks of ``h`` rows and tiles ``w`` columns wide (``h x w`` at
-    most ``psums``, default: the accumulators) visits each block once per column tile and each
+    most ``psum_room``) visits each block once per column tile and each
     column tile once per block. A tile streams all of K: each visit but a block's first reads
     its ``h x K`` activations again, but for what ``act`` kept; each but a column tile's first
     its ``K x w`` weights, but for what ``wgt`` kept. A multicast serves a part's Legions with
     one read of the activations, and the Legions of every part with the same columns with one
     read of the weights."""
     cap = arch.derived.spad_elems
-    psums = psums or cap["acc"]
     per_weight = MODE_BITS[s.mode] / 8
     best = math.inf
     for parts in range(1, bands + 1):
@@ -69,7 +77,7 @@ def reread_floor(arch: Arch, s: Shape, bands: int, psums: int | None = None) -> 
         rows = -(-s.M // parts)
         h = max(1, rows // blocks)
         n = -(-s.N // (arch.array * legions)) * arch.array
-        for w in range(arch.array, max(arch.array, min(n, psums // h)) + 1, arch.array):
+        for w in range(arch.array, max(arch.array, min(n, psum_room(arch, s, h, vec) // h)) + 1, arch.array):
             columns = -(-n // w)
             again = blocks * columns
             act = (again - blocks) * max(0, h * s.K - cap["act"])
@@ -79,12 +87,12 @@ def reread_floor(arch: Arch, s: Shape, bands: int, psums: int | None = None) -> 
 
 
 def fewest_cycles(arch: Arch, shapes: list[Shape], allowance: float, most_bands: int = 4,
-                  psums: int | None = None) -> float:
+                  vec: bool = False) -> float:
     """The fewest pass cycles of ``shapes`` together whose re-reads (``reread_floor``)
     add up to at most ``allowance`` bytes, each matmul's work split between band counts up to
     ``most_bands`` in any proportion (the linear relaxation: a floor for whole choices too).
     ``inf`` if not even ``most_bands`` bands everywhere keep within it."""
-    options = [[(reread_floor(arch, s, b, psums), pass_floor(arch, s, b)) for b in range(1, most_bands + 1)]
+    options = [[(reread_floor(arch, s, b, vec), pass_floor(arch, s, b)) for b in range(1, most_bands + 1)]
                for s in shapes]
     return mix(options, allowance)
 
