@@ -130,6 +130,7 @@ def write_outputs(out: Path, rows: list[dict], model: str, dims: dict, objective
               latency_png(rows, f"latency: {title}"), roofline_png(rows, f"roofline: {title}"))
     files = [(out / name, body.encode() if isinstance(body, str) else body)
              for name, body in zip(OUTPUTS, bodies)]
+    out.mkdir(parents=True, exist_ok=True)
     atomic_write_all(files)
     return [path for path, _ in files]
 

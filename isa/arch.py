@@ -31,7 +31,7 @@ class ArchError(ValueError):
 
 @dataclass(frozen=True)
 class Arch:
-    """Independent parameters of one machine (see ../shared/MACHINE.md for their meaning)."""
+    """Independent parameters of one machine (see docs/MACHINE.md for their meaning)."""
 
     name: str
     description: str

@@ -1,0 +1,60 @@
+"""Outputs are written all or nothing, and errors name the file asked for."""
+import os
+
+import pytest
+
+from isa import files
+from isa.files import atomic_path, atomic_write, atomic_write_all
+
+
+def _contents(folder):
+    return {p.name: p.read_text() for p in folder.iterdir() if p.is_file()}
+
+
+def test_a_failed_rename_gives_the_files_renamed_before_it_their_old_contents(tmp_path, monkeypatch):
+    a, b = tmp_path / "prog.s", tmp_path / "prog.s.data"
+    atomic_write(a, "old program")
+    atomic_write(b, "old data")
+    real, failed = os.replace, []
+
+    def replace(src, dst):
+        if str(dst) == str(b) and not failed:
+            failed.append(src)
+            raise PermissionError(1, "operation not permitted", str(dst))
+        real(src, dst)
+
+    monkeypatch.setattr(files.os, "replace", replace)
+    with pytest.raises(PermissionError) as e:
+        atomic_write_all([(a, b"new program"), (b, b"new data")])
+    assert e.value.filename == str(b)
+    assert _contents(tmp_path) == {"prog.s": "old program", "prog.s.data": "old data"}
+
+
+def test_a_folder_in_the_way_fails_before_anything_is_replaced(tmp_path):
+    a, b = tmp_path / "out.json", tmp_path / "out.csv"
+    atomic_write(a, "old")
+    b.mkdir()
+    with pytest.raises(IsADirectoryError) as e:
+        atomic_write_all([(a, b"new"), (b, b"new")])
+    assert e.value.filename == str(b)
+    assert _contents(tmp_path) == {"out.json": "old"}
+
+
+def test_errors_name_the_target_not_its_temporary(tmp_path, monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device", str(tmp_path / ".x.abc.tmp"))
+
+    monkeypatch.setattr(files.tempfile, "mkstemp", full)
+    with pytest.raises(OSError) as e:
+        atomic_write(tmp_path / "x", "y")
+    assert e.value.filename == str(tmp_path / "x")
+
+
+def test_the_output_folder_is_made_and_a_failed_writer_leaves_nothing(tmp_path):
+    atomic_write(tmp_path / "build" / "prog.s", "p")
+    assert (tmp_path / "build" / "prog.s").read_text() == "p"
+    with pytest.raises(RuntimeError):
+        with atomic_path(tmp_path / "build" / "trace.json") as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("writer failed")
+    assert sorted(p.name for p in (tmp_path / "build").iterdir()) == ["prog.s"]
