@@ -32,9 +32,11 @@ def run_script(command: click.Command, name: str, errors: tuple[type, ...],
         command.main(prog_name=name, standalone_mode=False)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
+    except click.UsageError as e:
+        hint = f" (see {name} --help)" if e.ctx is not None else ""
+        fail(name, e.format_message().replace("\n", " ") + hint, whole=True)
     except click.ClickException as e:
-        e.show()
-        sys.exit(EXIT_BAD_INPUT)
+        fail(name, e.format_message().replace("\n", " "), whole=True)
     except click.exceptions.Abort:
         fail(name, "aborted")
     except listed as e:

@@ -1,16 +1,18 @@
-"""One-line errors: the first problem, its context, and a count of the rest."""
-from isa.console import summary
+"""Every console script reports a usage error as one line and exit status 2."""
+import subprocess
+import sys
+
+import pytest
+
+SCRIPTS = {"dlegion-cc": "dlegion_cc.cli", "dlegion-run": "runtime.cli", "dlegion-dse": "dlegion_cc.dse"}
 
 
-def test_a_list_of_problems_shows_the_first_and_counts_the_rest():
-    msg = "p.s:3: mm: mode w2 not supported\np.s:9: mm: mode w2 not supported\np.s:12: vadd: out of range"
-    assert summary(msg) == "p.s:3: mm: mode w2 not supported (and 2 more problems)"
-
-
-def test_a_parse_error_keeps_its_line_and_caret():
-    msg = "p.s:2:5: unexpected 'x'\n  vadd x\n       ^"
-    assert summary(msg) == msg
-
-
-def test_a_single_line_is_unchanged():
-    assert summary("p.s: cannot read") == "p.s: cannot read"
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+@pytest.mark.parametrize("args", [["--no-such-option"], []])
+def test_a_usage_error_is_one_line_naming_the_script(script, args):
+    code = f"import sys; sys.argv = [{script!r}] + {args!r}; from {SCRIPTS[script]} import main; main()"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stdout == ""
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{script}: error: ") and "--help" in lines[0], r.stderr
