@@ -296,8 +296,8 @@ def print_report(n: dict, console: Console | None = None) -> None:
                   f"{_bytes(n['psum_bytes'])}; vector elements: {n['vector_elems']:,}")
     sp = n["sparsity"]
     console.print(f"passes: {sp['passes']:,} of {sp['dense_passes']:,} dense; windows skipped "
-                  f"{sp['windows_skipped']:,}, cycles saved {sp['cycles_saved']:,}; {sp['masked_mm']:,} "
-                  f"masked mm skip {sp['masked_zero_blocks']:,} zero weight blocks")
+                  f"{sp['windows_skipped']:,}, cycles saved {sp['cycles_saved']:,}; {sp['masked_zero_blocks']:,} zero "
+                  f"weight blocks skipped by {sp['masked_mm']:,} masked mm")
     if sp["causal_macs_skipped"]:
         console.print(f"causal attention: {sp['causal_blocks_skipped']:,} blocks above the diagonal not computed, "
                       f"{sp['causal_macs_skipped']:,} multiply-adds and {sp['causal_vector_ops_skipped']:,} softmax "
@@ -308,11 +308,17 @@ def print_report(n: dict, console: Console | None = None) -> None:
                   f"{n['roofline_fraction']:.1%} of it")
     console.print(f"energy: {_joules(n['energy_joules'])} per run, average power "
                   f"{n['average_watts']:.4g} W, {n['tops_per_watt']:.3g} TOPS/W")
-    console.print(_family_table(n))
-    console.print(_legion_table(n))
-    console.print(_energy_table(n))
-    if n["matmuls"]:
-        console.print(_matmul_table(n))
+    for table in (_family_table(n), _legion_table(n), _energy_table(n)) + ((_matmul_table(n),) if n["matmuls"] else ()):
+        print_table(table, console)
+
+
+def print_table(t: Table, console: Console) -> None:
+    """A table under its title as a line of its own: rich would wrap a title wider than the
+    table's columns."""
+    title, t.title = t.title, None
+    if title:
+        console.print(title, highlight=False)
+    console.print(t)
 
 
 def _family_table(n: dict) -> Table:
@@ -371,7 +377,7 @@ def print_comparisons(rows, tol: float, console: Console | None = None) -> None:
         rel = "exact" if r.exact and r.ok else f"{r.rel_l2:.3e}"
         t.add_row(r.name, r.dtype, rel, f"{r.max_abs:.3e}", str(r.mismatches),
                   "[green]ok[/green]" if r.ok else "[red]MISMATCH[/red]")
-    console.print(t)
+    print_table(t, console)
 
 
 def chrome_trace(result) -> dict:

@@ -234,6 +234,10 @@ def test_the_printed_report_shows_roofline_energy_and_the_matmul_table():
     assert "roofline:" in text and "per run, average power" in text
     assert "model.layers.1.mlp.down_proj/MatMul_233" in text
     assert np.isfinite(report.summarize(result)["tops_per_watt"])
+    # Each table's title is a line of its own, not wrapped to its columns' width.
+    lines = text.splitlines()
+    assert any(l.startswith("instructions: ") and l.endswith(" in the program, run as one task per Legion of a span")
+               for l in lines), text
 
 
 def test_a_matmul_narrower_than_the_legions_is_named_with_the_legions_it_ran_on(tmp_path):
