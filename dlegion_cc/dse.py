@@ -11,6 +11,7 @@ import io
 import json
 import os
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import suppress
 from dataclasses import replace
 from itertools import product
 from pathlib import Path
@@ -148,10 +149,40 @@ def _presets(names: tuple[str, ...]) -> list[Config]:
     return [config_of(arch_mod.load(n)) for n in names]
 
 
-def _check_model(model: str, dims: dict) -> None:
-    """A bad model or an unbound dimension fails every configuration alike: report it once, up front."""
+def unique(configs: list[Config]) -> list[Config]:
+    """The first of each machine (a preset named twice is one row); two different machines of one
+    name would be two rows nobody can tell apart, so that is an error."""
+    kept = [c for i, c in enumerate(configs) if c not in configs[:i]]
+    names = [c.name for c in kept]
+    clash = next((n for n in names if names.count(n) > 1), None)
+    if clash:
+        raise click.BadParameter(f"two different machines are named {clash!r}", param_hint="--preset")
+    return kept
+
+
+def _check_model(model: str, dims: dict, switches: dict) -> None:
+    """What fails every configuration alike (a model that does not load, an unbound dimension, an
+    unsupported operator) is reported once, before the sweep: importing and the graph passes do not
+    depend on the machine; only lowering does."""
+    from dlegion_cc.errors import CompileError
     from dlegion_cc.importer import import_model
-    import_model(model, dims)
+    from dlegion_cc.pipeline import Options, passes
+    options = Options(arch_mod.load(BASE), dims, **switches)
+    try:
+        graph = import_model(model, dims)
+        for p in passes(options):
+            p.run(graph, options)
+            graph.remove_dead()
+    except CompileError as e:
+        # The importer's hint also offers dlegion-cc's --inputs, which this command does not have.
+        raise CompileError(str(e).replace(" or --inputs", "")) from None
+
+
+def _none_compiled(model: str, rows: list[dict]) -> str:
+    first = rows[0]
+    reason = first["reason"].removeprefix(f"{model}: ")
+    named = reason if reason.startswith(first["name"]) else f"{first['name']}: {reason}"
+    return f"{model}: all {len(rows)} configuration(s) failed; the first, {named}"
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -169,7 +200,8 @@ def _check_model(model: str, dims: dict) -> None:
 @click.option("--jobs", type=click.IntRange(min=1), default=os.cpu_count() or 1, show_default="CPU count",
               help="Worker processes.")
 @click.option("--out", "out_dir", default="dse", show_default=True, type=click.Path(file_okay=False),
-              help="Folder for dse.json, dse.csv, latency.png and roofline.png.")
+              help="Folder (created if missing) to write dse.json, dse.csv, latency.png and "
+                   "roofline.png to; all four are replaced, or none.")
 @click.option("--objective", type=click.Choice(OBJECTIVES), default="latency", show_default=True,
               help="What each quantized matmul's schedule is chosen for (as dlegion-cc --objective).")
 def dse_command(model, dims, legions, cores, arrays, presets, jobs, out_dir, objective):
@@ -178,15 +210,27 @@ def dse_command(model, dims, legions, cores, arrays, presets, jobs, out_dir, obj
 
     The swept configurations replace the Legions, cores per Legion and array size of the
     dlegion-8x8 preset and keep everything else (scratchpads, DRAM, clock). A configuration
-    that cannot compile is a row with the reason. Exit status: 0, or 2 for bad input.
+    that cannot compile is a row with the reason. Exit status: 0, or 2 for bad input: a model
+    that cannot compile at all, or for none of the configurations (then nothing is written).
     """
     from dlegion_cc.cli import _parse_dims
+    from isa.files import check_writable
     bound = _parse_dims(dims)
-    configs = sweep_configs(arch_mod.load(BASE), legions, cores, arrays) + _presets(presets)
-    _check_model(model, bound)
-    rows = run_sweep(model, configs, bound, jobs, Console(stderr=True), {"objective": objective})
+    configs = unique(sweep_configs(arch_mod.load(BASE), legions, cores, arrays) + _presets(presets))
+    switches = {"objective": objective}
+    _check_model(model, bound, switches)
+    out = Path(out_dir)
+    made = [d for d in (out, *out.parents) if not d.exists()]     # innermost first
+    for name in OUTPUTS:            # an unwritable output is found before the sweep, not after it
+        check_writable(out / name)
+    rows = run_sweep(model, configs, bound, jobs, Console(stderr=True), switches)
+    if all(r["status"] != "ok" for r in rows):
+        with suppress(OSError):     # the folders check_writable made, still empty: leave no trace
+            for d in made:
+                d.rmdir()
+        raise click.ClickException(_none_compiled(model, rows))
     print_table(rows, _stdout())
-    paths = write_outputs(Path(out_dir), rows, model, bound, objective)
+    paths = write_outputs(out, rows, model, bound, objective)
     failed = sum(r["status"] != "ok" for r in rows)
     click.echo(f"{len(rows)} configuration(s), {failed} failed; wrote {', '.join(map(str, paths))}", err=True)
 

@@ -7,11 +7,13 @@ from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 
+import onnx
 import pytest
+from onnx import TensorProto, helper
 
 from isa import arch
-from dlegion_cc.dse import sort_rows, sweep_configs
-from dlegion_cc.dse_measure import COLUMNS, evaluate, roof, verify_warning
+from dlegion_cc.dse import OUTPUTS, sort_rows, sweep_configs, unique, write_outputs
+from dlegion_cc.dse_measure import COLUMNS, config_of, evaluate, failed_row, roof, verify_warning
 from dlegion_cc.pipeline import Options, compile_model
 from runtime.emulator import RunResult
 from runtime.report import summarize
@@ -142,3 +144,93 @@ def test_bad_input_exits_2(tmp_path, args, message):
     assert r.returncode == 2, r.stderr
     assert message in r.stderr and "Traceback" not in r.stderr
     assert not out.exists()
+
+
+def _one_node_model(tmp_path, op: str, shape: list, out_shape: list) -> Path:
+    """A model of a single float ``op`` node (names in a shape are symbolic dimensions)."""
+    graph = helper.make_graph([helper.make_node(op, ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)])
+    path = tmp_path / f"{op.lower()}.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def _error_line(r) -> str:
+    """The one error line of a run that exited 2, with nothing else said about the failure."""
+    assert r.returncode == 2, r.stderr
+    errors = [line for line in r.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("dlegion-dse: error: "), r.stderr
+    assert "Traceback" not in r.stderr and "configurations by latency" not in r.stdout
+    return errors[0]
+
+
+TINY = ("--legions", "2", "--cores", "2", "--array", "8", "--jobs", "1")
+
+
+def test_a_model_that_cannot_compile_fails_before_the_sweep(tmp_path):
+    out = tmp_path / "out"
+    r = dlegion_dse(_one_node_model(tmp_path, "Det", [4, 4], []), *TINY, "--out", out)
+    line = _error_line(r)
+    assert "det.onnx: node 'Det_0' (Det): operator not supported" in line
+    assert "L2-c2-a8" not in r.stderr and not out.exists()     # no configuration was compiled
+
+
+def test_an_unbound_dimension_names_the_option_dse_has(tmp_path):
+    r = dlegion_dse(_one_node_model(tmp_path, "Relu", ["seq", 4], ["seq", 4]), *TINY, "--out", tmp_path / "out")
+    line = _error_line(r)
+    assert "unbound symbolic dimension 'seq'" in line and line.endswith("pass --dim seq=N")
+    assert "--inputs" not in r.stderr
+
+
+def test_when_every_configuration_fails_nothing_is_written(tmp_path):
+    out = tmp_path / "new" / "out"
+    r = dlegion_dse(MODEL, "--legions", "65", "--cores", "1", "--array", "4", "--preset", _tiny_vector_spad(tmp_path),
+                    "--jobs", "1", "--out", out)
+    line = _error_line(r)
+    assert line == (f"dlegion-dse: error: {MODEL}: all 2 configuration(s) failed; "
+                    f"the first, L65-c1-a4: at most 64 Legions (the multicast set is a 64-bit mask)")
+    assert not (tmp_path / "new").exists()      # the folders made to check the outputs are gone too
+
+
+def test_an_unwritable_output_is_found_before_the_sweep_and_nothing_changes(tmp_path):
+    out = tmp_path / "out"
+    (out / "dse.csv").mkdir(parents=True)
+    old = {name: f"old {name}".encode() for name in OUTPUTS if name != "dse.csv"}
+    for name, body in old.items():
+        (out / name).write_bytes(body)
+    line = _error_line(dlegion_dse(MODEL, *TINY, "--out", out))
+    assert line == f"dlegion-dse: error: {out / 'dse.csv'}: is a directory"
+    assert {name: (out / name).read_bytes() for name in old} == old
+    # Writing itself is all or nothing too, should the file become unwritable during the sweep.
+    (config,) = sweep_configs(arch.load("dlegion-8x8"), [65], [1], [4])
+    with pytest.raises(IsADirectoryError):
+        write_outputs(out, [failed_row(config, config.error)], str(MODEL), {})
+    assert {name: (out / name).read_bytes() for name in old} == old
+    assert sorted(p.name for p in out.iterdir()) == sorted(OUTPUTS)     # no temporaries left
+
+
+def test_a_machine_named_twice_is_one_configuration():
+    base = arch.load("dlegion-8x8")
+    tiny = config_of(arch.load("dlegion-tiny"))
+    configs = unique(sweep_configs(base, [2, 2], [1], [4]) + [tiny, config_of(arch.load("dlegion-tiny"))])
+    assert [c.name for c in configs] == ["L2-c1-a4", "dlegion-tiny"]
+    other = config_of(replace(arch.load("dlegion-tiny"), vec_kib=1))     # same name, another machine
+    with pytest.raises(Exception, match="two different machines are named 'dlegion-tiny'"):
+        unique([tiny, other])
+
+
+def test_presets_named_twice_give_one_row(tmp_path):
+    out = tmp_path / "out"
+    r = dlegion_dse(MODEL, *TINY, "--legions", "2,2", "--preset", "dlegion-tiny", "--preset", "dlegion-tiny",
+                    "--out", out)
+    assert r.returncode == 0, r.stderr
+    names = [row["name"] for row in json.loads((out / "dse.json").read_text())["rows"]]
+    assert sorted(names) == ["L2-c2-a8", "dlegion-tiny"]
+
+
+def test_help_says_what_out_holds():
+    r = dlegion_dse("--help")
+    text = " ".join(r.stdout.split())
+    assert r.returncode == 0 and "created if missing" in text
+    assert all(name in text for name in OUTPUTS)
