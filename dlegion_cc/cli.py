@@ -1,12 +1,18 @@
 """``dlegion-cc``: compile an ONNX model into a D-Legion program."""
 from __future__ import annotations
 
+import dataclasses
+import os
 from pathlib import Path
 
 import click
 
 from isa import arch as arch_mod
+from isa.files import check_writable
+from dlegion_cc.errors import CompileError
+from dlegion_cc.importer import peek
 from dlegion_cc.lower.qplan import OBJECTIVES
+from dlegion_cc.pipeline import PASS_NAMES, Options, compile_model
 
 EMITS = ("asm", "bin", "ir")
 
@@ -17,25 +23,74 @@ def _parse_dims(values: tuple[str, ...]) -> dict[str, int]:
         name, sep, num = v.partition("=")
         if not sep or not name or not num.isdigit() or int(num) <= 0:
             raise click.BadParameter(f"{v!r} is not NAME=POSITIVE_INTEGER", param_hint="--dim")
+        if dims.get(name, int(num)) != int(num):
+            raise click.BadParameter(f"'{name}' bound twice ({name}={dims[name]} and {v})", param_hint="--dim")
         dims[name] = int(num)
     return dims
 
 
-def _dims_from_inputs(model: str, path: str) -> dict[str, int]:
-    """Bind symbolic dims from the shapes of the arrays a user will run with."""
+def _input_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """The shapes of the arrays a user will run with, keyed by input name."""
+    import zipfile
     import numpy as np
-    import onnx
-    graph = onnx.load(model, load_external_data=False).graph
-    with np.load(path) as npz:
-        shapes = {k: npz[k].shape for k in npz.files}
-    dims = {}
-    for inp in graph.input:
-        if inp.name not in shapes:
+    if not zipfile.is_zipfile(path):        # np.load would try it as a pickle, and say so
+        raise CompileError(f"{path}: not an .npz archive (or a truncated one)")
+    try:
+        with np.load(path) as npz:
+            return {k: npz[k].shape for k in npz.files}     # reading each array finds a damaged one
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CompileError(f"{path}: cannot read inputs as .npz ({why})") from None
+
+
+def _bound_dims(model: str, shapes: dict, inputs_path: str | None, dims: dict[str, int]) -> dict[str, int]:
+    """Symbolic dims bound by --inputs (the arrays' shapes) and --dim; each must name a dim of
+    the model, and no dim may be bound to two sizes."""
+    bound, where = {}, {}
+    arrays = _input_shapes(inputs_path) if inputs_path else {}
+    for name, shape in shapes.items():
+        if name not in arrays or shape is None:
             continue
-        for d, size in zip(inp.type.tensor_type.shape.dim, shapes[inp.name]):
-            if d.dim_param:
-                dims[d.dim_param] = int(size)
-    return dims
+        got = arrays[name]
+        if len(got) != len(shape) or any(isinstance(d, int) and d != g for d, g in zip(shape, got)):
+            raise CompileError(f"{inputs_path}: input '{name}' has shape {list(got)}; {model} expects "
+                               f"[{', '.join('?' if d is None else str(d) for d in shape)}]")
+        for d, size in zip(shape, got):
+            if not isinstance(d, str):
+                continue
+            if bound.setdefault(d, size) != size:
+                raise CompileError(f"{inputs_path}: dim '{d}' is {bound[d]} in '{where[d]}' but {size} in '{name}'")
+            where.setdefault(d, name)
+    symbolic = sorted({d for shape in shapes.values() for d in shape or () if isinstance(d, str)})
+    for name, size in dims.items():
+        if name not in symbolic:
+            raise CompileError(f"--dim {name}={size}: {model} has no symbolic dim '{name}' "
+                               f"(its symbolic dims: {', '.join(symbolic) or 'none'})")
+        if bound.get(name, size) != size:
+            raise CompileError(f"--dim {name}={size} contradicts {inputs_path}, where input "
+                               f"'{where[name]}' gives {name}={bound[name]}")
+    return bound | dims
+
+
+def _check_outputs(model: str, data_files: set[Path], output: str, emit: str) -> None:
+    """Refuse to overwrite the model or its weights, and find an unwritable output before the
+    long compile rather than after it."""
+    writes = [Path(output)] + ([] if emit == "ir" else [Path(output + ".data")])
+    reads = {f.resolve(): "the data file of" for f in data_files} | {Path(model).resolve(): "the model"}
+    for path in writes:
+        if path.resolve() in reads:
+            raise CompileError(f"-o {output}: writing {path} would overwrite {reads[path.resolve()]} {model}")
+    for path in writes:
+        check_writable(path)
+
+
+def _arch_for(arch: str, output: str) -> str:
+    """The ``.arch`` a program carries: a preset's name, or a machine file's path relative to
+    the program's folder, where ``dlegion-run`` resolves it (the name inside the file means
+    nothing to it)."""
+    if not arch.endswith(".toml"):
+        return arch
+    return Path(os.path.relpath(os.path.abspath(arch), os.path.dirname(os.path.abspath(output)))).as_posix()
 
 
 def _print_after(selected: str | None):
@@ -71,8 +126,8 @@ def _write(program, graph, output: str, emit: str) -> None:
 @click.option("--emit", type=click.Choice(EMITS), default="asm", show_default=True,
               help="Write assembly text, binary instruction words, or the graph IR.")
 @click.option("--print-ir-after", "print_after", metavar="PASS|all",
-              help="Print the graph IR after a pass (to stderr). Passes: " + ", ".join(
-                  __import__("dlegion_cc.pipeline", fromlist=["PASS_NAMES"]).PASS_NAMES))
+              type=click.Choice(("all",) + PASS_NAMES),
+              help="Print the graph IR after a pass (to stderr). Passes: " + ", ".join(PASS_NAMES))
 @click.option("--no-multicast", is_flag=True, help="Ablation: every Legion loads its own copy of the activations.")
 @click.option("--no-accumulators", is_flag=True,
               help="Ablation: schedule as if the parallel accumulators were absent (passes split by output windows).")
@@ -89,21 +144,19 @@ def _write(program, graph, output: str, emit: str) -> None:
 def compile_command(model, output, arch, dims, inputs_path, emit, print_after, no_multicast, no_accumulators,
                     no_sparsity, no_fusion, no_prefetch, objective):
     """Compile MODEL (ONNX) into a D-Legion program for ``dlegion-run``."""
-    from dlegion_cc.pipeline import Options, compile_model
-    bound = _dims_from_inputs(model, inputs_path) if inputs_path else {}
-    bound.update(_parse_dims(dims))
     machine = arch_mod.load(arch)
-    data_file = Path(output).name + ".data"
+    shapes, data_files = peek(model)
+    bound = _bound_dims(model, shapes, inputs_path, _parse_dims(dims))
+    _check_outputs(model, data_files, output, emit)
     options = Options(machine, bound, multicast=not no_multicast, accumulators=not no_accumulators,
                       sparsity=not no_sparsity, fusion=not no_fusion, prefetch=not no_prefetch,
                       objective=objective)
-    graph, program = compile_model(model, options, data_file, _print_after(print_after))
-    _write(program, graph, output, emit)
+    graph, program = compile_model(model, options, Path(output).name + ".data", _print_after(print_after))
+    _write(dataclasses.replace(program, arch=_arch_for(arch, output)), graph, output, emit)
     click.echo(f"{output}: {len(program.instrs)} instructions for {machine.name}", err=True)
 
 
 def main() -> None:
-    from dlegion_cc.errors import CompileError
     from isa.console import run_script
     from isa.program import ProgramError
     run_script(compile_command, "dlegion-cc", (CompileError, ProgramError, arch_mod.ArchError),

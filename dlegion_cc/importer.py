@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 from onnx import external_data_helper, helper, numpy_helper, shape_inference
 
-from dlegion_cc.errors import CompileError
+from dlegion_cc.errors import CompileError, UnsupportedNodes
 from dlegion_cc.ir import Graph, Node, Value
 
 NOT_FOLDED = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
@@ -28,6 +28,7 @@ def import_model(path: str | Path, dims: dict[str, int] | None = None) -> Graph:
     model = _load(Path(path))
     _check(model, source)
     _bind_dims(model, dims or {}, source)
+    _drop_unused(model)
     for _ in range(MAX_FOLD_ROUNDS):
         model = _infer(model, source)
         if not _fold(model, source):
@@ -51,13 +52,33 @@ def _drop_output_identities(graph: Graph) -> None:
         del graph.values[src]
 
 
-def _load(path: Path) -> onnx.ModelProto:
+def peek(path: str | Path) -> tuple[dict[str, tuple | None], set[Path]]:
+    """What a command line is checked against before the long work, read without the weights:
+    each graph input's shape (None when its rank is unknown; a dim is its size, the name of a
+    symbolic dim, or None) and the external data files the model reads."""
+    model = _parse(Path(path))
+    shapes = {}
+    for inp in model.graph.input:
+        tt = inp.type.tensor_type
+        shapes[inp.name] = (tuple(d.dim_value if d.HasField("dim_value") else d.dim_param or None
+                                  for d in tt.shape.dim) if tt.HasField("shape") else None)
+    tensors = external_data_helper._get_all_tensors(model)
+    files = {Path(path).parent / external_data_helper.ExternalDataInfo(t).location
+             for t in tensors if external_data_helper.uses_external_data(t)}
+    return shapes, files
+
+
+def _parse(path: Path) -> onnx.ModelProto:
     try:
-        model = onnx.load(str(path), load_external_data=False)
+        return onnx.load(str(path), load_external_data=False)
     except FileNotFoundError:
         raise CompileError(f"{path}: no such file") from None
     except Exception as e:  # protobuf decode errors have no common base class
         raise CompileError(f"{path}: not an ONNX model ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+
+
+def _load(path: Path) -> onnx.ModelProto:
+    model = _parse(path)
     base = path.parent.resolve()
     for t in external_data_helper._get_all_tensors(model):
         if not external_data_helper.uses_external_data(t):
@@ -69,7 +90,11 @@ def _load(path: Path) -> onnx.ModelProto:
                                f"lies outside the model's folder")
         if not where.is_file():
             raise CompileError(f"{path}: external data file {info.location!r} of tensor '{t.name}' is missing")
-    external_data_helper.load_external_data_for_model(model, str(base))
+        try:
+            external_data_helper.load_external_data_for_tensor(t, str(base))
+        except (OSError, ValueError) as e:  # a truncated file: ValueError naming only the tensor
+            raise CompileError(f"{path}: external data file {info.location!r} of tensor '{t.name}': "
+                               f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     return model
 
 
@@ -77,7 +102,8 @@ def _check(model: onnx.ModelProto, source: str) -> None:
     try:
         onnx.checker.check_model(model)
     except (onnx.checker.ValidationError, ValueError) as e:
-        raise CompileError(f"{source}: invalid ONNX model: {str(e).strip().splitlines()[0]}") from None
+        # one line, all of it: the checker names the culprit node on the lines after the first
+        raise CompileError(f"{source}: invalid ONNX model: {' '.join(str(e).split())}") from None
 
 
 def _bind_dims(model: onnx.ModelProto, dims: dict[str, int], source: str) -> None:
@@ -95,6 +121,31 @@ def _bind_dims(model: onnx.ModelProto, dims: dict[str, int], source: str) -> Non
         names = sorted({u.split("'")[1] for u in unbound})
         raise CompileError(f"{source}: unbound symbolic dimension {', '.join(unbound)}; "
                            f"pass {' '.join(f'--dim {n}=N' for n in names)} or --inputs")
+
+
+def _drop_unused(model: onnx.ModelProto) -> None:
+    """Nodes no graph output depends on go before shape inference, whatever their op: they are
+    never computed, so never a culprit (the passes' ``Graph.remove_dead`` treats them alike)."""
+    g = model.graph
+    live, kept = {o.name for o in g.output}, []
+    for node in reversed(g.node):
+        if any(o in live for o in node.output):
+            kept.append(node)
+            live |= _reads(node)
+    if len(kept) < len(g.node):
+        kept.reverse()
+        del g.node[:]
+        g.node.extend(kept)
+
+
+def _reads(node: onnx.NodeProto) -> set[str]:
+    """The values ``node`` reads, those its subgraphs (If, Loop, Scan) read included."""
+    names = set(node.input)
+    for a in node.attribute:
+        for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+            for n in sub.node:
+                names |= _reads(n)
+    return names
 
 
 def _has_contrib_ops(model: onnx.ModelProto) -> bool:
@@ -184,10 +235,22 @@ def _to_graph(model: onnx.ModelProto, source: str) -> Graph:
     nodes = [Node(n.op_type, n.name or f"{n.op_type}_{k}", list(n.input), list(n.output),
                   {a.name: helper.get_attribute_value(a) for a in n.attribute}, n.domain)
              for k, n in enumerate(g.node)]
-    for n in nodes:
-        missing = [o for o in n.outputs if o and o not in values]
-        if missing:
-            raise CompileError(f"{source}: node '{n.name}' ({n.op}): output '{missing[0]}' has no "
-                               f"static shape after shape inference")
+    _check_static(nodes, values, source)
     inputs = [i.name for i in g.input if i.name not in values or values[i.name].const is None]
     return Graph(g.name or "main", source, values, nodes, inputs, [o.name for o in g.output])
+
+
+def _check_static(nodes: list[Node], values: dict[str, Value], source: str) -> None:
+    """The passes need every shape. When one is missing, report it with every node Legalize
+    would reject for its operator, one line each: the user sees all the culprits at once."""
+    from dlegion_cc.lower.graph import LOWERINGS
+    if all(o in values for n in nodes for o in n.outputs if o):
+        return
+    problems = []
+    for n in nodes:
+        absent = [o for o in n.outputs if o and o not in values]
+        if (n.domain, n.op) not in LOWERINGS:
+            problems.append((n.name, n.op, "operator not supported" + (f" (domain {n.domain})" if n.domain else "")))
+        elif absent:
+            problems.append((n.name, n.op, f"output '{absent[0]}' has no static shape after shape inference"))
+    raise UnsupportedNodes(source, problems)
