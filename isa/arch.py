@@ -6,11 +6,14 @@ to it explicitly.
 """
 from __future__ import annotations
 
+import json
+import math
 import tomllib
 from dataclasses import dataclass, field, fields
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
+from types import SimpleNamespace
 
 from isa.fields import ADDR_BITS
 
@@ -69,23 +72,9 @@ class Arch:
     published_peak_tops: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
-        bad = [m for m in self.modes if m not in MODES]
-        if bad or not self.modes:
-            raise ArchError(f"{self.name}: modes must be a non-empty subset of {MODES}, got {self.modes}")
-        if self.dataflow not in DATAFLOWS:
-            raise ArchError(f"{self.name}: dataflow must be one of {DATAFLOWS}, got {self.dataflow!r}")
-        for f in ("legions", "cores", "array", "vector_lanes", "act_kib", "wgt_kib", "acc_kib", "vec_kib"):
-            if getattr(self, f) <= 0:
-                raise ArchError(f"{self.name}: {f} must be positive")
-        negative = [f.name for f in fields(self) if f.name in ENERGY and getattr(self, f.name) < 0]
-        if negative:
-            raise ArchError(f"{self.name}: {', '.join(negative)} must not be negative")
-        if self.legions > 64:
-            raise ArchError(f"{self.name}: at most 64 Legions (the multicast set is a 64-bit mask)")
-        too_big = [s for s, n in self.derived.spad_elems.items() if n > 1 << ADDR_BITS]
-        if too_big:
-            raise ArchError(f"{self.name}: {', '.join(f'{s}_kib' for s in too_big)} holds more than the "
-                            f"{1 << (ADDR_BITS - 20)} Mi elements a {ADDR_BITS}-bit address reaches")
+        why = problem({f.name: getattr(self, f.name) for f in fields(self)})
+        if why:
+            raise ArchError(f"{self.name}: {why}")
 
     @cached_property
     def derived(self) -> "Derived":
@@ -127,10 +116,82 @@ def derive(a: Arch) -> Derived:
     )
 
 
+# --- validation: a description gives every parameter a value of its type and range --------------
+# Counts and sizes are positive integers; the clock and bandwidths divide other figures, so they
+# are positive; a latency or an energy may be 0. TOML's integers are numbers too.
+
+POSITIVE = {"legions", "cores", "array", "vector_lanes", "vector_transcendental_cycles", "act_kib", "wgt_kib",
+            "acc_kib", "vec_kib", "clock_ghz", "dram_gbps", "noc_link_gbps"}
+NOT_NEGATIVE = {"dram_latency_cycles", *ENERGY}
+
+
+def _number(v) -> bool:
+    return type(v) in (int, float) and math.isfinite(v)
+
+
+# By annotation: (test of the value's type, what it must be).
+_TYPES = {
+    "int": (lambda v: type(v) is int, "an integer"),
+    "float": (_number, "a number"),
+    "bool": (lambda v: type(v) is bool, "true or false"),
+    "str": (lambda v: type(v) is str, "a string"),
+    "tuple[str, ...]": (lambda v: type(v) is tuple and all(type(m) is str for m in v), "a list of strings"),
+    "dict": (lambda v: type(v) is dict and all(_number(x) and x > 0 for x in v.values()),
+             "a table of positive numbers"),
+}
+
+
+def _shown(v) -> str:
+    """A value as the TOML file spells it."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return json.dumps(list(v) if isinstance(v, tuple) else v, default=str)
+
+
+def _value_problem(name: str, annotation: str, v) -> str | None:
+    is_type, what = _TYPES[annotation]
+    if name in POSITIVE:
+        what = "a positive " + what.split(" ", 1)[1]
+    if not is_type(v) or (name in POSITIVE and v <= 0):
+        return f"{name} must be {what}, not {_shown(v)}"
+    if name in NOT_NEGATIVE and v < 0:
+        return f"{name} must not be negative (is {_shown(v)})"
+    return None
+
+
+def problem(values: dict) -> str | None:
+    """Why no machine has these parameter values (a dict by :class:`Arch` field), or None."""
+    for f in fields(Arch):
+        why = _value_problem(f.name, f.type, values[f.name])
+        if why:
+            return why
+    modes, dataflow = values["modes"], values["dataflow"]
+    if not modes or any(m not in MODES for m in modes):
+        return f"modes must be a non-empty subset of {MODES}, got {modes}"
+    if dataflow not in DATAFLOWS:
+        return f"dataflow must be one of {DATAFLOWS}, got {dataflow!r}"
+    if values["legions"] > 64:
+        return "at most 64 Legions (the multicast set is a 64-bit mask)"
+    too_big = [s for s, n in derive(SimpleNamespace(**values)).spad_elems.items() if n > 1 << ADDR_BITS]
+    if too_big:
+        return (f"{', '.join(f'{s}_kib' for s in too_big)} holds more than the "
+                f"{1 << (ADDR_BITS - 20)} Mi elements a {ADDR_BITS}-bit address reaches")
+    return None
+
+
+SECTIONS = ("chip", "legion", "core", "energy")
+
+
 def _flatten(doc: dict, source: str) -> dict:
-    flat = {"name": doc.get("name"), "description": doc.get("description", ""),
-            "published_peak_tops": dict(doc.get("published", {}).get("peak_tops", {}))}
-    for section in ("chip", "legion", "core", "energy"):
+    """The parameters of a description, whatever table holds them (unknown keys are kept, to be
+    reported)."""
+    flat = {k: v for k, v in doc.items() if k not in SECTIONS and k != "published"}
+    flat.setdefault("description", "")
+    published = doc.get("published", {})
+    if not isinstance(published, dict):
+        raise ArchError(f"{source}: [published] must be a table")
+    flat["published_peak_tops"] = published.get("peak_tops", {})
+    for section in SECTIONS:
         part = doc.get(section)
         if not isinstance(part, dict):
             raise ArchError(f"{source}: missing table [{section}]")
@@ -139,6 +200,7 @@ def _flatten(doc: dict, source: str) -> dict:
 
 
 def from_toml_text(text: str, source: str) -> Arch:
+    """The machine a description's text describes; every error names ``source``."""
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -151,7 +213,11 @@ def from_toml_text(text: str, source: str) -> Arch:
         raise ArchError(f"{source}: unknown parameter(s) {', '.join(unknown)}")
     if missing:
         raise ArchError(f"{source}: missing parameter(s) {', '.join(missing)}")
-    flat["modes"] = tuple(flat["modes"])
+    if isinstance(flat["modes"], list):
+        flat["modes"] = tuple(flat["modes"])
+    why = problem(flat)
+    if why:
+        raise ArchError(f"{source}: {why}")
     return Arch(**flat)
 
 
@@ -171,9 +237,9 @@ def load(spec: str | Path, base: Path | None = None) -> Arch:
     path = Path(spec) if base is None or Path(spec).is_absolute() else base / spec
     try:
         text = path.read_text()
-    except OSError as e:
-        raise ArchError(f"{spec}: cannot read architecture file ({e.strerror})") from None
-    return from_toml_text(text, spec)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ArchError(f"{path}: cannot read architecture file ({getattr(e, 'strerror', None) or e})") from None
+    return from_toml_text(text, str(path))
 
 
 def summary(a: Arch) -> str:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import lark
 
+from isa import arch as arch_mod
 from isa import encoding, gen
 from isa.files import atomic_write_all
 from isa.fields import (ADDR_BITS, QUEUES, SPACES, After, Cond, Dram, DramRef, Keyword, Legion, LegionSet, OptAddr,
@@ -52,6 +53,7 @@ class _Builder:
         if self.p.arch:
             raise self.error(tok, "a second .arch directive")
         self.p.arch = _string(self, tok) if tok.type == "STRING" else str(tok)
+        setattr(self.p, _ARCH_AT, f"{self.source}:{tok.line + self.offset}:{tok.column}")
 
     def set_data(self, tok) -> None:
         self._directive_first(tok, ".data")
@@ -653,6 +655,19 @@ def _region_lines(p: Program) -> dict[int, list[str]]:
 
 
 # --- files -----------------------------------------------------------------------------------
+
+_ARCH_AT = "_arch_at"      # where a parsed program's .arch stands, for messages
+
+
+def arch_of(p: Program) -> arch_mod.Arch:
+    """The machine ``p``'s ``.arch`` names: a preset, or a TOML file relative to the program's
+    folder. An error names the directive (file:line:col of a text program)."""
+    try:
+        return arch_mod.load(p.arch, base=Path(p.source).parent)
+    except arch_mod.ArchError as e:
+        where = getattr(p, _ARCH_AT, f"{p.source}: .arch")
+        raise arch_mod.ArchError(f"{where}: {e}") from None
+
 
 def load(path, read_data: bool = True) -> Program:
     """Read a program, text or binary (``DLGN`` magic), and its sidecar data file."""

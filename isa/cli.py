@@ -1,8 +1,9 @@
 """Command-line tools of the ISA: ``dlegion-as``, ``dlegion-dis`` and ``dlegion-arch``.
 
 Every error a user can cause (a malformed program or architecture, an unreadable or unwritable
-file) is printed on stderr without a traceback and exits with status 2; outputs are written
-atomically, so a failed run leaves no half-written file.
+file, an output that would replace an input) is one line ``NAME: error: ...`` on stderr, without
+a traceback, and exit status 2; outputs are written atomically, so a failed run leaves no
+half-written file.
 """
 from __future__ import annotations
 
@@ -10,31 +11,62 @@ import dataclasses
 import functools
 import json
 import os
-import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import click
 
 from isa import arch as arch_mod
 from isa import asm
 from isa.arch import ArchError
+from isa.console import run_script
+from isa.files import check_writable
 from isa.program import Program, ProgramError
 
-EXIT_ERROR = 2
+
+class Script(click.Command):
+    """A console script named as its command: run through ``isa.console.run_script``, so every
+    error a user can cause is one line ``NAME: error: ...`` and exit status 2, whether a
+    console script or click's test runner calls it."""
+
+    def main(self, args=None, prog_name=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, standalone_mode=False, **extra)
+        command = SimpleNamespace(main=functools.partial(super().main, args, **extra))
+        run_script(command, self.name, (ProgramError, ArchError))
 
 
-def _reports_errors(fn):
-    """Turn the errors a user can cause into a message on stderr and exit status 2."""
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except (ProgramError, ArchError) as e:
-            click.echo(str(e), err=True)          # already names the file (and line) at fault
-        except OSError as e:
-            click.echo(f"{e.filename or 'error'}: {e.strerror or e}", err=True)
-        sys.exit(EXIT_ERROR)
-    return run
+def same_file(a, b) -> bool:
+    """Whether paths ``a`` and ``b`` name one file (through symbolic and hard links too)."""
+    a, b = Path(a), Path(b)
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
+    except OSError:
+        return False
+
+
+def check_outputs(outputs: dict[str, str | None], inputs: dict[str, str | Path | None]) -> None:
+    """Before any work: no output (by option) may replace an input (by description) or another
+    output, and each must be writable; else a one-line error."""
+    given = {opt: path for opt, path in outputs.items() if path}
+    for n, (opt, path) in enumerate(given.items()):
+        for what, other in inputs.items():
+            if other and same_file(path, other):
+                raise click.ClickException(f"{opt} {path} would overwrite {what}")
+        for earlier, other in list(given.items())[:n]:
+            if same_file(path, other):
+                raise click.ClickException(f"{opt} {path} is also the {earlier} file")
+    for path in given.values():
+        check_writable(path)
+
+
+def program_files(p: Program) -> dict[str, Path]:
+    """The files a program read from ``p.source`` names, which no output may replace."""
+    folder = Path(p.source).parent
+    files = {"the program's data file": p.data_file and folder / p.data_file}
+    if p.arch.endswith(".toml"):
+        files["the program's machine description"] = folder / p.arch
+    return files
 
 
 def _moved(path: str | None, src_dir: Path, dst_dir: Path) -> str | None:
@@ -54,37 +86,42 @@ def relocate(p: Program, src: str, dst: str) -> Program:
     return dataclasses.replace(p, arch=arch, data_file=_moved(p.data_file, src_dir, dst_dir))
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("dlegion-as", cls=Script, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("program", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", type=click.Path(dir_okay=False),
               help="Binary to write (default: PROGRAM with the suffix .bin).")
-@_reports_errors
 def assemble_main(program: str, output: str | None) -> None:
     """Assemble a D-Legion program (text, or a binary to re-encode) into a binary.
 
-    The output's .data and .arch paths are rewritten so they still name the same files
-    when OUTPUT is in another folder. Exit status: 0 on success, 2 on any error.
+    The program's .arch must name a preset or a TOML file (relative to the program). The
+    output's .data and .arch paths are rewritten so they still name the same files when
+    OUTPUT is in another folder. Exit status: 0 on success, 2 on any error.
     """
-    output = output or str(Path(program).with_suffix(".bin"))
+    outputs = {"-o": output} if output else {"the default output": str(Path(program).with_suffix(".bin"))}
+    output = next(iter(outputs.values()))
+    check_outputs(outputs, {"the program": program})
     p = asm.load(program, read_data=False)
+    check_outputs(outputs, program_files(p))
+    asm.arch_of(p)
     asm.save(relocate(p, program, output), output, binary=True)
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("dlegion-dis", cls=Script, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("program", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", type=click.Path(dir_okay=False),
               help="Text file to write (default: standard output).")
-@_reports_errors
 def disassemble_main(program: str, output: str | None) -> None:
     """Disassemble a D-Legion binary into canonical program text.
 
     A text program is accepted too and printed in canonical form. Exit status: 0 on
     success, 2 on any error.
     """
+    check_outputs({"-o": output}, {"the program": program})
     p = asm.load(program, read_data=False)
     if output is None:
         click.echo(asm.format_program(p), nl=False)
         return
+    check_outputs({"-o": output}, program_files(p))
     asm.save(relocate(p, program, output), output)
 
 
@@ -92,11 +129,10 @@ def _arch_json(a: arch_mod.Arch) -> dict:
     return {"arch": dataclasses.asdict(a), "derived": dataclasses.asdict(a.derived)}
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("dlegion-arch", cls=Script, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("name", required=False)
 @click.option("--json", "as_json", is_flag=True,
               help="Print the parameters and derived figures as JSON.")
-@_reports_errors
 def arch_main(name: str | None, as_json: bool) -> None:
     """Show an architecture: a preset NAME or a FILE.toml.
 

@@ -3,7 +3,9 @@
 One generic packer serves every instruction: the opcode in the low bits, then each field of
 the class in declared order at its kind's width (``isa/fields.py``), lowest bits first. A file
 is ``DLGN``, u16 version, u16 reserved (0), u32 header length, the header (UTF-8 JSON: arch,
-data file, tensors, regions, skipped work), zero padding to a multiple of the word size, then the words.
+data file, tensors, regions, skipped work, number of instructions), zero padding to a multiple
+of the word size, then the words. The count makes a file cut at a word boundary an error rather
+than a shorter program.
 
 Decoding is strict: every word must re-encode to the same bytes, so disassembling and
 reassembling a file reproduces it exactly.
@@ -23,8 +25,9 @@ from isa.instructions import BY_OPCODE, INSTRUCTIONS, OPCODE_BITS, WORD_BITS, In
 from isa.program import DTYPES, KINDS, Program, ProgramError, Tensor
 
 MAGIC = b"DLGN"
-VERSION = 6          # 2: 320-bit words and progress-counter synchronization; 3: regions; 4: spans,
-                     # relative waits; 5: skipped work; 6: 26-bit scratchpad addresses
+VERSION = 7          # 2: 320-bit words and progress-counter synchronization; 3: regions; 4: spans,
+                     # relative waits; 5: skipped work; 6: 26-bit scratchpad addresses;
+                     # 7: the number of instructions in the header
 WORD_BYTES = WORD_BITS // 8
 PREFIX = struct.Struct("<4sHHI")
 NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -467,7 +470,7 @@ def header(p: Program) -> dict:
                 "range": None if t.range is None else list(t.range)} for t in p.tensors]
     regions = [[at, name] for at, name in p.regions]
     return {"arch": p.arch, "data_file": p.data_file, "tensors": tensors, "regions": regions,
-            "skipped": dict(sorted(p.skipped.items()))}
+            "skipped": dict(sorted(p.skipped.items())), "instructions": len(p.instrs)}
 
 
 def encode_program(p: Program) -> bytes:
@@ -501,10 +504,12 @@ def decode_program(b: bytes, source: str = "<binary>") -> Program:
     start, head = _read_prefix(b, source)
     p = _program_from_header(head, source)
     check_tensors(p)
-    body = b[start:]
-    if len(body) % WORD_BYTES:
-        raise ProgramError(f"{source}: truncated: {len(body)} instruction bytes is not a multiple "
-                           f"of {WORD_BYTES}")
+    body, count = b[start:], head["instructions"]
+    if len(body) != count * WORD_BYTES:
+        holds = f"{len(body) // WORD_BYTES} instructions" + (f" and {len(body) % WORD_BYTES} bytes"
+                                                              if len(body) % WORD_BYTES else "")
+        raise ProgramError(f"{source}: {'truncated' if len(body) < count * WORD_BYTES else 'corrupt'}: "
+                           f"the header says {count} instructions, the file holds {holds}")
     for n in range(len(body) // WORD_BYTES):
         p.instrs.append(_decode_at(body, n, len(p.tensors), source))
     why = region_error(p)          # region indices can only be checked against the words
@@ -547,7 +552,7 @@ def _read_prefix(b: bytes, source: str) -> tuple[int, dict]:
 
 # Header keys and the Python types their values may have.
 _HEAD_KEYS = {"arch": (str,), "data_file": (str, type(None)), "tensors": (list,), "regions": (list,),
-              "skipped": (dict,)}
+              "skipped": (dict,), "instructions": (int,)}
 _TENSOR_KEYS = {"name": (str,), "dtype": (str,), "shape": (list,), "kind": (str,),
                 "io_name": (str, type(None)), "offset": (int, type(None)), "range": (list, type(None))}
 

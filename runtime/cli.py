@@ -4,14 +4,18 @@ from __future__ import annotations
 import io
 import json
 import sys
-from pathlib import Path
+import zipfile
+import zlib
 
 import click
 import numpy as np
+from click.core import ParameterSource
 
 from isa import arch as arch_mod
-from isa.asm import load
-from isa.files import atomic_path, atomic_write
+from isa.asm import arch_of, load
+from isa.cli import check_outputs, program_files
+from isa.files import atomic_write_all
+from isa.instructions import DmaStore
 from runtime.check import REFERENCES
 
 EXIT_MISMATCH = 1
@@ -26,16 +30,31 @@ def _load_inputs(path: str | None, program, seed: int) -> dict[str, np.ndarray]:
     if path is None:
         return random_inputs(program, seed)
     try:
-        with np.load(path) as npz:
+        loaded = np.load(path, allow_pickle=False)
+        if not isinstance(loaded, np.lib.npyio.NpzFile):
+            raise ValueError("not an .npz archive")
+        with loaded as npz:
             return {k: npz[k] for k in npz.files}
-    except (OSError, ValueError) as e:
-        raise Failure(f"{path}: cannot read inputs ({e})") from None
+    # a damaged archive fails in zipfile (RuntimeError for flags it reads as encryption or an unknown
+    # method), zlib or numpy's reader, whichever meets the damage first
+    except (OSError, ValueError, EOFError, RuntimeError, zipfile.BadZipFile, zlib.error) as e:
+        why = getattr(e, "strerror", None) or str(e) or type(e).__name__
+        raise Failure(f"{path}: cannot read inputs ({why})") from None
 
 
-def _save_npz(path: str, arrays: dict[str, np.ndarray]) -> None:
+def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
     buf = io.BytesIO()
     np.savez(buf, **arrays)
-    atomic_write(path, buf.getvalue())
+    return buf.getvalue()
+
+
+def _warn_unwritten(program) -> None:
+    """A graph output no instruction stores to stays zero: worth a word, not a failure."""
+    stored = {i.dst.tensor for i in program.instrs if isinstance(i, DmaStore)}
+    names = [t.name for n, t in enumerate(program.tensors) if t.kind == "output" and n not in stored]
+    if names:
+        click.echo(f"dlegion-run: warning: {program.source}: no instruction writes output tensor(s) "
+                   f"{', '.join(names)}; they stay zero", err=True)
 
 
 def _check(model: str, inputs, result, tol: float, check_all: bool = False,
@@ -45,8 +64,11 @@ def _check(model: str, inputs, result, tol: float, check_all: bool = False,
     try:
         ref = onnx_reference(model, inputs, reference)
         rows = compare(result.outputs, ref, tol)
-    except (OSError, ValueError) as e:
-        raise Failure(f"{model}: {e}") from None
+    except OSError as e:
+        raise Failure(f"{model}: cannot read ({e.strerror or e})") from None
+    except ValueError as e:
+        why = str(e)        # some name the model already
+        raise Failure(why if why.startswith(f"{model}: ") else f"{model}: {why}") from None
     except Exception as e:  # onnxruntime raises its own exception types
         raise Failure(f"{model}: onnxruntime failed: {str(e).splitlines()[0]}") from None
     print_comparisons(rows, tol)
@@ -63,22 +85,32 @@ def _check(model: str, inputs, result, tol: float, check_all: bool = False,
     return all(r.ok for r in rows)
 
 
-def _execute(prog_path, arch, inputs_path, seed, races=True):
+def _execute(program, arch, inputs_path, seed, races=True):
     from runtime.emulator import run
-    program = load(prog_path)
-    machine = arch_mod.load(arch or program.arch, base=Path(prog_path).parent)
+    machine = arch_mod.load(arch) if arch else arch_of(program)
     inputs = _load_inputs(inputs_path, program, seed)
+    _warn_unwritten(program)
     return inputs, run(program, machine, inputs, races=races)
 
 
+def _needs_check(ctx: click.Context, check_model: str | None) -> None:
+    """Options that only mean something with --check are an error without it, when given."""
+    for name in ("check_all", "reference", "tolerance"):
+        if not check_model and ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT,
+                                                                       ParameterSource.DEFAULT_MAP):
+            raise click.UsageError(f"--{name.replace('_', '-')} needs --check", ctx)
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.pass_context
 @click.argument("program", type=click.Path(dir_okay=False))
 @click.option("--arch", metavar="NAME|FILE.toml",
-              help="Machine to run on (default: the program's .arch). Presets: "
+              help="Machine to run on (default: the program's .arch); a FILE.toml is relative to the "
+                   "current folder. Presets: "
                    + ", ".join(arch_mod.preset_names()))
 @click.option("--inputs", "inputs_path", type=click.Path(dir_okay=False), metavar="IN.npz",
               help="Input values keyed by graph input name (default: seeded random inputs).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random inputs.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the random inputs.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), metavar="OUT.npz",
               help="Write the outputs, keyed by graph output name.")
 @click.option("--check", "check_model", type=click.Path(dir_okay=False), metavar="MODEL.onnx",
@@ -90,7 +122,7 @@ def _execute(prog_path, arch, inputs_path, seed, races=True):
               help="With --check: onnxruntime as it comes, or 'exact': onnxruntime made to compute the integer "
                    "operators' definition (uint8 x uint8 MatMulInteger kernels, no QDQ fusion), which its "
                    "default uint8 x int8 kernels do not on CPUs without VNNI.")
-@click.option("--tolerance", type=float, default=1e-4, show_default=True,
+@click.option("--tolerance", type=click.FloatRange(min=0), default=1e-4, show_default=True,
               help="Largest relative L2 error accepted for float outputs (integers must be exact).")
 @click.option("--report", is_flag=True, help="Print cycles, throughput, utilization and traffic.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), metavar="FILE",
@@ -100,25 +132,36 @@ def _execute(prog_path, arch, inputs_path, seed, races=True):
 @click.option("--race-check/--no-race-check", "races", default=True, show_default=True,
               help="Check that every two instructions touching the same element (one writing) are "
                    "ordered by the program's waits, whatever order the timing model runs them in.")
-def run_command(program, arch, inputs_path, seed, out_path, check_model, check_all, reference, tolerance,
+def run_command(ctx, program, arch, inputs_path, seed, out_path, check_model, check_all, reference, tolerance,
                 report, json_path, trace_path, races):
     """Run PROGRAM (text .s or binary .bin) in the functional emulator and timing model.
 
-    Exit status: 0 when all is well, 1 when --check finds a mismatch, 2 for bad input.
+    Exit status: 0 when all is well, 1 when --check finds a mismatch, 2 for bad input (a
+    malformed program, machine description or file, a bad option) or a program that faults,
+    races or deadlocks. Outputs are written together at the end, all or none.
     """
     from runtime import report as rep
-    inputs, result = _execute(program, arch, inputs_path, seed, races)
-    if out_path:
-        _save_npz(out_path, result.outputs)
+    _needs_check(ctx, check_model)
+    outputs = {"--out": out_path, "--json": json_path, "--trace": trace_path}
+    check_outputs(outputs, {"the program": program, "the --inputs file": inputs_path,
+                            "the --check model": check_model,
+                            "the --arch machine description": arch if arch and arch.endswith(".toml") else None})
+    prog = load(program)
+    check_outputs(outputs, program_files(prog))
+    inputs, result = _execute(prog, arch, inputs_path, seed, races)
     numbers = rep.summarize(result)
     if report:
         rep.print_report(numbers)
+    ok = _check(check_model, inputs, result, tolerance, check_all, reference) if check_model else True
+    files = []
+    if out_path:
+        files.append((out_path, _npz_bytes(result.outputs)))
     if json_path:
-        atomic_write(json_path, json.dumps(numbers, indent=2) + "\n")
+        files.append((json_path, (json.dumps(numbers, indent=2) + "\n").encode()))
     if trace_path:
-        with atomic_path(trace_path) as tmp:
-            tmp.write_text(json.dumps(rep.chrome_trace(result)))
-    if check_model and not _check(check_model, inputs, result, tolerance, check_all, reference):
+        files.append((trace_path, json.dumps(rep.chrome_trace(result)).encode()))
+    atomic_write_all(files)
+    if not ok:
         sys.exit(EXIT_MISMATCH)
 
 

@@ -459,6 +459,9 @@ def test_regions_survive_assembly_and_disassembly(tmp_path):
 
 def test_output_in_another_folder_still_names_the_data_and_arch_files(program, tmp_path):
     program.write_text(DESIGN_EXAMPLE.replace(".arch dlegion-tiny", '.arch "machines/m.toml"'))
+    (tmp_path / "machines").mkdir()          # dlegion-as checks that the .arch resolves
+    (tmp_path / "machines" / "m.toml").write_text(
+        cli.arch_mod.resources.files("isa.presets").joinpath("dlegion-tiny.toml").read_text())
     (tmp_path / "out" / "deep").mkdir(parents=True)
     assert run(cli.assemble_main, program, "-o", tmp_path / "out" / "deep" / "p.bin").exit_code == 0
     p = asm.load(tmp_path / "out" / "deep" / "p.bin")

@@ -191,7 +191,8 @@ def test_file_layout():
     head = json.loads(b[12:12 + n])
     assert head == {"arch": "dlegion-tiny", "data_file": "d.bin", "tensors": [
         {"name": "x", "dtype": "f32", "shape": [2, 3], "kind": "input", "io_name": "x", "offset": None,
-         "range": None}], "regions": [[0, "MatMul_1"], [2, "after"]], "skipped": {"causal_skipped_macs": 12}}
+         "range": None}], "regions": [[0, "MatMul_1"], [2, "after"]], "skipped": {"causal_skipped_macs": 12},
+        "instructions": 2}
     start = -(-(12 + n) // WORD) * WORD
     assert b[12 + n:start] == bytes(start - 12 - n)
     assert len(b) == start + 2 * WORD and b[start:start + WORD] == encoding.encode_instr(p.instrs[0])
@@ -214,16 +215,16 @@ def test_every_truncation_fails_cleanly_or_is_a_shorter_program():
 @pytest.mark.parametrize("head, match", [
     (b"{", "corrupt header"),
     (b"[]", "corrupt header: header needs exactly the keys"),
-    (b'{"arch": 1, "data_file": null, "tensors": [], "regions": [], "skipped": {}}', "corrupt header: header arch 1"),
-    (b'{"arch": "a", "data_file": null, "tensors": [{"name": "x"}], "regions": [], "skipped": {}}',
+    (b'{"arch": 1, "data_file": null, "tensors": [], "regions": [], "skipped": {}, "instructions": 0}', "corrupt header: header arch 1"),
+    (b'{"arch": "a", "data_file": null, "tensors": [{"name": "x"}], "regions": [], "skipped": {}, "instructions": 0}',
      "tensor needs exactly the keys"),
     (b'{"arch": "a", "data_file": null, "tensors": [{"name": "x", "dtype": "f16", "shape": [1], '
-     b'"kind": "input", "io_name": null, "offset": null, "range": null}], "regions": [], "skipped": {}}',
+     b'"kind": "input", "io_name": null, "offset": null, "range": null}], "regions": [], "skipped": {}, "instructions": 0}',
      "unknown dtype 'f16'"),
     (b'{"arch": "a", "data_file": null, "tensors": [{"name": "x", "dtype": "f32", "shape": [1.5], '
-     b'"kind": "input", "io_name": null, "offset": null, "range": null}], "regions": [], "skipped": {}}', "bad shape"),
-    (b'{"arch": "a", "data_file": null, "tensors": [], "regions": [], "skipped": {"x y": 1}}', "is not a name"),
-    (b'{"arch": "a", "data_file": null, "tensors": [], "regions": [], "skipped": {"x": -1}}', "is not a count"),
+     b'"kind": "input", "io_name": null, "offset": null, "range": null}], "regions": [], "skipped": {}, "instructions": 0}', "bad shape"),
+    (b'{"arch": "a", "data_file": null, "tensors": [], "regions": [], "skipped": {"x y": 1}, "instructions": 0}', "is not a name"),
+    (b'{"arch": "a", "data_file": null, "tensors": [], "regions": [], "skipped": {"x": -1}, "instructions": 0}', "is not a count"),
 ])
 def test_corrupt_headers_are_errors(head, match):
     b = struct.pack("<4sHHI", b"DLGN", encoding.VERSION, 0, len(head)) + head
@@ -237,7 +238,7 @@ def _with_header(head: bytes, words: int = 0) -> bytes:
     return b + bytes(-len(b) % WORD) + Barrier.OPCODE.to_bytes(WORD, "little") * words
 
 
-REGIONLESS = b'"arch": "a", "data_file": null, "tensors": []'
+REGIONLESS = b'"arch": "a", "data_file": null, "tensors": [], "instructions": 1'
 
 
 @pytest.mark.parametrize("regions, match", [
