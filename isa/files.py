@@ -26,6 +26,9 @@ def check_writable(path: str | Path) -> None:
     (created if missing) must be writable, and ``path`` must not be a folder."""
     path = Path(path)
     folder = path.parent
+    blocking = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise NotADirectoryError(20, "not a directory", str(blocking))
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:

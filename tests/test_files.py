@@ -58,3 +58,10 @@ def test_the_output_folder_is_made_and_a_failed_writer_leaves_nothing(tmp_path):
             tmp.write_text("half")
             raise RuntimeError("writer failed")
     assert sorted(p.name for p in (tmp_path / "build").iterdir()) == ["prog.s"]
+
+
+def test_a_file_where_the_output_folder_should_be_is_named(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(NotADirectoryError) as e:
+        atomic_write(tmp_path / "afile" / "sub" / "x.s", "y")
+    assert e.value.filename == str(tmp_path / "afile") and e.value.strerror == "not a directory"
