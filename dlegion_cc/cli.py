@@ -23,7 +23,7 @@ def _parse_dims(values: tuple[str, ...]) -> dict[str, int]:
         name, sep, num = v.partition("=")
         if not sep or not name or not num.isdigit() or int(num) <= 0:
             raise click.BadParameter(f"{v!r} is not NAME=POSITIVE_INTEGER", param_hint="--dim")
-        if dims.get(name, int(num)) != int(num):
+        if name in dims:        # a repeat is a slip at best (a copied line), at worst a contradiction
             raise click.BadParameter(f"'{name}' bound twice ({name}={dims[name]} and {v})", param_hint="--dim")
         dims[name] = int(num)
     return dims
@@ -48,6 +48,10 @@ def _bound_dims(model: str, shapes: dict, inputs_path: str | None, dims: dict[st
     the model, and no dim may be bound to two sizes."""
     bound, where = {}, {}
     arrays = _input_shapes(inputs_path) if inputs_path else {}
+    stray = [name for name in arrays if name not in shapes]
+    if stray:               # a misspelt input would otherwise be silently ignored, and run random
+        raise CompileError(f"{inputs_path}: '{stray[0]}' is not an input of {model} "
+                           f"(its inputs: {', '.join(shapes) or 'none'})")
     for name, shape in shapes.items():
         if name not in arrays or shape is None:
             continue
@@ -72,14 +76,19 @@ def _bound_dims(model: str, shapes: dict, inputs_path: str | None, dims: dict[st
     return bound | dims
 
 
+def check_not_inputs(model: str, data_files: set[Path], writes: list[Path], option: str) -> None:
+    """Refuse to write over the model or its weights (``option``: the option that named ``writes``)."""
+    reads = {f.resolve(): "the data file of" for f in data_files} | {Path(model).resolve(): "the model"}
+    for path in writes:
+        if path.resolve() in reads:
+            raise CompileError(f"{option}: writing {path} would overwrite {reads[path.resolve()]} {model}")
+
+
 def _check_outputs(model: str, data_files: set[Path], output: str, emit: str) -> None:
     """Refuse to overwrite the model or its weights, and find an unwritable output before the
     long compile rather than after it."""
     writes = [Path(output)] + ([] if emit == "ir" else [Path(output + ".data")])
-    reads = {f.resolve(): "the data file of" for f in data_files} | {Path(model).resolve(): "the model"}
-    for path in writes:
-        if path.resolve() in reads:
-            raise CompileError(f"-o {output}: writing {path} would overwrite {reads[path.resolve()]} {model}")
+    check_not_inputs(model, data_files, writes, f"-o {output}")
     for path in writes:
         check_writable(path)
 

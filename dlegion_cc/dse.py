@@ -160,6 +160,14 @@ def unique(configs: list[Config]) -> list[Config]:
     return kept
 
 
+def _check_machines(configs: list[Config]) -> None:
+    """A configuration no machine can have is the command line's mistake: said before the sweep,
+    not as a failed row after it (nor as a row whose program cannot run)."""
+    bad = next((c for c in configs if c.arch is None), None)
+    if bad:
+        raise click.BadParameter(bad.error, param_hint="--legions/--cores/--array")
+
+
 def _check_model(model: str, dims: dict, switches: dict) -> None:
     """What fails every configuration alike (a model that does not load, an unbound dimension, an
     unsupported operator) is reported once, before the sweep: importing and the graph passes do not
@@ -210,16 +218,22 @@ def dse_command(model, dims, legions, cores, arrays, presets, jobs, out_dir, obj
 
     The swept configurations replace the Legions, cores per Legion and array size of the
     dlegion-8x8 preset and keep everything else (scratchpads, DRAM, clock). A configuration
-    that cannot compile is a row with the reason. Exit status: 0, or 2 for bad input: a model
-    that cannot compile at all, or for none of the configurations (then nothing is written).
+    that cannot compile is a row with the reason. Exit status: 0, or 2 for bad input: a
+    configuration no machine can have, a model that cannot compile at all, or for none of the
+    configurations (then nothing is written).
     """
-    from dlegion_cc.cli import _parse_dims
+    from dlegion_cc.cli import _bound_dims, _parse_dims, check_not_inputs
+    from dlegion_cc.importer import peek
     from isa.files import check_writable
-    bound = _parse_dims(dims)
+    given = _parse_dims(dims)
     configs = unique(sweep_configs(arch_mod.load(BASE), legions, cores, arrays) + _presets(presets))
+    _check_machines(configs)
+    shapes, data_files = peek(model)
+    bound = _bound_dims(model, shapes, None, given)        # as dlegion-cc: only dims the model has
+    out = Path(out_dir)
+    check_not_inputs(model, data_files, [out / name for name in OUTPUTS], f"--out {out_dir}")
     switches = {"objective": objective}
     _check_model(model, bound, switches)
-    out = Path(out_dir)
     made = [d for d in (out, *out.parents) if not d.exists()]     # innermost first
     for name in OUTPUTS:            # an unwritable output is found before the sweep, not after it
         check_writable(out / name)

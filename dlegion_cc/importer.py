@@ -29,6 +29,7 @@ def import_model(path: str | Path, dims: dict[str, int] | None = None) -> Graph:
     _check(model, source)
     _bind_dims(model, dims or {}, source)
     _drop_unused(model)
+    _check_domains(model, source)
     for _ in range(MAX_FOLD_ROUNDS):
         model = _infer(model, source)
         if not _fold(model, source):
@@ -54,11 +55,14 @@ def _drop_output_identities(graph: Graph) -> None:
 
 def peek(path: str | Path) -> tuple[dict[str, tuple | None], set[Path]]:
     """What a command line is checked against before the long work, read without the weights:
-    each graph input's shape (None when its rank is unknown; a dim is its size, the name of a
-    symbolic dim, or None) and the external data files the model reads."""
+    each graph input's shape, weights aside (None when its rank is unknown; a dim is its size,
+    the name of a symbolic dim, or None) and the external data files the model reads."""
     model = _parse(Path(path))
     shapes = {}
+    weights = {t.name for t in model.graph.initializer}     # an old model lists them as inputs too
     for inp in model.graph.input:
+        if inp.name in weights:
+            continue
         tt = inp.type.tensor_type
         shapes[inp.name] = (tuple(d.dim_value if d.HasField("dim_value") else d.dim_param or None
                                   for d in tt.shape.dim) if tt.HasField("shape") else None)
@@ -70,7 +74,8 @@ def peek(path: str | Path) -> tuple[dict[str, tuple | None], set[Path]]:
 
 def _parse(path: Path) -> onnx.ModelProto:
     try:
-        return onnx.load(str(path), load_external_data=False)
+        # Protobuf whatever the name: onnx.load would pick a text format by the extension (.json).
+        return onnx.load(str(path), format="protobuf", load_external_data=False)
     except FileNotFoundError:
         raise CompileError(f"{path}: no such file") from None
     except Exception as e:  # protobuf decode errors have no common base class
@@ -136,6 +141,17 @@ def _drop_unused(model: onnx.ModelProto) -> None:
         kept.reverse()
         del g.node[:]
         g.node.extend(kept)
+
+
+def _check_domains(model: onnx.ModelProto, source: str) -> None:
+    """Nodes of a domain nothing here lowers, all named at once, before shape inference: it
+    cannot infer their shapes and would fail without naming them."""
+    from dlegion_cc.lower.graph import LOWERINGS
+    known = {"", "ai.onnx"} | {domain for domain, _ in LOWERINGS}
+    problems = [(n.name or f"{n.op_type}_{k}", n.op_type, f"operator not supported (domain {n.domain})")
+                for k, n in enumerate(model.graph.node) if n.domain not in known]
+    if problems:
+        raise UnsupportedNodes(source, problems)
 
 
 def _reads(node: onnx.NodeProto) -> set[str]:

@@ -170,6 +170,13 @@ def problem(values: dict) -> str | None:
         return f"modes must be a non-empty subset of {MODES}, got {modes}"
     if dataflow not in DATAFLOWS:
         return f"dataflow must be one of {DATAFLOWS}, got {dataflow!r}"
+    # The weights of a mode pack a row of the array into whole bytes: the packed weight layout,
+    # the DMA and the verifier all address them by the byte, so a part-byte row cannot be stored.
+    for m in modes:
+        bits = values["array"] * MODE_BITS[m]
+        if bits % 8:
+            return (f"array {values['array']}: a row of {values['array']} {m} weights is {bits} bits, "
+                    f"not whole bytes")
     if values["legions"] > 64:
         return "at most 64 Legions (the multicast set is a 64-bit mask)"
     too_big = [s for s, n in derive(SimpleNamespace(**values)).spad_elems.items() if n > 1 << ADDR_BITS]

@@ -1,6 +1,7 @@
 """dlegion-cc: bad input is one line naming the culprit, exit status 2, no traceback, and nothing
 written; the command line is checked against the model before the long compile."""
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -225,3 +226,83 @@ def test_a_program_for_a_machine_file_runs_from_anywhere(tmp_path, cc):
     r = subprocess.run([sys.executable, "-c", code, str(program), "--report"], cwd=elsewhere,
                        capture_output=True, text=True)
     assert r.returncode == 0 and "my-machine" in r.stdout, r.stderr
+
+
+# --- a machine's description is honored, and a bad one refused, before anything is written -------
+
+def _tiny_toml(path, **changes):
+    """dlegion-tiny with 4 Legions (so a matmul could multicast) and ``changes`` (key = value)."""
+    text = ((ROOT / "isa" / "presets" / "dlegion-tiny.toml").read_text()
+            .replace('name = "dlegion-tiny"', f'name = "{path.stem}"').replace("legions = 2\n", "legions = 4\n"))
+    for key, value in changes.items():
+        text, n = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
+        assert n == 1, key
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("feature", ["multicast", "parallel_accumulators"])
+def test_a_program_for_a_machine_without_a_feature_runs_correctly(tmp_path, cc, feature):
+    toml = _tiny_toml(tmp_path / f"no-{feature}.toml", **{feature: "false"})
+    program = tmp_path / "p.s"
+    status, lines = cc(TINY_MODEL, "-o", program, "--arch", toml)
+    assert status == 0, lines
+    code = "import sys; from runtime.cli import main; sys.argv[0] = 'dlegion-run'; main()"
+    r = subprocess.run([sys.executable, "-c", code, str(program), "--check", str(TINY_MODEL)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_an_array_whose_weight_rows_are_not_whole_bytes_is_one_line(tmp_path, cc):
+    toml = _tiny_toml(tmp_path / "a6.toml", array=6)
+    assert _error(cc(TINY_MODEL, "-o", tmp_path / "p.s", "--arch", toml), toml).endswith(
+        "array 6: a row of 6 w2 weights is 12 bits, not whole bytes")
+    assert not (tmp_path / "p.s").exists()
+
+
+# --- the model: any file name, every node of an unknown domain, the inputs it has ----------------
+
+def test_a_model_named_other_than_onnx_is_read_as_onnx(tmp_path, cc):
+    model = tmp_path / "m.json"
+    model.write_bytes(TINY_MODEL.read_bytes())
+    status, lines = cc(model, "-o", tmp_path / "p.s", "--arch", "dlegion-tiny")
+    assert status == 0 and (tmp_path / "p.s").exists(), lines
+
+
+def test_every_node_of_an_unknown_domain_is_named(tmp_path, cc):
+    nodes = [helper.make_node("Foo", ["y"], ["f"], name="foo", domain="my.dom"),
+             helper.make_node("Bar", ["f"], ["b"], name="", domain="my.dom"),
+             helper.make_node("Baz", ["x"], ["unused"], name="baz", domain="other.dom")]    # dropped, unread
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"), *nodes], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 4])],
+                          [helper.make_tensor_value_info("b", TensorProto.FLOAT, [4, 8])],
+                          [numpy_helper.from_array(np.ones((4, 8), np.float32), "w")])
+    model = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid(d, v) for d, v in
+                                                  (("", 17), ("my.dom", 1), ("other.dom", 1))]), model)
+    status, lines = cc(model, "-o", tmp_path / "p.s", "--arch", "dlegion-tiny")
+    assert status == 2 and lines == [
+        f"dlegion-cc: error: {model}: node 'foo' (Foo): operator not supported (domain my.dom)",
+        f"{model}: node 'Bar_2' (Bar): operator not supported (domain my.dom)"], lines
+    assert not (tmp_path / "p.s").exists()
+
+
+def test_an_inputs_array_the_model_does_not_have_is_named_with_those_it_has(tmp_path, cc):
+    model = _symbolic(tmp_path / "sym.onnx")
+    inputs = _npz(tmp_path / "in.npz", x=np.zeros((1, 2, 4), np.float32), foo=np.zeros(3))
+    _error(cc(model, "-o", tmp_path / "p.s", "--inputs", inputs), inputs, "'foo'", "its inputs: x")
+    assert not (tmp_path / "p.s").exists()
+    # A model of IR version 3 lists its weights among its inputs too; they are not for --inputs.
+    old = _save(tmp_path / "old.onnx", [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
+                [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4]),
+                 helper.make_tensor_value_info("w", TensorProto.FLOAT, [4, 8])],
+                [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])], [("w", np.ones((4, 8), np.float32))])
+    inputs = _npz(tmp_path / "in2.npz", x=np.zeros((1, 4), np.float32), w=np.zeros((4, 8), np.float32))
+    line = _error(cc(old, "-o", tmp_path / "p.s", "--inputs", inputs), "'w' is not an input")
+    assert line.endswith("(its inputs: x)")
+
+
+def test_a_dim_bound_twice_alike_is_still_a_slip(tmp_path, cc):
+    model = _symbolic(tmp_path / "sym.onnx")
+    _error(cc(model, "-o", tmp_path / "p.s", "--dim", "batch=1", "--dim", "sequence=8", "--dim", "sequence=8"),
+           "'sequence' bound twice")

@@ -137,6 +137,8 @@ def test_roof_and_sorting():
     ([MODEL, "--preset", "no-such-machine"], "unknown architecture 'no-such-machine'"),
     ([MODEL, "--dim", "seq"], "NAME=POSITIVE_INTEGER"),
     ([MODEL, "--jobs", "0"], "--jobs"),
+    ([MODEL, "--dim", "foo=3"], "has no symbolic dim 'foo'"),
+    ([MODEL, "--dim", "sequence=8", "--dim", "sequence=8"], "'sequence' bound twice"),
 ])
 def test_bad_input_exits_2(tmp_path, args, message):
     out = tmp_path / "out"
@@ -185,12 +187,41 @@ def test_an_unbound_dimension_names_the_option_dse_has(tmp_path):
 
 def test_when_every_configuration_fails_nothing_is_written(tmp_path):
     out = tmp_path / "new" / "out"
-    r = dlegion_dse(MODEL, "--legions", "65", "--cores", "1", "--array", "4", "--preset", _tiny_vector_spad(tmp_path),
+    model = _one_node_model(tmp_path, "Softmax", [1, 1 << 17], [1, 1 << 17])   # rows too long for any
+    r = dlegion_dse(model, "--legions", "1", "--cores", "1", "--array", "4", "--preset", _tiny_vector_spad(tmp_path),
                     "--jobs", "1", "--out", out)
     line = _error_line(r)
-    assert line == (f"dlegion-dse: error: {MODEL}: all 2 configuration(s) failed; "
-                    f"the first, L65-c1-a4: at most 64 Legions (the multicast set is a 64-bit mask)")
+    assert line.startswith(f"dlegion-dse: error: {model}: all 2 configuration(s) failed; the first, ")
     assert not (tmp_path / "new").exists()      # the folders made to check the outputs are gone too
+
+
+@pytest.mark.parametrize("args, reason", [
+    (["--legions", "2,65", "--array", "4"], "L65-c1-a4: at most 64 Legions (the multicast set is a 64-bit mask)"),
+    (["--legions", "2", "--array", "4,7"], "L2-c1-a7: array 7: a row of 7 w4 weights is 28 bits, not whole bytes"),
+])
+def test_a_configuration_no_machine_can_have_is_refused_before_the_sweep(tmp_path, args, reason):
+    out = tmp_path / "out"
+    r = dlegion_dse(MODEL, "--cores", "1", "--jobs", "1", *args, "--out", out)
+    line = _error_line(r)
+    assert reason in line and "--array" in line and "configuration(s) failed" not in line
+    assert "done L2-c1-a4" not in r.stderr and not out.exists()      # nothing was compiled
+
+
+@pytest.mark.parametrize("case", ["model", "model's data"])
+def test_the_outputs_never_overwrite_the_model(tmp_path, case):
+    out = tmp_path / "out"
+    out.mkdir()
+    model = onnx.load(MODEL)
+    if case == "model":
+        path = out / "dse.csv"
+        onnx.save(model, path)
+    else:
+        path = tmp_path / "m.onnx"
+        onnx.save(model, path, save_as_external_data=True, location="out/latency.png", size_threshold=0)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    line = _error_line(dlegion_dse(path, *TINY, "--out", out))
+    assert "would overwrite" in line and str(path) in line
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
 
 
 def test_an_unwritable_output_is_found_before_the_sweep_and_nothing_changes(tmp_path):

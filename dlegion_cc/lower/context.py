@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -80,7 +80,10 @@ class Lowering:
     """Maps graph values to DRAM operands while nodes are lowered in order."""
 
     def __init__(self, graph: Graph, em: Emitter, switches: Switches = Switches()):
-        self.graph, self.em, self.switches = graph, em, switches
+        # A switch turns a feature off, never on: a machine without multicast gets none whatever
+        # the caller asked (the parallel accumulators are checked where splits are chosen).
+        self.graph, self.em = graph, em
+        self.switches = replace(switches, multicast=switches.multicast and em.arch.multicast)
         self.operands: dict[str, Operand] = {}
         self.int8 = int8_activations(graph)
         self.written: dict = {}       # (Legion, space) -> scratchpad ranges written so far
