@@ -88,7 +88,7 @@ class _Builder:
     def tensor(self, tok) -> int:
         if tok not in self.index:
             known = ", ".join(self.index) or "none"
-            raise self.error(tok, f"unknown tensor {str(tok)!r} (declared: {known})")
+            raise self.error(tok, f"unknown tensor {_quoted(str(tok))} (declared: {known})")
         return self.index[tok]
 
     def add_instr(self, op, i: Instr) -> None:
@@ -512,11 +512,32 @@ def _fast_region(b: _Builder, line: str) -> bool:
 
 # --- error messages --------------------------------------------------------------------------
 
+SHOWN = 120       # characters of a source line an error shows: a long line is cut around the error
+SHOWN_WORD = 40   # of a word a message quotes
+
+
 def located(text: str, source: str, line: int, col: int, msg: str) -> ProgramError:
-    """``file:line:col: msg``, then the offending line and a caret under the column."""
+    """``file:line:col: msg``, then the offending line (its part around the column) and a caret
+    under the column."""
     lines = text.split("\n")
     src = lines[line - 1].rstrip("\r") if 0 < line <= len(lines) else ""
-    return ProgramError(f"{source}:{line}:{col}: {msg}\n  {src}\n  {' ' * (col - 1)}^")
+    src, at = _around(src, col)
+    return ProgramError(f"{source}:{line}:{col}: {msg}\n  {src}\n  {' ' * (at - 1)}^")
+
+
+def _around(src: str, col: int) -> tuple[str, int]:
+    """At most SHOWN characters of ``src`` around column ``col``, '...' marking each cut; and
+    the column in what is shown."""
+    if len(src) <= SHOWN:
+        return src, col
+    start = min(max(col - 1 - SHOWN // 2, 0), len(src) - SHOWN)
+    head, tail = "..." if start else "", "..." if start + SHOWN < len(src) else ""
+    return head + src[start:start + SHOWN] + tail, col - start + len(head)
+
+
+def _quoted(word: str) -> str:
+    """``word`` for a message, its start only if it is long (a whole line of junk, say)."""
+    return repr(word if len(word) <= SHOWN_WORD else word[:SHOWN_WORD] + "...")
 
 
 DESCRIBE = {
@@ -554,7 +575,7 @@ def _got(e: lark.exceptions.UnexpectedInput, line_text: str, col: int) -> str:
     if token is not None and token.type in ("_NL", "$END"):
         return DESCRIBE[token.type]
     word = re.match(r"\S*", line_text[col - 1:]).group()
-    return repr(word) if word else "end of line"
+    return _quoted(word) if word else "end of line"
 
 
 def _unknown_word(line_text: str) -> tuple[int, str] | None:
@@ -567,7 +588,7 @@ def _unknown_word(line_text: str) -> tuple[int, str] | None:
     what = "directive" if word.startswith(".") else "mnemonic"
     close = difflib.get_close_matches(word, known, n=4, cutoff=0.5)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
-    return m.start(1) + 1, f"unknown {what} {word!r}{hint}"
+    return m.start(1) + 1, f"unknown {what} {_quoted(word)}{hint}"
 
 
 def _expected(e: lark.exceptions.UnexpectedInput) -> set[str]:
@@ -678,6 +699,7 @@ def load(path, read_data: bool = True) -> Program:
         raise ProgramError(f"{source}: cannot read ({e.strerror})") from None
     binary = raw.startswith(encoding.MAGIC)
     p = encoding.decode_program(raw, source) if binary else _parse_bytes(raw, source)
+    encoding.check_bindings(p)
     if read_data and p.data_file is not None:
         p.data = _read_data(Path(path).parent / p.data_file, p)
     return p
@@ -685,7 +707,7 @@ def load(path, read_data: bool = True) -> Program:
 
 def _parse_bytes(raw: bytes, source: str) -> Program:
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")        # some editors start UTF-8 text with a byte-order mark
     except UnicodeDecodeError:
         raise ProgramError(f"{source}: neither UTF-8 program text nor a D-Legion binary") from None
     return parse(text, source)

@@ -60,6 +60,14 @@ def check_outputs(outputs: dict[str, str | None], inputs: dict[str, str | Path |
         check_writable(path)
 
 
+def no_empty_path(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A click callback: an empty path would read as 'not given' (an output silently not
+    written, or written to its default, a check not run)."""
+    if value == "":
+        raise click.BadParameter("an empty path names no file", ctx, param)
+    return value
+
+
 def program_files(p: Program) -> dict[str, Path]:
     """The files a program read from ``p.source`` names, which no output may replace."""
     folder = Path(p.source).parent
@@ -87,8 +95,8 @@ def relocate(p: Program, src: str, dst: str) -> Program:
 
 
 @click.command("dlegion-as", cls=Script, context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("program", type=click.Path(dir_okay=False))
-@click.option("-o", "--output", type=click.Path(dir_okay=False),
+@click.argument("program", type=click.Path(dir_okay=False), callback=no_empty_path)
+@click.option("-o", "--output", type=click.Path(dir_okay=False), callback=no_empty_path,
               help="Binary to write (default: PROGRAM with the suffix .bin).")
 def assemble_main(program: str, output: str | None) -> None:
     """Assemble a D-Legion program (text, or a binary to re-encode) into a binary.
@@ -107,8 +115,8 @@ def assemble_main(program: str, output: str | None) -> None:
 
 
 @click.command("dlegion-dis", cls=Script, context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("program", type=click.Path(dir_okay=False))
-@click.option("-o", "--output", type=click.Path(dir_okay=False),
+@click.argument("program", type=click.Path(dir_okay=False), callback=no_empty_path)
+@click.option("-o", "--output", type=click.Path(dir_okay=False), callback=no_empty_path,
               help="Text file to write (default: standard output).")
 def disassemble_main(program: str, output: str | None) -> None:
     """Disassemble a D-Legion binary into canonical program text.

@@ -7,11 +7,18 @@ import sys
 import click
 
 EXIT_BAD_INPUT = 2
+LONGEST = 400     # characters of a message line: text echoed from a huge input is cut in its middle
 
 
 def fail(name: str, message: str, whole: bool = False) -> None:
-    click.echo(f"{name}: error: {message if whole else summary(message)}", err=True)
+    text = f"{name}: error: {message if whole else summary(message)}"
+    click.echo("\n".join(map(_clip, text.split("\n"))), err=True)
     sys.exit(EXIT_BAD_INPUT)
+
+
+def _clip(line: str) -> str:
+    """The culprit comes first and the reason often last: keep both ends of a long line."""
+    return line if len(line) <= LONGEST else f"{line[:LONGEST - 100]} ... {line[-95:]}"
 
 
 def summary(message: str) -> str:

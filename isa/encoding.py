@@ -206,6 +206,20 @@ def check_tensors(p: Program) -> None:
         seen.add(t.name)
 
 
+def check_bindings(p: Program) -> None:
+    """Two tensors of one kind may not bind one graph name: its value would be given, or read
+    back, twice. An input may also be an output, as when a graph returns an input. (Not part
+    of the format, whose graph names are free text: checked when a program file is read.)"""
+    bound: dict[tuple[str, str], str] = {}
+    for t in p.tensors:
+        if t.io_name is None:
+            continue
+        first = bound.setdefault((t.kind, t.io_name), t.name)
+        if first != t.name:
+            raise ProgramError(f"{p.source}: tensors {first!r} and {t.name!r} are both {t.kind} tensors "
+                               f"bound to graph name {t.io_name!r}")
+
+
 # --- regions (shared with the text format) ---------------------------------------------------
 
 def region_error(p: Program) -> str | None:

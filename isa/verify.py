@@ -89,7 +89,11 @@ def span_problem(ins: Instr, arch: Arch) -> str | None:
     if span == 0:
         return "a span of 0 Legions runs nowhere"
     if ins.legion + span > arch.legions:
-        return f"L{ins.legion} to L{ins.legion + span - 1} do not exist ({arch.name} has {arch.legions})"
+        first, last = max(ins.legion, arch.legions), ins.legion + span - 1     # the missing ones only
+        missing = f"L{first} does not" if first == last else f"L{first} to L{last} do not"
+        n = arch.legions
+        has = f"{n} Legion: L0" if n == 1 else f"{n} Legions: L0 to L{n - 1}"
+        return f"{missing} exist ({arch.name} has {has})"
     return None
 
 

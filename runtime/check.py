@@ -103,7 +103,8 @@ def onnx_reference(model: str | Path, inputs: dict[str, np.ndarray],
     feeds = {i.name: inputs[i.name] for i in sess.get_inputs() if i.name in inputs}
     missing = [i.name for i in sess.get_inputs() if i.name not in inputs]
     if missing:
-        raise ValueError(f"{model}: the program does not produce inputs {', '.join(missing)}")
+        raise ValueError(f"{model}: the model takes input(s) {', '.join(missing)}, which the program has not "
+                         f"(program inputs: {', '.join(sorted(inputs)) or 'none'})")
     names = [o.name for o in sess.get_outputs()]
     return dict(zip(names, sess.run(names, feeds)))
 
@@ -133,6 +134,11 @@ def compare(ours: dict[str, np.ndarray], ref: dict[str, np.ndarray],
     missing = sorted(set(ref) - set(ours))
     if missing:
         raise ValueError(f"the program does not produce graph output(s) {', '.join(missing)}")
+    # a different shape is a program built for another model, not a numerical mismatch
+    for n in ref:
+        if ours[n].shape != ref[n].shape:
+            raise ValueError(f"output {n!r}: the program's shape {list(ours[n].shape)} is not "
+                             f"the model's {list(ref[n].shape)}")
     return [compare_one(n, ours[n], ref[n], tol) for n in ref]
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import sys
 import zipfile
 import zlib
@@ -13,7 +14,7 @@ from click.core import ParameterSource
 
 from isa import arch as arch_mod
 from isa.asm import arch_of, load
-from isa.cli import check_outputs, program_files
+from isa.cli import check_outputs, no_empty_path, program_files
 from isa.files import atomic_write_all
 from isa.instructions import DmaStore
 from runtime.check import REFERENCES
@@ -34,12 +35,18 @@ def _load_inputs(path: str | None, program, seed: int) -> dict[str, np.ndarray]:
         if not isinstance(loaded, np.lib.npyio.NpzFile):
             raise ValueError("not an .npz archive")
         with loaded as npz:
-            return {k: npz[k] for k in npz.files}
+            arrays = {k: npz[k] for k in npz.files}
     # a damaged archive fails in zipfile (RuntimeError for flags it reads as encryption or an unknown
     # method), zlib or numpy's reader, whichever meets the damage first
     except (OSError, ValueError, EOFError, RuntimeError, zipfile.BadZipFile, zlib.error) as e:
         why = getattr(e, "strerror", None) or str(e) or type(e).__name__
         raise Failure(f"{path}: cannot read inputs ({why})") from None
+    # a name the program does not take is most likely a misspelt one, whose input got no value
+    extra = sorted(set(arrays) - {t.io_name for t in program.inputs()})
+    if extra:
+        raise Failure(f"{path}: the program has no input(s) {', '.join(extra)} "
+                      f"(its inputs: {', '.join(sorted(t.io_name for t in program.inputs())) or 'none'})")
+    return arrays
 
 
 def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
@@ -90,30 +97,47 @@ def _execute(program, arch, inputs_path, seed, races=True):
     machine = arch_mod.load(arch) if arch else arch_of(program)
     inputs = _load_inputs(inputs_path, program, seed)
     _warn_unwritten(program)
-    return inputs, run(program, machine, inputs, races=races)
+    try:
+        return inputs, run(program, machine, inputs, races=races)
+    except MemoryError:     # the tensors themselves are named where they are made (runtime/state.py)
+        raise Failure(f"{program.source}: the emulator ran out of host memory") from None
 
 
-def _needs_check(ctx: click.Context, check_model: str | None) -> None:
-    """Options that only mean something with --check are an error without it, when given."""
+def _given(ctx: click.Context, name: str) -> bool:
+    return ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
+
+
+def _needs_check(ctx: click.Context, check_model: str | None, inputs_path: str | None) -> None:
+    """Options that only mean something with --check are an error without it, when given; so
+    is --seed with --inputs, which leaves nothing random."""
     for name in ("check_all", "reference", "tolerance"):
-        if not check_model and ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT,
-                                                                       ParameterSource.DEFAULT_MAP):
+        if not check_model and _given(ctx, name):
             raise click.UsageError(f"--{name.replace('_', '-')} needs --check", ctx)
+    if inputs_path is not None and _given(ctx, "seed"):
+        raise click.UsageError("--seed has no effect with --inputs (it seeds the random inputs)", ctx)
+
+
+def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    """A NaN tolerance fails every comparison and an infinite one passes any; neither is a bound."""
+    if not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number", ctx, param)
+    return value
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.pass_context
-@click.argument("program", type=click.Path(dir_okay=False))
-@click.option("--arch", metavar="NAME|FILE.toml",
+@click.argument("program", type=click.Path(dir_okay=False), callback=no_empty_path)
+@click.option("--arch", metavar="NAME|FILE.toml", callback=no_empty_path,
               help="Machine to run on (default: the program's .arch); a FILE.toml is relative to the "
                    "current folder. Presets: "
                    + ", ".join(arch_mod.preset_names()))
 @click.option("--inputs", "inputs_path", type=click.Path(dir_okay=False), metavar="IN.npz",
-              help="Input values keyed by graph input name (default: seeded random inputs).")
+              callback=no_empty_path, help="Input values keyed by graph input name (default: seeded random inputs).")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the random inputs.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), metavar="OUT.npz",
-              help="Write the outputs, keyed by graph output name.")
+              callback=no_empty_path, help="Write the outputs, keyed by graph output name.")
 @click.option("--check", "check_model", type=click.Path(dir_okay=False), metavar="MODEL.onnx",
+              callback=no_empty_path,
               help="Run onnxruntime on the same inputs and compare every graph output; exit 1 on mismatch.")
 @click.option("--check-all", is_flag=True,
               help="With --check: also compare every intermediate tensor that survives compilation "
@@ -122,12 +146,12 @@ def _needs_check(ctx: click.Context, check_model: str | None) -> None:
               help="With --check: onnxruntime as it comes, or 'exact': onnxruntime made to compute the integer "
                    "operators' definition (uint8 x uint8 MatMulInteger kernels, no QDQ fusion), which its "
                    "default uint8 x int8 kernels do not on CPUs without VNNI.")
-@click.option("--tolerance", type=click.FloatRange(min=0), default=1e-4, show_default=True,
+@click.option("--tolerance", type=click.FloatRange(min=0), default=1e-4, show_default=True, callback=_finite,
               help="Largest relative L2 error accepted for float outputs (integers must be exact).")
 @click.option("--report", is_flag=True, help="Print cycles, throughput, utilization and traffic.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), metavar="FILE",
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), metavar="FILE", callback=no_empty_path,
               help="Write the report's numbers as JSON.")
-@click.option("--trace", "trace_path", type=click.Path(dir_okay=False), metavar="FILE",
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False), metavar="FILE", callback=no_empty_path,
               help="Write a Chrome/Perfetto trace (one track per Legion queue, one for DRAM).")
 @click.option("--race-check/--no-race-check", "races", default=True, show_default=True,
               help="Check that every two instructions touching the same element (one writing) are "
@@ -141,7 +165,7 @@ def run_command(ctx, program, arch, inputs_path, seed, out_path, check_model, ch
     races or deadlocks. Outputs are written together at the end, all or none.
     """
     from runtime import report as rep
-    _needs_check(ctx, check_model)
+    _needs_check(ctx, check_model, inputs_path)
     outputs = {"--out": out_path, "--json": json_path, "--trace": trace_path}
     check_outputs(outputs, {"the program": program, "the --inputs file": inputs_path,
                             "the --check model": check_model,

@@ -11,7 +11,7 @@ from isa.expand import expand
 from isa.verify import verify
 from runtime import semantics
 from runtime.races import RaceCheck
-from runtime.state import Machine, Trap
+from runtime.state import Machine, Trap, host_array
 from runtime.timing import Timeline, simulate
 
 
@@ -60,17 +60,17 @@ def bind_inputs(machine: Machine, program: Program, inputs: dict[str, np.ndarray
 def random_inputs(program: Program, seed: int = 0) -> dict[str, np.ndarray]:
     """Deterministic inputs valid for each input tensor (integers inside the declared range)."""
     rng = np.random.default_rng(seed)
-    return {t.io_name: _random_value(t, rng) for t in program.inputs()}
+    return {t.io_name: _random_value(t, rng, program.source) for t in program.inputs()}
 
 
 _INT_DEFAULT = {"i8": (-128, 128), "u8": (0, 256), "i32": (-1000, 1000), "i64": (-1000, 1000)}
 
 
-def _random_value(t: Tensor, rng: np.random.Generator) -> np.ndarray:
+def _random_value(t: Tensor, rng: np.random.Generator, source: str) -> np.ndarray:
     from isa.program import STORAGE
     if t.dtype == "f32":
-        return rng.standard_normal(t.shape).astype(np.float32)
+        return host_array(source, t, lambda: rng.standard_normal(t.shape).astype(np.float32))
     if t.dtype not in _INT_DEFAULT:
         raise ProgramError(f"input {t.io_name!r} has dtype {t.dtype}, which takes no random values")
     lo, hi = t.range or _INT_DEFAULT[t.dtype]
-    return rng.integers(lo, hi, size=t.shape).astype(STORAGE[t.dtype])
+    return host_array(source, t, lambda: rng.integers(lo, hi, size=t.shape).astype(STORAGE[t.dtype]))

@@ -143,6 +143,18 @@ class Scratchpad:
 
 # --- the machine -----------------------------------------------------------------------------
 
+def host_array(source: str, t: Tensor, make) -> np.ndarray:
+    """``make()``, the host array of tensor ``t``. The emulator holds every DRAM tensor in host
+    memory, so a shape the host cannot hold (numpy's MemoryError), or numpy cannot index
+    (ValueError, raised before it allocates), is an error naming the tensor."""
+    try:
+        return make()
+    except (MemoryError, ValueError, OverflowError):
+        shape = ",".join(map(str, t.shape))
+        raise ProgramError(f"{source}: tensor {t.name!r} {t.dtype}[{shape}] ({t.nbytes:,} bytes) "
+                           f"is too large for the emulator's host memory") from None
+
+
 class Machine:
     """DRAM (one flat array per tensor, in its storage dtype) and per-Legion scratchpads."""
 
@@ -158,7 +170,7 @@ class Machine:
     def _initial(self, t: Tensor) -> np.ndarray:
         dtype = STORAGE[t.dtype]
         if t.kind != "const":
-            return np.zeros(t.storage_elems, dtype)
+            return host_array(self.program.source, t, lambda: np.zeros(t.storage_elems, dtype))
         return np.frombuffer(self.program.const_bytes(t), dtype).copy()
 
     # -- tensors by name, for the host side --

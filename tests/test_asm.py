@@ -407,7 +407,7 @@ def test_save_writes_neither_file_when_one_cannot_be_written(tmp_path):
     p = asm.parse(DESIGN_EXAMPLE)
     (tmp_path / "blocker").write_text("")
     p.data_file = "blocker/prog.s.data"
-    with pytest.raises(ProgramError, match=r"blocker: cannot write \(File exists\)"):
+    with pytest.raises(ProgramError, match=r"blocker: cannot write \(not a directory\)"):
         asm.save(p, tmp_path / "p.s", data=b"new")
     assert [f.name for f in tmp_path.iterdir()] == ["blocker"]
 

@@ -66,7 +66,7 @@ def test_a_span_past_the_last_legion_is_rejected_with_its_line():
     p = _program([VADD(1, View("vec", 0, 16, 1), View("vec", 0, 16, 1), 1.0, 1, 16, span=2),
                   VADD(0, View("vec", 0, 16, 1), View("vec", 0, 16, 1), 1.0, 1, 16, span=0)])
     problems = check(p, TINY)
-    assert "t.s:1: vadd: span: L1 to L2 do not exist (dlegion-tiny has 2)" in problems
+    assert "t.s:1: vadd: span: L2 does not exist (dlegion-tiny has 2 Legions: L0 to L1)" in problems
     assert "t.s:2: vadd: span: a span of 0 Legions runs nowhere" in problems
 
 

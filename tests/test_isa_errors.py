@@ -123,3 +123,33 @@ def test_a_usage_error_is_one_line_naming_the_script(name, main):
     assert r.returncode == 2 and r.stdout == ""
     lines = r.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"{name}: error: ") and "--help" in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("main, name", [(cli.assemble_main, "dlegion-as"), (cli.disassemble_main, "dlegion-dis")])
+def test_an_empty_output_path_is_refused(prog, main, name):
+    assert run(cli.assemble_main, prog, "-o", "good.bin").exit_code == 0
+    before = {p.name: p.read_bytes() for p in Path().iterdir()}
+    one_error(run(main, "good.bin", "-o", ""), name, "'-o' / '--output': an empty path names no file")
+    assert {p.name: p.read_bytes() for p in Path().iterdir()} == before
+
+
+def test_a_byte_order_mark_is_skipped(prog):
+    Path("bom.s").write_bytes(b"\xef\xbb\xbf" + prog.read_bytes())
+    assert run(cli.assemble_main, "bom.s", "-o", "bom.bin").exit_code == 0
+    assert asm.load("bom.bin") == asm.load(prog)
+
+
+def test_a_graph_name_bound_twice_is_rejected(prog):
+    prog.write_text(prog.read_text().replace('.tensor y f32[8,32] output "y"',
+                                             '.tensor y f32[8,32] output "y"\n.tensor z f32[8,32] output "y"'))
+    one_error(run(cli.assemble_main, "softmax.s", "-o", "p.bin"), "dlegion-as",
+              "softmax.s: tensors 'y' and 'z' are both output tensors bound to graph name 'y'")
+    assert not Path("p.bin").exists()
+
+
+def test_a_long_token_is_quoted_by_its_start(prog):
+    prog.write_text(prog.read_text().replace("@x[0,32]", "@" + "q" * 100_000 + "[0,32]"))
+    result = run(cli.assemble_main, prog, "-o", "p.bin")
+    head, src, _ = result.stderr.splitlines()
+    assert result.exit_code == 2 and len(result.stderr) < 400
+    assert f"unknown tensor '{'q' * 40}...' (declared: x, y)" in head and src.endswith("...")

@@ -1,4 +1,6 @@
 """dlegion-run on bad input: one line naming the culprit, exit status 2, nothing written."""
+import dataclasses
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -62,6 +64,10 @@ def test_a_truncated_npz_is_named(run, prog, tmp_path):
     (["--check-all"], "--check-all needs --check"),
     (["--reference", "exact"], "--reference needs --check"),
     (["--tolerance", "0.1"], "--tolerance needs --check"),
+    (["--check", "m.onnx", "--tolerance", "nan"], "'--tolerance': nan is not a finite number"),
+    (["--check", "m.onnx", "--tolerance", "inf"], "'--tolerance': inf is not a finite number"),
+    (["--inputs", "in.npz", "--seed", "3"], "--seed has no effect with --inputs"),
+    (["--inputs", "in.npz", "--seed", "0"], "--seed has no effect with --inputs"),     # given, if the default
 ])
 def test_bad_options_are_rejected(run, prog, args, culprit):
     code, _, err = run(prog, *args)
@@ -152,7 +158,7 @@ def test_a_check_error_names_the_model_once(run, prog, tmp_path):
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "det.onnx")
     code, _, err = run(prog, "--check", "det.onnx")
     assert code == 2
-    one_error(err, "det.onnx: the program does not produce inputs z")
+    one_error(err, "det.onnx: the model takes input(s) z, which the program has not (program inputs: x)")
     assert err.count("det.onnx") == 1
 
 
@@ -174,3 +180,131 @@ def test_a_machine_file_is_relative_to_the_program(run, prog, tmp_path):
 def test_help_says_a_faulting_program_exits_2(run):
     code, out, _ = run("--help")
     assert code == 0 and "faults" in " ".join(out.split())
+
+
+@pytest.mark.parametrize("old, new, culprit", [
+    # past the host's memory (numpy's MemoryError): random inputs, then zeroed DRAM
+    ('.tensor x f32[8,32] input "x"', '.tensor x f32[1099511627776,1048576] input "x"',
+     "tensor 'x' f32[1099511627776,1048576] (4,611,686,018,427,387,904 bytes) is too large"),
+    ('.tensor x f32[8,32] input "x"', '.tensor x i64[1099511627776,524288] input "input_ids"',
+     "tensor 'x' i64[1099511627776,524288]"),
+    ('.tensor y f32[8,32] output "y"', '.tensor y f32[8,32] output "y"\n.tensor t f32[1099511627776,1048576] scratch',
+     "tensor 't' f32[1099511627776,1048576]"),
+    # past what numpy can index (its ValueError)
+    ('.tensor y f32[8,32] output "y"', '.tensor y f32[8,32] output "y"\n.tensor t u8[1000000000000000000000] scratch',
+     "tensor 't' u8[1000000000000000000000]"),
+])
+def test_a_tensor_too_large_for_the_host_is_named(run, prog, tmp_path, old, new, culprit):
+    prog.write_text(prog.read_text().replace(old, new))
+    asm.save(asm.load(prog), tmp_path / "big.bin", binary=True)
+    for program in (prog, "big.bin"):
+        code, _, err = run(program, "--out", "o.npz")
+        assert code == 2
+        one_error(err, f"{program}: ", culprit, "too large for the emulator's host memory")
+        assert not (tmp_path / "o.npz").exists()
+
+
+def test_a_long_line_is_cut_around_the_error(run, tmp_path):
+    (tmp_path / "longline.s").write_text(".arch dlegion-tiny\n" + "x" * 2_000_000 + "\n")
+    code, _, err = run("longline.s")
+    assert code == 2 and len(err) < 500
+    assert err.startswith("dlegion-run: error: longline.s:2:1: unknown mnemonic 'xxx")
+    vexp = "vexp L0 vec[0,32,1] vec[0,32,1] rows=8 cols=32"
+    (tmp_path / "deep.s").write_text(f'.arch dlegion-tiny\n.tensor x f32[8,32] input "x"\n{vexp}'
+                                     + " " * 5000 + "junk ;" + "c" * 5000)
+    code, _, err = run("deep.s")
+    head, src, caret = err.splitlines()
+    assert code == 2 and "deep.s:3:5047: unexpected 'junk'" in head
+    assert src.startswith("  ...") and src.endswith("...") and len(src) < 140
+    assert src[len(caret) - 1:].startswith("junk")               # the caret still under the culprit
+
+
+def test_a_long_name_in_a_message_is_cut(run, prog):
+    code, _, err = run(prog, "--arch", "q" * 100_000)
+    assert code == 2 and len(err) < 500
+    one_error(err, "unknown architecture 'qqq", " ... ", "tiny")     # both ends: the culprit, the choices
+
+
+def test_inputs_the_program_does_not_take_are_named(run, prog, tmp_path):
+    np.savez(tmp_path / "in.npz", x=np.ones((8, 32), np.float32), foo=np.ones(3), bar=np.ones(1))
+    code, _, err = run(prog, "--inputs", "in.npz", "--out", "o.npz")
+    assert code == 2
+    one_error(err, "in.npz: the program has no input(s) bar, foo (its inputs: x)")
+    for value, culprit in [(np.ones((8, 32)), "input 'x' wants float32 (f32), got float64"),
+                           (np.ones((8, 16), np.float32), "input 'x' wants shape [8, 32], got [8, 16]")]:
+        np.savez(tmp_path / "in.npz", x=value)
+        code, _, err = run(prog, "--inputs", "in.npz", "--out", "o.npz")
+        assert code == 2
+        one_error(err, "softmax.s: ", culprit)
+    assert not (tmp_path / "o.npz").exists()
+
+
+def test_an_output_of_another_shape_than_the_models_is_bad_input(run, prog, tmp_path):
+    node = helper.make_node("Reshape", ["x", "s"], ["y"])
+    shape = helper.make_tensor("s", TensorProto.INT64, [2], [4, 64])
+    g = helper.make_graph([node], "other", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 32])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 64])], [shape])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "other.onnx")
+    code, out, err = run(prog, "--check", "other.onnx", "--out", "o.npz")
+    assert code == 2 and "MISMATCH" not in out
+    one_error(err, "other.onnx: output 'y': the program's shape [8, 32] is not the model's [4, 64]")
+    assert not (tmp_path / "o.npz").exists()
+
+
+@pytest.mark.parametrize("option", ["--out", "--json", "--trace", "--inputs", "--check", "--arch"])
+def test_an_empty_path_is_refused(run, prog, tmp_path, option):
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code, _, err = run(prog, option, "")
+    assert code == 2
+    one_error(err, f"'{option}': an empty path names no file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize("span, arch, culprit", [
+    (2, "ws-32", "softmax.s:10: vexp: span: L1 does not exist (ws-32 has 1 Legion: L0)"),
+    (4, "dlegion-tiny", "softmax.s:10: vexp: span: L2 to L3 do not exist (dlegion-tiny has 2 Legions: L0 to L1)"),
+])
+def test_a_span_past_the_machine_names_the_missing_legions(run, prog, span, arch, culprit):
+    vexp = "vexp L0 vec[0,32,1] vec[0,32,1] rows=8 cols=32"
+    prog.write_text(prog.read_text().replace(vexp, f"{vexp} span={span}"))
+    code, _, err = run(prog, "--arch", arch)
+    assert code == 2
+    one_error(err, culprit)
+
+
+def test_a_byte_order_mark_is_accepted(run, prog):
+    prog.write_bytes(b"\xef\xbb\xbf" + prog.read_bytes())
+    code, _, err = run(prog, "--out", "o.npz")
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("kind, name", [("input", "x"), ("output", "y")])
+def test_a_graph_name_bound_twice_names_both_tensors(run, prog, tmp_path, kind, name):
+    text = prog.read_text()
+    decl = f'.tensor {name} f32[8,32] {kind} "{name}"'
+    prog.write_text(text.replace(decl, f"{decl}\n{decl.replace(name, name + '2', 1)}"))
+    code, _, err = run("softmax.s")
+    assert code == 2
+    one_error(err, f"softmax.s: tensors '{name}' and '{name}2' are both {kind} tensors bound to graph name '{name}'")
+    prog.write_text(text)
+    p = asm.load(prog)
+    p.tensors.append(dataclasses.replace(p.tensors[0 if kind == "input" else 1], name=f"{name}2"))
+    (tmp_path / "dup.bin").write_bytes(_unchecked_binary(p))
+    code, _, err = run("dup.bin")
+    assert code == 2
+    one_error(err, f"dup.bin: tensors '{name}' and '{name}2' are both {kind} tensors bound to graph name '{name}'")
+
+
+def _unchecked_binary(p) -> bytes:
+    """``p`` as a binary, written past the encoder's checks (as another tool might write it)."""
+    from isa import encoding
+    head = json.dumps(encoding.header(p)).encode()
+    out = encoding.PREFIX.pack(encoding.MAGIC, encoding.VERSION, 0, len(head)) + head
+    return out + bytes(-len(out) % encoding.WORD_BYTES) + b"".join(map(encoding.encode_instr, p.instrs))
+
+
+def test_an_input_may_also_be_an_output(run, prog):
+    """A graph that returns an input binds its name to an input and an output tensor."""
+    prog.write_text(prog.read_text().replace('output "y"', 'output "x"'))
+    code, _, err = run(prog, "--out", "o.npz")
+    assert code == 0, err
