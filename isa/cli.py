@@ -22,6 +22,7 @@ from isa.arch import ArchError
 from isa.console import run_script
 from isa.files import check_writable
 from isa.program import Program, ProgramError
+from isa.verify import verify
 
 
 class Script(click.Command):
@@ -101,16 +102,21 @@ def relocate(p: Program, src: str, dst: str) -> Program:
 def assemble_main(program: str, output: str | None) -> None:
     """Assemble a D-Legion program (text, or a binary to re-encode) into a binary.
 
-    The program's .arch must name a preset or a TOML file (relative to the program). The
+    The program's .arch must name a preset or a TOML file (relative to the program), and the
+    program must pass the checks dlegion-run makes before running it on that machine. The
     output's .data and .arch paths are rewritten so they still name the same files when
-    OUTPUT is in another folder. Exit status: 0 on success, 2 on any error.
+    OUTPUT is in another folder.
+
+    Exit status: 0 on success, 2 on any error.
     """
     outputs = {"-o": output} if output else {"the default output": str(Path(program).with_suffix(".bin"))}
     output = next(iter(outputs.values()))
     check_outputs(outputs, {"the program": program})
     p = asm.load(program, read_data=False)
     check_outputs(outputs, program_files(p))
-    asm.arch_of(p)
+    # What dlegion-run would refuse before running (a Legion the machine lacks, a view past a
+    # scratchpad's end) is refused here, rather than written into a binary.
+    verify(p, asm.arch_of(p))
     asm.save(relocate(p, program, output), output, binary=True)
 
 

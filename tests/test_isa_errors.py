@@ -153,3 +153,12 @@ def test_a_long_token_is_quoted_by_its_start(prog):
     head, src, _ = result.stderr.splitlines()
     assert result.exit_code == 2 and len(result.stderr) < 400
     assert f"unknown tensor '{'q' * 40}...' (declared: x, y)" in head and src.endswith("...")
+
+
+def test_the_assembler_refuses_what_the_run_would(prog):
+    """A Legion the machine lacks is found by dlegion-as, not first by dlegion-run."""
+    text = prog.read_text()
+    assert "vexp L0 " in text
+    Path("bad.s").write_text(text.replace("vexp L0 ", "vexp L7 "))
+    one_error(run(cli.assemble_main, "bad.s", "-o", "bad.bin"), "dlegion-as", "bad.s:", "L7", "do", "exist")
+    assert not Path("bad.bin").exists()
