@@ -260,6 +260,12 @@ def test_an_array_whose_weight_rows_are_not_whole_bytes_is_one_line(tmp_path, cc
     assert not (tmp_path / "p.s").exists()
 
 
+def test_a_float_matmul_too_big_for_vec_says_how_much_it_needs(tmp_path, cc):
+    toml = _tiny_toml(tmp_path / "v4.toml", vec_kib=4)
+    line = _error(cc(TINY_MODEL, "-o", tmp_path / "p.s", "--arch", toml), "lm_head")
+    assert re.search(r"need \d+ vector scratchpad elements, more than its 1024$", line), line
+
+
 # --- the model: any file name, every node of an unknown domain, the inputs it has ----------------
 
 def test_a_model_named_other_than_onnx_is_read_as_onnx(tmp_path, cc):

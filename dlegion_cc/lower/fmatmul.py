@@ -80,7 +80,8 @@ def _layout(em: Emitter, M: int, K: int, N: int) -> Layout:
         return Layout(mb, nb, min(K, room // mb * mb or room), 2)
     room = (cap - 2 * mb * nb) // (mb + nb)
     if room < 1:
-        raise ValueError(f"a {mb}x{nb} output block does not fit the vector scratchpad")
+        raise ValueError(f"a {mb}x{nb} output block and one step of K need {2 * mb * nb + mb + nb} vector "
+                         f"scratchpad elements, more than its {cap}")
     return Layout(mb, nb, min(K, room), 1)
 
 
