@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from isa import arch as arch_mod
-from isa.files import check_writable
+from isa.console import check_outputs, read_arrays
 from dlegion_cc.errors import CompileError
 from dlegion_cc.importer import peek
 from dlegion_cc.lower.qplan import OBJECTIVES
@@ -29,25 +29,11 @@ def _parse_dims(values: tuple[str, ...]) -> dict[str, int]:
     return dims
 
 
-def _input_shapes(path: str) -> dict[str, tuple[int, ...]]:
-    """The shapes of the arrays a user will run with, keyed by input name."""
-    import zipfile
-    import numpy as np
-    if not zipfile.is_zipfile(path):        # np.load would try it as a pickle, and say so
-        raise CompileError(f"{path}: not an .npz archive (or a truncated one)")
-    try:
-        with np.load(path) as npz:
-            return {k: npz[k].shape for k in npz.files}     # reading each array finds a damaged one
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
-        why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise CompileError(f"{path}: cannot read inputs as .npz ({why})") from None
-
-
 def _bound_dims(model: str, shapes: dict, inputs_path: str | None, dims: dict[str, int]) -> dict[str, int]:
     """Symbolic dims bound by --inputs (the arrays' shapes) and --dim; each must name a dim of
     the model, and no dim may be bound to two sizes."""
     bound, where = {}, {}
-    arrays = _input_shapes(inputs_path) if inputs_path else {}
+    arrays = {k: a.shape for k, a in read_arrays(inputs_path).items()} if inputs_path else {}
     stray = [name for name in arrays if name not in shapes]
     if stray:               # a misspelt input would otherwise be silently ignored, and run random
         raise CompileError(f"{inputs_path}: '{stray[0]}' is not an input of {model} "
@@ -76,21 +62,16 @@ def _bound_dims(model: str, shapes: dict, inputs_path: str | None, dims: dict[st
     return bound | dims
 
 
-def check_not_inputs(model: str, data_files: set[Path], writes: list[Path], option: str) -> None:
-    """Refuse to write over the model or its weights (``option``: the option that named ``writes``)."""
-    reads = {f.resolve(): "the data file of" for f in data_files} | {Path(model).resolve(): "the model"}
-    for path in writes:
-        if path.resolve() in reads:
-            raise CompileError(f"{option}: writing {path} would overwrite {reads[path.resolve()]} {model}")
+def model_files(model: str, data_files: set[Path]) -> dict[str, str | Path]:
+    """The files a model is read from, by description, which no output may replace."""
+    return {f"the model {model}": model} | {f"the data file {f} of {model}": f for f in data_files}
 
 
 def _check_outputs(model: str, data_files: set[Path], output: str, emit: str) -> None:
     """Refuse to overwrite the model or its weights, and find an unwritable output before the
     long compile rather than after it."""
-    writes = [Path(output)] + ([] if emit == "ir" else [Path(output + ".data")])
-    check_not_inputs(model, data_files, writes, f"-o {output}")
-    for path in writes:
-        check_writable(path)
+    check_outputs({"-o": output, "-o's data file": None if emit == "ir" else output + ".data"},
+                  model_files(model, data_files))
 
 
 def _arch_for(arch: str, output: str) -> str:

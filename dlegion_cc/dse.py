@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from isa import arch as arch_mod
-from isa.console import table_console
+from isa.console import check_not_inputs, table_console
 from dlegion_cc.dse_measure import COLUMNS, Config, config_of, evaluate, failed_row
 from dlegion_cc.lower.qplan import OBJECTIVES
 
@@ -173,14 +173,9 @@ def _check_model(model: str, dims: dict, switches: dict) -> None:
     unsupported operator) is reported once, before the sweep: importing and the graph passes do not
     depend on the machine; only lowering does."""
     from dlegion_cc.errors import CompileError
-    from dlegion_cc.importer import import_model
-    from dlegion_cc.pipeline import Options, passes
-    options = Options(arch_mod.load(BASE), dims, **switches)
+    from dlegion_cc.pipeline import Options, graph_of
     try:
-        graph = import_model(model, dims)
-        for p in passes(options):
-            p.run(graph, options)
-            graph.remove_dead()
+        graph_of(model, Options(arch_mod.load(BASE), dims, **switches))
     except CompileError as e:
         # The importer's hint also offers dlegion-cc's --inputs, which this command does not have.
         raise CompileError(str(e).replace(" or --inputs", "")) from None
@@ -222,7 +217,7 @@ def dse_command(model, dims, legions, cores, arrays, presets, jobs, out_dir, obj
     configuration no machine can have, a model that cannot compile at all, or for none of the
     configurations (then nothing is written).
     """
-    from dlegion_cc.cli import _bound_dims, _parse_dims, check_not_inputs
+    from dlegion_cc.cli import _bound_dims, _parse_dims, model_files
     from dlegion_cc.importer import peek
     from isa.files import check_writable
     given = _parse_dims(dims)
@@ -231,7 +226,7 @@ def dse_command(model, dims, legions, cores, arrays, presets, jobs, out_dir, obj
     shapes, data_files = peek(model)
     bound = _bound_dims(model, shapes, None, given)        # as dlegion-cc: only dims the model has
     out = Path(out_dir)
-    check_not_inputs(model, data_files, [out / name for name in OUTPUTS], f"--out {out_dir}")
+    check_not_inputs({f"--out's {name}": out / name for name in OUTPUTS}, model_files(model, data_files))
     switches = {"objective": objective}
     _check_model(model, bound, switches)
     made = [d for d in (out, *out.parents) if not d.exists()]     # innermost first

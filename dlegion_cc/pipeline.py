@@ -60,14 +60,21 @@ Hook = Callable[[str, Graph], None]
 
 def compile_model(model: str | Path, options: Options, data_file: str | None = None,
                   after_pass: Hook | None = None) -> tuple[Graph, Program]:
+    graph = graph_of(model, options, after_pass)
+    program = lower_graph(graph, options.arch, data_file, options.switches())  # tiles, kernels, DMA, sync
+    return graph, program
+
+
+def graph_of(model: str | Path, options: Options, after_pass: Hook | None = None) -> Graph:
+    """The graph the passes leave, ready to lower: what no machine parameter changes but the
+    switches (what fails here fails on every machine)."""
     graph = import_model(model, options.dims)          # load, check, infer shapes, fold constants
     _hook(after_pass, "import", graph)
     for p in passes(options):                           # recognize patterns, then legalize
         p.run(graph, options)
         graph.remove_dead()
         _hook(after_pass, p.name, graph)
-    program = lower_graph(graph, options.arch, data_file, options.switches())  # tiles, kernels, DMA, sync
-    return graph, program
+    return graph
 
 
 FUSIONS = (FuseSiblings, FuseRowwise)

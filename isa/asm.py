@@ -53,7 +53,7 @@ class _Builder:
         if self.p.arch:
             raise self.error(tok, "a second .arch directive")
         self.p.arch = _string(self, tok) if tok.type == "STRING" else str(tok)
-        setattr(self.p, _ARCH_AT, f"{self.source}:{tok.line + self.offset}:{tok.column}")
+        self.p.arch_at = f"{self.source}:{tok.line + self.offset}:{tok.column}"
 
     def set_data(self, tok) -> None:
         self._directive_first(tok, ".data")
@@ -677,16 +677,13 @@ def _region_lines(p: Program) -> dict[int, list[str]]:
 
 # --- files -----------------------------------------------------------------------------------
 
-_ARCH_AT = "_arch_at"      # where a parsed program's .arch stands, for messages
-
-
 def arch_of(p: Program) -> arch_mod.Arch:
     """The machine ``p``'s ``.arch`` names: a preset, or a TOML file relative to the program's
     folder. An error names the directive (file:line:col of a text program)."""
     try:
         return arch_mod.load(p.arch, base=Path(p.source).parent)
     except arch_mod.ArchError as e:
-        where = getattr(p, _ARCH_AT, f"{p.source}: .arch")
+        where = p.arch_at or f"{p.source}: .arch"
         raise arch_mod.ArchError(f"{where}: {e}") from None
 
 

@@ -19,8 +19,7 @@ import click
 from isa import arch as arch_mod
 from isa import asm
 from isa.arch import ArchError
-from isa.console import run_script
-from isa.files import check_writable
+from isa.console import check_outputs, no_empty_path, run_script
 from isa.program import Program, ProgramError
 from isa.verify import verify
 
@@ -35,38 +34,6 @@ class Script(click.Command):
             return super().main(args, prog_name, standalone_mode=False, **extra)
         command = SimpleNamespace(main=functools.partial(super().main, args, **extra))
         run_script(command, self.name, (ProgramError, ArchError))
-
-
-def same_file(a, b) -> bool:
-    """Whether paths ``a`` and ``b`` name one file (through symbolic and hard links too)."""
-    a, b = Path(a), Path(b)
-    try:
-        return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
-    except OSError:
-        return False
-
-
-def check_outputs(outputs: dict[str, str | None], inputs: dict[str, str | Path | None]) -> None:
-    """Before any work: no output (by option) may replace an input (by description) or another
-    output, and each must be writable; else a one-line error."""
-    given = {opt: path for opt, path in outputs.items() if path}
-    for n, (opt, path) in enumerate(given.items()):
-        for what, other in inputs.items():
-            if other and same_file(path, other):
-                raise click.ClickException(f"{opt} {path} would overwrite {what}")
-        for earlier, other in list(given.items())[:n]:
-            if same_file(path, other):
-                raise click.ClickException(f"{opt} {path} is also the {earlier} file")
-    for path in given.values():
-        check_writable(path)
-
-
-def no_empty_path(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    """A click callback: an empty path would read as 'not given' (an output silently not
-    written, or written to its default, a check not run)."""
-    if value == "":
-        raise click.BadParameter("an empty path names no file", ctx, param)
-    return value
 
 
 def program_files(p: Program) -> dict[str, Path]:

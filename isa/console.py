@@ -1,10 +1,15 @@
 """Running a click command as a console script: every user error is one message and exit 2;
-the console its tables print to."""
+the checks every command makes of its paths and input arrays; the console its tables print to."""
 from __future__ import annotations
 
 import sys
+import zipfile
+import zlib
+from pathlib import Path
 
 import click
+
+from isa.files import check_writable
 
 EXIT_BAD_INPUT = 2
 LONGEST = 400     # characters of a message line: text echoed from a huge input is cut in its middle
@@ -60,3 +65,60 @@ def table_console(width: int):
     from rich.console import Console
     console = Console()
     return console if console.is_terminal else Console(width=width)
+
+
+# --- what every command checks of its paths and inputs -----------------------------------------
+
+def same_file(a, b) -> bool:
+    """Whether paths ``a`` and ``b`` name one file (through symbolic and hard links too)."""
+    a, b = Path(a), Path(b)
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
+    except OSError:
+        return False
+
+
+def check_not_inputs(outputs: dict[str, str | Path | None], inputs: dict[str, str | Path | None]) -> None:
+    """No output (by option) may replace an input (by description) or another output."""
+    given = {opt: path for opt, path in outputs.items() if path}
+    for n, (opt, path) in enumerate(given.items()):
+        for what, other in inputs.items():
+            if other and same_file(path, other):
+                raise click.ClickException(f"{opt} {path} would overwrite {what}")
+        for earlier, other in list(given.items())[:n]:
+            if same_file(path, other):
+                raise click.ClickException(f"{opt} {path} is also the {earlier} file")
+
+
+def check_outputs(outputs: dict[str, str | Path | None], inputs: dict[str, str | Path | None]) -> None:
+    """Before any work: ``check_not_inputs``, and each output writable; else a one-line error."""
+    check_not_inputs(outputs, inputs)
+    for path in outputs.values():
+        if path:
+            check_writable(path)
+
+
+def no_empty_path(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A click callback: an empty path would read as 'not given' (an output silently not
+    written, or written to its default, a check not run)."""
+    if value == "":
+        raise click.BadParameter("an empty path names no file", ctx, param)
+    return value
+
+
+def read_arrays(path: str | Path) -> dict:
+    """The arrays of an ``.npz`` file by name, every one read (which finds a damaged one)."""
+    import numpy as np
+    try:
+        if Path(path).is_file() and not zipfile.is_zipfile(path):     # np.load would speak of pickles
+            raise ValueError("not an .npz archive")
+        loaded = np.load(path, allow_pickle=False)
+        if not isinstance(loaded, np.lib.npyio.NpzFile):
+            raise ValueError("not an .npz archive")
+        with loaded as npz:
+            return {k: npz[k] for k in npz.files}
+    # a damaged archive fails in zipfile (RuntimeError for flags it reads as encryption or an unknown
+    # method), zlib or numpy's reader, whichever meets the damage first
+    except (OSError, ValueError, EOFError, RuntimeError, zipfile.BadZipFile, zlib.error) as e:
+        why = getattr(e, "strerror", None) or str(e) or type(e).__name__
+        raise click.ClickException(f"{path}: cannot read inputs ({why})") from None

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -49,18 +48,6 @@ def _temp_beside(path: Path) -> Path:
     os.close(fd)
     os.chmod(tmp, 0o666 & ~_umask())
     return Path(tmp)
-
-
-@contextmanager
-def atomic_path(path: str | Path):
-    """Yield a temporary path beside ``path``; on success it replaces ``path``, on error it is removed."""
-    path = Path(path)
-    tmp = _temp_beside(path)
-    try:
-        yield tmp
-        _replace_all([(tmp, path)])
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def atomic_write_all(files: list[tuple[Path, bytes]]) -> None:

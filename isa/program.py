@@ -76,6 +76,7 @@ class Program:
     # Where each instruction came from, for messages; not part of a program's identity.
     lines: list[int] = field(default_factory=list, compare=False, repr=False)
     source: str = field(default="<program>", compare=False, repr=False)
+    arch_at: str | None = field(default=None, compare=False, repr=False)   # the .arch's file:line:col
     data: bytes | None = field(default=None, compare=False, repr=False)
     # Of an expanded program (isa/expand.py): the source instruction of each task.
     origin: list[int] | None = field(default=None, compare=False, repr=False)

@@ -5,8 +5,6 @@ import io
 import json
 import math
 import sys
-import zipfile
-import zlib
 
 import click
 import numpy as np
@@ -14,7 +12,8 @@ from click.core import ParameterSource
 
 from isa import arch as arch_mod
 from isa.asm import arch_of, load
-from isa.cli import check_outputs, no_empty_path, program_files
+from isa.cli import program_files
+from isa.console import check_outputs, no_empty_path, read_arrays
 from isa.files import atomic_write_all
 from isa.instructions import DmaStore
 from runtime.check import REFERENCES
@@ -30,17 +29,7 @@ def _load_inputs(path: str | None, program, seed: int) -> dict[str, np.ndarray]:
     from runtime.emulator import random_inputs
     if path is None:
         return random_inputs(program, seed)
-    try:
-        loaded = np.load(path, allow_pickle=False)
-        if not isinstance(loaded, np.lib.npyio.NpzFile):
-            raise ValueError("not an .npz archive")
-        with loaded as npz:
-            arrays = {k: npz[k] for k in npz.files}
-    # a damaged archive fails in zipfile (RuntimeError for flags it reads as encryption or an unknown
-    # method), zlib or numpy's reader, whichever meets the damage first
-    except (OSError, ValueError, EOFError, RuntimeError, zipfile.BadZipFile, zlib.error) as e:
-        why = getattr(e, "strerror", None) or str(e) or type(e).__name__
-        raise Failure(f"{path}: cannot read inputs ({why})") from None
+    arrays = read_arrays(path)
     # a name the program does not take is most likely a misspelt one, whose input got no value
     extra = sorted(set(arrays) - {t.io_name for t in program.inputs()})
     if extra:
