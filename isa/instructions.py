@@ -257,7 +257,7 @@ class VSelect(Instr):
 
 @dataclass(frozen=True)
 class VMatMul(Instr):
-    """dst(m, n) = sum_k a(m, k) * b(k, n) for m < M, n < N, k < K, in fp32 on the vector lanes (float activation x activation products)"""
+    """dst(m, n) = fp32(sum_k a(m, k) * b(k, n)) for m < M, n < N, k < K: the exact sum of the fp32 products rounded once to fp32, so no summation order or blocking changes it (float activation x activation products on the vector lanes)"""
 
     OPCODE, MNEMONIC, QUEUE = 0x31, "vmm", "vec"
     legion: int = F(Legion(), "Legion")

@@ -18,6 +18,7 @@ from isa.fields import SPACE_DTYPE, View
 from isa.instructions import (Barrier, DmaLoad, DmaStore, Drain, Gather, Instr, MatMul, VBinary,
                               VMatMul, VReduce, VSelect, VUnary, Wait)
 from isa.program import LOADS, STORAGE, STORES, UNPACK, Tensor
+from runtime.fdot import rounded_matmul
 from runtime.state import Machine, Trap, move
 
 Handler = Callable[[Machine, Instr], None]
@@ -246,7 +247,7 @@ def vselect(m: Machine, i: VSelect) -> None:
 def vmatmul(m: Machine, i: VMatMul) -> None:
     a = _operand(m, i.legion, i.a, i.M, i.K)
     b = _operand(m, i.legion, i.b, i.K, i.N)
-    m.write(i.legion, i.dst, np.matmul(a, b))
+    m.write(i.legion, i.dst, rounded_matmul(a, b))
 
 
 # --- synchronization -------------------------------------------------------------------------

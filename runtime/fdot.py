@@ -1,0 +1,66 @@
+"""fp32 products whose result does not depend on the BLAS kernel: each element of ``a @ b`` is
+the exact sum of its products, rounded once to fp32 (to nearest, ties to even).
+
+Any summation order gives its own fp32 result, and BLAS kernels pick their order by CPU and by
+blocking; the exact sum has one. It is found fast: the products of fp32 values are exact in
+fp64, so one fp64 BLAS product is within ``gamma_K * sum |a_k b_k|`` of the exact sum (whatever
+its order), and wherever that interval holds no fp32 rounding boundary the fp64 result rounds
+to the right fp32 value. The few elements whose interval does hold one are summed exactly.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+_UNIT = 2.0 ** -53                       # fp64's unit roundoff
+_OVERFLOW = 2.0 ** 128 - 2.0 ** 103      # the smallest magnitude that rounds to fp32 infinity
+
+
+def rounded_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a`` (M x K) times ``b`` (K x N), both fp32: the exact sums rounded once to fp32."""
+    with np.errstate(all="ignore"):      # infinities and NaN are results here, not faults
+        return _rounded(np.asarray(a, np.float64), np.asarray(b, np.float64))
+
+
+def _rounded(a64: np.ndarray, b64: np.ndarray) -> np.ndarray:
+    s = a64 @ b64
+    out = s.astype(np.float32)
+    if a64.shape[1] <= 1 or out.size == 0:
+        return out                       # one product is exact in fp64: nothing to round twice
+    # Twice gamma_K: room for the rounding of the bound itself.
+    err = (np.abs(a64) @ np.abs(b64)) * (2.0 * a64.shape[1] * _UNIT)
+    for m, n in zip(*np.nonzero(~_rounds_alike(s, err, out))):
+        out[m, n] = _exact_dot(a64[m], b64[:, n])
+    return out
+
+
+def _rounds_alike(s: np.ndarray, err: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """True where every value within ``err`` of ``s`` rounds to ``out``; also where ``s`` is
+    not finite, as any order gives the same infinity or NaN from the same products."""
+    r = out.astype(np.float64)
+    below = np.nextafter(out, np.float32(-np.inf)).astype(np.float64)
+    above = np.nextafter(out, np.float32(np.inf)).astype(np.float64)
+    low = np.where(np.isinf(below), -_OVERFLOW, (r + below) / 2)
+    high = np.where(np.isinf(above), _OVERFLOW, (r + above) / 2)
+    inside = (s - err > low) & (s + err < high) & np.isfinite(r)
+    return inside | ~np.isfinite(s)
+
+
+def _exact_dot(x: np.ndarray, y: np.ndarray) -> np.float32:
+    """The exact sum of ``x * y`` (fp64 vectors of fp32 values) rounded once to fp32."""
+    products = (x * y).tolist()              # each exact: 24 + 24 bits fit fp64's 53
+    d = math.fsum(products)                  # the exact sum rounded to fp64
+    r = np.float32(d)
+    if float(r) == d:
+        return r
+    toward = np.float32(np.inf) if d > float(r) else np.float32(-np.inf)
+    other = np.nextafter(r, toward)
+    if abs(float(other) - d) != abs(float(r) - d):
+        return r                             # d is no tie: rounding it rounds the exact sum
+    # d is halfway between two fp32 values: the exact sum's side of d decides. Its remainder
+    # is a multiple of 2**-298 (the products' least bit), so fsum cannot lose its sign.
+    rest = math.fsum(products + [-d])
+    if rest == 0:
+        return r                             # a true tie: numpy's rounding is to even
+    return other if (rest > 0) == (float(other) > float(r)) else r

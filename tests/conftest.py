@@ -1,0 +1,14 @@
+"""Test-suite wide settings."""
+import pytest
+
+# Modules whose results pass through fp32 arithmetic that a BLAS kernel could change (the vector
+# unit's products, the goldens, bit-for-bit comparisons of two programs): CI runs them again
+# under other OpenBLAS kernels (`-m fp32`), and they must pass under every one.
+FP32_MODULES = {"test_causal", "test_fdot", "test_golden", "test_models", "test_quant_models",
+                "test_rowwise", "test_views", "test_semantics", "test_examples", "test_real_shapes"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.module.__name__.rpartition(".")[2] in FP32_MODULES:
+            item.add_marker(pytest.mark.fp32)
