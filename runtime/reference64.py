@@ -1,0 +1,108 @@
+"""A graph evaluated in float64: the yardstick both fp32 programs (onnxruntime's and ours) are
+measured against.
+
+The copy is the same graph with every float32 tensor made float64: initializers, graph inputs
+and outputs, intermediate types, ``Cast``/``ConstantOfShape``/``Constant`` targets; integer
+operators are unchanged, and so are the float32 scales and zero points of quantization operators,
+which have no float64 kernels: their float inputs are cast to float32 and their float outputs
+back to float64. Constant int8 MatMulInteger weights are shifted to uint8 as ``--reference
+exact`` does (``check.unsigned_integer_weights``), so no CPU's saturating kernel enters the
+yardstick. onnxruntime runs it (its CPU kernels take double for the operators
+LLM graphs use). A BitNet graph's per-token absmax quantization then rounds a few values the
+other way than fp32 does, as any fp32 program also may: that spread is what the distances
+measure.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+_F32, _F64 = 1, 11          # onnx.TensorProto.FLOAT, DOUBLE
+# Operators whose float operands onnxruntime takes in float32 only.
+FLOAT32_ONLY = {"DequantizeLinear", "QuantizeLinear", "DynamicQuantizeLinear", "MatMulNBits", "QLinearMatMul"}
+
+
+def float64_model(path: str | Path):
+    """The model at ``path`` (external data loaded) with its float32 tensors made float64."""
+    import onnx
+    from onnx import numpy_helper
+    from runtime.check import unsigned_integer_weights
+    model = onnx.load(str(path))
+    unsigned_integer_weights(model)
+    g = model.graph
+    floats = _float32_values(model)
+    for i, t in enumerate(g.initializer):
+        if t.data_type == _F32:
+            g.initializer[i].CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float64), t.name))
+    for vi in [*g.input, *g.output, *g.value_info]:
+        if vi.type.tensor_type.elem_type == _F32:
+            vi.type.tensor_type.elem_type = _F64
+    for node in g.node:
+        _widen_node(node)
+    nodes = []
+    for node in g.node:
+        nodes.extend(_kept_float32(node, floats) if node.op_type in FLOAT32_ONLY else [node])
+    del g.node[:]
+    g.node.extend(nodes)
+    return model
+
+
+def _float32_values(model) -> set[str]:
+    """The names of the graph's float32 values, intermediates included (by shape inference)."""
+    import onnx
+    if any(n.domain not in ("", "ai.onnx") for n in model.graph.node):
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+        inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=True).graph
+    else:
+        inferred = onnx.shape_inference.infer_shapes(model).graph
+    typed = [*inferred.input, *inferred.output, *inferred.value_info]
+    return ({vi.name for vi in typed if vi.type.tensor_type.elem_type == _F32}
+            | {t.name for t in model.graph.initializer if t.data_type == _F32})
+
+
+def _kept_float32(node, floats: set[str]) -> list:
+    """``node`` computing in float32 between casts from and back to float64."""
+    from onnx import helper
+    before, after = [], []
+    for k, name in enumerate(node.input):
+        if name in floats:
+            node.input[k] = f"{name}/as_f32/{node.name}"
+            before.append(helper.make_node("Cast", [name], [node.input[k]], to=_F32))
+    for k, name in enumerate(node.output):
+        if name in floats:
+            node.output[k] = f"{name}/f32"
+            after.append(helper.make_node("Cast", [node.output[k]], [name], to=_F64))
+    return [*before, node, *after]
+
+
+def _widen_node(node) -> None:
+    from onnx import numpy_helper
+    for a in node.attribute:
+        if node.op_type == "Cast" and a.name == "to" and a.i == _F32:
+            a.i = _F64
+        elif a.HasField("t") and a.t.data_type == _F32:
+            a.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(a.t).astype(np.float64), a.t.name))
+
+
+def float64_outputs(path: str | Path, inputs: dict[str, np.ndarray], threads: int | None = None) -> dict[str, np.ndarray]:
+    """The graph's outputs evaluated in float64 on ``inputs`` (float inputs widened)."""
+    import onnxruntime as ort
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    # No fusions: a fused kernel (MatMulIntegerToFloat, QLinearMatMul) would take float32 again.
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if threads is not None:
+        opts.intra_op_num_threads = opts.inter_op_num_threads = threads
+    sess = ort.InferenceSession(float64_model(path).SerializeToString(), opts,
+                                providers=["CPUExecutionProvider"])
+    feed = {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in inputs.items()}
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, feed)))
+
+
+def rel_l2(x: np.ndarray, ref: np.ndarray) -> float:
+    """``|x - ref| / |ref|`` in float64 (the L2 norm over all elements)."""
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    denom = np.linalg.norm(ref)
+    return float(np.linalg.norm(x - ref) / denom) if denom else float(np.linalg.norm(x - ref))

@@ -1,0 +1,33 @@
+"""The float64 evaluation of a graph: the yardstick fp32 programs are measured against."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runtime.check import session
+from runtime.reference64 import float64_model, float64_outputs, rel_l2
+
+MODELS = Path(__file__).parent.parent / "models"
+
+
+def _ids(seq: int = 8) -> dict[str, np.ndarray]:
+    return {"input_ids": np.random.default_rng(0).integers(0, 200, size=(1, seq)).astype(np.int64)}
+
+
+@pytest.mark.parametrize("name", ["bitnet_tiny_relu2", "llama_tiny_nbits4", "llama_tiny_dynamic_int8"])
+def test_float64_logits_are_near_onnxruntimes_fp32_but_computed_in_float64(name):
+    inputs = _ids()
+    ref = float64_outputs(MODELS / f"{name}.onnx", inputs)["logits"]
+    [fp32] = session(MODELS / f"{name}.onnx", "exact").run(["logits"], inputs)
+    assert ref.dtype == np.float64
+    assert 0 < rel_l2(fp32, ref) < 1e-5
+
+
+def test_the_copy_keeps_quantization_operators_in_float32():
+    model = float64_model(MODELS / "llama_tiny_nbits4.onnx")
+    casts = [n for n in model.graph.node if n.op_type == "Cast"]
+    nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    assert nbits and all(any(i.endswith(f"/as_f32/{n.name}") for i in n.input) for n in nbits)
+    assert {a.i for c in casts for a in c.attribute if a.name == "to"} >= {1, 11}
+    assert not [t.name for t in model.graph.initializer if t.data_type == 1 and t.name not in
+                {i for n in nbits for i in n.input}]
