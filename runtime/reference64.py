@@ -94,11 +94,22 @@ def float64_outputs(path: str | Path, inputs: dict[str, np.ndarray], threads: in
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if threads is not None:
         opts.intra_op_num_threads = opts.inter_op_num_threads = threads
-    sess = ort.InferenceSession(float64_model(path).SerializeToString(), opts,
-                                providers=["CPUExecutionProvider"])
+    sess = _session(float64_model(path), opts)
     feed = {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in inputs.items()}
     names = [o.name for o in sess.get_outputs()]
     return dict(zip(names, sess.run(names, feed)))
+
+
+def _session(model, opts):
+    """A session of ``model``, through a file with external data: a float64 copy of a few
+    layers already passes protobuf's 2 GiB."""
+    import tempfile
+    import onnx
+    import onnxruntime as ort
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/model.onnx"
+        onnx.save_model(model, path, save_as_external_data=True, location="model.onnx.data")
+        return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
 
 
 def rel_l2(x: np.ndarray, ref: np.ndarray) -> float:
