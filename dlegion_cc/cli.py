@@ -9,6 +9,7 @@ import click
 
 from isa import arch as arch_mod
 from isa.console import check_outputs, read_arrays
+from isa.progress import Progress
 from dlegion_cc.errors import CompileError
 from dlegion_cc.importer import peek
 from dlegion_cc.lower.qplan import OBJECTIVES
@@ -94,13 +95,41 @@ def _print_after(selected: str | None):
     return hook
 
 
-def _write(program, graph, output: str, emit: str) -> None:
-    from isa.asm import save
+def _compile_ir(model: str, options: Options, output: str, hook, progress: Progress):
+    """--emit ir: the whole compile runs (its errors are the same), its constants discarded."""
     from isa.files import atomic_write
-    if emit == "ir":
-        atomic_write(output, graph.text())
-        return
-    save(program, output, program.data, binary=(emit == "bin"))
+    with open(os.devnull, "wb") as nowhere:
+        graph, program = compile_model(model, options, None, hook, progress, nowhere)
+    atomic_write(output, graph.text())
+    return program
+
+
+def _compile_program(model: str, options: Options, output: str, arch: str, emit: str, hook, progress: Progress):
+    """The program and its data file, the constants streamed into a temporary beside it as
+    each node is lowered; both renamed into place together, or neither (nothing left over)."""
+    from isa.files import Staged, atomic_write_all
+    from isa.program import ProgramError
+    data_path = output + ".data"
+    with Staged(data_path) as data:
+        _, program = compile_model(model, options, Path(data_path).name, hook, progress, data)
+        program = dataclasses.replace(program, arch=_arch_for(arch, output))
+        body = _program_bytes(program, emit == "bin")
+        try:
+            atomic_write_all([(Path(output), body)] + ([(data.path, data)] if program.data_file else []))
+        except OSError as e:        # as isa.asm.save says it
+            raise ProgramError(f"{e.filename or output}: cannot write ({e.strerror})") from None
+    return program
+
+
+def _program_bytes(program, binary: bool) -> bytes:
+    """What ``isa.asm.save`` writes for ``program``, checked the same way."""
+    from isa import encoding
+    from isa.asm import format_program
+    if binary:
+        return encoding.encode_program(program)
+    encoding.check_tensors(program)
+    encoding.check_instrs(program)
+    return format_program(program).encode()
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -131,8 +160,9 @@ def _write(program, graph, output: str, emit: str) -> None:
 @click.option("--objective", type=click.Choice(OBJECTIVES), default="latency", show_default=True,
               help="What each quantized matmul's schedule is chosen for: the fewest cycles, the fewest joules "
                    "by the architecture's energy table (mostly DRAM traffic), or the least energy x delay.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars (shown only when stderr is a terminal).")
 def compile_command(model, output, arch, dims, inputs_path, emit, print_after, no_multicast, no_accumulators,
-                    no_sparsity, no_fusion, no_prefetch, objective):
+                    no_sparsity, no_fusion, no_prefetch, objective, quiet):
     """Compile MODEL (ONNX) into a D-Legion program for ``dlegion-run``."""
     machine = arch_mod.load(arch)
     shapes, data_files = peek(model)
@@ -141,8 +171,9 @@ def compile_command(model, output, arch, dims, inputs_path, emit, print_after, n
     options = Options(machine, bound, multicast=not no_multicast, accumulators=not no_accumulators,
                       sparsity=not no_sparsity, fusion=not no_fusion, prefetch=not no_prefetch,
                       objective=objective)
-    graph, program = compile_model(model, options, Path(output).name + ".data", _print_after(print_after))
-    _write(dataclasses.replace(program, arch=_arch_for(arch, output)), graph, output, emit)
+    hook, progress = _print_after(print_after), Progress.for_terminal(quiet)
+    program = (_compile_ir(model, options, output, hook, progress) if emit == "ir"
+               else _compile_program(model, options, output, arch, emit, hook, progress))
     click.echo(f"{output}: {len(program.instrs)} instructions for {machine.name}", err=True)
 
 

@@ -4,37 +4,55 @@ Shapes come from ONNX's own shape inference (onnxruntime's symbolic shape infere
 models with contrib ops such as com.microsoft.MatMulNBits); constants are folded with ONNX's
 reference evaluator. Weight-only subgraphs (transposes, casts, scale products) and shape
 computations therefore disappear before any pass sees the graph.
+
+The model is never held whole: a large initializer leaves the proto as a stub (its dims and
+type) and its elements become a lazy constant (``ir.Mapped``), read from the external data
+file when a pass or the lowering needs them; large folded values go to a temporary file
+(``ir.Spill``). Small ones, shape constants among them, stay in the proto, where shape
+inference propagates them.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import external_data_helper, helper, numpy_helper, shape_inference
+from onnx import TensorProto, external_data_helper, helper, numpy_helper, shape_inference
 
+from isa.progress import SILENT, Progress
 from dlegion_cc.errors import CompileError, UnsupportedNodes
-from dlegion_cc.ir import Graph, Node, Value
+from dlegion_cc.ir import Graph, Lazy, Mapped, Node, Spill, Value
 
 NOT_FOLDED = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
               "Bernoulli"}
 MAX_FOLD_ROUNDS = 8
+SMALL_BYTES = 4096      # initializers up to this size keep their values in the proto
+# Element types whose stored bytes are a numpy array as they are (not int4's packed nibbles).
+MAPPABLE = {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.INT8, TensorProto.UINT8,
+            TensorProto.INT16, TensorProto.UINT16, TensorProto.INT32, TensorProto.UINT32, TensorProto.INT64,
+            TensorProto.UINT64, TensorProto.BOOL}
 
 
-def import_model(path: str | Path, dims: dict[str, int] | None = None) -> Graph:
+def import_model(path: str | Path, dims: dict[str, int] | None = None, progress: Progress = SILENT) -> Graph:
     """Load ``path``, bind symbolic dims, infer shapes, fold constants and drop the Identities
     that only name a graph output."""
     source = str(path)
-    model = _load(Path(path))
-    _check(model, source)
-    _bind_dims(model, dims or {}, source)
-    _drop_unused(model)
-    _check_domains(model, source)
-    for _ in range(MAX_FOLD_ROUNDS):
-        model = _infer(model, source)
-        if not _fold(model, source):
-            break
-    graph = _to_graph(model, source)
+    with progress.task("importing", None) as advance:
+        model = _parse(Path(path))
+        spill = Spill()
+        lazy = _unload(model, Path(path), spill)
+        _check(Path(path), source)
+        advance()
+        _bind_dims(model, dims or {}, source)
+        _drop_unused(model)
+        _check_domains(model, source)
+        for _ in range(MAX_FOLD_ROUNDS):
+            model = _infer(model, source)
+            advance()
+            if not _fold(model, lazy, spill, source):
+                break
+        graph = _to_graph(model, lazy, source)
     _drop_output_identities(graph)
     return graph
 
@@ -82,30 +100,82 @@ def _parse(path: Path) -> onnx.ModelProto:
         raise CompileError(f"{path}: not an ONNX model ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
 
 
-def _load(path: Path) -> onnx.ModelProto:
-    model = _parse(path)
-    base = path.parent.resolve()
-    for t in external_data_helper._get_all_tensors(model):
-        if not external_data_helper.uses_external_data(t):
+def _unload(model: onnx.ModelProto, path: Path, spill: Spill) -> dict[str, Lazy]:
+    """Take the large initializers out of ``model``: each becomes a stub and its elements a
+    lazy constant, read where they lie (external data) or from a temporary file (inline); small
+    external tensors are read into the proto. External data must lie in the model's folder."""
+    base, lazy = path.parent.resolve(), {}
+    for t in model.graph.initializer:
+        external = external_data_helper.uses_external_data(t)
+        where = _external_file(t, path, base) if external else None
+        if t.data_type not in MAPPABLE or _nbytes(t) <= SMALL_BYTES:
+            if external:
+                _read_into(t, path, base)
             continue
-        info = external_data_helper.ExternalDataInfo(t)
-        where = (base / info.location).resolve()
-        if Path(info.location).is_absolute() or base not in where.parents:
-            raise CompileError(f"{path}: external data {info.location!r} of tensor '{t.name}' "
-                               f"lies outside the model's folder")
-        if not where.is_file():
-            raise CompileError(f"{path}: external data file {info.location!r} of tensor '{t.name}' is missing")
-        try:
-            external_data_helper.load_external_data_for_tensor(t, str(base))
-        except (OSError, ValueError) as e:  # a truncated file: ValueError naming only the tensor
-            raise CompileError(f"{path}: external data file {info.location!r} of tensor '{t.name}': "
-                               f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-    return model
+        shape, dtype = tuple(t.dims), np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).newbyteorder("<")
+        lazy[t.name] = (Mapped(str(where), _in_bounds(t, path, where), shape, dtype) if external
+                        else spill.keep(numpy_helper.to_array(t)))
+        _stub(t)
+    for t in external_data_helper._get_all_tensors(model):     # in subgraphs and attributes
+        if external_data_helper.uses_external_data(t):
+            _external_file(t, path, base)
+            _read_into(t, path, base)
+    return lazy
 
 
-def _check(model: onnx.ModelProto, source: str) -> None:
+def _nbytes(t: TensorProto) -> int:
+    return math.prod(t.dims) * np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
+
+
+def _stub(t: TensorProto) -> None:
+    """Leave ``t`` its name, dims and type: what shape inference needs of a weight."""
+    kept = (t.name, list(t.dims), t.data_type)
+    t.Clear()
+    t.name, t.data_type = kept[0], kept[2]
+    t.dims.extend(kept[1])
+
+
+def _external_file(t: TensorProto, path: Path, base: Path) -> Path:
+    """The file holding ``t``'s data, which must be in the model's folder."""
     try:
-        onnx.checker.check_model(model)
+        info = external_data_helper.ExternalDataInfo(t)
+    except ValueError as e:     # a negative offset or length
+        raise CompileError(f"{path}: external data of tensor '{t.name}': {str(e).splitlines()[0]}") from None
+    where = (base / info.location).resolve()
+    if Path(info.location).is_absolute() or base not in where.parents:
+        raise CompileError(f"{path}: external data {info.location!r} of tensor '{t.name}' "
+                           f"lies outside the model's folder")
+    if not where.is_file():
+        raise CompileError(f"{path}: external data file {info.location!r} of tensor '{t.name}' is missing")
+    return where
+
+
+def _in_bounds(t: TensorProto, path: Path, where: Path) -> int:
+    """The byte offset of ``t``'s data, which must lie wholly in its file."""
+    info = external_data_helper.ExternalDataInfo(t)
+    offset, need, size = info.offset or 0, _nbytes(t), where.stat().st_size
+    if info.length is not None and info.length != need:
+        problem = f"holds {info.length} bytes where its shape needs {need}"
+    elif offset + need > size:
+        problem = f"needs bytes {offset}..{offset + need} but the file has {size}"
+    else:
+        return offset
+    raise CompileError(f"{path}: external data file {info.location!r} of tensor '{t.name}': {problem}")
+
+
+def _read_into(t: TensorProto, path: Path, base: Path) -> None:
+    info = external_data_helper.ExternalDataInfo(t)
+    try:
+        external_data_helper.load_external_data_for_tensor(t, str(base))
+    except (OSError, ValueError) as e:  # a truncated file: ValueError naming only the tensor
+        raise CompileError(f"{path}: external data file {info.location!r} of tensor '{t.name}': "
+                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+
+def _check(path: Path, source: str) -> None:
+    """The checker reads the file itself, without the weights: no copy of the model is made."""
+    try:
+        onnx.checker.check_model(str(path))
     except (onnx.checker.ValidationError, ValueError) as e:
         # one line, all of it: the checker names the culprit node on the lines after the first
         raise CompileError(f"{source}: invalid ONNX model: {' '.join(str(e).split())}") from None
@@ -187,10 +257,11 @@ def _static_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _fold(model: onnx.ModelProto, source: str) -> bool:
-    """Evaluate every node whose inputs are all known; True when anything was folded."""
+def _fold(model: onnx.ModelProto, lazy: dict[str, Lazy], spill: Spill, source: str) -> bool:
+    """Evaluate every node whose inputs are all known; True when anything was folded. Large
+    results join ``lazy`` (spilled) and stay stubs in the proto."""
     g = model.graph
-    known = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+    known = {t.name: lazy[t.name] if t.name in lazy else numpy_helper.to_array(t) for t in g.initializer}
     shapes = _static_shapes(model)
     kept, folded = [], False
     for node in g.node:
@@ -198,7 +269,8 @@ def _fold(model: onnx.ModelProto, source: str) -> bool:
         if values is None:
             kept.append(node)
             continue
-        known.update(values)
+        known.update({k: spill.keep(v) if v.nbytes > SMALL_BYTES and v.dtype.kind in "biuf" else v
+                      for k, v in values.items()})
         folded = True
     if not folded:
         return False
@@ -206,12 +278,22 @@ def _fold(model: onnx.ModelProto, source: str) -> bool:
     del g.node[:]
     g.node.extend(kept)
     del g.initializer[:]
-    g.initializer.extend(numpy_helper.from_array(np.asarray(v), k) for k, v in known.items() if k in used)
+    g.initializer.extend(_initializer(k, v, lazy) for k, v in known.items() if k in used)
     graph_outputs = {o.name for o in g.output}
     for name in graph_outputs & set(known):
         raise CompileError(f"{source}: graph output '{name}' is a constant; nothing to compute")
     del g.value_info[:]
     return True
+
+
+def _initializer(name: str, value, lazy: dict[str, Lazy]) -> TensorProto:
+    """A small value with its elements; a lazy one as a stub, its elements in ``lazy``."""
+    if not isinstance(value, Lazy):
+        return numpy_helper.from_array(np.asarray(value), name)
+    lazy[name] = value
+    t = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(np.dtype(value.dtype)))
+    t.dims.extend(value.shape)
+    return t
 
 
 def _evaluate(node, known, shapes, source) -> dict[str, np.ndarray] | None:
@@ -223,7 +305,7 @@ def _evaluate(node, known, shapes, source) -> dict[str, np.ndarray] | None:
         return None
     from onnx.reference import ReferenceEvaluator
     try:
-        results = ReferenceEvaluator(node).run(None, {i: known[i] for i in node.input if i})
+        results = ReferenceEvaluator(node).run(None, {i: np.asarray(known[i]) for i in node.input if i})
     except Exception as e:  # the evaluator raises whatever numpy raises
         raise CompileError(f"{source}: node '{node.name}' ({node.op_type}): cannot fold constant "
                            f"inputs: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
@@ -236,12 +318,12 @@ def _shape_value(node, shape: tuple[int, ...]) -> np.ndarray:
     return np.array(shape[slice(start, end)], dtype=np.int64)
 
 
-def _to_graph(model: onnx.ModelProto, source: str) -> Graph:
+def _to_graph(model: onnx.ModelProto, lazy: dict[str, Lazy], source: str) -> Graph:
     g = model.graph
     values: dict[str, Value] = {}
     for t in g.initializer:
-        arr = numpy_helper.to_array(t)
-        values[t.name] = Value(t.name, tuple(arr.shape), arr.dtype, arr)
+        arr = lazy[t.name] if t.name in lazy else numpy_helper.to_array(t)
+        values[t.name] = Value(t.name, tuple(arr.shape), np.dtype(arr.dtype), arr)
     shapes = _static_shapes(model)
     for vi in [*g.input, *g.value_info, *g.output]:
         if vi.name in values or vi.name not in shapes:

@@ -6,12 +6,123 @@ domain (see ``dlegion_cc/passes``). ``Graph.text()`` prints it for ``--emit ir``
 """
 from __future__ import annotations
 
+import math
+import mmap
+import tempfile
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any, Callable
 
 import numpy as np
 
 DLEGION = "dlegion"
+
+
+class Lazy:
+    """A constant too large to keep in memory: its elements are made each time they are asked
+    for (``np.asarray``) and freed when the caller drops them, so a compile holds the weights
+    of the node at hand, not the model's."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def load(self) -> np.ndarray:
+        raise NotImplementedError
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        arr = self.load()
+        return arr if dtype is None else arr.astype(dtype, copy=False)
+
+
+@dataclass(frozen=True, eq=False)
+class Mapped(Lazy):
+    """Elements stored at byte ``offset`` of a file (a path, or an open temporary), mapped
+    read-only: the pages a reader touches leave memory with the array."""
+
+    file: str | IO[bytes]
+    offset: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    def load(self) -> np.ndarray:
+        count = self.size * np.dtype(self.dtype).itemsize
+        if count == 0:
+            return np.zeros(self.shape, self.dtype)
+        start = self.offset - self.offset % mmap.ALLOCATIONGRANULARITY
+        if isinstance(self.file, str):
+            with open(self.file, "rb") as f:
+                m = mmap.mmap(f.fileno(), self.offset - start + count, access=mmap.ACCESS_READ, offset=start)
+        else:
+            m = mmap.mmap(self.file.fileno(), self.offset - start + count, access=mmap.ACCESS_READ, offset=start)
+        return np.ndarray(self.shape, self.dtype, buffer=m, offset=self.offset - start)
+
+    def pieces(self, limit: int = 1 << 26):
+        """The elements in order, flat, mapped ``limit`` bytes at a time: copying a 1 GB table
+        never holds more than a piece of it."""
+        item, total = np.dtype(self.dtype).itemsize, self.size
+        per = max(1, limit // item)
+        for start in range(0, total, per):
+            yield Mapped(self.file, self.offset + start * item, (min(per, total - start),), self.dtype).load()
+
+
+@dataclass(frozen=True, eq=False)
+class Derived(Lazy):
+    """Elements computed from other constants when asked for (an int8 copy of a float weight,
+    weights side by side), so they are never all in memory at once."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    make: Callable[[], np.ndarray]
+
+    def load(self) -> np.ndarray:
+        return self.make()
+
+
+def astype(a, dtype) -> np.ndarray | Lazy:
+    """``a`` converted to ``dtype``: at once for an array, when asked for for a lazy constant."""
+    if not isinstance(a, Lazy):
+        return np.asarray(a).astype(dtype)
+    return Derived(a.shape, np.dtype(dtype), lambda: np.asarray(a).astype(dtype))
+
+
+def concatenate(parts: list, axis: int) -> np.ndarray | Lazy:
+    """``np.concatenate(parts, axis)``, lazily when a part is lazy."""
+    if not any(isinstance(p, Lazy) for p in parts):
+        return np.concatenate([np.asarray(p) for p in parts], axis=axis)
+    shape = list(parts[0].shape)
+    shape[axis] = sum(p.shape[axis] for p in parts)
+    return Derived(tuple(shape), np.result_type(*(p.dtype for p in parts)),
+                   lambda: np.concatenate([np.asarray(p) for p in parts], axis=axis))
+
+
+SPILL_ALIGN = 64
+
+
+class Spill:
+    """Large constants computed while compiling (folded weights), kept in an anonymous
+    temporary file, which the system removes however the compile ends, and read back mapped."""
+
+    def __init__(self):
+        self._file: IO[bytes] | None = None
+
+    def keep(self, arr: np.ndarray) -> Mapped:
+        arr = np.ascontiguousarray(arr)
+        if self._file is None:
+            self._file = tempfile.TemporaryFile()
+        f = self._file
+        end = f.seek(0, 2)
+        f.write(bytes(-end % SPILL_ALIGN))
+        offset = f.tell()
+        f.write(arr.data)
+        f.flush()               # a mapping reads the file, not this object's buffer
+        return Mapped(f, offset, arr.shape, arr.dtype)
 
 
 @dataclass
@@ -19,7 +130,12 @@ class Value:
     name: str
     shape: tuple[int, ...]
     dtype: np.dtype
-    const: np.ndarray | None = None
+    stored: np.ndarray | Lazy | None = None     # a constant's elements, in memory or read when needed
+
+    @property
+    def const(self) -> np.ndarray | None:
+        """The constant's elements, or None. A lazy one is read afresh: use it and drop it."""
+        return None if self.stored is None else np.asarray(self.stored)
 
     def text(self) -> str:
         dims = ",".join(map(str, self.shape))
@@ -46,7 +162,7 @@ class Node:
 
 
 def _short(v: Any) -> str:
-    if isinstance(v, np.ndarray):
+    if isinstance(v, (np.ndarray, Lazy)):
         return f"array{list(v.shape)}"
     text = repr(v)
     return text if len(text) <= 40 else text[:37] + "..."
@@ -64,6 +180,11 @@ class Graph:
     def const(self, name: str) -> np.ndarray | None:
         v = self.values.get(name)
         return None if v is None else v.const
+
+    def stored(self, name: str) -> np.ndarray | Lazy | None:
+        """A constant as it is kept (``Lazy`` when large), for a pass that hands it on unread."""
+        v = self.values.get(name)
+        return None if v is None else v.stored
 
     def producer(self, name: str) -> Node | None:
         for n in self.nodes:

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import IO, Callable
 
 from isa.arch import Arch
 from isa.program import Program
+from isa.progress import SILENT, Progress
 from dlegion_cc.importer import import_model
 from dlegion_cc.ir import Graph
 from dlegion_cc.lower.context import Switches
@@ -59,21 +60,30 @@ Hook = Callable[[str, Graph], None]
 
 
 def compile_model(model: str | Path, options: Options, data_file: str | None = None,
-                  after_pass: Hook | None = None) -> tuple[Graph, Program]:
-    graph = graph_of(model, options, after_pass)
-    program = lower_graph(graph, options.arch, data_file, options.switches())  # tiles, kernels, DMA, sync
+                  after_pass: Hook | None = None, progress: Progress = SILENT,
+                  data_out: IO[bytes] | None = None) -> tuple[Graph, Program]:
+    """Compile ``model``. The program names ``data_file`` for its constants, whose bytes are
+    written to ``data_out`` as they are made (the program then carries none), else kept in
+    ``Program.data``."""
+    graph = graph_of(model, options, after_pass, progress)
+    program = lower_graph(graph, options.arch, data_file, options.switches(),  # tiles, kernels, DMA, sync
+                          progress, data_out)
     return graph, program
 
 
-def graph_of(model: str | Path, options: Options, after_pass: Hook | None = None) -> Graph:
+def graph_of(model: str | Path, options: Options, after_pass: Hook | None = None,
+             progress: Progress = SILENT) -> Graph:
     """The graph the passes leave, ready to lower: what no machine parameter changes but the
     switches (what fails here fails on every machine)."""
-    graph = import_model(model, options.dims)          # load, check, infer shapes, fold constants
+    graph = import_model(model, options.dims, progress)  # load, check, infer shapes, fold constants
     _hook(after_pass, "import", graph)
-    for p in passes(options):                           # recognize patterns, then legalize
-        p.run(graph, options)
-        graph.remove_dead()
-        _hook(after_pass, p.name, graph)
+    chosen = passes(options)
+    with progress.task("passes", len(chosen)) as advance:
+        for p in chosen:                                # recognize patterns, then legalize
+            p.run(graph, options)
+            graph.remove_dead()
+            _hook(after_pass, p.name, graph)
+            advance()
     return graph
 
 

@@ -50,13 +50,55 @@ def _temp_beside(path: Path) -> Path:
     return Path(tmp)
 
 
-def atomic_write_all(files: list[tuple[Path, bytes]]) -> None:
-    """Write every (path, bytes) pair, or none: all are written to temporaries, then renamed;
-    if a rename fails, the files already renamed get their old contents back."""
+class Staged:
+    """An output written piece by piece while the work runs (a compiler's data file), into a
+    temporary file beside it: ``atomic_write_all`` renames it into place with the others, and
+    leaving the ``with`` block removes it if that never happened (an error, an interrupt)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.temp = _temp_beside(self.path)
+        try:
+            self.file = open(self.temp, "wb")
+        except OSError as e:
+            self.temp.unlink(missing_ok=True)
+            raise _named(e, self.path) from None
+
+    def write(self, chunk) -> int:
+        try:
+            return self.file.write(chunk)
+        except OSError as e:
+            raise _named(e, self.path) from None
+
+    def close(self) -> None:
+        try:
+            self.file.close()
+        except OSError as e:    # the last buffered bytes could not be written
+            raise _named(e, self.path) from None
+
+    def __enter__(self) -> "Staged":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.file.close()
+        except OSError:
+            pass            # the file is going; the error that brought us here is the one to report
+        self.temp.unlink(missing_ok=True)
+
+
+def atomic_write_all(files: list[tuple[Path, bytes | Staged]]) -> None:
+    """Write every (path, bytes) pair, or none: all are written to temporaries (a ``Staged``
+    body already is one), then renamed; if a rename fails, the files already renamed get their
+    old contents back."""
     temps: list[tuple[Path, Path]] = []
     try:
         for target, body in files:
             target = Path(target)
+            if isinstance(body, Staged):
+                body.close()
+                temps.append((body.temp, target))
+                continue
             tmp = _temp_beside(target)
             temps.append((tmp, target))
             try:

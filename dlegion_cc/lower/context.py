@@ -8,7 +8,7 @@ from typing import Callable
 import numpy as np
 
 from dlegion_cc.errors import node_error
-from dlegion_cc.ir import DLEGION, Graph, Node
+from dlegion_cc.ir import DLEGION, Graph, Mapped, Node
 from dlegion_cc.lower.emitter import Emitter
 from dlegion_cc.lower.layout import Operand, is_contiguous, reshaped, transposed, whole
 
@@ -105,11 +105,12 @@ class Lowering:
     def operand(self, name: str) -> Operand:
         if name in self.operands:
             return self.operands[name]
-        c = self.const(name)
-        if c is None:
+        stored = self.graph.stored(name) if name else None
+        if stored is None:
             raise KeyError(f"value '{name}' is used before it is computed")
-        arr = np.ascontiguousarray(c, dtype=np.float32)
-        self.operands[name] = whole(self.em.const(name, arr, "f32"), arr.shape)
+        if not isinstance(stored, Mapped) or stored.dtype != np.float32:
+            stored = np.ascontiguousarray(stored, dtype=np.float32)
+        self.operands[name] = whole(self.em.const(name, stored, "f32"), stored.shape)
         return self.operands[name]
 
     def result(self, name: str) -> Operand:

@@ -15,17 +15,52 @@ from __future__ import annotations
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from typing import IO, Iterable
 
 import numpy as np
 
 from isa.arch import Arch
 from isa.fields import QUEUES, Cond, ViewKind
 from isa.instructions import Barrier, VUnary, Wait
-from isa.program import Program, Tensor, pack
+from isa.program import PACK, STORAGE, Program, Tensor, pack
+from dlegion_cc.ir import Mapped
 
 Queue = tuple[int, str]          # (Legion, queue name)
 DATA_ALIGN = 64
 COUNT_BITS = next(f.metadata['kind'].bits for f in VUnary.fields() if f.name == 'rows')
+
+
+class ConstData:
+    """The data file's bytes: each constant at the next ``DATA_ALIGN``-aligned offset, kept in
+    memory, or written to ``out`` (anything with ``write``) as it is packed, so a model's
+    weights pass through once and are never all held."""
+
+    def __init__(self, out: IO[bytes] | None = None):
+        self.out, self.size = out, 0
+        self.kept = bytearray() if out is None else None
+
+    def append(self, pieces: Iterable[np.ndarray]) -> int:
+        """Add the bytes of ``pieces`` (contiguous arrays), one after the other, each dropped
+        once written; their offset."""
+        self._write(bytes(-self.size % DATA_ALIGN))
+        offset = self.size
+        for raw in pieces:
+            self._write(memoryview(raw).cast("B"))
+        return offset
+
+    def _write(self, chunk) -> None:
+        if self.kept is not None:
+            self.kept.extend(chunk)
+        elif len(chunk):
+            self.out.write(chunk)
+        self.size += len(chunk)
+
+    def __bool__(self) -> bool:
+        return self.size > 0
+
+    def bytes(self) -> bytes | None:
+        """What was kept in memory; None when nothing was, or it went to a file."""
+        return bytes(self.kept) if self.kept else None
 
 
 @dataclass
@@ -34,7 +69,7 @@ class Emitter:
     source: str
     tensors: list[Tensor] = field(default_factory=list)
     instrs: list = field(default_factory=list)
-    data: bytearray = field(default_factory=bytearray)
+    data: ConstData = field(default_factory=ConstData)
     issued: dict = field(default_factory=dict)          # queue -> instructions issued on it
     pending: dict = field(default_factory=dict)         # queue -> (source, its count then, across)
     turn: int = 0                                       # round-robin position over Legions
@@ -49,10 +84,12 @@ class Emitter:
         return len(self.tensors) - 1
 
     def const(self, name: str, values: np.ndarray, dtype: str) -> int:
-        """A constant DRAM tensor holding ``values`` (packed for w2/w4)."""
-        self.data.extend(bytes(-len(self.data) % DATA_ALIGN))
-        offset = len(self.data)
-        self.data.extend(pack(values, dtype).tobytes())
+        """A constant DRAM tensor holding ``values`` (packed for w2/w4). A mapped constant
+        already in its storage type is copied a piece at a time."""
+        if isinstance(values, Mapped) and dtype not in PACK and values.dtype == STORAGE[dtype]:
+            offset = self.data.append(values.pieces())
+        else:
+            offset = self.data.append([pack(values, dtype)])
         idx = self.tensor(name, dtype, values.shape, "const")
         self.tensors[idx].offset = offset
         return idx
@@ -166,4 +203,4 @@ class Emitter:
     def program(self, data_file: str | None) -> Program:
         return Program(self.arch.name, list(self.tensors), list(self.instrs),
                        data_file if self.data else None, skipped=dict(self.skipped), source=self.source,
-                       data=bytes(self.data) if self.data else None)
+                       data=self.data.bytes())

@@ -5,46 +5,59 @@ node(s) it came from, so reports and traces can point back at the model.
 """
 from __future__ import annotations
 
+from typing import IO
+
 from isa.arch import Arch
 from isa.program import Program
+from isa.progress import SILENT, Progress
 from dlegion_cc.errors import UnsupportedNodes
 from dlegion_cc.ir import DLEGION, Graph, Node
 from dlegion_cc.lower import elementwise, fmatmul, fused, movement, qmatmul, quant, reduce  # noqa: F401
 from dlegion_cc.lower.context import LOWERINGS, Lowering, Switches
-from dlegion_cc.lower.emitter import Emitter
+from dlegion_cc.lower.emitter import ConstData, Emitter
 from dlegion_cc.lower.movement import nd_copy
 from dlegion_cc.lower.prefetch import prefetch_weights
 
 
-def lower_graph(graph: Graph, arch: Arch, data_file: str | None, switches: Switches = Switches()) -> Program:
-    em = Emitter(arch, graph.source)
+def lower_graph(graph: Graph, arch: Arch, data_file: str | None, switches: Switches = Switches(),
+                progress: Progress = SILENT, data_out: IO[bytes] | None = None) -> Program:
+    """The program for ``graph``; its constants go to ``data_out`` as each node is lowered
+    (then the program carries no data), else they are kept in ``Program.data``."""
+    em = Emitter(arch, graph.source, data=ConstData(data_out))
     low = Lowering(graph, em, switches)
     low.declare_inputs()
     problems, regions = [], []
-    for node in graph.nodes:
-        fn = LOWERINGS.get((node.domain, node.op))
-        if fn is None:
-            problems.append((node.name, node.op, "no lowering for this operator"))
-            continue
-        before = len(em.instrs)
-        try:
-            fn(low, node)
-        except KeyError:
-            if not problems:
-                raise     # not a failed producer: a bug, which must not pass for a program
-            continue      # an input whose producer already failed; that failure is reported
-        except (ValueError, MemoryError) as e:
-            problems.append((node.name, node.op, str(e)))
-            continue
-        if len(em.instrs) > before:
-            em.barrier()
-            regions.append((before, region_name(node)))
+    with progress.task("lowering", len(graph.nodes)) as advance:
+        for node in graph.nodes:
+            _lower_node(low, node, problems, regions)
+            advance()
     if problems:
         raise UnsupportedNodes(graph.source, problems)
     _materialize_outputs(low, regions)
     program = em.program(data_file)
     program.regions = regions
     return prefetch_weights(program, arch) if switches.prefetch else program
+
+
+def _lower_node(low: Lowering, node: Node, problems: list, regions: list) -> None:
+    em = low.em
+    fn = LOWERINGS.get((node.domain, node.op))
+    if fn is None:
+        problems.append((node.name, node.op, "no lowering for this operator"))
+        return
+    before = len(em.instrs)
+    try:
+        fn(low, node)
+    except KeyError:
+        if not problems:
+            raise     # not a failed producer: a bug, which must not pass for a program
+        return        # an input whose producer already failed; that failure is reported
+    except (ValueError, MemoryError) as e:
+        problems.append((node.name, node.op, str(e)))
+        return
+    if len(em.instrs) > before:
+        em.barrier()
+        regions.append((before, region_name(node)))
 
 
 NAMED_IN_FULL = 3       # a longer fused run is named by its first and last nodes

@@ -17,11 +17,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dlegion_cc.ir import DLEGION, Graph, Node
+from dlegion_cc.ir import DLEGION, Graph, Mapped, Node, astype
+
+PIECE = 1 << 24     # bytes checked at a time: a float weight fails at its first piece
 
 
-def is_ternary(w: np.ndarray) -> bool:
-    return w.size > 0 and bool(np.isin(w, (-1.0, 0.0, 1.0)).all())
+def is_ternary(w) -> bool:
+    """Every value in {-1, 0, 1}: read a piece at a time, so a mapped 1 GB table is never
+    resident whole."""
+    if isinstance(w, Mapped):
+        pieces = w.pieces(PIECE)
+    else:
+        flat = np.asarray(w).reshape(-1)
+        step = max(1, PIECE // max(1, flat.itemsize))
+        pieces = (flat[i:i + step] for i in range(0, flat.size, step))
+    return w.size > 0 and all(np.isin(p, (-1.0, 0.0, 1.0)).all() for p in pieces)
 
 
 def int8_valued(graph: Graph, name: str) -> bool:
@@ -52,16 +62,14 @@ class RecognizeBitLinear:
 
     def _rewrite(self, graph: Graph, mm: Node) -> None:
         act, w = mm.inputs
-        weight = graph.const(w)
-        div = graph.producer(act)
-        if weight is None or weight.ndim != 2 or not is_ternary(weight):
-            return
+        weight, div = graph.stored(w), graph.producer(act)
         if div is None or div.op != "Div" or not int8_valued(graph, div.inputs[0]):
             return
         q, s = div.inputs
-        if not per_row(graph, s, q):
-            return
-        attrs = {"weight": weight.astype(np.int8), "mode": "w2", "row_divisor": True}
+        if weight is None or weight.ndim != 2 or not per_row(graph, s, q) or not is_ternary(weight):
+            return      # the weight is read last, only for a matmul that is otherwise a BitLinear
+        # A large weight stays lazy: its int8 copy is made when the lowering packs it.
+        attrs = {"weight": astype(weight, np.int8), "mode": "w2", "row_divisor": True}
         qmm = Node("QMatMul", mm.name, [q, s], list(mm.outputs), attrs, DLEGION)
         graph.nodes[graph.nodes.index(mm)] = qmm
         _absorb_weight_scale(graph, qmm)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dlegion_cc.ir import DLEGION, Graph, Node
+from dlegion_cc.ir import DLEGION, Graph, Node, concatenate
 
 PER_COLUMN = ("weight", "scales", "cscale", "bias")   # attributes that differ, joined by column
 
@@ -68,8 +68,8 @@ def fuse(family: list[Node]) -> Node:
     """One QMatMul computing every member; output ``i`` is columns ``segments[i]`` wide."""
     first = family[0]
     attrs = {k: v for k, v in first.attrs.items() if k not in PER_COLUMN}
-    weights = [np.asarray(n.attrs["weight"]) for n in family]
-    attrs["weight"] = np.concatenate(weights, axis=1)
+    weights = [n.attrs["weight"] for n in family]
+    attrs["weight"] = concatenate(weights, axis=1)       # lazy when they are
     attrs["segments"] = [w.shape[1] for w in weights]
     scales = [_scales(n) for n in family]
     if any(s is not None for s in scales):
