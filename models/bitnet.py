@@ -9,14 +9,15 @@ import click
 import numpy as np
 import onnx
 
+from isa.console import run_script
+from isa.progress import SILENT, Progress
 from models.decoder import DecoderSpec, build_decoder
-from models.graph import GraphBuilder
+from models.graph import MODEL_LIMIT, GraphBuilder, save, write_external
 from models.weights import ternary, ternary_scale, zero_blocks
 
 ACT_QMAX = 127.0  # symmetric 8-bit per-token activation range [-128, 127]
 ACT_QMIN = -128.0
 ACT_FLOOR = 1e-5  # the clamp on the per-token absmax
-EXTERNAL_THRESHOLD = 1024  # bytes: smaller tensors stay inside the .onnx file
 
 
 @dataclass(frozen=True)
@@ -93,31 +94,27 @@ class BitLinear:
         return zero_blocks(self.rng, w, self.config.block_sparsity, self.config.block)
 
 
-def build_bitnet(config: BitNetConfig) -> onnx.ModelProto:
-    """The whole decoder; the same config and seed give the same bytes."""
+def build_bitnet(config: BitNetConfig, b: GraphBuilder | None = None, progress: Progress = SILENT) -> onnx.ModelProto:
+    """The whole decoder; the same config and seed give the same bytes. The tensors go to ``b``'s
+    store (by default inside the returned model)."""
     rng = np.random.default_rng(config.seed)
-    return build_decoder(config.spec(), BitLinear(config, rng), rng)
+    return build_decoder(config.spec(), BitLinear(config, rng), rng, b, progress)
 
 
-def save(model: onnx.ModelProto, path: str | Path, external_data: bool) -> None:
-    """Write ``path``; with external data every tensor of 1 KiB or more goes to ``<name>.data`` beside it.
-
-    The model is written as it stands (no proto copy: real-shape models hold gigabytes); onnx moves the
-    tensor bytes out while writing, so they are read back afterwards to leave ``model`` as it was."""
+def write_bitnet(config: BitNetConfig, path: str | Path, external_data: bool, progress: Progress = SILENT) -> None:
+    """Write the decoder to ``path`` as ``save(build_bitnet(config), ...)`` would, without holding it
+    whole when it has external data: each tensor goes to ``<path>.data`` as it is drawn (one weight
+    matrix at a time, the vocabulary-sized tables in row blocks) and the model keeps stubs. Without
+    external data a model past 2 GiB is refused before anything is drawn."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not external_data:
-        if model.ByteSize() >= 2**31:
-            raise ValueError(f"{path.name}: the model exceeds 2 GiB; save it with external data")
-        onnx.save_model(model, str(path))
+    if external_data:
+        write_external(path, lambda store: build_bitnet(config, GraphBuilder(store=store), progress))
         return
-    data = path.with_name(path.name + ".data")
-    data.unlink(missing_ok=True)  # onnx appends to an existing data file
-    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=data.name, size_threshold=EXTERNAL_THRESHOLD, convert_attribute=False)
-    onnx.load_external_data_for_model(model, str(path.parent))
-    for tensor in model.graph.initializer:
-        tensor.ClearField("data_location")  # loading sets it to DEFAULT explicitly, which changes the bytes
+    size = config.spec().matrix_bytes()
+    if size >= MODEL_LIMIT:  # save() would refuse too, after minutes of drawing
+        raise ValueError(f"{path.name}: the model exceeds 2 GiB ({size / 2**30:.1f} GiB of weights); "
+                         "save it with external data")
+    save(build_bitnet(config, progress=progress), path, False)
 
 
 @click.command(help="Generate a BitNet b1.58 decoder ONNX graph in torch.onnx.export's pattern.")
@@ -131,14 +128,21 @@ def save(model: onnx.ModelProto, path: str | Path, external_data: bool) -> None:
 @click.option("--dynamic", is_flag=True, help="symbolic sequence dimension 'sequence'")
 @click.option("--block-sparsity", type=float, default=0.0, show_default=True, help="fraction of zero weight blocks")
 @click.option("--block", type=int, default=16, show_default=True, help="block edge for --block-sparsity")
-@click.option("--external-data/--no-external-data", default=False, show_default=True)
+@click.option("--external-data/--no-external-data", default=False, show_default=True,
+              help="weights in OUTPUT.data beside the model, written layer by layer (needed past 2 GiB)")
+@click.option("-q", "--quiet", is_flag=True, help="no progress bar")
 @click.argument("output", type=click.Path(dir_okay=False))
-def main(name, layers, seq, vocab, act, kv_heads, seed, dynamic, block_sparsity, block, external_data, output):
+def main(name, layers, seq, vocab, act, kv_heads, seed, dynamic, block_sparsity, block, external_data, quiet, output):
     config = preset(name, layers=layers, seq=seq, vocab=vocab, act=act, kv_heads=kv_heads, seed=seed,
                     dynamic=dynamic, block_sparsity=block_sparsity, block=block)
-    save(build_bitnet(config), output, external_data)
+    write_bitnet(config, output, external_data, Progress.for_terminal(quiet))
     click.echo(f"wrote {output}")
 
 
+def cli() -> None:
+    """Errors a user can cause (a bad option, a model too large, an unwritable output) as one line."""
+    run_script(main, "models.bitnet", (ValueError,))
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -8,8 +8,9 @@ from typing import Protocol
 import numpy as np
 import onnx
 
+from isa.progress import SILENT, Advance, Progress
 from models.graph import FLOAT, INT64, INT64_MAX, GraphBuilder, tensor_info
-from models.weights import gaussian, norm_weight
+from models.weights import gaussian_rows, norm_weight
 
 MASK_MIN = np.finfo(np.float32).min  # what transformers adds at masked positions
 SEQ_DIM = "sequence"
@@ -35,6 +36,12 @@ class DecoderSpec:
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    def matrix_bytes(self) -> int:
+        """fp32 bytes of the embedding, head and projection matrices: all of the model but a sliver."""
+        kv = self.kv_heads * self.head_dim
+        layer = self.hidden * (2 * self.hidden + 2 * kv + 3 * self.ffn)  # q and o, k and v, gate, up and down
+        return 4 * (2 * self.vocab * self.hidden + self.layers * layer)
 
     def check(self) -> None:
         if min(self.hidden, self.heads, self.kv_heads, self.ffn, self.vocab) < 1:
@@ -216,20 +223,34 @@ def decoder_layer(b: GraphBuilder, x: str, spec: DecoderSpec, t: Tables, proj: P
     return b.op("Add", x, mlp(b, normed, spec, proj, rng))
 
 
-def build_decoder(spec: DecoderSpec, proj: Projection, rng: np.random.Generator) -> onnx.ModelProto:
-    """input_ids int64 [1, S] -> logits float32 [1, S, vocab]; the lm_head stays a float MatMul."""
+def build_decoder(spec: DecoderSpec, proj: Projection, rng: np.random.Generator, b: GraphBuilder | None = None,
+                  progress: Progress = SILENT) -> onnx.ModelProto:
+    """input_ids int64 [1, S] -> logits float32 [1, S, vocab]; the lm_head stays a float MatMul.
+
+    Each parameter goes to ``b``'s store as it is drawn, in graph order, so with a streaming store
+    only the matrix being drawn is in memory. One progress step for the embedding, each layer and
+    the head."""
     spec.check()
-    b = GraphBuilder()
+    b = GraphBuilder() if b is None else b
     seq = SEQ_DIM if spec.dynamic else spec.seq
+    with progress.task("writing weights", spec.layers + 2) as advance:
+        x = decoder_stack(b, spec, proj, rng, advance)
+        with b.scoped("lm_head"):
+            head = b.weight("lm_head.weight_t", gaussian_rows(rng, (spec.hidden, spec.vocab), spec.hidden ** -0.5))
+            b.nodes.append(onnx.helper.make_node("MatMul", [x, head], ["logits"], name="lm_head/MatMul"))
+        advance()
+    return b.model([tensor_info("input_ids", INT64, [1, seq])], [tensor_info("logits", FLOAT, [1, seq, spec.vocab])])
+
+
+def decoder_stack(b: GraphBuilder, spec: DecoderSpec, proj: Projection, rng, advance: Advance) -> str:
+    """Embedding, layers and final norm in scope ``model``; returns the normed hidden state."""
     with b.scoped("model"):
-        embed = b.weight("model.embed_tokens.weight", gaussian(rng, (spec.vocab, spec.hidden), 1.0))
+        embed = b.weight("model.embed_tokens.weight", gaussian_rows(rng, (spec.vocab, spec.hidden), 1.0))
         x = b.op("Gather", embed, "input_ids", axis=0)
+        advance()
         tables = dynamic_tables(b, spec, "input_ids") if spec.dynamic else static_tables(b, spec)
         for i in range(spec.layers):
             with b.scoped(f"layers.{i}"):
                 x = decoder_layer(b, x, spec, tables, proj, rng)
-        x = rms_norm(b, x, "norm", spec.hidden, spec.rms_eps, rng)
-    with b.scoped("lm_head"):
-        head = b.weight("lm_head.weight_t", gaussian(rng, (spec.hidden, spec.vocab), spec.hidden ** -0.5))
-        b.nodes.append(onnx.helper.make_node("MatMul", [x, head], ["logits"], name="lm_head/MatMul"))
-    return b.model([tensor_info("input_ids", INT64, [1, seq])], [tensor_info("logits", FLOAT, [1, seq, spec.vocab])])
+            advance()
+        return rms_norm(b, x, "norm", spec.hidden, spec.rms_eps, rng)

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from models.graph import RowBlocks
+
 TERNARY_ZERO = 0.4  # share of zeros; absmean quantization of trained weights leaves about this many
+ROW_BLOCK_BYTES = 64 << 20  # how much of a row-block table is in memory at once
 
 
 def ternary(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
@@ -21,6 +24,15 @@ def ternary_scale(rng: np.random.Generator, fan_in: int) -> np.ndarray:
 
 def gaussian(rng: np.random.Generator, shape: tuple, std: float) -> np.ndarray:
     return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
+
+
+def gaussian_rows(rng: np.random.Generator, shape: tuple[int, int], std: float) -> RowBlocks:
+    """gaussian() drawn one block of rows at a time, when read: the generator yields the same stream
+    in pieces as in one call, so the values are those of gaussian(rng, shape, std)."""
+    rows, cols = shape
+    step = max(1, ROW_BLOCK_BYTES // (4 * max(cols, 1)))
+    blocks = (gaussian(rng, (min(step, rows - start), cols), std) for start in range(0, rows, step))
+    return RowBlocks(shape, np.dtype(np.float32), blocks)
 
 
 def norm_weight(rng: np.random.Generator, size: int) -> np.ndarray:
