@@ -77,7 +77,7 @@ class Program:
     lines: list[int] = field(default_factory=list, compare=False, repr=False)
     source: str = field(default="<program>", compare=False, repr=False)
     arch_at: str | None = field(default=None, compare=False, repr=False)   # the .arch's file:line:col
-    data: bytes | None = field(default=None, compare=False, repr=False)
+    data: bytes | None = field(default=None, compare=False, repr=False)   # or a view of the mapped data file
     # Of an expanded program (isa/expand.py): the source instruction of each task.
     origin: list[int] | None = field(default=None, compare=False, repr=False)
 
@@ -99,8 +99,9 @@ class Program:
             return f"{self.source}:{self.lines[i]}"
         return f"{self.source}: instruction {i}"
 
-    def const_bytes(self, t: Tensor) -> bytes:
-        """The initial bytes of constant tensor ``t`` from the data file."""
+    def const_bytes(self, t: Tensor) -> memoryview:
+        """The initial bytes of constant tensor ``t`` from the data file: a view, not a copy
+        (the data file is memory-mapped, isa/asm.py)."""
         if self.data is None:
             raise ProgramError(f"{self.source}: tensor {t.name!r} needs the data file "
                                f"{self.data_file!r}, which was not loaded")
@@ -108,7 +109,7 @@ class Program:
         if end > len(self.data):
             raise ProgramError(f"{self.source}: tensor {t.name!r} needs bytes {t.offset}..{end} "
                                f"of {self.data_file!r}, which has {len(self.data)}")
-        return self.data[t.offset:end]
+        return memoryview(self.data)[t.offset:end]
 
     def inputs(self) -> list[Tensor]:
         return [t for t in self.tensors if t.kind == "input"]
@@ -123,14 +124,20 @@ def pack(values: np.ndarray, dtype: str) -> np.ndarray:
         return np.ascontiguousarray(values, dtype=STORAGE[dtype]).reshape(-1)
     per = PACK[dtype]
     bits = 8 // per
-    v = np.asarray(values, dtype=np.int64).reshape(-1)
+    v = np.asarray(values).reshape(-1)
+    if not np.issubdtype(v.dtype, np.integer):
+        v = v.astype(np.int64)
     lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     if v.size and (v.min() < lo or v.max() > hi):
         raise ValueError(f"values outside [{lo}, {hi}] cannot be packed as {dtype}")
-    v = np.concatenate([v, np.zeros(-v.size % per, np.int64)]).reshape(-1, per)
-    u = (v & ((1 << bits) - 1)).astype(np.uint8)
-    shifts = (np.arange(per) * bits).astype(np.uint8)
-    return np.bitwise_or.reduce(u << shifts, axis=1).astype(np.uint8)
+    # In range, the low byte of a two's complement integer holds its low bits: work on bytes.
+    u = np.zeros(-(-v.size // per) * per, np.uint8)
+    u[:v.size] = v.view(np.uint8) if v.dtype.itemsize == 1 else v
+    u = u.reshape(-1, per) & np.uint8((1 << bits) - 1)
+    out = u[:, 0].copy()
+    for j in range(1, per):
+        out |= u[:, j] << np.uint8(j * bits)
+    return out
 
 
 def _unpack_table(bits: int) -> np.ndarray:

@@ -67,6 +67,8 @@ MAX_PIECES = 3
 
 def weight_pieces(values: np.ndarray) -> list[np.ndarray]:
     """int8 matrices summing to ``values`` (just ``values`` when it is int8 already)."""
+    if _fits_int8(values):
+        return [values.astype(np.int8, copy=False)]
     pieces, rest = [], values.astype(np.int64)
     while not pieces or rest.any():
         if len(pieces) == MAX_PIECES:
@@ -75,6 +77,14 @@ def weight_pieces(values: np.ndarray) -> list[np.ndarray]:
         pieces.append(np.clip(rest, -128, 127))
         rest = rest - pieces[-1]
     return pieces
+
+
+def _fits_int8(values: np.ndarray) -> bool:
+    if values.dtype == np.int8:
+        return True
+    if not np.issubdtype(values.dtype, np.integer):
+        return False            # a float weight is truncated as the general case does
+    return not values.size or (-128 <= values.min() and values.max() <= 127)
 
 
 @dataclass(frozen=True)
@@ -132,7 +142,8 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
     """
     em, arch = low.em, low.em.arch
     outs = out if isinstance(out, list) else [out]
-    raw, (w, lay) = w, _laid_out(w, segments, arch.legions, arch.array)
+    layouts = _Layouts(low, w, segments)
+    w, lay = layouts.laid(arch.legions)
     values = _batches(w)
     batches, K, N = values.shape
     shape = low.shape(acts.name)
@@ -151,10 +162,10 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
              and rscale is None and w.scales is None and w.bias is None and out.requant is None)
     per = M // batches
     corr = None if zero_point(low, acts) == acts.offset else correction_shape(arch, values[0], block)
-    shapes = _Shapes(low, raw, segments, rscale, block, corr, out.requant, exact, per, K)
+    shapes = _Shapes(low, layouts, segments, rscale, block, corr, out.requant, exact, per, K)
     width = pick_width(arch, low.switches, shapes.widths(), shapes.part)
     if width != arch.legions:
-        w, lay = _laid_out(raw, segments, width, arch.array)
+        w, lay = layouts.laid(width)
         values = _batches(w)
         N = values.shape[-1]
     corrs = [correction(low, f"{name}_{b}" if batches > 1 else name, acts, v, block) for b, v in enumerate(values)]
@@ -170,7 +181,7 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
     for b, v in enumerate(values):
         if b:
             em.barrier()        # each batch's plan reuses the scratchpad slots of the one before
-        pieces, nonzero = _pieces(low, v, n_pad)
+        pieces, nonzero = layouts.pieces(width, b)
         weights = tuple(_weight_const(em, f"{name}_w{b or ''}{i or ''}", piece) for i, piece in enumerate(pieces))
         p = Problem(a8, rscale, weights, scales, groups, block, bias, *corrs[b], out.requant, exact,
                     dst.tensor, range(b * per, (b + 1) * per), K, N, n_pad, nonzero, segs)
@@ -181,6 +192,32 @@ def _laid_out(w: Weights, segments: list[int] | None, legions: int, na: int) -> 
     """(weights, layout) of a fused matmul's weights laid out for ``legions`` Legions."""
     lay = legion_major(segments, legions, na) if segments else None
     return (w if lay is None else lay.weights(w)), lay
+
+
+class _Layouts:
+    """A constant weight laid out for parts of each width, and each batch's int8 pieces with
+    their block maps: made once, for the cost model's comparison of widths and the emission of
+    the width picked (a layer's largest arrays: a copy costs more than a schedule search)."""
+
+    def __init__(self, low: Lowering, raw: Weights, segments: list[int] | None):
+        self.low, self.raw, self.segments = low, raw, segments
+        self.made: dict = {}
+
+    def laid(self, width: int) -> tuple:
+        """(weights, layout) for parts of ``width`` Legions (``_laid_out``)."""
+        key = ("laid", width if self.segments else None)     # only a fused weight moves
+        if key not in self.made:
+            self.made[key] = _laid_out(self.raw, self.segments, width, self.low.em.arch.array)
+        return self.made[key]
+
+    def pieces(self, width: int, batch: int) -> tuple[list, tuple]:
+        """``_pieces`` of batch ``batch`` laid out for ``width``."""
+        key = ("pieces", width if self.segments else None, batch)
+        if key not in self.made:
+            v = _batches(self.laid(width)[0])[batch]
+            na = self.low.em.arch.array
+            self.made[key] = _pieces(self.low, v, math.ceil(v.shape[1] / na) * na)
+        return self.made[key]
 
 
 def _batches(w: Weights) -> np.ndarray:
@@ -212,7 +249,7 @@ class _Shapes:
     part of the first batch, for each number of Legions a part may have."""
 
     low: Lowering
-    raw: Weights
+    layouts: _Layouts
     segments: list | None
     rscale: RowScale | None
     block: int
@@ -229,11 +266,10 @@ class _Shapes:
 
     def part(self, width: int) -> Problem:
         arch = self.low.em.arch
-        w, lay = _laid_out(self.raw, self.segments, width, arch.array)
-        v = _batches(w)[0]
-        N = v.shape[1]
+        w, lay = self.layouts.laid(width)
+        N = w.values.shape[-1]
         n_pad = math.ceil(N / arch.array) * arch.array
-        pieces, nonzero = _pieces(self.low, v, n_pad)
+        pieces, nonzero = self.layouts.pieces(width, 0)
         weights = tuple((0, _piece_mode(arch, piece)) for piece in pieces)
         segs = () if lay is None else tuple(Segment(0, n, wd, off) for n, wd, off in
                                             zip(self.segments, lay.widths, lay.offsets))
@@ -306,11 +342,20 @@ class LegionMajor:
                      for d, n, width, offset in zip(dsts, sizes, self.widths, self.offsets))
 
     def take(self, a: np.ndarray) -> np.ndarray:
-        """``a``'s last axis in this layout, zero at padding."""
+        """``a``'s last axis in this layout, zero at padding. Copied by runs of consecutive
+        columns (a Legion's share of a segment): a slice copies far faster than a gather."""
         out = np.zeros(a.shape[:-1] + self.columns.shape, a.dtype)
-        ok = self.columns >= 0
-        out[..., ok] = a[..., self.columns[ok]]
+        for dst, src, n in _runs(self.columns):
+            out[..., dst:dst + n] = a[..., src:src + n]
         return out
+
+
+def _runs(columns: np.ndarray) -> list[tuple[int, int, int]]:
+    """(first place, first source column, length) of each run of consecutive source columns."""
+    at = np.flatnonzero(columns >= 0)
+    cut = np.flatnonzero((np.diff(at) != 1) | (np.diff(columns[at]) != 1)) + 1
+    starts, stops = np.r_[0, cut], np.r_[cut, at.size]
+    return [(int(at[i]), int(columns[at[i]]), int(j - i)) for i, j in zip(starts, stops) if j > i]
 
 
 def legion_major(segments: list[int], legions: int, na: int) -> LegionMajor:
@@ -332,13 +377,15 @@ def block_maps(pieces: list[np.ndarray], na: int) -> tuple:
     maps = []
     for piece in pieces:
         K, N = piece.shape
-        padded = np.pad(piece != 0, ((0, -K % na), (0, -N % na)))
-        maps.append(padded.reshape(-(-K // na), na, -(-N // na), na).any(axis=(1, 3)))
+        nonzero = piece != 0
+        if K % na or N % na:
+            nonzero = np.pad(nonzero, ((0, -K % na), (0, -N % na)))
+        maps.append(nonzero.reshape(-(-K // na), na, -(-N // na), na).any(axis=(1, 3)))
     return () if all(m.all() for m in maps) else tuple(maps)
 
 
 def _pad_cols(a: np.ndarray, n_pad: int) -> np.ndarray:
-    return np.pad(a, ((0, 0), (0, n_pad - a.shape[1])))
+    return a if a.shape[1] == n_pad else np.pad(a, ((0, 0), (0, n_pad - a.shape[1])))
 
 
 def _piece_mode(arch: Arch, piece: np.ndarray) -> str:

@@ -12,7 +12,7 @@ from typing import Callable
 
 from isa.arch import Arch
 from dlegion_cc.lower.context import Switches
-from dlegion_cc.lower.qplan import EQUAL, Problem, choose, estimate, score
+from dlegion_cc.lower.qplan import EQUAL, Problem, score, search
 
 # A part of the rows given Legions of their own is at least this many array heights of rows.
 PART_ROWS = 4
@@ -57,8 +57,8 @@ def pick_width(arch: Arch, switches: Switches, widths: list[int], part: Callable
         return best
     for width in widths:
         p = part(width)
-        plan = choose(arch, p, switches)
-        c = score(arch, p, plan, estimate(arch, p, plan), switches.objective, arch.legions // width)
+        e, plan = search(arch, p, switches)
+        c = score(arch, p, plan, e, switches.objective, arch.legions // width)
         if cost is None or c < cost * (1 - EQUAL):
             best, cost = width, c
     return best

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
+from functools import lru_cache
 
 import numpy as np
 
@@ -426,9 +427,28 @@ OBJECTIVES = ("latency", "energy", "edp")
 
 
 def choose(arch: Arch, p: Problem, switches: Switches = Switches()) -> Plan:
-    """The candidate the cost model finds best for ``switches.objective`` (see ``EQUAL``).
-    For latency, candidates are modelled in order of their compute bound, and the search stops
-    where that bound rules out the rest; energy has no such bound, so every one is modelled."""
+    """The candidate the cost model finds best for ``switches.objective`` (see ``EQUAL``)."""
+    return search(arch, p, switches)[1]
+
+
+def search(arch: Arch, p: Problem, switches: Switches = Switches()) -> tuple["Estimate", Plan]:
+    """The chosen plan and its estimate (shared: not to be changed). Matmuls alike but for
+    where their operands are (every layer of a decoder has the same ones) share one search:
+    ``_search`` is cached by all that the search reads (:class:`Alike`), so sharing never
+    changes a pick."""
+    return _search(arch, Alike(p), switches)
+
+
+# Searches kept: a model's distinct matmul shapes, for the few machines of a sweep.
+SEARCHES_KEPT = 256
+
+
+@lru_cache(maxsize=SEARCHES_KEPT)
+def _search(arch: Arch, alike: "Alike", switches: Switches) -> tuple["Estimate", Plan]:
+    """For latency, candidates are modelled in order of their compute bound, and the search
+    stops where that bound rules out the rest; energy has no such bound, so every one is
+    modelled."""
+    p = alike.problem
     plans = candidates(arch, p, switches)
     if not plans:
         raise ValueError(f"no tiling of a {len(p.rows)}x{p.K}x{p.N} matmul fits the scratchpads of {arch.name}")
@@ -437,8 +457,45 @@ def choose(arch: Arch, p: Problem, switches: Switches = Switches()) -> Plan:
     costs = [score(arch, p, plan, e, goal) for e, plan in scored]
     near = [(e, plan) for (e, plan), c in zip(scored, costs) if c <= min(costs) * (1 + EQUAL)]
     fastest = min(e.cycles for e, _ in near)
-    return min(((e.dram_bytes, e.instructions, e.cycles), k, plan) for k, (e, plan) in enumerate(near)
-               if e.cycles <= fastest * (1 + EQUAL))[-1]
+    return min(((e.dram_bytes, e.instructions, e.cycles), k, e, plan) for k, (e, plan) in enumerate(near)
+               if e.cycles <= fastest * (1 + EQUAL))[2:]
+
+
+class Alike:
+    """A problem as the search sees it: equal to another when every field is, block maps by
+    their bits, DRAM tensor indices up to renaming (the search only tells one tensor from
+    another, as a fused matmul's segments). ``problem``: the one searched."""
+
+    __slots__ = ("problem", "key")
+
+    def __init__(self, p: Problem):
+        self.problem = p
+        names: dict = {}
+        tensor = lambda t: None if t is None else names.setdefault(t, len(names))
+        rscale = None if p.rscale is None else replace(p.rscale, tensor=tensor(p.rscale.tensor))
+        self.key = _hashable(replace(
+            p, a8=tensor(p.a8), rscale=rscale,
+            weights=tuple((tensor(t), mode) for t, mode in p.weights), scales=tensor(p.scales),
+            bias=tensor(p.bias), corr_row=tensor(p.corr_row), corr_weight=tensor(p.corr_weight),
+            out=tensor(p.out), segments=tuple(replace(s, tensor=tensor(s.tensor)) for s in p.segments)))
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Alike) and self.key == other.key
+
+
+def _hashable(v):
+    """``v`` as nested tuples that compare by value (a Problem compares by identity, an array
+    is not hashable)."""
+    if isinstance(v, np.ndarray):
+        return v.dtype.str, v.shape, v.tobytes()
+    if isinstance(v, (tuple, list)):
+        return tuple(_hashable(x) for x in v)
+    if isinstance(v, Problem):
+        return tuple(_hashable(getattr(v, f.name)) for f in fields(v))
+    return v
 
 
 def _fastest(arch: Arch, p: Problem, plans: list[Plan]) -> list[tuple["Estimate", Plan]]:
