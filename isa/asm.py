@@ -12,6 +12,8 @@ import difflib
 import functools
 import gc
 import json
+import mmap
+import os
 import re
 import threading
 from dataclasses import dataclass
@@ -710,12 +712,25 @@ def _parse_bytes(raw: bytes, source: str) -> Program:
     return parse(text, source)
 
 
-def _read_data(path: Path, p: Program) -> bytes:
+def _read_data(path: Path, p: Program):
+    """The data file, memory-mapped read-only: a multi-GB file is paged in as constants are
+    used, never read whole (an empty file, which mmap refuses, is empty bytes)."""
     try:
-        return path.read_bytes()
+        with open(path, "rb") as f:
+            return _mapped(f)
     except OSError as e:
         raise ProgramError(f"{p.source}: cannot read data file {p.data_file!r} "
                            f"({e.strerror})") from None
+
+
+def _mapped(f):
+    if os.fstat(f.fileno()).st_size == 0:
+        return b""
+    try:
+        # a view: compares equal to the same bytes, and slices without copying
+        return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+    except (OSError, ValueError):     # a file that cannot be mapped (a pipe, some file systems)
+        return f.read()
 
 
 def save(p: Program, path, data: bytes | None = None, binary: bool = False) -> None:

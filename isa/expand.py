@@ -74,7 +74,16 @@ def _task(ins: Instr, legion: int, rank: int, issued: Counter) -> Instr:
         _shift_dram(ins, name, rank, changes)
     if isinstance(ins, DmaLoad) and rank:
         changes["dests"] = frozenset(d + rank for d in ins.dests)
-    return replace(ins, **changes)
+    return _replaced(ins, changes)
+
+
+def _replaced(ins: Instr, changes: dict) -> Instr:
+    """``dataclasses.replace`` without running ``__init__`` again (instructions have no
+    ``__post_init__``): a large program expands into hundreds of thousands of tasks."""
+    task = object.__new__(type(ins))
+    task.__dict__.update(ins.__dict__)
+    task.__dict__.update(changes)
+    return task
 
 
 def _shift_dram(ins: Instr, name: str, rank: int, changes: dict) -> None:

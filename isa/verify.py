@@ -66,20 +66,43 @@ def check(program: Program, arch: Arch) -> list[str]:
 
     Spans are checked on the program as written, everything else on its expansion into one
     task per Legion (a problem shared by the Legions of a span is listed once)."""
+    return _checked(program, arch)[0]
+
+
+def _checked(program: Program, arch: Arch) -> tuple[list[str], Program | None]:
+    """The problems of ``program`` and its expansion (None when a span cannot be expanded)."""
     out = list(tensor_problems(program))
     out += [f"{program.where(i)}: {ins.MNEMONIC}: span: {why}" for i, ins in enumerate(program.instrs)
             if (why := span_problem(ins, arch))]
     if out:
-        return out
-    program = expand(program, arch.legions).program
-    ctx = Context(program, arch, queue_lengths(program, arch))
+        return out, None
+    # Fields are encoded as written: the tasks of one instruction share its (un)encodable fields.
+    bad = [list(ins.bad_fields()) for ins in program.instrs]
+    flat = expand(program, arch.legions)
+    ctx = Context(flat.program, arch, queue_lengths(flat.program, arch))
     seen: Counter = Counter()         # instructions each queue has been given so far
-    for i, ins in enumerate(program.instrs):
-        head = f"{program.where(i)}: {ins.MNEMONIC}"
-        out += [f"{head}: {what}" for what in instr_problems(ins, ctx)]
+    origin = flat.origin
+    for i, ins in enumerate(flat.program.instrs):
+        head = f"{flat.program.where(i)}: {ins.MNEMONIC}"
+        out += [f"{head}: {what}" for what in (bad[origin[i]] or _task_problems(ins, ctx, _inner(origin, i)))]
         out += [f"{head}: {what}" for what in own_queue(ins, seen)]
         _count(ins, seen, arch)
-    return list(dict.fromkeys(out))
+    return list(dict.fromkeys(out)), flat.program
+
+
+def _inner(origin: list[int], i: int) -> bool:
+    """Whether task ``i`` is neither the first nor the last Legion of its instruction's span."""
+    return 0 < i < len(origin) - 1 and origin[i - 1] == origin[i] == origin[i + 1]
+
+
+def _task_problems(ins: Instr, ctx: Context, inner: bool) -> Problems:
+    """An inner rank of a span differs from its ends only by a Legion, DRAM offset and
+    destinations that move linearly with the rank: the ends' checks cover it, but for its
+    condition (each rank's own count)."""
+    if not inner:
+        return instr_problems(ins, ctx)
+    cond = ins.condition()
+    return condition(cond, ctx) if cond is not None else iter(())
 
 
 def span_problem(ins: Instr, arch: Arch) -> str | None:
@@ -117,11 +140,12 @@ def _count(ins: Instr, seen: Counter, arch: Arch) -> None:
         seen[(ins.legion, ins.queue())] += 1
 
 
-def verify(program: Program, arch: Arch) -> None:
-    """Raise :class:`ProgramError` listing the problems of ``program`` on ``arch``, if any."""
-    problems = check(program, arch)
+def verify(program: Program, arch: Arch) -> Program:
+    """Raise :class:`ProgramError` listing the problems of ``program`` on ``arch``, if any;
+    else return the expansion it checked (one task per Legion), for the caller to run."""
+    problems, flat = _checked(program, arch)
     if not problems:
-        return
+        return flat
     shown = problems[:MAX_SHOWN]
     if len(problems) > MAX_SHOWN:
         shown.append(f"... and {len(problems) - MAX_SHOWN} more")
@@ -129,11 +153,7 @@ def verify(program: Program, arch: Arch) -> None:
 
 
 def instr_problems(ins: Instr, ctx: Context) -> Problems:
-    bad = ins.bad_fields()
-    if bad:
-        # The family checks assume well-formed fields; an unencodable one is the problem to fix.
-        yield from bad
-        return
+    """The problems of a task whose fields are well formed (the family checks assume it)."""
     fn = family_check(type(ins))
     if fn is None:
         yield f"{type(ins).__name__} is not an instruction of the table"

@@ -15,6 +15,7 @@ from isa.asm import arch_of, load
 from isa.cli import program_files
 from isa.console import check_outputs, no_empty_path, read_arrays
 from isa.files import atomic_write_all
+from isa.progress import SILENT, Progress
 from isa.instructions import DmaStore
 from runtime.check import REFERENCES
 
@@ -81,15 +82,20 @@ def _check(model: str, inputs, result, tol: float, check_all: bool = False,
     return all(r.ok for r in rows)
 
 
-def _execute(program, arch, inputs_path, seed, races=True):
+def _execute(program, arch, inputs_path, seed, races=True, keep=False, progress=SILENT):
     from runtime.emulator import run
     machine = arch_mod.load(arch) if arch else arch_of(program)
     inputs = _load_inputs(inputs_path, program, seed)
     _warn_unwritten(program)
     try:
-        return inputs, run(program, machine, inputs, races=races)
+        return inputs, run(program, machine, inputs, races=races, keep=keep, progress=progress)
     except MemoryError:     # the tensors themselves are named where they are made (runtime/state.py)
         raise Failure(f"{program.source}: the emulator ran out of host memory") from None
+
+
+def _time_only(program, arch, progress):
+    from runtime.emulator import time_only
+    return time_only(program, arch_mod.load(arch) if arch else arch_of(program), progress)
 
 
 def _given(ctx: click.Context, name: str) -> bool:
@@ -104,6 +110,16 @@ def _needs_check(ctx: click.Context, check_model: str | None, inputs_path: str |
             raise click.UsageError(f"--{name.replace('_', '-')} needs --check", ctx)
     if inputs_path is not None and _given(ctx, "seed"):
         raise click.UsageError("--seed has no effect with --inputs (it seeds the random inputs)", ctx)
+
+
+def _values_unused(ctx: click.Context) -> None:
+    """--timing-only computes no values: the options about values are an error with it."""
+    flags = {"inputs_path": "--inputs", "seed": "--seed", "out_path": "--out", "check_model": "--check",
+             "check_all": "--check-all", "reference": "--reference", "tolerance": "--tolerance",
+             "races": "--race-check" if ctx.params.get("races") else "--no-race-check"}
+    for name, flag in flags.items():
+        if _given(ctx, name):
+            raise click.UsageError(f"{flag} has no effect with --timing-only (it computes no values)", ctx)
 
 
 def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
@@ -145,8 +161,13 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 @click.option("--race-check/--no-race-check", "races", default=True, show_default=True,
               help="Check that every two instructions touching the same element (one writing) are "
                    "ordered by the program's waits, whatever order the timing model runs them in.")
+@click.option("--timing-only", is_flag=True,
+              help="Run the timing model alone, computing no values (of the data file only block masks are "
+                   "read), for programs too large to emulate; the same cycles as a full run. Not with --inputs, "
+                   "--out or --check.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar on stderr.")
 def run_command(ctx, program, arch, inputs_path, seed, out_path, check_model, check_all, reference, tolerance,
-                report, json_path, trace_path, races):
+                report, json_path, trace_path, races, timing_only, quiet):
     """Run PROGRAM (text .s or binary .bin) in the functional emulator and timing model.
 
     Exit status: 0 when all is well, 1 when --check finds a mismatch, 2 for bad input (a
@@ -154,14 +175,20 @@ def run_command(ctx, program, arch, inputs_path, seed, out_path, check_model, ch
     races or deadlocks. Outputs are written together at the end, all or none.
     """
     from runtime import report as rep
+    if timing_only:
+        _values_unused(ctx)
     _needs_check(ctx, check_model, inputs_path)
     outputs = {"--out": out_path, "--json": json_path, "--trace": trace_path}
     check_outputs(outputs, {"the program": program, "the --inputs file": inputs_path,
                             "the --check model": check_model,
                             "the --arch machine description": arch if arch and arch.endswith(".toml") else None})
-    prog = load(program)
+    prog = load(program)        # the data file is mapped, not read: --timing-only touches only block masks
     check_outputs(outputs, program_files(prog))
-    inputs, result = _execute(prog, arch, inputs_path, seed, races)
+    progress = Progress.for_terminal(quiet)
+    if timing_only:
+        inputs, result = None, _time_only(prog, arch, progress)
+    else:   # --check-all reads the intermediates at the end: keep them
+        inputs, result = _execute(prog, arch, inputs_path, seed, races, keep=check_all, progress=progress)
     numbers = rep.summarize(result)
     if report:
         rep.print_report(numbers)

@@ -6,10 +6,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from isa.arch import Arch
+from isa.instructions import Barrier, Wait
 from isa.program import Program, ProgramError, Tensor
-from isa.expand import expand
+from isa.progress import SILENT, Progress
 from isa.verify import verify
 from runtime import semantics
+from runtime.liveness import Liveness
 from runtime.races import RaceCheck
 from runtime.state import Machine, Trap, host_array
 from runtime.timing import Timeline, simulate
@@ -21,18 +23,25 @@ class RunResult:
     timeline: Timeline
     arch: Arch
     program: Program
-    machine: Machine          # the final state: DRAM tensors, scratchpads
+    machine: Machine | None   # the final state: DRAM tensors, scratchpads (None: timed only)
 
 
-def run(program: Program, arch: Arch, inputs: dict[str, np.ndarray], races: bool = True) -> RunResult:
+# Tasks between two progress updates: often enough to watch, rare enough to cost nothing.
+PROGRESS_BLOCK = 1024
+
+
+def run(program: Program, arch: Arch, inputs: dict[str, np.ndarray], races: bool = True,
+        keep: bool = True, progress: Progress = SILENT) -> RunResult:
     """Emulate ``program`` on ``arch``: functional results and timing from one simulation;
-    ``races`` also checks that every two conflicting accesses are ordered (runtime/races.py)."""
-    verify(program, arch)
-    program = expand(program, arch.legions).program      # one task per Legion of each span
+    ``races`` also checks that every two conflicting accesses are ordered (runtime/races.py);
+    ``keep`` keeps every scratch tensor to the end, for the caller to read (runtime/check.py);
+    else each is freed after its last use (dlegion-run, unless --check-all)."""
+    program = verify(program, arch)      # and expanded: one task per Legion of each span
     machine = Machine(program, arch)
     bind_inputs(machine, program, inputs)
     if races:
         machine.watch = RaceCheck(program, arch)
+    live = None if keep else Liveness(program)
 
     def execute(i: int) -> None:
         if machine.watch is not None:
@@ -41,10 +50,44 @@ def run(program: Program, arch: Arch, inputs: dict[str, np.ndarray], races: bool
             semantics.execute(machine, program.instrs[i])
         except Trap as e:
             raise Trap(f"{program.where(i)}: {program.instrs[i].MNEMONIC}: {e}") from None
+        for n in live.ran(i) if live is not None else ():
+            machine.free(n)
+            if machine.watch is not None:
+                machine.watch.forget(n)
 
-    timeline = simulate(program, arch, execute)
+    with progress.task("emulating", _executed(program)) as advance:
+        timeline = simulate(program, arch, _every(PROGRESS_BLOCK, execute, advance))
     outputs = {t.io_name: machine.get(t.name) for t in program.outputs()}
     return RunResult(outputs, timeline, arch, program, machine)
+
+
+def time_only(program: Program, arch: Arch, progress: Progress = SILENT) -> RunResult:
+    """The timing model alone: the same cycles as :func:`run`, without computing any value
+    (instructions' times do not depend on the data they move)."""
+    program = verify(program, arch)
+    with progress.task("timing", _executed(program)) as advance:
+        timeline = simulate(program, arch, _every(PROGRESS_BLOCK, None, advance))
+    return RunResult({}, timeline, arch, program, None)
+
+
+def _executed(program: Program) -> int:
+    """Tasks the timing model hands to ``execute``: all but waits and barriers."""
+    return sum(not isinstance(i, (Wait, Barrier)) for i in program.instrs)
+
+
+def _every(block: int, execute, advance):
+    """``execute`` that also reports progress once per ``block`` tasks run."""
+    count = 0
+
+    def step(i: int) -> None:
+        nonlocal count
+        if execute is not None:
+            execute(i)
+        count += 1
+        if count == block:
+            advance(count)
+            count = 0
+    return step
 
 
 def bind_inputs(machine: Machine, program: Program, inputs: dict[str, np.ndarray]) -> None:

@@ -13,14 +13,16 @@ conditions allow. An instruction is ordered after another only by what it waits 
 - a barrier: everything before it, on every queue.
 
 :class:`Order` folds these into a vector per instruction: per queue, how many of its
-instructions are known done when it starts. :class:`RaceCheck` keeps a shadow of every
-scratchpad element and of every DRAM tensor the program writes: its last writer and, per
-queue, its last reader. The emulator calls it for each access, in completion order; an access
-whose earlier conflicting access is not known done is a race, reported with both instructions.
+instructions are known done when it starts. :class:`RaceCheck` keeps, per scratchpad and per
+DRAM tensor the program writes, a ledger of the accesses (windows) a later task might not be
+ordered after. The emulator calls it for each access, in completion order; an access whose
+earlier conflicting access is not known done is a race, reported with both instructions.
 (A gather's table rows and a matmul's block mask are read-only constants in the programs the
 compiler writes and are not tracked.)
 """
 from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
 
 import numpy as np
 
@@ -28,7 +30,7 @@ from isa.arch import Arch
 from isa.fields import QUEUES, View
 from isa.instructions import Barrier
 from isa.program import Program
-from runtime.state import Trap, window
+from runtime.state import Trap
 
 DMA = QUEUES.index("dma")
 NONE = -1
@@ -112,90 +114,235 @@ class Order:
         return out
 
 
-class Shadow:
-    """Per element: its last writer (queue + 1, 0 for none, and that queue's count after it) and,
-    per reading queue, the count after its last read. Zeros, so untouched pages cost nothing."""
+# An access the ledger keeps: its bounds (lowest, highest element), task, queue, the queue's
+# count once the task is done, whether it writes, its window (addr, rows, cols, rs, cs) and
+# that window as a rectangle (or None, see _rectangle).
+Access = tuple
 
-    def __init__(self, elems: int, reader_queues: list[int]):
-        self.wq = np.zeros(elems, np.int32)
-        self.wc = np.zeros(elems, np.int32)
-        self.rc = np.zeros((len(reader_queues), elems), np.int32)
-        self.reader_queues = reader_queues
+PRUNE_EVERY = 64       # tasks between two sweeps that drop accesses every later task is ordered after
+
+
+class Ledger:
+    """The kept accesses of one space, by lowest element: those an access's bounds can meet
+    are found by bisection, the widest access bounding how far back to look."""
+
+    __slots__ = ("items", "los", "span")
+
+    def __init__(self):
+        self.items: list[Access] = []
+        self.los: list[int] = []
+        self.span = 0
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def meeting(self, lo: int, hi: int, rect) -> list[int]:
+        """Indices, by lowest element, of the kept accesses that may share an element with an
+        access of bounds [lo, hi] and rectangle ``rect``."""
+        items, out = self.items, []
+        for n in range(bisect_left(self.los, lo - self.span), bisect_right(self.los, hi)):
+            old = items[n]
+            if old[1] >= lo and not _apart(rect, old[7]):
+                out.append(n)
+        return out
+
+    def add(self, access: Access) -> None:
+        n = bisect_right(self.los, access[0])
+        self.los.insert(n, access[0])
+        self.items.insert(n, access)
+        self.span = max(self.span, access[1] - access[0])
+
+    def drop(self, indices: list[int]) -> None:
+        for n in reversed(indices):
+            del self.items[n], self.los[n]
+
+    def keep(self, floor: list[int]) -> None:
+        """Keep the accesses some task of the space may not know done (``floor``: per queue,
+        the count they all know)."""
+        self.items = [old for old in self.items if floor[old[3]] < old[4]]
+        self.los = [old[0] for old in self.items]
+        self.span = max((old[1] - old[0] for old in self.items), default=0)
+
+
+# Columns of WideLedger's table: an access's bounds, rectangle (row stride -1: none), queue and
+# the queue's count once it is done.
+LO, HI, RS, R0, R1, C0, C1, Q, COUNT = range(9)
+
+
+class WideLedger:
+    """The kept accesses of a DRAM tensor, as a table searched by numpy. The row blocks and
+    column tiles of a matrix are windows whose bounds span most of the tensor, so bounds alone
+    leave hundreds of candidates; their rectangles tell them apart in one vector operation."""
+
+    __slots__ = ("items", "table", "live", "n")
+
+    def __init__(self):
+        self.items: list[Access] = []
+        self.table = np.zeros((16, 9), np.int64)
+        self.live = np.zeros(16, np.bool_)
+        self.n = 0
+
+    def __len__(self) -> int:
+        return int(self.live[:self.n].sum())
+
+    def meeting(self, lo: int, hi: int, rect) -> list[int]:
+        """Indices, by lowest element (ties: the older first), of the kept accesses that may
+        share an element with an access of bounds [lo, hi] and rectangle ``rect``."""
+        t = self.table[:self.n]
+        near = self.live[:self.n] & (t[:, HI] >= lo) & (t[:, LO] <= hi)
+        if rect is not None:
+            apart = ((t[:, R1] <= rect[1]) | (rect[2] <= t[:, R0])
+                     | (t[:, C1] <= rect[3]) | (rect[4] <= t[:, C0]))
+            near &= ~(apart & (t[:, RS] == rect[0]))
+        found = np.flatnonzero(near)
+        if len(found) > 1:
+            found = found[np.argsort(t[found, LO], kind="stable")]
+        return found.tolist()
+
+    def add(self, access: Access) -> None:
+        if self.n == len(self.live):
+            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+            self.live = np.concatenate([self.live, np.zeros_like(self.live)])
+        rect = access[7] or (-1, 0, 0, 0, 0)
+        self.table[self.n] = (access[0], access[1], *rect, access[3], access[4])
+        self.live[self.n] = True
+        self.items.append(access)
+        self.n += 1
+
+    def drop(self, indices: list[int]) -> None:
+        self.live[indices] = False
+
+    def keep(self, floor: list[int]) -> None:
+        """Keep the accesses some task of the tensor may not know done (``floor``: per queue,
+        the count they all know)."""
+        t = self.table[:self.n]
+        kept = np.flatnonzero(self.live[:self.n] & (np.asarray(floor)[t[:, Q]] < t[:, COUNT]))
+        self.items = [self.items[n] for n in kept]
+        self.n = len(kept)
+        self.table[:self.n] = t[kept]
+        self.live[:] = False
+        self.live[:self.n] = True
 
 
 class RaceCheck:
-    """The machine's accesses, checked against :class:`Order` as the emulator performs them."""
+    """The machine's accesses, checked against :class:`Order` as the emulator performs them.
+
+    Per space (a Legion's scratchpad, a DRAM tensor the program writes) it keeps a ledger of
+    accesses, one per instruction and operand: a window of rows x cols elements, not an entry
+    per element. A new access is compared with each kept one whose bounds it meets; only a
+    conflicting pair that is not ordered is compared element by element, to tell a race from
+    interleaved windows. An access leaves the ledger once a later one of the same elements
+    replaces it (a write covering it, which was checked against it, or a read of the same queue
+    covering an earlier read: whatever is ordered after the newer is ordered after the older)
+    or once every task still to run is known to be ordered after it."""
 
     def __init__(self, program: Program, arch: Arch):
         self.program, self.order = program, Order(program, arch)
-        nq = len(QUEUES)
-        self.spads = [{s: Shadow(n, [legion * nq + r for r in range(nq)])
-                       for s, n in arch.derived.spad_elems.items()} for legion in range(arch.legions)]
-        # DRAM is read only by DMA queues: a reader per Legion.
-        dma = [legion * nq + DMA for legion in range(arch.legions)]
-        self.dram = {i: Shadow(t.storage_elems, dma) for i, t in enumerate(program.tensors)
-                     if t.kind not in ("const", "input")}
-        self.now = 0
+        self.spads = [{s: Ledger() for s in arch.derived.spad_elems} for _ in range(arch.legions)]
+        self.dram = {i: WideLedger() for i, t in enumerate(program.tensors) if t.kind not in ("const", "input")}
+        self.spad_queues, self.dram_queues = _accessors(program, arch, self.order)
+        self.head = np.zeros(self.order.nq, np.int64)   # per queue: its first task that may not have run
+        self._now, self._known, self._ran = None, None, []
+        self._queue, self._place = self.order.queue.tolist(), self.order.place.tolist()
+        self._shapes: dict[tuple, tuple] = {}           # window -> its bounds and rectangle
 
-    # The machine calls these for every access of the instruction ``now``.
+    @property
+    def now(self) -> int:
+        return self._now
+
+    @now.setter
+    def now(self, k: int) -> None:
+        """The emulator is about to run task ``k``; the tasks before it have run."""
+        if self._now is not None:
+            self._ran.append(self._now)
+        self._now, self._known = k, self.order.known[k].tolist()
+        if len(self._ran) >= PRUNE_EVERY:
+            self._prune()
+
+    def forget(self, tensor: int) -> None:
+        """A tensor no later task touches (runtime/liveness.py) needs no ledger."""
+        self.dram.pop(tensor, None)
+
+    # The machine calls these for every access of the task ``now``.
     def spad(self, legion: int, view: View, rows: int, cols: int, write: bool) -> None:
         self._access(self.spads[legion][view.space], (view.addr, rows, cols, view.rs, view.cs), write,
                      lambda e: f"L{legion} {view.space}[{e}]")
 
     def dram_access(self, tensor: int, offset: int, rs: int, rows: int, cols: int, write: bool) -> None:
-        shadow = self.dram.get(tensor)
-        if shadow is not None:
-            self._access(shadow, (offset, rows, cols, rs, 1), write,
+        ledger = self.dram.get(tensor)
+        if ledger is not None:
+            self._access(ledger, (offset, rows, cols, rs, 1), write,
                          lambda e: f"@{self.program.tensors[tensor].name}[{e}]")
 
-    def _access(self, s: Shadow, win: tuple, write: bool, where) -> None:
+    def _access(self, ledger: "Ledger", win: tuple, write: bool, where) -> None:
         if win[1] == 0 or win[2] == 0:
             return
-        k, order = self.now, self.order
-        q, count = int(order.queue[k]), int(order.place[k]) + 1
-        wq, wc, rc = (window(a, *win, writeable=True) for a in (s.wq, s.wc, s.rc))
-        known = order.known[k]
-        top = int(wq.max())
-        # One earlier writer queue (the usual case): its highest count answers for the window,
-        # and it is mostly known done (the full rule, ``_unordered``, is slower).
-        if top and (top != int(wq.min()) or (known[top - 1] < int(wc.max())
-                                             and self._unordered(top - 1, int(wc.max()), write, "wrote"))):
-            self._check(wq - 1, wc, write, win, where, "wrote")
-        if not write:
-            reads = rc[s.reader_queues.index(q)]
-            np.maximum(reads, count, out=reads)
-            return
-        for r, rq in enumerate(s.reader_queues):
-            last = int(rc[r].max())
-            if last and known[rq] < last and self._unordered(rq, last, write, "read"):
-                self._check(np.where(rc[r] > 0, rq, NONE), rc[r], write, win, where, "read")
-            if last:
-                rc[r] = 0
-        wq[...], wc[...] = q + 1, count
+        shape = self._shapes.get(win)
+        if shape is None:
+            shape = self._shapes[win] = (*_bounds(win), _rectangle(win))
+        lo, hi, rect = shape
+        k = self._now
+        q, place = self._queue[k], self._place[k]
+        replaced, items = [], ledger.items
+        for n in ledger.meeting(lo, hi, rect):
+            old = items[n]
+            if (write or old[5]) and old[2] != k and not self._ordered(old, write, q, place):
+                self._raise_if_shared(win, old, where)
+            if _replaces(win, write, q, old, lo, hi):
+                replaced.append(n)
+        if replaced:
+            ledger.drop(replaced)
+        ledger.add((lo, hi, k, q, place + 1, write, win, rect))
 
-    def _unordered(self, qs, counts, write: bool, verb: str):
-        """Per earlier access (queue ``qs``, NONE for none, and its count; arrays or scalars)
-        that ``verb`` (wrote or read), whether instruction ``now`` is not ordered after it: it
-        neither knows it done, nor is that instruction itself (a read, then a write), nor comes
-        later on the same DMA queue (ordered after its reads, done when it left, and after its
-        writes when writing too: transfers land in order; not when reading what it wrote)."""
-        k, order = self.now, self.order
-        q, place = order.queue[k], order.place[k]
-        qs, counts = np.asarray(qs), np.asarray(counts)
-        out = (qs != NONE) & (order.known[k][np.clip(qs, 0, None)] < counts) & ~((qs == q) & (counts == place + 1))
-        if q % len(QUEUES) == DMA and (verb == "read" or write):
-            out &= ~((qs == q) & (counts <= place))
-        return out
+    def _ordered(self, old: Access, write: bool, q: int, place: int) -> bool:
+        """Whether task ``now`` (on queue ``q``, at ``place`` there) is ordered after the
+        earlier access ``old``: it knows it done, or comes later on the same DMA queue (ordered
+        after its reads, done when it left, and after its writes when writing too: transfers
+        land in order; not when reading what it wrote)."""
+        _, _, _, oq, ocount, owrite = old[:6]
+        if self._known[oq] >= ocount:
+            return True
+        return oq == q and q % len(QUEUES) == DMA and (not owrite or write) and ocount <= place
 
-    def _check(self, qs: np.ndarray, counts: np.ndarray, write: bool, win: tuple, where, verb: str) -> None:
-        """Element by element, for a window the one-comparison test did not clear."""
-        racy = self._unordered(qs, counts, write, verb)
-        if racy.any():
-            at = np.unravel_index(np.argmax(racy), racy.shape)
-            addr, _, _, rs, cs = win
-            other = self.order.items[int(qs[at])][int(counts[at]) - 1]
-            raise Trap(f"race on {where(addr + at[-2] * rs + at[-1] * cs)}: {self._name(other)} {verb} it, "
+    def _raise_if_shared(self, win: tuple, old: Access, where) -> None:
+        """A race when the two windows share an element; the first of ``win``'s is named."""
+        e = _first_shared(win, old[6])
+        if e is not None:
+            verb = "wrote" if old[5] else "read"
+            raise Trap(f"race on {where(e)}: {self._name(old[2])} {verb} it, "
                        f"and this instruction is not ordered after it")
+
+    def _prune(self) -> None:
+        """Drop the accesses every task still to run on the space is known to be ordered
+        after: those the next task of each queue that touches the space knows done (what a
+        queue's tasks know only grows along it)."""
+        self._advance_heads()
+        floors: dict = {}
+        for legion, spads in enumerate(self.spads):
+            for space, ledger in spads.items():
+                ledger.keep(self._floor(self.spad_queues[legion][space], floors))
+        for tensor, ledger in self.dram.items():
+            ledger.keep(self._floor(self.dram_queues.get(tensor, ()), floors))
+
+    def _advance_heads(self) -> None:
+        """The tasks that ran are done, and so is everything they knew done."""
+        ran, order = np.array(self._ran, np.int64), self.order
+        self._ran = []
+        own = order.queue[ran] != NONE
+        np.maximum.at(self.head, order.queue[ran][own], order.place[ran][own] + 1)
+        np.maximum(self.head, order.known[ran].max(axis=0), out=self.head)
+
+    def _floor(self, queues: tuple, floors: dict) -> list:
+        """Per queue, the count every next task of ``queues`` knows done."""
+        if queues in floors:
+            return floors[queues]
+        order = self.order
+        floor = np.full(order.nq, np.iinfo(np.int64).max)
+        for q in queues:
+            if self.head[q] < len(order.items[q]):
+                np.minimum(floor, order.known[order.items[q][self.head[q]]], out=floor)
+        floors[queues] = floor.tolist()
+        return floors[queues]
 
     def _name(self, k: int) -> str:
         """``line 12 (dma.ld)``: where instruction ``k`` is, without the file named again."""
@@ -203,3 +350,121 @@ class RaceCheck:
         loc = p.where(k).removeprefix(f"{p.source}:").strip()
         return f"{'line ' + loc if loc.isdigit() else loc} ({p.instrs[k].MNEMONIC})"
 
+
+def _accessors(program: Program, arch: Arch, order: Order) -> tuple[list, dict]:
+    """The queues whose tasks touch each Legion's scratchpads (by space), and each DRAM tensor:
+    a Legion's own queues, and the DMA queues of the loads that deliver to it."""
+    from runtime.liveness import tensors_of
+    own = [{order.qid(legion, q) for q in QUEUES} for legion in range(arch.legions)]
+    spads = [{s: set(own[legion]) for s in arch.derived.spad_elems} for legion in range(arch.legions)]
+    dram: dict = {}
+    for k, ins in enumerate(program.instrs):
+        q = int(order.queue[k])
+        if q == NONE:
+            continue
+        for legion in getattr(ins, "dests", ()):
+            if legion < arch.legions:
+                spads[legion][ins.dst.space].add(q)
+        for tensor in tensors_of(ins):
+            dram.setdefault(tensor, set()).add(q)
+    return ([{s: tuple(sorted(qs)) for s, qs in by_space.items()} for by_space in spads],
+            {t: tuple(sorted(qs)) for t, qs in dram.items()})
+
+
+def _apart(a, b) -> bool:
+    """Whether rectangles ``a`` and ``b`` (or None) are of one row stride and share no element."""
+    return (a is not None and b is not None and a[0] == b[0]
+            and (a[2] <= b[1] or b[2] <= a[1] or a[4] <= b[3] or b[4] <= a[3]))
+
+
+def _bounds(win: tuple) -> tuple[int, int]:
+    addr, rows, cols, rs, cs = win
+    ends = (addr + (rows - 1) * rs, addr + (cols - 1) * cs, addr + (rows - 1) * rs + (cols - 1) * cs)
+    return min(addr, *ends), max(addr, *ends)
+
+
+def _elements(win: tuple) -> np.ndarray:
+    """A window's element addresses, row by row."""
+    addr, rows, cols, rs, cs = win
+    return (addr + np.arange(rows, dtype=np.int64)[:, None] * rs + np.arange(cols, dtype=np.int64) * cs).ravel()
+
+
+def _rectangle(win: tuple):
+    """A window of consecutive columns as (row stride, first row, last row + 1, first column,
+    last column + 1) of the matrix with that row stride (a single row: stride 0, its elements
+    as columns); None for any other window."""
+    addr, rows, cols, rs, cs = win
+    if cols > 1 and cs != 1:
+        return None
+    if rows == 1:
+        return 0, 0, 1, addr, addr + cols
+    if rs <= 0 or addr % rs + cols > rs:
+        return None
+    return rs, addr // rs, addr // rs + rows, addr % rs, addr % rs + cols
+
+
+def _first_shared(a: tuple, b: tuple) -> int | None:
+    """The first element of window ``a`` (row by row) that window ``b`` has too, or None."""
+    rect = _rectangles(a, b)
+    if rect is not None:
+        (ar, ac, arows, acols), (br, bc, brows, bcols), rs = rect
+        row, col = max(ar, br), max(ac, bc)
+        if row < min(ar + arows, br + brows) and col < min(ac + acols, bc + bcols):
+            return row * rs + col
+        return None
+    # Any other pair of strided windows: mark one's elements between the common bounds.
+    lo = max(_bounds(a)[0], _bounds(b)[0])
+    hi = min(_bounds(a)[1], _bounds(b)[1])
+    if lo > hi:
+        return None
+    mine, theirs = _elements(a), _elements(b)
+    marked = np.zeros(hi - lo + 1, np.bool_)
+    marked[theirs[(theirs >= lo) & (theirs <= hi)] - lo] = True
+    inside = (mine >= lo) & (mine <= hi)
+    hit = np.zeros(mine.size, np.bool_)
+    hit[inside] = marked[mine[inside] - lo]
+    return int(mine[np.argmax(hit)]) if hit.any() else None
+
+
+def _rectangles(a: tuple, b: tuple):
+    """Both windows as rectangles of one matrix (rows of consecutive elements, one row stride,
+    no row wrapping into the next): ((row, col, rows, cols) of each, row stride); else None."""
+    ra, rb = _unit_columns(a), _unit_columns(b)
+    if ra is None or rb is None:
+        return None
+    # a single row takes the other's row stride; two single rows, one wider than both
+    rs = ra[3] or rb[3] or max(ra[0] + ra[2], rb[0] + rb[2]) + 1
+    if (ra[3] and ra[3] != rs) or (rb[3] and rb[3] != rs) or rs <= 0:
+        return None
+    out = []
+    for addr, rows, cols, _ in (ra, rb):
+        if addr % rs + cols > rs:
+            return None
+        out.append((addr // rs, addr % rs, rows, cols))
+    return out[0], out[1], rs
+
+
+def _unit_columns(win: tuple):
+    """``win`` as (addr, rows, cols, row stride) with consecutive columns (row stride 0 when it
+    has one row), or None."""
+    addr, rows, cols, rs, cs = win
+    if cols > 1 and cs != 1:
+        return None
+    if rows == 1:
+        return addr, 1, cols, 0
+    return (addr, rows, cols, rs) if rs > 0 else None
+
+
+def _contiguous(win: tuple) -> bool:
+    _, rows, cols, rs, cs = win
+    return (cols == 1 or cs == 1) and (rows == 1 or rs == cols)
+
+
+def _replaces(win: tuple, write: bool, q: int, old: Access, lo: int, hi: int) -> bool:
+    """Whether the new access makes ``old`` redundant: it covers ``old``'s elements and is a
+    write, or a read of the same queue replacing a read."""
+    if not (write or (not old[5] and old[3] == q)):
+        return False
+    if old[6] == win:
+        return True
+    return lo <= old[0] and old[1] <= hi and _contiguous(win)

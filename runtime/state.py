@@ -93,12 +93,18 @@ def overlaps(rows: int, cols: int, rs: int, cs: int) -> bool:
 # --- scratchpads -----------------------------------------------------------------------------
 
 class Scratchpad:
-    """One space of one Legion: elements plus a record of which were ever written."""
+    """One space of one Legion: elements plus a record of which were ever written.
+
+    A program names the same few windows over and over, so each window's checked views are
+    kept by (addr, rows, cols, rs, cs): the bounds and overlap checks run once per window,
+    and a window once seen fully written needs no further check, as nothing unwrites."""
 
     def __init__(self, legion: int, space: str, elems: int):
         self.name = f"L{legion} {space}"
         self.data = np.zeros(elems, SPACE_DTYPE[space])
         self.written = np.zeros(elems, np.bool_)
+        self._reads: dict[tuple, np.ndarray] = {}      # window -> read-only view, all written
+        self._writes: dict[tuple, tuple] = {}          # window -> (data, written) writeable views
 
     def _check_bounds(self, view: View, rows: int, cols: int) -> bool:
         """Whether the window is non-empty; traps when it leaves the scratchpad."""
@@ -112,6 +118,10 @@ class Scratchpad:
 
     def read(self, view: View, rows: int, cols: int) -> np.ndarray:
         """A read-only rows x cols view of the elements (0 strides broadcast)."""
+        key = (view.addr, rows, cols, view.rs, view.cs)
+        out = self._reads.get(key)
+        if out is not None:
+            return out
         if not self._check_bounds(view, rows, cols):
             return np.zeros((rows, cols), self.data.dtype)
         seen = window(self.written, view.addr, rows, cols, view.rs, view.cs)
@@ -119,26 +129,38 @@ class Scratchpad:
             i, j = np.unravel_index(np.argmin(seen), seen.shape)
             addr = view.addr + i * view.rs + j * view.cs
             raise Trap(f"read of never-written {self.name}[{addr}] (element ({i}, {j}) of {view})")
-        return window(self.data, view.addr, rows, cols, view.rs, view.cs)
+        out = self._reads[key] = window(self.data, view.addr, rows, cols, view.rs, view.cs)
+        return out
 
     def write(self, view: View, values: np.ndarray, where: np.ndarray | None = None) -> None:
         """Store a rows x cols array (converted to the space's dtype); ``where`` limits the
         store to the elements where it is true."""
         rows, cols = values.shape
-        if not self._check_bounds(view, rows, cols):
-            return
-        if overlaps(rows, cols, view.rs, view.cs):
-            raise Trap(f"write to {self.name} through {view} ({rows}x{cols}) hits some "
-                       f"element twice")
+        key = (view.addr, rows, cols, view.rs, view.cs)
+        views = self._writes.get(key)
+        if views is None:
+            views = self._checked_target(view, rows, cols)
+            if views is None:
+                return
+            self._writes[key] = views
+        target, seen = views
         values = convert(values, self.data.dtype)
-        target = window(self.data, view.addr, rows, cols, view.rs, view.cs, writeable=True)
-        seen = window(self.written, view.addr, rows, cols, view.rs, view.cs, writeable=True)
         if where is None:
             target[...] = values
             seen[...] = True
             return
         np.copyto(target, values, where=where)
         np.copyto(seen, True, where=where)
+
+    def _checked_target(self, view: View, rows: int, cols: int) -> tuple | None:
+        """The writeable (data, written) views of a window a store may use; None when empty."""
+        if not self._check_bounds(view, rows, cols):
+            return None
+        if overlaps(rows, cols, view.rs, view.cs):
+            raise Trap(f"write to {self.name} through {view} ({rows}x{cols}) hits some "
+                       f"element twice")
+        return (window(self.data, view.addr, rows, cols, view.rs, view.cs, writeable=True),
+                window(self.written, view.addr, rows, cols, view.rs, view.cs, writeable=True))
 
 
 # --- the machine -----------------------------------------------------------------------------
@@ -170,8 +192,14 @@ class Machine:
     def _initial(self, t: Tensor) -> np.ndarray:
         dtype = STORAGE[t.dtype]
         if t.kind != "const":
+            # Zeros come from the OS on first touch: an untouched tensor costs no memory.
             return host_array(self.program.source, t, lambda: np.zeros(t.storage_elems, dtype))
-        return np.frombuffer(self.program.const_bytes(t), dtype).copy()
+        # A read-only view of the (memory-mapped) data file; copied only if a store writes it.
+        return np.frombuffer(self.program.const_bytes(t), dtype)
+
+    def free(self, index: int) -> None:
+        """Give back a tensor no later instruction touches (runtime/liveness.py)."""
+        self.dram[index] = None
 
     # -- tensors by name, for the host side --
 
@@ -211,6 +239,9 @@ class Machine:
         index = self.lookup(key)
         t = self.program.tensors[index]
         flat = self.dram[index]
+        if flat is None:
+            raise ProgramError(f"{self.program.source}: tensor {t.name!r} was freed after its last use "
+                               f"(the run keeps intermediates only when asked to)")
         if t.dtype in PACK:
             flat = unpack(flat, t.dtype, t.numel)
         return flat.reshape(t.shape).copy()
@@ -251,6 +282,8 @@ class Machine:
         if self.watch is not None:
             self.watch.dram_access(ref.tensor, ref.offset, ref.rs, rows, cols, write=True)
         flat = self.dram[ref.tensor]
+        if not flat.flags.writeable:         # a constant (the verifier refuses that): copy, never the file
+            flat = self.dram[ref.tensor] = flat.copy()
         target = window(flat, ref.offset, rows, cols, ref.rs, 1, writeable=True)
         target[...] = convert(values, flat.dtype)
 

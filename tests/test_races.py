@@ -112,3 +112,58 @@ dma.st L1 @y[0,8] vec[0,8,1] rows=4 cols=8""")
     assert o.known[3, dma] == 1 and o.known[3, vec] == 1    # the vec queue runs one at a time
     assert (o.known[5] >= 1).all()                           # after the barrier: everything
     assert o.known[5, dma] == 3 and o.known[5, vec] == 3 and o.known[5, o.qid(1, "dma")] == 1
+
+
+def test_interleaved_windows_of_unordered_legions_are_no_race():
+    """Two Legions store the two column halves of the same rows, neither waiting for the
+    other: their windows' bounds overlap, their elements do not."""
+    out = emulate("""dma.ld L0 {0-1} vec[0,8,1] @x[0,8] rows=4 cols=8
+dma.st L0 @y[0,8] vec[0,8,1] rows=4 cols=4 wait=L0.dma>=1
+dma.st L1 @y[4,8] vec[4,8,1] rows=4 cols=4 wait=L0.dma>=1""")
+    np.testing.assert_array_equal(out.outputs["y"], X["x"])
+
+
+def test_overlapping_windows_of_unordered_legions_race_on_their_first_shared_element():
+    with pytest.raises(Trap, match=r"race on @y\[3\]: line 6 \(dma.st\) wrote it"):
+        emulate("""dma.ld L0 {0-1} vec[0,8,1] @x[0,8] rows=4 cols=8
+dma.st L0 @y[0,8] vec[0,8,1] rows=4 cols=4 wait=L0.dma>=1
+dma.st L1 @y[3,8] vec[3,8,1] rows=4 cols=4 wait=L0.dma>=1""")
+
+
+def test_first_shared_element_of_two_strided_windows():
+    from runtime.races import _elements, _first_shared
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        a, b = ([int(rng.integers(0, 40)), int(rng.integers(1, 5)), int(rng.integers(1, 6)),
+                 int(rng.choice([0, 1, 2, 3, 5, 8])), int(rng.choice([0, 1, 1, 2, 3]))] for _ in range(2))
+        mine = _elements(tuple(a))
+        shared = np.isin(mine, _elements(tuple(b)))
+        want = int(mine[np.argmax(shared)]) if shared.any() else None
+        assert _first_shared(tuple(a), tuple(b)) == want, (a, b)
+
+
+LOOP = """dma.ld L0 {{0}} vec[0,8,1] @x[0,8] rows=4 cols=8 wait=L0.vec>={n}
+vadd L0 vec[32,8,1] vec[0,8,1] #1 rows=4 cols=8 wait=L0.dma>={load}
+dma.st L0 @t[0,8] vec[32,8,1] rows=4 cols=8 wait=L0.vec>={add}
+"""
+
+
+def _loop(rounds: int) -> str:
+    return "".join(LOOP.format(n=r, load=2 * r + 1, add=r + 1) for r in range(rounds))
+
+
+def test_the_ledgers_stay_short_on_a_long_ordered_program():
+    result = emulate(_loop(200) + "dma.st L0 @y[0,8] vec[32,8,1] rows=4 cols=8 wait=L0.dma>=400\n")
+    watch = result.machine.watch
+    ledgers = [ledger for spads in watch.spads for ledger in spads.values()] + list(watch.dram.values())
+    assert max(len(ledger) for ledger in ledgers) <= 4       # 1,000 accesses made
+
+
+def test_a_race_after_many_ordered_tasks_is_still_found():
+    """The last vadd (line 306) reads what the last load brings, without waiting for it; it
+    runs first, and the load lands on what it read."""
+    body = _loop(100) + """dma.ld L0 {0} vec[0,8,1] @x[0,8] rows=4 cols=8 wait=L0.vec>=100
+vadd L0 vec[64,8,1] vec[0,8,1] #1 rows=4 cols=8
+"""
+    with pytest.raises(Trap, match=r"305: dma.ld: race on L0 vec\[0\]: line 306 \(vadd\) read it"):
+        emulate(body)

@@ -1,0 +1,41 @@
+"""When a scratch tensor's DRAM can be given back: after the last task that touches it has run.
+
+Liveness is derived from the program: every task that names a tensor (a DMA's or gather's DRAM
+operand, a matmul's block mask) is one use of it. The emulator runs tasks in the timing model's
+completion order, not program order, so a tensor is freed when the count of its uses that
+have not run yet falls to zero, whichever of them runs last. Inputs, outputs and constants
+are never freed: the caller reads outputs, and inputs and constants are views of the caller's
+arrays and of the data file, which cost no memory of their own.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+from isa.expand import DRAM_FIELD
+from isa.program import Program
+
+
+def tensors_of(ins) -> tuple[int, ...]:
+    """The DRAM tensors task ``ins`` reads or writes."""
+    field = DRAM_FIELD.get(type(ins))
+    mask = getattr(ins, "mask", None)
+    out = () if field is None else (getattr(ins, field).tensor,)
+    return out if mask is None else out + (mask,)
+
+
+class Liveness:
+    """Counts down each scratch tensor's remaining uses as the tasks run."""
+
+    def __init__(self, program: Program):
+        scratch = {i for i, t in enumerate(program.tensors) if t.kind == "scratch"}
+        self.uses = [tuple(n for n in tensors_of(ins) if n in scratch) for ins in program.instrs]
+        self.left = Counter(n for used in self.uses for n in used)
+
+    def ran(self, k: int) -> list[int]:
+        """Task ``k`` has run: the tensors it was the last use of."""
+        dead = []
+        for n in self.uses[k]:
+            self.left[n] -= 1
+            if not self.left[n]:
+                dead.append(n)
+        return dead
