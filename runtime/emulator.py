@@ -47,7 +47,7 @@ def run(program: Program, arch: Arch, inputs: dict[str, np.ndarray], races: bool
         if machine.watch is not None:
             machine.watch.now = i
         try:
-            semantics.execute(machine, program.instrs[i])
+            semantics.execute_unguarded(machine, program.instrs[i])
         except Trap as e:
             raise Trap(f"{program.where(i)}: {program.instrs[i].MNEMONIC}: {e}") from None
         for n in live.ran(i) if live is not None else ():
@@ -55,7 +55,7 @@ def run(program: Program, arch: Arch, inputs: dict[str, np.ndarray], races: bool
             if machine.watch is not None:
                 machine.watch.forget(n)
 
-    with progress.task("emulating", _executed(program)) as advance:
+    with progress.task("emulating", _executed(program)) as advance, np.errstate(all="ignore"):
         timeline = simulate(program, arch, _every(PROGRESS_BLOCK, execute, advance))
     outputs = {t.io_name: machine.get(t.name) for t in program.outputs()}
     return RunResult(outputs, timeline, arch, program, machine)

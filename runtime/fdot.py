@@ -15,6 +15,8 @@ import numpy as np
 
 _UNIT = 2.0 ** -53                       # fp64's unit roundoff
 _OVERFLOW = 2.0 ** 128 - 2.0 ** 103      # the smallest magnitude that rounds to fp32 infinity
+_HALF_GAP = 0.5 * (1 - 2.0 ** -20)       # half of a gap, less a margin for fp64 rounding
+_MANTISSA = (1 << 23) - 1                # an fp32's fraction bits
 
 
 def rounded_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -38,6 +40,21 @@ def _rounded(a64: np.ndarray, b64: np.ndarray) -> np.ndarray:
 def _rounds_alike(s: np.ndarray, err: np.ndarray, out: np.ndarray) -> np.ndarray:
     """True where every value within ``err`` of ``s`` rounds to ``out``; also where ``s`` is
     not finite, as any order gives the same infinity or NaN from the same products."""
+    # out's fp32 gap away from zero is its spacing, and so is the gap toward zero unless out
+    # is a power of two. Where s is short of half the gap on its side by a margin far above
+    # fp64's rounding, the whole interval rounds to out: only the rest needs the midpoints.
+    r = out.astype(np.float64)
+    spacing = np.abs(np.spacing(out)).astype(np.float64)
+    alike = (np.abs(s - r) + err < spacing * _HALF_GAP) & (spacing < np.inf)
+    alike &= ((out.view(np.int32) & _MANTISSA) != 0) | ((s > r) == (out > 0))
+    doubt = ~alike
+    if doubt.any():
+        alike[doubt] = _within_edges(s[doubt], err[doubt], out[doubt])
+    return alike
+
+
+def _within_edges(s: np.ndarray, err: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """:func:`_rounds_alike` by the midpoints to ``out``'s fp32 neighbours."""
     r = out.astype(np.float64)
     below = np.nextafter(out, np.float32(-np.inf)).astype(np.float64)
     above = np.nextafter(out, np.float32(np.inf)).astype(np.float64)

@@ -85,24 +85,14 @@ class Order:
 
     def _knowledge(self, program: Program) -> np.ndarray:
         n = len(program.instrs)
+        deps = [self._deps(k) for k in range(n)]
         known = np.zeros((n, self.nq), np.int64)
-        state = np.zeros(n, np.int8)             # 0 unvisited, 1 on the stack, 2 computed
-        for root in range(n):
-            stack = [root]
-            while stack:
-                k = stack[-1]
-                if state[k] == 2:
-                    stack.pop()
-                    continue
-                todo = [d for d, _ in self._deps(k) if state[d] != 2]
-                if todo and state[k] == 0:
-                    state[k] = 1
-                    stack.extend(todo)
-                    continue
-                for d, done in self._deps(k):
-                    np.maximum(known[k], self.done_vector(known, d) if done else known[d], out=known[k])
-                state[k] = 2
-                stack.pop()
+        # A compiled program waits only for earlier instructions: program order is an order
+        # to compute in. A hand-written one may wait for a later one: depth first then.
+        forward = any(d > k for k in range(n) for d, _ in deps[k])
+        for k in _depth_first(deps) if forward else range(n):
+            for d, done in deps[k]:
+                np.maximum(known[k], self.done_vector(known, d) if done else known[d], out=known[k])
         return known
 
     def done_vector(self, known: np.ndarray, k: int) -> np.ndarray:
@@ -114,12 +104,34 @@ class Order:
         return out
 
 
+def _depth_first(deps: list) -> list[int]:
+    """The instructions in an order where each comes after those it depends on (in a cycle,
+    which deadlocks anyway, after those that do not depend on it in turn)."""
+    out, state = [], [0] * len(deps)          # 0 unvisited, 1 on the stack, 2 placed
+    for root in range(len(deps)):
+        stack = [root]
+        while stack:
+            k = stack[-1]
+            if state[k] == 2:
+                stack.pop()
+                continue
+            todo = [d for d, _ in deps[k] if state[d] != 2]
+            if todo and state[k] == 0:
+                state[k] = 1
+                stack.extend(todo)
+                continue
+            state[k] = 2
+            out.append(k)
+            stack.pop()
+    return out
+
+
 # An access the ledger keeps: its bounds (lowest, highest element), task, queue, the queue's
 # count once the task is done, whether it writes, its window (addr, rows, cols, rs, cs) and
 # that window as a rectangle (or None, see _rectangle).
 Access = tuple
 
-PRUNE_EVERY = 64       # tasks between two sweeps that drop accesses every later task is ordered after
+PRUNE_EVERY = 256       # tasks between two sweeps that drop accesses every later task is ordered after
 
 
 class Ledger:
@@ -150,7 +162,8 @@ class Ledger:
         n = bisect_right(self.los, access[0])
         self.los.insert(n, access[0])
         self.items.insert(n, access)
-        self.span = max(self.span, access[1] - access[0])
+        if access[1] - access[0] > self.span:
+            self.span = access[1] - access[0]
 
     def drop(self, indices: list[int]) -> None:
         for n in reversed(indices):
@@ -178,7 +191,7 @@ class WideLedger:
 
     def __init__(self):
         self.items: list[Access] = []
-        self.table = np.zeros((16, 9), np.int64)
+        self.table = np.zeros((9, 16), np.int64)        # a column per access: LO, HI, ... COUNT
         self.live = np.zeros(16, np.bool_)
         self.n = 0
 
@@ -188,23 +201,24 @@ class WideLedger:
     def meeting(self, lo: int, hi: int, rect) -> list[int]:
         """Indices, by lowest element (ties: the older first), of the kept accesses that may
         share an element with an access of bounds [lo, hi] and rectangle ``rect``."""
-        t = self.table[:self.n]
-        near = self.live[:self.n] & (t[:, HI] >= lo) & (t[:, LO] <= hi)
+        n = self.n
+        t = self.table
+        near = self.live[:n] & (t[HI, :n] >= lo) & (t[LO, :n] <= hi)
         if rect is not None:
-            apart = ((t[:, R1] <= rect[1]) | (rect[2] <= t[:, R0])
-                     | (t[:, C1] <= rect[3]) | (rect[4] <= t[:, C0]))
-            near &= ~(apart & (t[:, RS] == rect[0]))
+            apart = ((t[R1, :n] <= rect[1]) | (t[R0, :n] >= rect[2])
+                     | (t[C1, :n] <= rect[3]) | (t[C0, :n] >= rect[4]))
+            near &= ~(apart & (t[RS, :n] == rect[0]))
         found = np.flatnonzero(near)
         if len(found) > 1:
-            found = found[np.argsort(t[found, LO], kind="stable")]
+            found = found[np.argsort(t[LO, found], kind="stable")]
         return found.tolist()
 
     def add(self, access: Access) -> None:
         if self.n == len(self.live):
-            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+            self.table = np.concatenate([self.table, np.zeros_like(self.table)], axis=1)
             self.live = np.concatenate([self.live, np.zeros_like(self.live)])
         rect = access[7] or (-1, 0, 0, 0, 0)
-        self.table[self.n] = (access[0], access[1], *rect, access[3], access[4])
+        self.table[:, self.n] = (access[0], access[1], *rect, access[3], access[4])
         self.live[self.n] = True
         self.items.append(access)
         self.n += 1
@@ -215,11 +229,13 @@ class WideLedger:
     def keep(self, floor: list[int]) -> None:
         """Keep the accesses some task of the tensor may not know done (``floor``: per queue,
         the count they all know)."""
-        t = self.table[:self.n]
-        kept = np.flatnonzero(self.live[:self.n] & (np.asarray(floor)[t[:, Q]] < t[:, COUNT]))
+        if not self.n:
+            return
+        t = self.table[:, :self.n]
+        kept = np.flatnonzero(self.live[:self.n] & (np.asarray(floor)[t[Q]] < t[COUNT]))
         self.items = [self.items[n] for n in kept]
         self.n = len(kept)
-        self.table[:self.n] = t[kept]
+        self.table[:, :self.n] = t[:, kept]
         self.live[:] = False
         self.live[:self.n] = True
 
@@ -266,15 +282,15 @@ class RaceCheck:
     # The machine calls these for every access of the task ``now``.
     def spad(self, legion: int, view: View, rows: int, cols: int, write: bool) -> None:
         self._access(self.spads[legion][view.space], (view.addr, rows, cols, view.rs, view.cs), write,
-                     lambda e: f"L{legion} {view.space}[{e}]")
+                     (legion, view.space))
 
     def dram_access(self, tensor: int, offset: int, rs: int, rows: int, cols: int, write: bool) -> None:
         ledger = self.dram.get(tensor)
         if ledger is not None:
-            self._access(ledger, (offset, rows, cols, rs, 1), write,
-                         lambda e: f"@{self.program.tensors[tensor].name}[{e}]")
+            self._access(ledger, (offset, rows, cols, rs, 1), write, tensor)
 
-    def _access(self, ledger: "Ledger", win: tuple, write: bool, where) -> None:
+    def _access(self, ledger: "Ledger", win: tuple, write: bool, where: tuple | int) -> None:
+        """``where``: the space, (Legion, scratchpad) or a DRAM tensor's index."""
         if win[1] == 0 or win[2] == 0:
             return
         shape = self._shapes.get(win)
@@ -304,12 +320,12 @@ class RaceCheck:
             return True
         return oq == q and q % len(QUEUES) == DMA and (not owrite or write) and ocount <= place
 
-    def _raise_if_shared(self, win: tuple, old: Access, where) -> None:
+    def _raise_if_shared(self, win: tuple, old: Access, where: tuple | int) -> None:
         """A race when the two windows share an element; the first of ``win``'s is named."""
         e = _first_shared(win, old[6])
         if e is not None:
             verb = "wrote" if old[5] else "read"
-            raise Trap(f"race on {where(e)}: {self._name(old[2])} {verb} it, "
+            raise Trap(f"race on {self._space_name(where)}[{e}]: {self._name(old[2])} {verb} it, "
                        f"and this instruction is not ordered after it")
 
     def _prune(self) -> None:
@@ -320,9 +336,11 @@ class RaceCheck:
         floors: dict = {}
         for legion, spads in enumerate(self.spads):
             for space, ledger in spads.items():
-                ledger.keep(self._floor(self.spad_queues[legion][space], floors))
+                if ledger.items:
+                    ledger.keep(self._floor(self.spad_queues[legion][space], floors))
         for tensor, ledger in self.dram.items():
-            ledger.keep(self._floor(self.dram_queues.get(tensor, ()), floors))
+            if ledger.items:
+                ledger.keep(self._floor(self.dram_queues.get(tensor, ()), floors))
 
     def _advance_heads(self) -> None:
         """The tasks that ran are done, and so is everything they knew done."""
@@ -343,6 +361,11 @@ class RaceCheck:
                 np.minimum(floor, order.known[order.items[q][self.head[q]]], out=floor)
         floors[queues] = floor.tolist()
         return floors[queues]
+
+    def _space_name(self, where: tuple | int) -> str:
+        if isinstance(where, tuple):
+            return f"L{where[0]} {where[1]}"
+        return f"@{self.program.tensors[where].name}"
 
     def _name(self, k: int) -> str:
         """``line 12 (dma.ld)``: where instruction ``k`` is, without the file named again."""

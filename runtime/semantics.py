@@ -48,6 +48,12 @@ def execute(machine: Machine, instr: Instr) -> None:
         handler_for(type(instr))(machine, instr)
 
 
+def execute_unguarded(machine: Machine, instr: Instr) -> None:
+    """:func:`execute` for a caller that already ignores numpy's floating-point errors
+    around a whole run (entering ``np.errstate`` per task is a measurable part of its cost)."""
+    handler_for(type(instr))(machine, instr)
+
+
 # --- DMA -------------------------------------------------------------------------------------
 
 def _check_pair(allowed: dict, space: str, t: Tensor, verb: str) -> None:
@@ -222,7 +228,9 @@ def vunary(m: Machine, i: VUnary) -> None:
 def vbinary(m: Machine, i: VBinary) -> None:
     a = _operand(m, i.legion, i.a, i.rows, i.cols)
     b = _operand(m, i.legion, i.b, i.rows, i.cols)
-    out = np.broadcast_to(np.asarray(type(i).FUNC(a, b), np.float32), (i.rows, i.cols))
+    out = np.asarray(type(i).FUNC(a, b), np.float32)
+    if out.shape != (i.rows, i.cols):                 # two immediates, or a broadcasting view
+        out = np.broadcast_to(out, (i.rows, i.cols))
     m.write(i.legion, i.dst, out)
 
 

@@ -105,6 +105,7 @@ class Scratchpad:
         self.written = np.zeros(elems, np.bool_)
         self._reads: dict[tuple, np.ndarray] = {}      # window -> read-only view, all written
         self._writes: dict[tuple, tuple] = {}          # window -> (data, written) writeable views
+        self._full: set[tuple] = set()                 # windows a whole store has marked written
 
     def _check_bounds(self, view: View, rows: int, cols: int) -> bool:
         """Whether the window is non-empty; traps when it leaves the scratchpad."""
@@ -147,7 +148,9 @@ class Scratchpad:
         values = convert(values, self.data.dtype)
         if where is None:
             target[...] = values
-            seen[...] = True
+            if key not in self._full:
+                seen[...] = True
+                self._full.add(key)
             return
         np.copyto(target, values, where=where)
         np.copyto(seen, True, where=where)
@@ -296,7 +299,7 @@ class Machine:
 
     def read(self, legion: int, view: View, rows: int, cols: int) -> np.ndarray:
         out = self.spad(legion, view.space).read(view, rows, cols)
-        if self.watch is not None:
+        if self.watch is not None:      # after the read: a trap of the read comes first
             self.watch.spad(legion, view, rows, cols, write=False)
         return out
 

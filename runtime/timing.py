@@ -131,16 +131,20 @@ class _Sim:
         n = len(program.instrs)
         self.program, self.costs, self.execute = program, costs, execute
         self.start, self.free, self.done = (np.full(n, np.nan) for _ in range(3))
-        self.is_done = np.zeros(n, bool)
+        self.is_done = [False] * n
         self.queues: dict[tuple, _Queue] = {k: _Queue(k) for k in _queue_keys(Barrier(), arch)}
         # The queues a barrier holds: the machine's. An instruction on a Legion it lacks (an
         # unverified program) gets a queue of its own, which holds no barrier.
         self.parties = list(self.queues.values())
         self.queue_of: list[_Queue] = []
         for k, i in enumerate(program.instrs):
-            for key in _queue_keys(i, arch):
+            keys = _queue_keys(i, arch)
+            for key in keys:
                 self.queues.setdefault(key, _Queue(key)).items.append(k)
-            self.queue_of.append(self.queues[_queue_keys(i, arch)[0]])
+            self.queue_of.append(self.queues[keys[0]])
+        # Per task, what the event loop asks of it each time it looks at it.
+        self.conds = [i.condition() for i in program.instrs]
+        self.is_barrier = [isinstance(i, Barrier) for i in program.instrs]
         self.waiters: dict[tuple, dict] = defaultdict(dict)   # queue key -> queues waiting on it
         self.arrived: dict[int, set] = defaultdict(set)        # barrier -> queues that reached it
         self.events: list[tuple[float, int]] = []              # (done time, instruction)
@@ -204,7 +208,7 @@ class _Sim:
                 q.prefix += 1
 
     def _queues_of(self, k: int) -> list[_Queue]:
-        if isinstance(self.program.instrs[k], Barrier):
+        if self.is_barrier[k]:
             return self.parties
         return [self.queue_of[k]]
 
@@ -212,13 +216,12 @@ class _Sim:
         woken: list[_Queue] = []
         while not q.busy and q.head < len(q.items):
             k = q.items[q.head]
-            i = self.program.instrs[k]
-            cond = i.condition()
+            cond = self.conds[k]
             if cond is not None:
                 if not self._holds(q, cond):
                     break
                 q.ready = max(q.ready, self._met_at(cond))
-            handler = self.handlers.get(type(i), self._issue)
+            handler = self.handlers.get(type(self.program.instrs[k]), self._issue)
             if not handler(q, k, t, woken):
                 break
             q.head += 1
@@ -316,14 +319,24 @@ def _masks(program: Program) -> dict:
 
 
 def _costs(program: Program, arch: Arch) -> list:
+    """Each task's cost. The tasks of one span differ only by Legion, DRAM offset and
+    destinations, which no cost depends on: each instruction is costed once."""
     env = Env(tuple(program.tensors), _masks(program))
-    out = []
+    origin = program.origin or range(len(program.instrs))
+    out, by_origin = [], {}
     for k, i in enumerate(program.instrs):
-        try:
-            out.append(cost(i, arch, env))
-        except CostError as e:
-            raise TimingError(f"{program.where(k)}: {e}") from None
+        c = by_origin.get(origin[k])
+        if c is None:
+            c = by_origin[origin[k]] = _cost(program, k, i, arch, env)
+        out.append(c)
     return out
+
+
+def _cost(program: Program, k: int, i, arch: Arch, env: Env):
+    try:
+        return cost(i, arch, env)
+    except CostError as e:
+        raise TimingError(f"{program.where(k)}: {e}") from None
 
 
 def _counters(program: Program, costs: list, sim: _Sim) -> tuple[dict, dict]:

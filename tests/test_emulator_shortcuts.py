@@ -1,0 +1,164 @@
+"""The emulator's shortcuts give the answers of the long way: cached scratchpad windows, the
+race check's DRAM table, one cost per spanned instruction, fdot's quick rounding test, and
+the race check's knowledge computed in program order."""
+import numpy as np
+import pytest
+
+from isa.arch import load
+from isa.asm import parse
+from isa.fields import View
+from isa.verify import verify
+from runtime import fdot
+from runtime.costs import Env, cost
+from runtime.races import Ledger, Order, WideLedger, _bounds, _depth_first, _rectangle
+from runtime.state import Scratchpad, Trap
+from runtime.timing import _costs, _masks
+
+ARCH = load("dlegion-8x8")
+
+
+# --- scratchpad windows ------------------------------------------------------------------------
+
+def test_a_cached_read_view_sees_later_stores():
+    pad = Scratchpad(0, "vec", 64)
+    view = View("vec", 0, 8, 1)
+    pad.write(view, np.ones((2, 8), np.float32))
+    assert pad.read(view, 2, 8).sum() == 16
+    pad.write(view, np.full((2, 8), 3, np.float32))
+    assert pad.read(view, 2, 8).sum() == 48
+
+
+def test_a_window_still_traps_after_a_read_of_it_trapped():
+    pad = Scratchpad(0, "vec", 64)
+    view = View("vec", 0, 8, 1)
+    pad.write(View("vec", 0, 8, 1), np.ones((1, 8), np.float32))
+    for _ in range(2):
+        with pytest.raises(Trap, match=r"never-written L0 vec\[8\]"):
+            pad.read(view, 2, 8)
+    for _ in range(2):
+        with pytest.raises(Trap, match="outside the scratchpad"):
+            pad.read(View("vec", 60, 8, 1), 1, 8)
+
+
+def test_a_masked_store_marks_only_what_it_stores():
+    pad = Scratchpad(0, "vec", 64)
+    view = View("vec", 0, 8, 1)
+    where = np.zeros((1, 8), bool)
+    where[0, :4] = True
+    pad.write(view, np.ones((1, 8), np.float32), where=where)
+    with pytest.raises(Trap, match=r"never-written L0 vec\[4\]"):
+        pad.read(view, 1, 8)
+    pad.write(view, np.ones((1, 8), np.float32))
+    pad.write(view, np.ones((1, 8), np.float32))       # written already: nothing new to mark
+    assert pad.read(view, 1, 8).sum() == 8
+
+
+# --- the race check's DRAM table ---------------------------------------------------------------
+
+def _random_window(rng):
+    rs = int(rng.choice([0, 4, 8, 16]))
+    rows = 1 if rs == 0 else int(rng.integers(1, 5))
+    cols = int(rng.integers(1, max(2, rs or 8)))
+    cs = int(rng.choice([1, 1, 1, 2]))
+    return (int(rng.integers(0, 64)), rows, cols, rs, cs)
+
+
+def _access(win, k, rng):
+    lo, hi = _bounds(win)
+    return (lo, hi, k, int(rng.integers(0, 4)), int(rng.integers(1, 9)), bool(rng.integers(0, 2)),
+            win, _rectangle(win))
+
+
+def test_the_dram_table_finds_the_accesses_the_bisected_list_finds():
+    """Both ledgers kept through the same adds, drops and sweeps name the same accesses, in
+    the same order, for every probe."""
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        slow, fast = Ledger(), WideLedger()
+        for k in range(60):
+            win = _random_window(rng)
+            lo, hi = _bounds(win)
+            rect = _rectangle(win)
+            found = [slow.items[n] for n in slow.meeting(lo, hi, rect)]
+            assert found == [fast.items[n] for n in fast.meeting(lo, hi, rect)]
+            if found and rng.integers(0, 3) == 0:
+                gone = found[int(rng.integers(0, len(found)))]
+                slow.drop([slow.items.index(gone)])
+                fast.drop([fast.items.index(gone)])
+            access = _access(win, k, rng)
+            slow.add(access)
+            fast.add(access)
+            if k % 16 == 15:
+                floor = rng.integers(0, 9, 4).tolist()
+                slow.keep(floor)
+                fast.keep(floor)
+                assert slow.items == sorted(fast.items, key=lambda a: (a[0], a[2]))
+
+
+# --- costs, knowledge, fdot ----------------------------------------------------------------------
+
+SPANNED = """.arch dlegion-8x8
+.tensor x f32[8,64] input "x"
+.tensor y f32[8,64] output "y"
+dma.ld L0 {0} vec[0,64,1] @x[0,64] rows=1 cols=64 span=8 lstride=64
+vmul L0 vec[64,64,1] vec[0,64,1] #2 rows=1 cols=64 span=8 wait=dma
+dma.st L0 @y[0,64] vec[64,64,1] rows=1 cols=64 span=8 lstride=64 wait=vec
+"""
+
+
+def test_a_spanned_instruction_is_costed_once_for_the_same_costs():
+    tasks = verify(parse(SPANNED), ARCH)
+    env = Env(tuple(tasks.tensors), _masks(tasks))
+    assert len(tasks.instrs) == 24
+    assert _costs(tasks, ARCH) == [cost(i, ARCH, env) for i in tasks.instrs]
+
+
+def test_knowledge_in_program_order_is_knowledge_in_dependency_order():
+    order = Order(verify(parse(SPANNED), ARCH), ARCH)
+    deps = [order._deps(k) for k in range(len(order.queue))]
+    assert _depth_first(deps) == list(range(len(deps)))      # every wait names an earlier task
+
+
+def test_knowledge_of_a_wait_for_a_later_instruction():
+    """A hand-written program may wait for an instruction dispatched after it."""
+    p = parse(""".arch dlegion-tiny
+.tensor x f32[4,8] input "x"
+vadd L0 vec[0,8,1] vec[0,8,1] #1 rows=1 cols=8 wait=L1.vec>=1
+vadd L1 vec[0,8,1] vec[0,8,1] #1 rows=1 cols=8
+""")
+    o = Order(p, load("dlegion-tiny"))
+    assert o.known[0, o.qid(1, "vec")] == 1 and o.known[1].sum() == 0
+
+
+def _hard_products(rng, trial):
+    K = int(rng.integers(2, 40))
+    a = (rng.standard_normal((8, K)) * 10.0 ** rng.integers(-40, 38)).astype(np.float32)
+    b = (rng.standard_normal((K, 8)) * 10.0 ** rng.integers(-40, 10)).astype(np.float32)
+    if trial % 3 == 0:    # small integers times a power of two: exact sums, many on powers of two
+        a = rng.integers(-3, 4, (8, K)).astype(np.float32)
+        b = rng.integers(-3, 4, (K, 8)).astype(np.float32) * np.float32(2.0 ** -int(rng.integers(0, 140)))
+    if trial % 7 == 0:
+        a[0, 0], b[1, 2] = np.inf, np.nan
+    if trial % 11 == 0:
+        a[:], b[:] = np.float32(3e38), 1      # sums past fp32's largest value
+    return a.astype(np.float64), b.astype(np.float64)
+
+
+def test_the_quick_rounding_test_agrees_with_the_midpoints():
+    rng = np.random.default_rng(2)
+    with np.errstate(all="ignore"):
+        for trial in range(600):
+            a, b = _hard_products(rng, trial)
+            s = a @ b
+            out = s.astype(np.float32)
+            err = (np.abs(a) @ np.abs(b)) * (2.0 * a.shape[1] * 2.0 ** -53)
+            np.testing.assert_array_equal(fdot._rounds_alike(s, err, out), fdot._within_edges(s, err, out))
+
+
+def test_a_sum_on_a_midpoint_is_left_to_the_exact_sum():
+    one = np.float32(1)
+    tie = np.array([[1.0 + 2.0 ** -24]])          # halfway between 1 and the fp32 after it
+    for s in (tie, -tie, np.array([[1.0 - 2.0 ** -25]])):
+        out = s.astype(np.float32)
+        assert not fdot._rounds_alike(s, np.zeros_like(s), out)[0, 0]
+    assert fdot._rounds_alike(np.array([[1.0 + 2.0 ** -30]]), np.zeros((1, 1)), np.array([[one]]))[0, 0]
