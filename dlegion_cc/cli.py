@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from isa import arch as arch_mod
-from isa.console import check_outputs, read_arrays
+from isa.console import check_outputs, positive_int, printable, read_arrays
 from isa.progress import Progress
 from dlegion_cc.errors import CompileError
 from dlegion_cc.importer import peek
@@ -22,11 +22,12 @@ def _parse_dims(values: tuple[str, ...]) -> dict[str, int]:
     dims = {}
     for v in values:
         name, sep, num = v.partition("=")
-        if not sep or not name or not num.isdigit() or int(num) <= 0:
-            raise click.BadParameter(f"{v!r} is not NAME=POSITIVE_INTEGER", param_hint="--dim")
+        size = positive_int(num)
+        if not sep or not name or size is None:
+            raise click.BadParameter(f"{v!r} is not NAME=POSITIVE_INTEGER (below 2**63)", param_hint="--dim")
         if name in dims:        # a repeat is a slip at best (a copied line), at worst a contradiction
             raise click.BadParameter(f"'{name}' bound twice ({name}={dims[name]} and {v})", param_hint="--dim")
-        dims[name] = int(num)
+        dims[name] = size
     return dims
 
 
@@ -174,7 +175,7 @@ def compile_command(model, output, arch, dims, inputs_path, emit, print_after, n
     hook, progress = _print_after(print_after), Progress.for_terminal(quiet)
     program = (_compile_ir(model, options, output, hook, progress) if emit == "ir"
                else _compile_program(model, options, output, arch, emit, hook, progress))
-    click.echo(f"{output}: {len(program.instrs)} instructions for {machine.name}", err=True)
+    click.echo(printable(f"{output}: {len(program.instrs)} instructions for {machine.name}"), err=True)
 
 
 def main() -> None:

@@ -11,7 +11,6 @@ import io
 import json
 import os
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from contextlib import suppress
 from dataclasses import replace
 from itertools import product
 from pathlib import Path
@@ -22,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from isa import arch as arch_mod
-from isa.console import check_not_inputs, table_console
+from isa.console import check_not_inputs, no_empty_path, positive_int, printable, table_console
 from dlegion_cc.dse_measure import COLUMNS, Config, config_of, evaluate, failed_row
 from dlegion_cc.lower.qplan import OBJECTIVES
 
@@ -131,18 +130,17 @@ def write_outputs(out: Path, rows: list[dict], model: str, dims: dict, objective
               latency_png(rows, f"latency: {title}"), roofline_png(rows, f"roofline: {title}"))
     files = [(out / name, body.encode() if isinstance(body, str) else body)
              for name, body in zip(OUTPUTS, bodies)]
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_all(files)
+    atomic_write_all(files)     # makes the folder
     return [path for path, _ in files]
 
 
 # --- command line ----------------------------------------------------------------------------
 
 def int_list(ctx, param, value: str) -> tuple[int, ...]:
-    parts = [p.strip() for p in value.split(",")]
-    if not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of positive integers")
-    return tuple(dict.fromkeys(int(p) for p in parts))      # in order, without repeats
+    numbers = [positive_int(p.strip()) for p in value.split(",")]
+    if None in numbers:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of positive integers (below 2**63)")
+    return tuple(dict.fromkeys(numbers))      # in order, without repeats
 
 
 def _presets(names: tuple[str, ...]) -> list[Config]:
@@ -203,6 +201,7 @@ def _none_compiled(model: str, rows: list[dict]) -> str:
 @click.option("--jobs", type=click.IntRange(min=1), default=os.cpu_count() or 1, show_default="CPU count",
               help="Worker processes.")
 @click.option("--out", "out_dir", default="dse", show_default=True, type=click.Path(file_okay=False),
+              callback=no_empty_path,
               help="Folder (created if missing) to write dse.json, dse.csv, latency.png and "
                    "roofline.png to; all four are replaced, or none.")
 @click.option("--objective", type=click.Choice(OBJECTIVES), default="latency", show_default=True,
@@ -229,19 +228,15 @@ def dse_command(model, dims, legions, cores, arrays, presets, jobs, out_dir, obj
     check_not_inputs({f"--out's {name}": out / name for name in OUTPUTS}, model_files(model, data_files))
     switches = {"objective": objective}
     _check_model(model, bound, switches)
-    made = [d for d in (out, *out.parents) if not d.exists()]     # innermost first
     for name in OUTPUTS:            # an unwritable output is found before the sweep, not after it
         check_writable(out / name)
     rows = run_sweep(model, configs, bound, jobs, Console(stderr=True), switches)
     if all(r["status"] != "ok" for r in rows):
-        with suppress(OSError):     # the folders check_writable made, still empty: leave no trace
-            for d in made:
-                d.rmdir()
         raise click.ClickException(_none_compiled(model, rows))
     print_table(rows, _stdout())
     paths = write_outputs(out, rows, model, bound, objective)
     failed = sum(r["status"] != "ok" for r in rows)
-    click.echo(f"{len(rows)} configuration(s), {failed} failed; wrote {', '.join(map(str, paths))}", err=True)
+    click.echo(printable(f"{len(rows)} configuration(s), {failed} failed; wrote {', '.join(map(str, paths))}"), err=True)
 
 
 def main() -> None:

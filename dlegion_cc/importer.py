@@ -14,14 +14,16 @@ inference propagates them.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, external_data_helper, helper, numpy_helper, shape_inference
 
+from isa.files import check_readable
 from isa.progress import SILENT, Progress
-from dlegion_cc.errors import CompileError, UnsupportedNodes
+from dlegion_cc.errors import CompileError, UnsupportedNodes, node_error
 from dlegion_cc.ir import Graph, Lazy, Mapped, Node, Spill, Value
 
 NOT_FOLDED = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
@@ -43,6 +45,7 @@ def import_model(path: str | Path, dims: dict[str, int] | None = None, progress:
         spill = Spill()
         lazy = _unload(model, Path(path), spill)
         _check(Path(path), source)
+        _check_graph(model, source)
         advance()
         _bind_dims(model, dims or {}, source)
         _drop_unused(model)
@@ -53,6 +56,7 @@ def import_model(path: str | Path, dims: dict[str, int] | None = None, progress:
             if not _fold(model, lazy, spill, source):
                 break
         graph = _to_graph(model, lazy, source)
+        _check_nodes(graph, source)
     _drop_output_identities(graph)
     return graph
 
@@ -85,17 +89,20 @@ def peek(path: str | Path) -> tuple[dict[str, tuple | None], set[Path]]:
         shapes[inp.name] = (tuple(d.dim_value if d.HasField("dim_value") else d.dim_param or None
                                   for d in tt.shape.dim) if tt.HasField("shape") else None)
     tensors = external_data_helper._get_all_tensors(model)
-    files = {Path(path).parent / external_data_helper.ExternalDataInfo(t).location
+    files = {Path(path).parent / _info(t, Path(path)).location
              for t in tensors if external_data_helper.uses_external_data(t)}
     return shapes, files
 
 
 def _parse(path: Path) -> onnx.ModelProto:
     try:
+        check_readable(path)        # a FIFO or a device would block or never end
         # Protobuf whatever the name: onnx.load would pick a text format by the extension (.json).
         return onnx.load(str(path), format="protobuf", load_external_data=False)
     except FileNotFoundError:
         raise CompileError(f"{path}: no such file") from None
+    except OSError as e:
+        raise CompileError(f"{path}: cannot read ({e.strerror or e})") from None
     except Exception as e:  # protobuf decode errors have no common base class
         raise CompileError(f"{path}: not an ONNX model ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
 
@@ -135,24 +142,39 @@ def _stub(t: TensorProto) -> None:
     t.dims.extend(kept[1])
 
 
+def _info(t: TensorProto, path: Path) -> external_data_helper.ExternalDataInfo:
+    """``t``'s external data fields, checked before onnx reads them (its int() would fail with a
+    traceback on a non-numeric or overlong offset or length, the file system on a NUL)."""
+    for e in t.external_data:
+        if e.key in ("offset", "length") and not re.fullmatch(r"[0-9]{1,19}", e.value):
+            raise CompileError(f"{path}: external data of tensor '{t.name}': {e.key} {e.value!r} "
+                               f"is not a non-negative integer")
+    info = external_data_helper.ExternalDataInfo(t)
+    if not info.location or "\0" in info.location:
+        raise CompileError(f"{path}: external data of tensor '{t.name}': bad location {info.location!r}")
+    return info
+
+
 def _external_file(t: TensorProto, path: Path, base: Path) -> Path:
-    """The file holding ``t``'s data, which must be in the model's folder."""
-    try:
-        info = external_data_helper.ExternalDataInfo(t)
-    except ValueError as e:     # a negative offset or length
-        raise CompileError(f"{path}: external data of tensor '{t.name}': {str(e).splitlines()[0]}") from None
+    """The file holding ``t``'s data, which must be a regular file in the model's folder."""
+    info = _info(t, path)
     where = (base / info.location).resolve()
     if Path(info.location).is_absolute() or base not in where.parents:
         raise CompileError(f"{path}: external data {info.location!r} of tensor '{t.name}' "
                            f"lies outside the model's folder")
-    if not where.is_file():
+    if not where.exists():
         raise CompileError(f"{path}: external data file {info.location!r} of tensor '{t.name}' is missing")
+    try:
+        check_readable(where)
+    except OSError as e:
+        raise CompileError(f"{path}: external data file {info.location!r} of tensor '{t.name}': "
+                           f"{e.strerror}") from None
     return where
 
 
 def _in_bounds(t: TensorProto, path: Path, where: Path) -> int:
     """The byte offset of ``t``'s data, which must lie wholly in its file."""
-    info = external_data_helper.ExternalDataInfo(t)
+    info = _info(t, path)
     offset, need, size = info.offset or 0, _nbytes(t), where.stat().st_size
     if info.length is not None and info.length != need:
         problem = f"holds {info.length} bytes where its shape needs {need}"
@@ -164,7 +186,7 @@ def _in_bounds(t: TensorProto, path: Path, where: Path) -> int:
 
 
 def _read_into(t: TensorProto, path: Path, base: Path) -> None:
-    info = external_data_helper.ExternalDataInfo(t)
+    info = _info(t, path)
     try:
         external_data_helper.load_external_data_for_tensor(t, str(base))
     except (OSError, ValueError) as e:  # a truncated file: ValueError naming only the tensor
@@ -173,12 +195,67 @@ def _read_into(t: TensorProto, path: Path, base: Path) -> None:
 
 
 def _check(path: Path, source: str) -> None:
-    """The checker reads the file itself, without the weights: no copy of the model is made."""
+    """The checker's full rules (shape inference included); it reads the file itself, without
+    the weights: no copy of the model is made."""
     try:
-        onnx.checker.check_model(str(path))
-    except (onnx.checker.ValidationError, ValueError) as e:
+        onnx.checker.check_model(str(path), full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, ValueError) as e:
         # one line, all of it: the checker names the culprit node on the lines after the first
         raise CompileError(f"{source}: invalid ONNX model: {' '.join(str(e).split())}") from None
+
+
+def _check_graph(model: onnx.ModelProto, source: str) -> None:
+    """What the checker lets through of a graph: an opset ONNX does not define (its nodes would
+    be read with the newest one's meaning), no outputs, two nodes of one name."""
+    newest = onnx.defs.onnx_opset_version()
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx") and not 1 <= o.version <= newest:
+            raise CompileError(f"{source}: invalid ONNX model: opset {o.version} of the default domain "
+                               f"(this ONNX defines 1..{newest})")
+    if not model.graph.output:
+        raise CompileError(f"{source}: invalid ONNX model: the graph has no outputs; nothing to compute")
+    seen = set()
+    for n in model.graph.node:
+        if n.name and n.name in seen:
+            raise node_error(source, n.name, n.op_type, "invalid ONNX model: a second node of this name")
+        seen.add(n.name)
+
+
+def _check_nodes(graph: Graph, source: str) -> None:
+    """What shape inference lets through, with every culprit named: their results would be wrong
+    without a word (a Reshape's missing elements zero, a Gather's index taken modulo the rows)."""
+    problems = []
+    for n in graph.nodes:
+        check = None if n.domain else NODE_CHECKS.get(n.op)
+        why = check and check(n, graph.values)
+        if why:
+            problems.append((n.name, n.op, why))
+    if problems:
+        raise UnsupportedNodes(source, problems)
+
+
+def _reshape_problem(node: Node, values: dict[str, Value]) -> str | None:
+    x, y = values.get(node.inputs[0]), values.get(node.outputs[0])
+    if x is None or y is None or math.prod(x.shape) == math.prod(y.shape):
+        return None
+    return (f"invalid ONNX model: reshapes {list(x.shape)} ({math.prod(x.shape)} elements) "
+            f"to {list(y.shape)} ({math.prod(y.shape)})")
+
+
+def _gather_problem(node: Node, values: dict[str, Value]) -> str | None:
+    data, indices = values.get(node.inputs[0]), values.get(node.inputs[1])
+    if data is None or indices is None or indices.const is None or not data.shape:
+        return None
+    axis = node.attrs.get("axis", 0)
+    rows = data.shape[axis]
+    given = np.asarray(indices.const)
+    outside = given[(given < -rows) | (given >= rows)]
+    if not outside.size:
+        return None
+    return f"invalid ONNX model: index {outside.flat[0]} is outside axis {axis} of size {rows}"
+
+
+NODE_CHECKS = {"Reshape": _reshape_problem, "Gather": _gather_problem}
 
 
 def _bind_dims(model: onnx.ModelProto, dims: dict[str, int], source: str) -> None:
@@ -241,11 +318,22 @@ def _has_contrib_ops(model: onnx.ModelProto) -> bool:
 def _infer(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
     try:
         if _has_contrib_ops(model):
-            from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-            return SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+            return _onnxruntime_inference().infer_shapes(model, auto_merge=True)
         return shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
-    except Exception as e:  # shape inference raises InferenceError and plain exceptions
-        raise CompileError(f"{source}: shape inference failed: {str(e).strip().splitlines()[0]}") from None
+    except Exception as e:  # shape inference raises InferenceError and plain exceptions (an assert's is empty)
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CompileError(f"{source}: shape inference failed: {why}") from None
+
+
+def _onnxruntime_inference():
+    """onnxruntime's symbolic shape inference, silenced: its log lines would come before the
+    one-line error the user reads (its failures are raised, and reported as ours)."""
+    import logging
+    import onnxruntime
+    from onnxruntime.tools import symbolic_shape_infer
+    onnxruntime.set_default_logger_severity(4)      # fatal only
+    logging.getLogger(symbolic_shape_infer.__name__).setLevel(logging.CRITICAL + 1)
+    return symbolic_shape_infer.SymbolicShapeInference
 
 
 def _static_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:

@@ -16,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from isa.fields import ADDR_BITS
+from isa.files import check_readable
 
 MODES = ("w8", "w4", "w2")
 MODE_BITS = {"w8": 8, "w4": 4, "w2": 2}
@@ -145,6 +146,8 @@ def _shown(v) -> str:
     """A value as the TOML file spells it."""
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)
+    if isinstance(v, int) and v.bit_length() > 128:     # printing it in full may pass int()'s limit
+        return f"an integer of {v.bit_length()} bits"
     return json.dumps(list(v) if isinstance(v, tuple) else v, default=str)
 
 
@@ -154,6 +157,8 @@ def _value_problem(name: str, annotation: str, v) -> str | None:
         what = "a positive " + what.split(" ", 1)[1]
     if not is_type(v) or (name in POSITIVE and v <= 0):
         return f"{name} must be {what}, not {_shown(v)}"
+    if type(v) is int and v.bit_length() > 63:     # no machine has one; the checks below would print it
+        return f"{name} is out of range ({_shown(v)})"
     if name in NOT_NEGATIVE and v < 0:
         return f"{name} must not be negative (is {_shown(v)})"
     return None
@@ -212,6 +217,8 @@ def from_toml_text(text: str, source: str) -> Arch:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ArchError(f"{source}: {e}") from None
+    except ValueError:      # an integer past int()'s 4,300 digits, which tomllib does not catch
+        raise ArchError(f"{source}: a number out of range (more than 4,300 digits)") from None
     flat = _flatten(doc, source)
     names = {f.name for f in fields(Arch)}
     unknown = sorted(set(flat) - names)
@@ -243,6 +250,7 @@ def load(spec: str | Path, base: Path | None = None) -> Arch:
         return from_toml_text(text, spec)
     path = Path(spec) if base is None or Path(spec).is_absolute() else base / spec
     try:
+        check_readable(path)        # a FIFO or a device would block or never end
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise ArchError(f"{path}: cannot read architecture file ({getattr(e, 'strerror', None) or e})") from None

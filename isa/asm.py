@@ -24,7 +24,7 @@ import lark
 
 from isa import arch as arch_mod
 from isa import encoding, gen
-from isa.files import atomic_write_all
+from isa.files import atomic_write_all, check_readable
 from isa.fields import (ADDR_BITS, QUEUES, SPACES, After, Cond, Dram, DramRef, Keyword, Legion, LegionSet, OptAddr,
                         OptTensor, OptUInt, UInt, Until, View, ViewKind, ViewOrImm, f32, parse_cond)
 from isa.instructions import BY_MNEMONIC, INSTRUCTIONS, OPCODE_BITS, Instr, RowView
@@ -212,12 +212,30 @@ class _Callbacks:
         return DramRef(self.b.tensor(ch[0]), int(ch[1]), int(ch[2]))
 
 
+LONGEST_NUMBER = 40     # digits: more than any field holds, far fewer than int() refuses (4,300)
+_LONG_NUMBER = re.compile(f"[0-9]{{{LONGEST_NUMBER + 1},}}")
+NUMBER_TOKENS = ("INT", "SIGNED_INT", "LEGION", "COND")     # the tokens whose numbers are read with int()
+
+
+def _short_numbers(callbacks: _Callbacks):
+    """A lexer callback refusing a token with a number too long for any field, where it stands;
+    the callbacks' int() would otherwise fail with an error naming no line."""
+    def check(tok):
+        m = _LONG_NUMBER.search(tok)
+        if m:
+            raise located(callbacks.b.text, callbacks.b.source, tok.line + callbacks.b.offset,
+                          tok.column + m.start(), f"number of {len(m.group())} digits is out of range")
+        return tok
+    return check
+
+
 @functools.cache
 def _parser() -> tuple[lark.Lark, _Callbacks]:
     callbacks = _Callbacks()
     grammar = resources.files("isa").joinpath("grammar.lark").read_text()
+    check = _short_numbers(callbacks)
     parser = lark.Lark(grammar, parser="lalr", lexer="contextual", maybe_placeholders=True,
-                       transformer=callbacks)
+                       transformer=callbacks, lexer_callbacks={t: check for t in NUMBER_TOKENS})
     return parser, callbacks
 
 
@@ -640,7 +658,7 @@ def format_instr(i: Instr, names: list[str]) -> str:
 def format_tensor(t: Tensor) -> str:
     parts = [".tensor", t.name, f"{t.dtype}[{','.join(map(str, t.shape))}]", t.kind]
     if t.io_name is not None:
-        parts.append(json.dumps(t.io_name, ensure_ascii=False))
+        parts.append(encoding.json_text(t.io_name))
     if t.offset is not None:
         parts.append(str(t.offset))
     if t.range is not None:
@@ -652,10 +670,10 @@ def format_program(p: Program) -> str:
     """Canonical text: directives, then one instruction per line, each region's ``.region``
     line just before its first instruction."""
     encoding.check_regions(p)
-    arch = p.arch if ARCH_NAME_RE.fullmatch(p.arch) else json.dumps(p.arch, ensure_ascii=False)
+    arch = p.arch if ARCH_NAME_RE.fullmatch(p.arch) else encoding.json_text(p.arch)
     lines = [f".arch {arch}"]
     if p.data_file is not None:
-        lines.append(f".data {json.dumps(p.data_file, ensure_ascii=False)}")
+        lines.append(f".data {encoding.json_text(p.data_file)}")
     lines += [format_tensor(t) for t in p.tensors]
     lines += [f".skipped {kind} {count}" for kind, count in sorted(p.skipped.items())]
     names, marks = p.names(), _region_lines(p)
@@ -673,7 +691,7 @@ def _region_lines(p: Program) -> dict[int, list[str]]:
     """The ``.region`` lines to print before each instruction index."""
     out: dict[int, list[str]] = {}
     for at, name in p.regions:
-        out.setdefault(at, []).append(f".region {json.dumps(name, ensure_ascii=False)}")
+        out.setdefault(at, []).append(f".region {encoding.json_text(name)}")
     return out
 
 
@@ -693,15 +711,28 @@ def load(path, read_data: bool = True) -> Program:
     """Read a program, text or binary (``DLGN`` magic), and its sidecar data file."""
     source = str(path)
     try:
+        check_readable(path)
         raw = Path(path).read_bytes()
     except OSError as e:
         raise ProgramError(f"{source}: cannot read ({e.strerror})") from None
     binary = raw.startswith(encoding.MAGIC)
     p = encoding.decode_program(raw, source) if binary else _parse_bytes(raw, source)
     encoding.check_bindings(p)
-    if read_data and p.data_file is not None:
-        p.data = _read_data(Path(path).parent / p.data_file, p)
+    where = None if p.data_file is None else data_path(p)     # checked even when not read
+    if read_data and where is not None:
+        p.data = _read_data(where, p)
     return p
+
+
+def data_path(p: Program) -> Path:
+    """The data file of ``p`` read from ``p.source``: a path relative to the program's folder
+    that stays inside it, so a program cannot make a tool read any other file."""
+    folder = Path(p.source).parent
+    path = folder / p.data_file
+    if p.data_file and not Path(p.data_file).is_absolute() and folder.resolve() in path.resolve().parents:
+        return path
+    raise ProgramError(f"{p.source}: .data {encoding.json_text(p.data_file)} must name a file "
+                       f"in the program's folder")
 
 
 def _parse_bytes(raw: bytes, source: str) -> Program:
@@ -716,6 +747,7 @@ def _read_data(path: Path, p: Program):
     """The data file, memory-mapped read-only: a multi-GB file is paged in as constants are
     used, never read whole (an empty file, which mmap refuses, is empty bytes)."""
     try:
+        check_readable(path)        # a device would be read forever
         with open(path, "rb") as f:
             return _mapped(f)
     except OSError as e:
@@ -729,7 +761,7 @@ def _mapped(f):
     try:
         # a view: compares equal to the same bytes, and slices without copying
         return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-    except (OSError, ValueError):     # a file that cannot be mapped (a pipe, some file systems)
+    except (OSError, ValueError):     # a file that cannot be mapped (some file systems)
         return f.read()
 
 

@@ -59,7 +59,10 @@ def relocate(p: Program, src: str, dst: str) -> Program:
     if src_dir == dst_dir:
         return p
     arch = _moved(p.arch, src_dir, dst_dir) if p.arch.endswith(".toml") else p.arch
-    return dataclasses.replace(p, arch=arch, data_file=_moved(p.data_file, src_dir, dst_dir))
+    moved = dataclasses.replace(p, arch=arch, data_file=_moved(p.data_file, src_dir, dst_dir), source=dst)
+    if moved.data_file is not None:
+        asm.data_path(moved)        # a program reads data only from its own folder: refuse one that could not
+    return dataclasses.replace(moved, source=p.source)
 
 
 @click.command("dlegion-as", cls=Script, context_settings={"help_option_names": ["-h", "--help"]})

@@ -2,6 +2,7 @@
 the checks every command makes of its paths and input arrays; the console its tables print to."""
 from __future__ import annotations
 
+import re
 import sys
 import zipfile
 import zlib
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from isa.files import check_writable
+from isa.files import check_readable, check_writable
 
 EXIT_BAD_INPUT = 2
 LONGEST = 400     # characters of a message line: text echoed from a huge input is cut in its middle
@@ -17,8 +18,18 @@ LONGEST = 400     # characters of a message line: text echoed from a huge input 
 
 def fail(name: str, message: str, whole: bool = False) -> None:
     text = f"{name}: error: {message if whole else summary(message)}"
-    click.echo("\n".join(map(_clip, text.split("\n"))), err=True)
+    click.echo(printable("\n".join(map(_clip, text.split("\n")))), err=True)
     sys.exit(EXIT_BAD_INPUT)
+
+
+def printable(text: str) -> str:
+    """``text`` with the bytes of a path that is not UTF-8 (decoded by Python as lone
+    surrogates, which no stream can encode) shown as ``\\xff`` escapes."""
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:      # a surrogate that stands for no byte (from escaped JSON text)
+        raw = text.encode("utf-8", "backslashreplace")
+    return raw.decode("utf-8", "backslashreplace")
 
 
 def _clip(line: str) -> str:
@@ -91,8 +102,16 @@ def check_not_inputs(outputs: dict[str, str | Path | None], inputs: dict[str, st
 
 
 def check_outputs(outputs: dict[str, str | Path | None], inputs: dict[str, str | Path | None]) -> None:
-    """Before any work: ``check_not_inputs``, and each output writable; else a one-line error."""
+    """Before any work: ``check_not_inputs``, each input that exists a regular file (a FIFO or a
+    device, whichever reader meets it, would block or never end; a missing one is its reader's
+    to report) and each output writable; else a one-line error."""
     check_not_inputs(outputs, inputs)
+    for what, path in inputs.items():
+        if path and Path(path).exists():
+            try:
+                check_readable(path)
+            except OSError as e:
+                raise click.ClickException(f"{path}: cannot read {what} ({e.strerror})") from None
     for path in outputs.values():
         if path:
             check_writable(path)
@@ -106,11 +125,22 @@ def no_empty_path(ctx: click.Context, param: click.Parameter, value: str | None)
     return value
 
 
+def positive_int(text: str) -> int | None:
+    """``text`` as a positive integer below 2**63 (larger sizes are out of every range), or None.
+    ASCII digits only, and few of them: ``str.isdigit`` also takes '²', and int() refuses more
+    than 4,300 digits; either would be a traceback."""
+    if not re.fullmatch(r"[0-9]{1,19}", text):
+        return None
+    n = int(text)
+    return n if 0 < n < 1 << 63 else None
+
+
 def read_arrays(path: str | Path) -> dict:
     """The arrays of an ``.npz`` file by name, every one read (which finds a damaged one)."""
     import numpy as np
     try:
-        if Path(path).is_file() and not zipfile.is_zipfile(path):     # np.load would speak of pickles
+        check_readable(path)        # np.load would wait on a FIFO for ever
+        if not zipfile.is_zipfile(path):     # np.load would speak of pickles
             raise ValueError("not an .npz archive")
         loaded = np.load(path, allow_pickle=False)
         if not isinstance(loaded, np.lib.npyio.NpzFile):

@@ -487,10 +487,21 @@ def header(p: Program) -> dict:
             "skipped": dict(sorted(p.skipped.items())), "instructions": len(p.instrs)}
 
 
+def json_text(value, **options) -> str:
+    """``value`` as JSON, non-ASCII characters as they are, unless one cannot be UTF-8 (a lone
+    surrogate: the byte of a file name that is not UTF-8); then escaped, which reads back as it was."""
+    text = json.dumps(value, ensure_ascii=False, **options)
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return json.dumps(value, **options)
+    return text
+
+
 def encode_program(p: Program) -> bytes:
     check_tensors(p)
     check_regions(p)
-    head = json.dumps(header(p), separators=(",", ":"), ensure_ascii=False).encode()
+    head = json_text(header(p), separators=(",", ":")).encode()
     out = bytearray(PREFIX.pack(MAGIC, VERSION, 0, len(head)) + head)
     out += bytes(-len(out) % WORD_BYTES)
     kept = _kept_words(p)
@@ -562,6 +573,8 @@ def _read_prefix(b: bytes, source: str) -> tuple[int, dict]:
         return start, json.loads(b[PREFIX.size:end].decode())
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ProgramError(f"{source}: corrupt header ({e})") from None
+    except ValueError:      # an integer past int()'s 4,300 digits: no field holds one
+        raise ProgramError(f"{source}: corrupt header (a number out of range)") from None
 
 
 # Header keys and the Python types their values may have.

@@ -61,3 +61,24 @@ def test_a_file_where_the_output_folder_should_be_is_named(tmp_path):
     with pytest.raises(NotADirectoryError) as e:
         atomic_write(tmp_path / "afile" / "sub" / "x.s", "y")
     assert e.value.filename == str(tmp_path / "afile") and e.value.strerror == "not a directory"
+
+
+def test_checking_an_output_makes_no_folder(tmp_path):
+    files.check_writable(tmp_path / "new" / "deeper" / "x.s")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_write_removes_the_folders_it_made(tmp_path):
+    (tmp_path / "in_the_way").mkdir()
+    with pytest.raises(IsADirectoryError):
+        atomic_write_all([(tmp_path / "new" / "a.s", b"a"), (tmp_path / "in_the_way", b"b")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in_the_way"]
+
+
+def test_a_device_is_neither_read_nor_replaced(tmp_path):
+    os.symlink(os.devnull, tmp_path / "null")
+    with pytest.raises(OSError, match="a character device, not a regular file"):
+        files.check_readable(tmp_path / "null")
+    with pytest.raises(OSError, match="a character device, not a regular file"):
+        atomic_write(tmp_path / "null", "x")
+    assert (tmp_path / "null").is_symlink()
