@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from isa import arch as arch_mod
-from isa.console import check_outputs, positive_int, printable, read_arrays
+from isa.console import check_outputs, positive_int, printable, read_arrays, version_option
 from isa.progress import Progress
 from dlegion_cc.errors import CompileError
 from dlegion_cc.importer import peek
@@ -134,6 +134,7 @@ def _program_bytes(program, binary: bool) -> bytes:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@version_option()
 @click.argument("model", type=click.Path(dir_okay=False))
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
               help="Program to write (its constants go to OUTPUT.data beside it).")

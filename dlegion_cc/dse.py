@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from isa import arch as arch_mod
-from isa.console import check_not_inputs, no_empty_path, positive_int, printable, table_console
+from isa.console import check_not_inputs, no_empty_path, positive_int, printable, table_console, version_option
 from dlegion_cc.dse_measure import COLUMNS, Config, config_of, evaluate, failed_row
 from dlegion_cc.lower.qplan import OBJECTIVES
 
@@ -187,6 +187,7 @@ def _none_compiled(model: str, rows: list[dict]) -> str:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@version_option()
 @click.argument("model", type=click.Path(dir_okay=False))
 @click.option("--dim", "dims", multiple=True, metavar="NAME=VALUE",
               help="Bind a symbolic dimension of the model (sequence, batch, ...). Repeatable.")

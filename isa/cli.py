@@ -19,7 +19,7 @@ import click
 from isa import arch as arch_mod
 from isa import asm
 from isa.arch import ArchError
-from isa.console import check_outputs, no_empty_path, run_script
+from isa.console import check_outputs, no_empty_path, run_script, version_option
 from isa.program import Program, ProgramError
 from isa.verify import verify
 
@@ -66,6 +66,7 @@ def relocate(p: Program, src: str, dst: str) -> Program:
 
 
 @click.command("dlegion-as", cls=Script, context_settings={"help_option_names": ["-h", "--help"]})
+@version_option()
 @click.argument("program", type=click.Path(dir_okay=False), callback=no_empty_path)
 @click.option("-o", "--output", type=click.Path(dir_okay=False), callback=no_empty_path,
               help="Binary to write (default: PROGRAM with the suffix .bin).")
@@ -91,6 +92,7 @@ def assemble_main(program: str, output: str | None) -> None:
 
 
 @click.command("dlegion-dis", cls=Script, context_settings={"help_option_names": ["-h", "--help"]})
+@version_option()
 @click.argument("program", type=click.Path(dir_okay=False), callback=no_empty_path)
 @click.option("-o", "--output", type=click.Path(dir_okay=False), callback=no_empty_path,
               help="Text file to write (default: standard output).")
@@ -114,6 +116,7 @@ def _arch_json(a: arch_mod.Arch) -> dict:
 
 
 @click.command("dlegion-arch", cls=Script, context_settings={"help_option_names": ["-h", "--help"]})
+@version_option()
 @click.argument("name", required=False)
 @click.option("--json", "as_json", is_flag=True,
               help="Print the parameters and derived figures as JSON.")

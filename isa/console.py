@@ -152,3 +152,9 @@ def read_arrays(path: str | Path) -> dict:
     except (OSError, ValueError, EOFError, RuntimeError, zipfile.BadZipFile, zlib.error) as e:
         why = getattr(e, "strerror", None) or str(e) or type(e).__name__
         raise click.ClickException(f"{path}: cannot read inputs ({why})") from None
+
+
+def version_option():
+    """``--version``: the installed dlegion's version, the same for every command."""
+    import click
+    return click.version_option(package_name="dlegion", message="%(prog)s %(version)s")

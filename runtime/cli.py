@@ -13,7 +13,7 @@ from click.core import ParameterSource
 from isa import arch as arch_mod
 from isa.asm import arch_of, load
 from isa.cli import program_files
-from isa.console import check_outputs, no_empty_path, read_arrays
+from isa.console import check_outputs, no_empty_path, read_arrays, version_option
 from isa.files import atomic_write_all
 from isa.progress import SILENT, Progress
 from isa.instructions import DmaStore
@@ -130,6 +130,7 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@version_option()
 @click.pass_context
 @click.argument("program", type=click.Path(dir_okay=False), callback=no_empty_path)
 @click.option("--arch", metavar="NAME|FILE.toml", callback=no_empty_path,
