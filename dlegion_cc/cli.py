@@ -108,29 +108,14 @@ def _compile_ir(model: str, options: Options, output: str, hook, progress: Progr
 def _compile_program(model: str, options: Options, output: str, arch: str, emit: str, hook, progress: Progress):
     """The program and its data file, the constants streamed into a temporary beside it as
     each node is lowered; both renamed into place together, or neither (nothing left over)."""
-    from isa.files import Staged, atomic_write_all
-    from isa.program import ProgramError
+    from isa.asm import save
+    from isa.files import Staged
     data_path = output + ".data"
     with Staged(data_path) as data:
         _, program = compile_model(model, options, Path(data_path).name, hook, progress, data)
         program = dataclasses.replace(program, arch=_arch_for(arch, output))
-        body = _program_bytes(program, emit == "bin")
-        try:
-            atomic_write_all([(Path(output), body)] + ([(data.path, data)] if program.data_file else []))
-        except OSError as e:        # as isa.asm.save says it
-            raise ProgramError(f"{e.filename or output}: cannot write ({e.strerror})") from None
+        save(program, output, data if program.data_file else None, binary=(emit == "bin"))
     return program
-
-
-def _program_bytes(program, binary: bool) -> bytes:
-    """What ``isa.asm.save`` writes for ``program``, checked the same way."""
-    from isa import encoding
-    from isa.asm import format_program
-    if binary:
-        return encoding.encode_program(program)
-    encoding.check_tensors(program)
-    encoding.check_instrs(program)
-    return format_program(program).encode()
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

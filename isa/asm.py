@@ -24,7 +24,7 @@ import lark
 
 from isa import arch as arch_mod
 from isa import encoding, gen
-from isa.files import atomic_write_all, check_readable
+from isa.files import Staged, atomic_write_all, check_readable
 from isa.fields import (ADDR_BITS, QUEUES, SPACES, After, Cond, Dram, DramRef, Keyword, Legion, LegionSet, OptAddr,
                         OptTensor, OptUInt, UInt, Until, View, ViewKind, ViewOrImm, f32, parse_cond)
 from isa.instructions import BY_MNEMONIC, INSTRUCTIONS, OPCODE_BITS, Instr, RowView
@@ -765,14 +765,15 @@ def _mapped(f):
         return f.read()
 
 
-def save(p: Program, path, data: bytes | None = None, binary: bool = False) -> None:
-    """Write ``p`` (and its data file when ``data`` is given) atomically: all or nothing."""
+def save(p: Program, path, data=None, binary: bool = False) -> None:
+    """Write ``p`` (and its data file when ``data`` is given: bytes, or an ``isa.files.Staged``
+    file already written beside it) atomically: all or nothing."""
     body = encoding.encode_program(p) if binary else _checked_text(p).encode()
     files = [(Path(path), body)]
     if data is not None:
         if p.data_file is None:
             raise ProgramError(f"{path}: data given but the program names no .data file")
-        files.append((Path(path).parent / p.data_file, bytes(data)))
+        files.append((Path(path).parent / p.data_file, data if isinstance(data, Staged) else bytes(data)))
     _write_all(files)
 
 
