@@ -24,6 +24,7 @@ import lark
 
 from isa import arch as arch_mod
 from isa import encoding, gen
+from isa.bulk import no_cycle_collection
 from isa.files import Staged, atomic_write_all, check_readable
 from isa.fields import (ADDR_BITS, QUEUES, SPACES, After, Cond, Dram, DramRef, Keyword, Legion, LegionSet, OptAddr,
                         OptTensor, OptUInt, UInt, Until, View, ViewKind, ViewOrImm, f32, parse_cond)
@@ -716,7 +717,8 @@ def load(path, read_data: bool = True) -> Program:
     except OSError as e:
         raise ProgramError(f"{source}: cannot read ({e.strerror})") from None
     binary = raw.startswith(encoding.MAGIC)
-    p = encoding.decode_program(raw, source) if binary else _parse_bytes(raw, source)
+    with no_cycle_collection():
+        p = encoding.decode_program(raw, source) if binary else _parse_bytes(raw, source)
     encoding.check_bindings(p)
     where = None if p.data_file is None else data_path(p)     # checked even when not read
     if read_data and where is not None:

@@ -14,11 +14,13 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+import numpy as np
+
 from isa.arch import MODE_BITS, Arch
-from isa.expand import expand
+from isa.expand import NONE, Queues, Tasks, expand
 from isa.fields import View
 from isa.fields import QUEUES
-from isa.instructions import (Barrier, DmaLoad, DmaStore, Drain, Gather, Instr, MatMul, VBinary, VMatMul,
+from isa.instructions import (DMA_CLASSES, Barrier, DmaLoad, DmaStore, Drain, Gather, Instr, MatMul, VBinary, VMatMul,
                               VReduce, VSelect, VUnary, Wait)
 from isa.program import DTYPES, KINDS, LOADS, STORES, Program, ProgramError, Tensor
 
@@ -76,33 +78,90 @@ def _checked(program: Program, arch: Arch) -> tuple[list[str], Program | None]:
             if (why := span_problem(ins, arch))]
     if out:
         return out, None
-    # Fields are encoded as written: the tasks of one instruction share its (un)encodable fields.
-    bad = [list(ins.bad_fields()) for ins in program.instrs]
     flat = expand(program, arch.legions)
-    ctx = Context(flat.program, arch, queue_lengths(flat.program, arch))
-    seen: Counter = Counter()         # instructions each queue has been given so far
-    origin = flat.origin
-    for i, ins in enumerate(flat.program.instrs):
-        head = f"{flat.program.where(i)}: {ins.MNEMONIC}"
-        out += [f"{head}: {what}" for what in (bad[origin[i]] or _task_problems(ins, ctx, _inner(origin, i)))]
-        out += [f"{head}: {what}" for what in own_queue(ins, seen)]
-        _count(ins, seen, arch)
+    tasks = flat.program.instrs
+    if not isinstance(tasks, Tasks):          # a program expanded before
+        tasks = Tasks(list(tasks), arch.legions)
+    queues = Queues(tasks, np.array([isinstance(i, Barrier) for i in tasks.source], dtype=bool), arch.legions)
+    ctx = Context(flat.program, arch, _lengths(tasks, queues, arch))
+    fields, bad = _field_problems(tasks)
+    found = fields + _end_problems(tasks, ctx, bad) + _condition_problems(tasks, queues, ctx, bad)
+    found.sort(key=lambda x: x[:2])
+    out += [f"{flat.program.where(k)}: {tasks[k].MNEMONIC}: {what}" for k, _, what in found]
     return list(dict.fromkeys(out)), flat.program
 
 
-def _inner(origin: list[int], i: int) -> bool:
-    """Whether task ``i`` is neither the first nor the last Legion of its instruction's span."""
-    return 0 < i < len(origin) - 1 and origin[i - 1] == origin[i] == origin[i + 1]
+def _field_problems(tasks: Tasks) -> tuple[list, np.ndarray]:
+    """Fields are encoded as written: the tasks of an instruction share its (un)encodable
+    fields, and instructions alike in every field (each layer's) share them too. Listed once,
+    at the instruction's first task; also, per instruction, whether it has any."""
+    known: dict = {}
+    out, bad = [], np.zeros(len(tasks.source), dtype=bool)
+    for o, ins in enumerate(tasks.source):
+        found = known[ins] if ins in known else known.setdefault(ins, list(ins.bad_fields()))
+        out += [(int(tasks.first[o]), 0, what) for what in found]
+        bad[o] = bool(found)
+    return out, bad
 
 
-def _task_problems(ins: Instr, ctx: Context, inner: bool) -> Problems:
-    """An inner rank of a span differs from its ends only by a Legion, DRAM offset and
-    destinations that move linearly with the rank: the ends' checks cover it, but for its
-    condition (each rank's own count)."""
-    if not inner:
-        return instr_problems(ins, ctx)
-    cond = ins.condition()
-    return condition(cond, ctx) if cond is not None else iter(())
+def _checked_tasks(tasks: Tasks) -> np.ndarray:
+    """The tasks whose fields the family checks look at: each instruction's first, and the last
+    of a DMA span. The ranks of a span differ from the first only by a Legion (checked with the
+    span), a DRAM offset and destinations that move linearly with the rank, so the two ends
+    cover the DMAs' ranks in between; every task's condition is checked on its own."""
+    last = np.concatenate([tasks.first[1:], [len(tasks)]]) - 1
+    moving = np.array([type(i) in DMA_CLASSES for i in tasks.source], dtype=bool)
+    return np.unique(np.concatenate([tasks.first, last[moving & (last > tasks.first)]])) if len(tasks) else tasks.first
+
+
+def _end_problems(tasks: Tasks, ctx: Context, bad: np.ndarray) -> list:
+    """The family checks (which assume well-formed fields). A first task that moves nothing
+    with its rank is checked once per distinct instruction (the layers of a model repeat them)."""
+    out, known = [], {}
+    for k in _checked_tasks(tasks).tolist():
+        o = int(tasks.origin[k])
+        if bad[o]:
+            continue
+        ins = tasks.source[o]
+        if type(ins) in DMA_CLASSES or isinstance(ins, Wait) or k != tasks.first[o]:
+            found = list(family_problems(tasks[k], ctx))     # a wait's check is its own count
+        elif ins in known:
+            found = known[ins]
+        else:
+            found = known[ins] = list(family_problems(tasks[k], ctx))
+        out += [(k, 0, what) for what in found]
+    return out
+
+
+def _condition_problems(tasks: Tasks, queues: Queues, ctx: Context, bad: np.ndarray) -> list:
+    """Conditions that name a Legion the machine lacks or a count their queue never reaches,
+    and conditions on a task's own queue that wait for later work."""
+    has = (tasks.cond[:, 0] != NONE) & ~bad[tasks.origin]
+    legion, queue, count = tasks.cond[:, 0], tasks.cond[:, 1], tasks.cond[:, 2]
+    known = has & (legion < ctx.arch.legions)
+    short = np.zeros(len(tasks), dtype=bool)
+    short[known] = queues.lengths(legion[known], queue[known]) < count[known]
+    out = []
+    for k in np.flatnonzero(has & (~known | short)).tolist():
+        out += [(k, 0, what) for what in condition(tasks[k].condition(), ctx)]
+    own = (tasks.cond[:, 0] != NONE) & (legion == tasks.legion) & (queue == tasks.queue)
+    before = queues.before(tasks.legion[own], tasks.queue[own], tasks.origin[own])
+    late = count[own] > before
+    for k, n in zip(np.flatnonzero(own)[late].tolist(), before[late].tolist()):
+        out += [(k, 1, what) for what in own_queue(tasks[k].condition(), n)]
+    return out
+
+
+def _lengths(tasks: Tasks, queues: Queues, arch: Arch) -> Counter:
+    """Instructions each queue runs: its own, plus every barrier (a machine's queue)."""
+    own = tasks.legion != NONE
+    keys, counts = np.unique(queues.key(tasks.legion[own], tasks.queue[own]), return_counts=True)
+    q = len(tasks.names)
+    out = Counter({(int(k) // q, tasks.names[int(k) % q]): int(c) for k, c in zip(keys, counts)})
+    for legion_ in range(arch.legions):
+        for q in QUEUES:
+            out[(legion_, q)] += len(queues.barriers)
+    return out
 
 
 def span_problem(ins: Instr, arch: Arch) -> str | None:
@@ -120,24 +179,12 @@ def span_problem(ins: Instr, arch: Arch) -> str | None:
     return None
 
 
-def own_queue(ins: Instr, seen: Counter) -> Problems:
-    """A condition on the instruction's own queue can only wait for instructions before it."""
-    cond = ins.condition()
-    if cond is None or not hasattr(ins, "legion") or (cond.legion, cond.queue) != (ins.legion, ins.queue()):
-        return
-    if cond.count > seen[(ins.legion, ins.queue())]:
+def own_queue(cond, before: int) -> Problems:
+    """A condition on the instruction's own queue, which ``before`` instructions came to
+    earlier, can only wait for those."""
+    if cond.count > before:
         yield (f"condition {cond} waits on its own queue for instructions after itself "
-               f"(only {seen[(ins.legion, ins.queue())]} come before it)")
-
-
-def _count(ins: Instr, seen: Counter, arch: Arch) -> None:
-    """Add ``ins`` to the instruction counts of the queues that run it (a barrier: all)."""
-    if isinstance(ins, Barrier):
-        for legion_ in range(arch.legions):
-            for q in QUEUES:
-                seen[(legion_, q)] += 1
-    elif hasattr(ins, "legion"):
-        seen[(ins.legion, ins.queue())] += 1
+               f"(only {before} come before it)")
 
 
 def verify(program: Program, arch: Arch) -> Program:
@@ -154,6 +201,14 @@ def verify(program: Program, arch: Arch) -> Program:
 
 def instr_problems(ins: Instr, ctx: Context) -> Problems:
     """The problems of a task whose fields are well formed (the family checks assume it)."""
+    yield from family_problems(ins, ctx)
+    cond = getattr(ins, "wait", None)
+    if cond is not None:
+        yield from condition(cond, ctx)
+
+
+def family_problems(ins: Instr, ctx: Context) -> Problems:
+    """:func:`instr_problems` but for an embedded condition (a wait's is its family's)."""
     fn = family_check(type(ins))
     if fn is None:
         yield f"{type(ins).__name__} is not an instruction of the table"
@@ -161,9 +216,6 @@ def instr_problems(ins: Instr, ctx: Context) -> Problems:
     if hasattr(ins, "legion"):
         yield from legion(ins.legion, ctx.arch)
     yield from fn(ins, ctx)
-    cond = getattr(ins, "wait", None)
-    if cond is not None:
-        yield from condition(cond, ctx)
 
 
 # --- operand helpers -------------------------------------------------------------------------
@@ -185,7 +237,8 @@ def view(name: str, v, rows: int, cols: int, arch: Arch, dest: bool = False) -> 
     if not isinstance(v, View):
         return      # an fp32 immediate
     last = None if rows <= 0 or cols <= 0 else v.addr + (rows - 1) * v.rs + (cols - 1) * v.cs
-    yield from bounds(f"{name} {v} over {rows}x{cols}", v.space, last, arch)
+    if last is not None and last >= arch.derived.spad_elems[v.space]:     # named only when wrong
+        yield from bounds(f"{name} {v} over {rows}x{cols}", v.space, last, arch)
     if not dest:
         return
     if v.rs == 0 and rows > 1:
@@ -364,14 +417,6 @@ def barrier(ins: Barrier, ctx: Context) -> Problems:
 @register(Wait)
 def wait(ins: Wait, ctx: Context) -> Problems:
     yield from condition(ins.until, ctx)
-
-
-def queue_lengths(program: Program, arch: Arch) -> Counter:
-    """Instructions each queue runs: its own, plus every barrier."""
-    out: Counter = Counter()
-    for ins in program.instrs:
-        _count(ins, out, arch)
-    return out
 
 
 def condition(cond, ctx: Context) -> Problems:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from isa.arch import Arch
+from isa.bulk import no_cycle_collection
 from isa.instructions import Barrier, Wait
 from isa.program import Program, ProgramError, Tensor
 from isa.progress import SILENT, Progress
@@ -36,7 +37,8 @@ def run(program: Program, arch: Arch, inputs: dict[str, np.ndarray], races: bool
     ``races`` also checks that every two conflicting accesses are ordered (runtime/races.py);
     ``keep`` keeps every scratch tensor to the end, for the caller to read (runtime/check.py);
     else each is freed after its last use (dlegion-run, unless --check-all)."""
-    program = verify(program, arch)      # and expanded: one task per Legion of each span
+    with no_cycle_collection():
+        program = verify(program, arch)      # and expanded: one task per Legion of each span
     machine = Machine(program, arch)
     bind_inputs(machine, program, inputs)
     if races:
@@ -64,9 +66,10 @@ def run(program: Program, arch: Arch, inputs: dict[str, np.ndarray], races: bool
 def time_only(program: Program, arch: Arch, progress: Progress = SILENT) -> RunResult:
     """The timing model alone: the same cycles as :func:`run`, without computing any value
     (instructions' times do not depend on the data they move)."""
-    program = verify(program, arch)
-    with progress.task("timing", _executed(program)) as advance:
-        timeline = simulate(program, arch, _every(PROGRESS_BLOCK, None, advance))
+    with no_cycle_collection():
+        program = verify(program, arch)
+    with progress.task("timing", _executed(program)) as advance, no_cycle_collection():
+        timeline = simulate(program, arch, progress=advance)
     return RunResult({}, timeline, arch, program, None)
 
 
@@ -81,8 +84,7 @@ def _every(block: int, execute, advance):
 
     def step(i: int) -> None:
         nonlocal count
-        if execute is not None:
-            execute(i)
+        execute(i)
         count += 1
         if count == block:
             advance(count)

@@ -40,15 +40,17 @@ import numpy as np
 from isa.arch import Arch
 from isa.expand import expand
 from isa.fields import QUEUES
-from isa.instructions import Barrier, Wait, family
+from isa.instructions import family
+from runtime.lockstep import BARRIER, TASK, WAIT
 from isa.program import Program
+from runtime import lockstep
 from runtime.costs import Blocks, CostError, Env, ceil_cycles, cost
 
 INF = float("inf")
 FAMILIES = ("dma", "matrix", "drain", "vector", "sync")
 SUMMED = ("dram_read_bytes", "dram_write_bytes", "multicast_saved_bytes", "macs", "dense_macs",
           "passes", "dense_passes", "windows_skipped", "sparsity_cycles_saved", "psum_bytes", "spad_bytes",
-          "vector_elems", "vector_ops")
+          "vector_elems", "vector_ops", "vector_macs", "padded_macs")
 
 
 class Deadlock(Exception):
@@ -73,24 +75,27 @@ class Timeline:
 # --- shared DRAM -----------------------------------------------------------------------------
 
 class _Dram:
-    """Active flows sharing DRAM; ``served`` is the bytes every active flow has moved so far."""
+    """Active flows sharing DRAM; ``served`` is the bytes every active flow has moved so far.
+    A flow may stand for several equal ones (Legions in lockstep): it counts that many times."""
 
     def __init__(self, total: float, link: float):
         self.total, self.link = total, link
         self.t = 0.0
         self.served = 0.0
-        self.flows: list[tuple[float, int]] = []    # (served level at which it ends, instruction)
+        self.active = 0                               # flows, each counted with its multiplicity
+        self.flows: list[tuple[float, int, int]] = []  # (served level at which it ends, task, multiplicity)
 
     def rate(self) -> float:
-        return min(self.link, self.total / len(self.flows)) if self.flows else 0.0
+        return min(self.link, self.total / self.active) if self.active else 0.0
 
     def advance(self, t: float) -> None:
         self.served += self.rate() * (t - self.t)
         self.t = t
 
-    def add(self, k: int, nbytes: int, t: float) -> None:
+    def add(self, k: int, nbytes: int, t: float, mult: int) -> None:
         self.advance(t)
-        heapq.heappush(self.flows, (self.served + nbytes, k))
+        self.active += mult
+        heapq.heappush(self.flows, (self.served + nbytes, k, mult))
 
     def next_end(self) -> float:
         if not self.flows:
@@ -100,10 +105,15 @@ class _Dram:
     def finish(self, t: float) -> list[int]:
         """Flows ending at ``t`` (the first is due by construction; others within rounding)."""
         self.advance(t)
-        ended = [heapq.heappop(self.flows)[1]]
+        ended = [self._pop()]
         while self.flows and self.flows[0][0] <= self.served + 1e-9 * max(1.0, self.served):
-            ended.append(heapq.heappop(self.flows)[1])
+            ended.append(self._pop())
         return ended
+
+    def _pop(self) -> int:
+        _, k, mult = heapq.heappop(self.flows)
+        self.active -= mult
+        return k
 
 
 # --- queues ----------------------------------------------------------------------------------
@@ -120,40 +130,44 @@ class _Queue:
         self.ready = 0.0           # when the conditions met since its last instruction came true
 
 
-def _queue_keys(i, arch: Arch) -> list[tuple[int, str]]:
-    if isinstance(i, Barrier):
-        return [(legion, q) for legion in range(arch.legions) for q in QUEUES]
-    return [(i.legion, i.queue())]
+def machine_queues(arch: Arch) -> list[tuple[int, str]]:
+    """The queues a barrier holds: every queue of every Legion of the machine."""
+    return [(legion, q) for legion in range(arch.legions) for q in QUEUES]
 
 
 class _Sim:
-    def __init__(self, program: Program, arch: Arch, costs: list, execute):
-        n = len(program.instrs)
-        self.program, self.costs, self.execute = program, costs, execute
+    """The event loop over a :class:`~runtime.lockstep.Part`: its tasks' start, free and done
+    times from 0, and the order in which the non-sync ones complete."""
+
+    def __init__(self, part, arch: Arch):
+        n = len(part.kinds)
+        self.part = part
         self.start, self.free, self.done = (np.full(n, np.nan) for _ in range(3))
+        self.order: list[int] = []                  # tasks in completion order (not waits, barriers)
         self.is_done = [False] * n
-        self.queues: dict[tuple, _Queue] = {k: _Queue(k) for k in _queue_keys(Barrier(), arch)}
-        # The queues a barrier holds: the machine's. An instruction on a Legion it lacks (an
-        # unverified program) gets a queue of its own, which holds no barrier.
+        self.queues: dict[tuple, _Queue] = {k: _Queue(k) for k in part.parties}
+        # An instruction on a Legion the machine lacks (an unverified program) gets a queue of
+        # its own, which holds no barrier.
         self.parties = list(self.queues.values())
         self.queue_of: list[_Queue] = []
-        for k, i in enumerate(program.instrs):
-            keys = _queue_keys(i, arch)
-            for key in keys:
-                self.queues.setdefault(key, _Queue(key)).items.append(k)
-            self.queue_of.append(self.queues[keys[0]])
-        # Per task, what the event loop asks of it each time it looks at it.
-        self.conds = [i.condition() for i in program.instrs]
-        self.is_barrier = [isinstance(i, Barrier) for i in program.instrs]
+        for k, (key, kind) in enumerate(zip(part.keys, part.kinds)):
+            if kind == BARRIER:
+                for q in self.parties:
+                    q.items.append(k)
+                self.queue_of.append(self.parties[0])
+                continue
+            q = self.queues.get(key) or self.queues.setdefault(key, _Queue(key))
+            q.items.append(k)
+            self.queue_of.append(q)
         self.waiters: dict[tuple, dict] = defaultdict(dict)   # queue key -> queues waiting on it
         self.arrived: dict[int, set] = defaultdict(set)        # barrier -> queues that reached it
         self.events: list[tuple[float, int]] = []              # (done time, instruction)
         self.dram = _Dram(arch.derived.dram_bytes_per_cycle, arch.derived.link_bytes_per_cycle)
         self.latency = arch.dram_latency_cycles
-        self.handlers = {Wait: self._wait, Barrier: self._barrier}
+        self.handlers = {TASK: self._issue, WAIT: self._wait, BARRIER: self._barrier}
 
     def run(self) -> None:
-        for q in self.queues.values():
+        for q in list(self.queues.values()):
             self._advance(q, 0.0)
         while True:
             t_event = self.events[0][0] if self.events else INF
@@ -165,10 +179,14 @@ class _Sim:
                 continue
             t, k = heapq.heappop(self.events)
             self._complete(k, t)
-        self._check_deadlock()
 
-    # Events. Ties in time pop in program order, and an instruction that waits on another is
-    # only scheduled after that one completed, so `execute` always sees a valid order.
+    def stuck(self) -> list[tuple[int, _Queue]]:
+        """The task at the head of each queue that did not finish, in task order."""
+        return sorted(((q.items[q.head], q) for q in self.queues.values() if q.head < len(q.items)),
+                      key=lambda x: x[0])
+
+    # Events. Ties in time pop in task order, and a task that waits on another is only
+    # scheduled after that one completed, so the completion order is always a valid order.
 
     def _flows_end(self, t: float) -> None:
         for k in self.dram.finish(t):
@@ -181,10 +199,9 @@ class _Sim:
     def _complete(self, k: int, t: float) -> None:
         q = self.queue_of[k]
         self.done[k] = t
-        if self.costs[k].flow_bytes is None:
+        if self.part.timing[k][2] is None:
             q.busy = False
-        if self.execute is not None:
-            self.execute(k)
+        self.order.append(k)
         self._finish(k)
         self._advance(q, t)
         self._wake(q, t)
@@ -203,45 +220,42 @@ class _Sim:
     def _finish(self, k: int) -> None:
         """Mark ``k`` done and move the completed prefix of its queue(s)."""
         self.is_done[k] = True
-        for q in self._queues_of(k):
+        for q in self.parties if self.part.kinds[k] == BARRIER else (self.queue_of[k],):
             while q.prefix < len(q.items) and self.is_done[q.items[q.prefix]]:
                 q.prefix += 1
 
-    def _queues_of(self, k: int) -> list[_Queue]:
-        if self.is_barrier[k]:
-            return self.parties
-        return [self.queue_of[k]]
-
     def _step(self, q: _Queue, t: float) -> list[_Queue]:
         woken: list[_Queue] = []
+        conds, kinds = self.part.conds, self.part.kinds
         while not q.busy and q.head < len(q.items):
             k = q.items[q.head]
-            cond = self.conds[k]
+            cond = conds[k]
             if cond is not None:
                 if not self._holds(q, cond):
                     break
                 q.ready = max(q.ready, self._met_at(cond))
-            handler = self.handlers.get(type(self.program.instrs[k]), self._issue)
-            if not handler(q, k, t, woken):
+            if not self.handlers[kinds[k]](q, k, t, woken):
                 break
             q.head += 1
         return woken
 
     def _holds(self, q: _Queue, cond) -> bool:
         """True when ``cond`` holds; else ``q`` is woken when the named queue progresses."""
-        target = self.queues.get((cond.legion, cond.queue))
-        if target is not None and target.prefix >= cond.count:
+        key, count = cond
+        target = self.queues.get(key)
+        if target is not None and target.prefix >= count:
             return True
         if target is not None:
-            self.waiters[target.key][q.key] = q
+            self.waiters[key][q.key] = q
         return False
 
     def _met_at(self, cond) -> float:
         """When a condition that holds came true: queues complete in order, so when the
         count-th instruction of the named queue did."""
-        if not cond.count:
+        key, count = cond
+        if not count:
             return 0.0
-        return float(self.done[self.queues[(cond.legion, cond.queue)].items[cond.count - 1]])
+        return float(self.done[self.queues[key].items[count - 1]])
 
     def _mark(self, k: int, t: float) -> None:
         self.start[k] = self.free[k] = self.done[k] = t
@@ -268,46 +282,47 @@ class _Sim:
         return True
 
     def _issue(self, q: _Queue, k: int, t: float, woken: list) -> bool:
-        c = self.costs[k]
+        cycles, lead, flow = self.part.timing[k]
         self.start[k] = t
         q.busy = True
         ready, q.ready = q.ready, 0.0
-        if c.flow_bytes is not None:
-            self.dram.add(k, c.flow_bytes, t)
+        if flow is not None:
+            self.dram.add(k, flow, t, self.part.mult[k])
             return True
-        end = max(t, ready + c.lead) + c.cycles
+        end = max(t, ready + lead) + cycles
         self.free[k] = end
         heapq.heappush(self.events, (end, k))
         return True
 
-    def _check_deadlock(self) -> None:
-        stuck = sorted(((q.items[q.head], q) for q in self.queues.values() if q.head < len(q.items)),
-                       key=lambda x: x[0])
-        if not stuck:
-            return
-        k, q = stuck[0]
-        others = len({kk for kk, _ in stuck}) - 1
-        more = f"; {others} other instruction(s) blocked too" if others else ""
-        raise Deadlock(f"{self.program.where(k)}: {self._why_stuck(k, q)}{more}")
 
-    def _why_stuck(self, k: int, q: _Queue) -> str:
-        i = self.program.instrs[k]
-        cond = i.condition()
-        if cond is not None:
-            target = self.queues.get((cond.legion, cond.queue))
-            reached = target.prefix if target is not None else 0
-            return (f"{i.MNEMONIC} on L{q.key[0]} {q.key[1]} waits for {cond}, never satisfied "
-                    f"(L{cond.legion}.{cond.queue} completed {reached})")
-        missing = sorted({p.key for p in self.parties} - self.arrived[k])
-        names = ", ".join(f"L{l}.{n}" for l, n in missing[:4])
-        return f"barrier never reached by {names}{' and others' if len(missing) > 4 else ''}"
+def _deadlock(program: Program, sim: _Sim) -> Deadlock:
+    """The first stuck instruction of a whole-program simulation, and why."""
+    stuck = sim.stuck()
+    k, q = stuck[0]
+    others = len({kk for kk, _ in stuck}) - 1
+    more = f"; {others} other instruction(s) blocked too" if others else ""
+    return Deadlock(f"{program.where(k)}: {_why_stuck(program, sim, k, q)}{more}")
+
+
+def _why_stuck(program: Program, sim: _Sim, k: int, q: _Queue) -> str:
+    i = program.instrs[k]
+    cond = i.condition()
+    if cond is not None:
+        target = sim.queues.get((cond.legion, cond.queue))
+        reached = target.prefix if target is not None else 0
+        return (f"{i.MNEMONIC} on L{q.key[0]} {q.key[1]} waits for {cond}, never satisfied "
+                f"(L{cond.legion}.{cond.queue} completed {reached})")
+    missing = sorted({p.key for p in sim.parties} - sim.arrived[k])
+    names = ", ".join(f"L{l}.{n}" for l, n in missing[:4])
+    return f"barrier never reached by {names}{' and others' if len(missing) > 4 else ''}"
 
 
 # --- costs and counters ----------------------------------------------------------------------
 
 def _masks(program: Program) -> dict:
     """Decoded block masks of the u8 const tensors MatMuls name."""
-    used = {getattr(i, "mask", None) for i in program.instrs} - {None}
+    written = getattr(program.instrs, "source", program.instrs)     # an expansion's instructions
+    used = {getattr(i, "mask", None) for i in written} - {None}
     out = {}
     for m in sorted(used):
         t = program.tensors[m] if m < len(program.tensors) else None
@@ -318,18 +333,33 @@ def _masks(program: Program) -> dict:
     return out
 
 
-def _costs(program: Program, arch: Arch) -> list:
-    """Each task's cost. The tasks of one span differ only by Legion, DRAM offset and
-    destinations, which no cost depends on: each instruction is costed once."""
+@dataclass
+class Costed:
+    """Each instruction's cost, and per task the instruction it came from."""
+
+    costs: list             # per instruction of the source program
+    origin: np.ndarray      # per task
+
+    def per_task(self) -> list:
+        return [self.costs[o] for o in self.origin.tolist()]
+
+
+def _costs(program: Program, arch: Arch) -> Costed:
+    """The tasks of one span differ only by Legion, DRAM offset and destinations, which no
+    cost depends on: each instruction is costed once, on its first task."""
     env = Env(tuple(program.tensors), _masks(program))
-    origin = program.origin or range(len(program.instrs))
-    out, by_origin = [], {}
-    for k, i in enumerate(program.instrs):
-        c = by_origin.get(origin[k])
+    n = len(program.instrs)
+    origin = np.asarray(program.origin if program.origin is not None else range(n), dtype=np.int64)
+    first = np.searchsorted(origin, np.arange(origin[-1] + 1 if n else 0)).tolist()
+    known: dict = {}                # instructions alike in every field (each layer's) cost alike
+    costs = []
+    for k in first:
+        i = program.instrs[k]
+        c = known.get(i)
         if c is None:
-            c = by_origin[origin[k]] = _cost(program, k, i, arch, env)
-        out.append(c)
-    return out
+            c = known[i] = _cost(program, k, i, arch, env)
+        costs.append(c)
+    return Costed(costs, origin)
 
 
 def _cost(program: Program, k: int, i, arch: Arch, env: Env):
@@ -339,39 +369,122 @@ def _cost(program: Program, k: int, i, arch: Arch, env: Env):
         raise TimingError(f"{program.where(k)}: {e}") from None
 
 
-def _counters(program: Program, costs: list, sim: _Sim) -> tuple[dict, dict]:
+def _counters(program: Program, costed: Costed, tasks, start: np.ndarray, free: np.ndarray,
+              done: np.ndarray) -> tuple[dict, dict]:
+    """The counters summed over the tasks, busy cycles by family and by queue, and the
+    per-instruction rows of the matmuls; an instruction's tasks share its cost."""
+    origin, costs = costed.origin, costed.costs
+    first = np.searchsorted(origin, np.arange(len(costs))).tolist()
+    tasks_of = np.bincount(origin, minlength=len(costs)).tolist()
     counters = dict.fromkeys(SUMMED, 0)
-    counters |= {f"count_{f}": 0 for f in FAMILIES} | {f"busy_{f}": 0.0 for f in FAMILIES}
-    busy: dict = defaultdict(float)
-    per_instr = []
-    held = sim.free - sim.start
-    for k, (i, c) in enumerate(zip(program.instrs, costs)):
-        fam = family(type(i))
-        counters[f"count_{fam}"] += 1
-        counters[f"busy_{fam}"] += held[k]
-        if fam != "sync":
-            busy[(i.legion, i.queue())] += held[k]
+    for c, times in zip(costs, tasks_of):
         for name, v in c.counters.items():
-            counters[name] += v
-        if c.detail is not None:
-            per_instr.append({"index": k, "legion": i.legion, **c.detail,
-                              "start": float(sim.start[k]), "done": float(sim.done[k])})
-    counters |= {f"busy_{f}": ceil_cycles(counters[f"busy_{f}"]) for f in FAMILIES}
-    counters["per_instr"] = per_instr
-    return counters, {key: ceil_cycles(v) for key, v in busy.items()}
+            counters[name] += v * times
+    fam_of = np.array([FAMILIES.index(family(type(program.instrs[k]))) for k in first], dtype=np.int64)
+    fam = fam_of[origin] if len(origin) else origin
+    held = free - start
+    count = np.bincount(fam, minlength=len(FAMILIES))
+    cycles = np.bincount(fam, weights=held, minlength=len(FAMILIES))
+    for f, name in enumerate(FAMILIES):
+        counters[f"count_{name}"] = int(count[f])
+        counters[f"busy_{name}"] = ceil_cycles(cycles[f])
+    counters["per_instr"] = _per_instr(program, costed, first, start, done)
+    return counters, _busy(tasks, fam, held)
 
 
-def simulate(program: Program, arch: Arch, execute=None) -> Timeline:
-    """Time ``program`` on ``arch``; ``execute(i)`` is called for each non-sync instruction at
-    its completion, in nondecreasing completion time (ties in program order). Instruction
-    indices are those of the program expanded into one task per Legion (isa/expand.py)."""
+def _busy(tasks, fam: np.ndarray, held: np.ndarray) -> dict:
+    """Cycles each queue was held, but by sync instructions."""
+    legion, queue = tasks.legion, tasks.queue
+    held_by = (fam != FAMILIES.index("sync")) & (legion >= 0) & (queue >= 0)
+    names = tasks.names
+    slot = legion[held_by] * len(names) + queue[held_by]
+    sums = np.bincount(slot, weights=held[held_by])
+    used = np.bincount(slot, minlength=len(sums))
+    return {(int(s) // len(names), names[int(s) % len(names)]): ceil_cycles(sums[s]) for s in np.flatnonzero(used)}
+
+
+def _per_instr(program: Program, costed: Costed, first: list, start, done) -> list:
+    rows = []
+    detailed = [o for o, c in enumerate(costed.costs) if c.detail is not None]
+    for o in detailed:
+        lo = first[o]
+        hi = first[o + 1] if o + 1 < len(first) else len(costed.origin)
+        for k in range(lo, hi):
+            rows.append({"index": k, "legion": program.instrs[k].legion, **costed.costs[o].detail,
+                         "start": float(start[k]), "done": float(done[k])})
+    return rows
+
+
+def simulate(program: Program, arch: Arch, execute=None, progress=None) -> Timeline:
+    """Time ``program`` on ``arch``; ``execute(i)`` is called for each non-sync instruction
+    after every instruction it depends on, in nondecreasing completion time. Instruction
+    indices are those of the program expanded into one task per Legion (isa/expand.py).
+    ``progress(n)``, if given, is told of the tasks timed as they are."""
     program = expand(program, arch.legions).program
     if arch.derived.dram_bytes_per_cycle <= 0 or arch.derived.link_bytes_per_cycle <= 0:
         raise TimingError(f"{arch.name}: DRAM and link bandwidth must be positive")
-    costs = _costs(program, arch)
-    sim = _Sim(program, arch, costs, execute)
-    sim.run()
-    counters, busy = _counters(program, costs, sim)
-    last = float(sim.done.max()) if len(sim.done) else 0.0
-    return Timeline(cycles=ceil_cycles(last), start=sim.start, free=sim.free, done=sim.done,
+    costed = _costs(program, arch)
+    tasks = lockstep.tasks_of(program, costed, arch.legions)
+    n = len(tasks.kind)
+    times = tuple(np.full(n, np.nan) for _ in range(3))
+    if lockstep.fits(tasks, arch.legions):
+        _by_segment(program, arch, tasks, times, execute, progress)
+    else:
+        _at_once(program, arch, tasks, times, execute, progress)
+    start, free, done = times
+    counters, busy = _counters(program, costed, tasks, start, free, done)
+    last = float(np.nanmax(done)) if n else 0.0
+    return Timeline(cycles=ceil_cycles(last), start=start, free=free, done=done,
                     busy=busy, counters=counters, program=program)
+
+
+def _at_once(program: Program, arch: Arch, tasks, times: tuple, execute, progress) -> None:
+    """The whole program as one part, every task simulated (an unverified program whose
+    Legions the machine lacks)."""
+    sim = _Sim(lockstep.whole(tasks, machine_queues(arch)), arch)
+    sim.run()
+    if sim.stuck():
+        raise _deadlock(program, sim)
+    for out, got in zip(times, (sim.start, sim.free, sim.done)):
+        out[:] = got
+    for k in sim.order:
+        if execute is not None:
+            execute(k)
+    if progress is not None:
+        progress(len(sim.order))
+
+
+def _by_segment(program: Program, arch: Arch, tasks, times: tuple, execute, progress) -> None:
+    """Segment by segment, the Legions of each in lockstep classes (runtime/lockstep.py)."""
+    parties = machine_queues(arch)
+    timed: dict = {}          # segment key -> (start, free, done, completion order), from 0
+    t0 = 0.0
+    for seg in lockstep.segments(tasks, arch.legions, parties):
+        got = timed.get(seg.key)
+        if got is None:
+            got = timed[seg.key] = _time_part(program, arch, tasks, seg)
+        for out, rel in zip(times, got[:3]):
+            out[seg.order] = rel + t0
+            out[seg.dst] = rel[seg.src] + t0
+        if execute is not None:
+            copies = seg.copies()
+            for j in got[3]:
+                for k in copies[j]:
+                    execute(k)
+        if progress is not None:
+            progress(int(np.count_nonzero(tasks.kind[seg.lo:seg.hi] == TASK)))
+        if seg.hi > seg.lo:
+            t0 = max(t0, float(np.max(times[2][seg.lo:seg.hi])))
+        if seg.hi < len(tasks.kind):
+            for out in times:
+                out[seg.hi] = t0          # the barrier after it: released by the last to finish
+
+
+def _time_part(program: Program, arch: Arch, tasks, seg) -> tuple:
+    sim = _Sim(seg.part(), arch)
+    sim.run()
+    if sim.stuck():
+        # Name the culprit as the whole program sees it: simulated at once, it stops there too.
+        _at_once(program, arch, tasks, tuple(np.full(len(tasks.kind), np.nan) for _ in range(3)), None, None)
+        raise Deadlock(f"{program.where(seg.order[sim.stuck()[0][0]])}: a wait is never satisfied")
+    return sim.start, sim.free, sim.done, sim.order

@@ -110,7 +110,7 @@ def test_a_spanned_instruction_is_costed_once_for_the_same_costs():
     tasks = verify(parse(SPANNED), ARCH)
     env = Env(tuple(tasks.tensors), _masks(tasks))
     assert len(tasks.instrs) == 24
-    assert _costs(tasks, ARCH) == [cost(i, ARCH, env) for i in tasks.instrs]
+    assert _costs(tasks, ARCH).per_task() == [cost(i, ARCH, env) for i in tasks.instrs]
 
 
 def test_knowledge_in_program_order_is_knowledge_in_dependency_order():

@@ -1,0 +1,187 @@
+"""Legions in lockstep: what the timing model simulates of a program, and what it copies.
+
+**Segments.** When a barrier releases, every queue is idle, no DRAM flow is in flight and
+every queue's ``ready`` is the barrier's time, so nothing after a barrier depends on what came
+before it but that time. The program is cut at its barriers into segments, each timed from 0
+and shifted by the time of the barrier before it.
+
+**Classes.** In a segment, two Legions whose tasks are the same sequence (queues, kinds, costs,
+and conditions naming either their own queue or the same other Legion's queue, at the same
+count from the segment's start) move in lockstep: by induction over events, each task of one
+starts, frees its queue and completes when the same task of the other does, their DMA flows
+starting and ending together as equal shares of DRAM. One Legion of each class, its
+representative, is simulated, its flows counted once per member, and its times copied to the
+others. On a decoder, the Legions that share a matmul's columns evenly form one class, the
+Legion that issues the multicast loads another.
+
+**Repeats.** Two segments with the same classes and the same representative tasks have the
+same times (the thirty layers of a model): the second is not simulated again.
+
+Signatures are compared as bytes of per-task integer rows, so a program of millions of tasks
+costs a few numpy operations per segment, not Python work per task.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from isa.expand import Tasks as Expansion
+from isa.fields import QUEUES
+from isa.instructions import Barrier, Wait
+
+TASK, WAIT, BARRIER = 0, 1, 2
+NONE = -1              # no Legion, queue or condition
+OWN = -2               # a condition on the task's own Legion, in a signature
+
+
+@dataclass
+class Part:
+    """Tasks for the event loop, numbered from 0."""
+
+    keys: list        # per task: its queue (legion, queue name); a barrier's is unused
+    kinds: list       # TASK, WAIT or BARRIER
+    conds: list       # per task: ((legion, queue name), count) it waits for, or None
+    timing: list      # per task: (cycles, lead, flow_bytes) of its cost
+    mult: list        # per task: how many tasks it stands for (its DRAM flow counts that often)
+    parties: list     # the queues a barrier holds: the machine's
+
+
+@dataclass
+class Tasks:
+    """What the timing model needs of each task of an expanded program, as integer arrays."""
+
+    legion: np.ndarray    # NONE for a barrier
+    queue: np.ndarray     # index in ``names``; NONE for a barrier
+    kind: np.ndarray
+    timing: np.ndarray    # index in ``timings``
+    cond: np.ndarray      # [n, 3]: Legion, queue index, absolute count; NONE rows: no condition
+    timings: list         # distinct (cycles, lead, flow_bytes)
+    names: list           # queue names by index
+
+
+def tasks_of(program, costed, legions: int) -> Tasks:
+    """``costed``: each instruction's cost and the instruction of each task (runtime/timing.py).
+    The tasks of an instruction share its kind, queue and cost and run on consecutive Legions;
+    an expansion already holds their Legions, queues and conditions as arrays."""
+    instrs, origin = program.instrs, costed.origin
+    first = np.searchsorted(origin, np.arange(len(costed.costs)))
+    heads = [instrs[k] for k in first.tolist()]
+    kind_of = np.array([_kind(i) for i in heads], dtype=np.int64)
+    timings, timing_of = {}, []
+    for c in costed.costs:
+        timing_of.append(timings.setdefault((c.cycles, c.lead, c.flow_bytes), len(timings)))
+    timing = np.asarray(timing_of, dtype=np.int64)[origin]
+    if not isinstance(instrs, Expansion):
+        instrs = Expansion(list(instrs), legions)
+    return Tasks(instrs.legion, instrs.queue, kind_of[origin], timing, instrs.cond, list(timings), instrs.names)
+
+
+def _kind(i) -> int:
+    return BARRIER if isinstance(i, Barrier) else WAIT if isinstance(i, Wait) else TASK
+
+
+def fits(tasks: Tasks, legions: int) -> bool:
+    """Every task and condition names a Legion of the machine (a verified program does)."""
+    named = max(int(tasks.legion.max(initial=NONE)), int(tasks.cond[:, 0].max(initial=NONE)))
+    queues = max(int(tasks.queue.max(initial=NONE)), int(tasks.cond[:, 1].max(initial=NONE)))
+    return named < legions and queues < len(QUEUES)
+
+
+def whole(tasks: Tasks, parties: list) -> Part:
+    """Every task as it is, barriers included: for programs :func:`fits` refuses."""
+    return _part(tasks, np.arange(len(tasks.kind)), tasks.cond, None, None, parties)
+
+
+def _part(tasks: Tasks, order: np.ndarray, cond: np.ndarray, rep, size, parties: list) -> Part:
+    """The tasks ``order`` for the event loop, with conditions ``cond`` (rows for all tasks);
+    ``rep`` and ``size`` map a Legion to its class's representative and member count."""
+    legion = tasks.legion[order].tolist()
+    queue = tasks.queue[order].tolist()
+    c = cond[order].tolist()
+    timings = tasks.timings
+    part = Part([], tasks.kind[order].tolist(), [], [timings[t] for t in tasks.timing[order].tolist()],
+                [1] * len(legion) if size is None else [size[l] for l in legion], parties)
+    for l, q, (cl, cq, count) in zip(legion, queue, c):
+        part.keys.append((l, tasks.names[q] if q >= 0 else "*"))
+        part.conds.append(None if cl == NONE else ((cl if rep is None else rep[cl], tasks.names[cq]), count))
+    return part
+
+
+@dataclass
+class Segment:
+    lo: int             # its tasks are lo..hi-1 (maybe none); task hi is the barrier after it, if any
+    hi: int
+    key: bytes          # equal keys, equal times
+    order: np.ndarray   # the tasks simulated: the representatives', in program order
+    dst: np.ndarray     # tasks that take a simulated task's times ...
+    src: np.ndarray     # ... and the simulated task (its position in ``order``) they take them from
+    part: object        # () -> the Part to simulate
+
+    def copies(self) -> list[list[int]]:
+        """Per simulated task, in order, the tasks it stands for (itself included)."""
+        out = [[k] for k in self.order.tolist()]
+        for k, j in zip(self.dst.tolist(), self.src.tolist()):
+            out[j].append(k)
+        for c in out:
+            c.sort()
+        return out
+
+
+def segments(tasks: Tasks, legions: int, parties: list):
+    """The program's segments in order."""
+    base = np.zeros((legions, len(QUEUES)), dtype=np.int64)     # tasks each queue ran before
+    bounds = np.flatnonzero(tasks.kind == BARRIER).tolist() + [len(tasks.kind)]
+    lo = 0
+    for hi in bounds:
+        yield _segment(tasks, lo, hi, base, legions, parties)
+        seg = slice(lo, hi)
+        np.add.at(base, (tasks.legion[seg], tasks.queue[seg]), 1)
+        base += 1                       # the barrier after it counts in every queue
+        lo = hi + 1
+
+
+def _segment(tasks: Tasks, lo: int, hi: int, base: np.ndarray, legions: int, parties: list) -> Segment:
+    legion, cond = tasks.legion[lo:hi], _relative(tasks.cond[lo:hi], base)
+    rows = np.stack([tasks.queue[lo:hi], tasks.kind[lo:hi], tasks.timing[lo:hi],
+                     cond[:, 0], cond[:, 1], cond[:, 2]], axis=1)
+    own = [np.flatnonzero(legion == l) for l in range(legions)]
+    classes: dict = {}                      # signature -> its Legions
+    for l in range(legions):
+        sig = rows[own[l]]
+        sig[:, 3] = np.where(sig[:, 3] == l, OWN, sig[:, 3])
+        classes.setdefault(sig.tobytes(), []).append(l)
+    rep = np.empty(legions, dtype=np.int64)
+    size = {}
+    for members in classes.values():
+        rep[members], size[members[0]] = members[0], len(members)
+    reps = sorted(size)
+    order = np.sort(np.concatenate([own[r] for r in reps])) if reps else np.zeros(0, np.int64)
+    at = np.full(hi - lo, -1, dtype=np.int64)
+    at[order] = np.arange(len(order))
+    dst, src = [], []
+    for members in classes.values():
+        for m in members[1:]:
+            dst.append(own[m]), src.append(at[own[members[0]]])
+    layout = [tuple(m) for m in classes.values()]
+    key = repr(layout).encode() + b"|" + b"".join(classes) + b"|" + rep[legion[order]].tobytes()
+    glob = order + lo
+
+    def part() -> Part:
+        full = np.full_like(tasks.cond, NONE)
+        full[lo:hi] = cond
+        return _part(tasks, glob, full, rep.tolist(), size, parties)
+
+    cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64))
+    return Segment(lo, hi, key, glob, cat(dst) + lo, cat(src), part)
+
+
+def _relative(cond: np.ndarray, base: np.ndarray) -> np.ndarray:
+    """Conditions counted from the segment's start (``base``); NONE rows where none is left
+    to wait for (met before the segment began)."""
+    out = np.full_like(cond, NONE)
+    some = cond[:, 0] != NONE
+    count = cond[some, 2] - base[cond[some, 0], cond[some, 1]]
+    keep = np.flatnonzero(some)[count > 0]
+    out[keep, 0], out[keep, 1], out[keep, 2] = cond[keep, 0], cond[keep, 1], count[count > 0]
+    return out
