@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from isa import arch as arch_mod
-from isa.console import check_outputs, positive_int, printable, read_arrays, version_option
+from isa.console import check_outputs, no_empty_path, positive_int, printable, read_arrays, version_option
 from isa.progress import Progress
 from dlegion_cc.errors import CompileError
 from dlegion_cc.importer import peek
@@ -120,14 +120,15 @@ def _compile_program(model: str, options: Options, output: str, arch: str, emit:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @version_option()
-@click.argument("model", type=click.Path(dir_okay=False))
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+@click.argument("model", type=click.Path(dir_okay=False), callback=no_empty_path)
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), callback=no_empty_path,
               help="Program to write (its constants go to OUTPUT.data beside it).")
-@click.option("--arch", default="dlegion-8x8", show_default=True, metavar="NAME|FILE.toml",
+@click.option("--arch", default="dlegion-8x8", show_default=True, metavar="NAME|FILE.toml", callback=no_empty_path,
               help="Target machine. Presets: " + ", ".join(arch_mod.preset_names()))
 @click.option("--dim", "dims", multiple=True, metavar="NAME=VALUE",
               help="Bind a symbolic dimension (batch, sequence, ...). Repeatable.")
 @click.option("--inputs", "inputs_path", type=click.Path(dir_okay=False, exists=True), metavar="IN.npz",
+              callback=no_empty_path,
               help="Bind symbolic dimensions from the shapes of these inputs.")
 @click.option("--emit", type=click.Choice(EMITS), default="asm", show_default=True,
               help="Write assembly text, binary instruction words, or the graph IR.")

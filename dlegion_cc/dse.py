@@ -136,6 +136,10 @@ def write_outputs(out: Path, rows: list[dict], model: str, dims: dict, objective
 
 # --- command line ----------------------------------------------------------------------------
 
+def no_empty_paths(ctx, param, values: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(no_empty_path(ctx, param, v) for v in values)
+
+
 def int_list(ctx, param, value: str) -> tuple[int, ...]:
     numbers = [positive_int(p.strip()) for p in value.split(",")]
     if None in numbers:
@@ -188,7 +192,7 @@ def _none_compiled(model: str, rows: list[dict]) -> str:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @version_option()
-@click.argument("model", type=click.Path(dir_okay=False))
+@click.argument("model", type=click.Path(dir_okay=False), callback=no_empty_path)
 @click.option("--dim", "dims", multiple=True, metavar="NAME=VALUE",
               help="Bind a symbolic dimension of the model (sequence, batch, ...). Repeatable.")
 @click.option("--legions", default="2,4,8", show_default=True, callback=int_list, metavar="N,N,...",
@@ -197,7 +201,7 @@ def _none_compiled(model: str, rows: list[dict]) -> str:
               help="Cores per Legion to sweep.")
 @click.option("--array", "arrays", default="8,16,32", show_default=True, callback=int_list, metavar="N,N,...",
               help="Systolic array sizes (N for N x N PEs) to sweep.")
-@click.option("--preset", "presets", multiple=True, metavar="NAME|FILE.toml",
+@click.option("--preset", "presets", multiple=True, metavar="NAME|FILE.toml", callback=no_empty_paths,
               help="Also evaluate this machine as it is. Repeatable. Presets: " + ", ".join(arch_mod.preset_names()))
 @click.option("--jobs", type=click.IntRange(min=1), default=os.cpu_count() or 1, show_default="CPU count",
               help="Worker processes.")

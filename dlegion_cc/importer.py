@@ -118,16 +118,27 @@ def _unload(model: onnx.ModelProto, path: Path, spill: Spill) -> dict[str, Lazy]
         if t.data_type not in MAPPABLE or _nbytes(t) <= SMALL_BYTES:
             if external:
                 _read_into(t, path, base)
+            _elements(t, path)      # read again when folding; here, to find one that does not fill its dims
             continue
         shape, dtype = tuple(t.dims), np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).newbyteorder("<")
         lazy[t.name] = (Mapped(str(where), _in_bounds(t, path, where), shape, dtype) if external
-                        else spill.keep(numpy_helper.to_array(t)))
+                        else spill.keep(_elements(t, path)))
         _stub(t)
     for t in external_data_helper._get_all_tensors(model):     # in subgraphs and attributes
         if external_data_helper.uses_external_data(t):
             _external_file(t, path, base)
             _read_into(t, path, base)
     return lazy
+
+
+def _elements(t: TensorProto, path: Path) -> np.ndarray:
+    """An initializer's elements; a count of stored elements that is not its dims' is an error
+    (numpy's reshape would be a traceback)."""
+    try:
+        return numpy_helper.to_array(t)
+    except (ValueError, TypeError) as e:
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CompileError(f"{path}: initializer '{t.name}': invalid ONNX model: {why}") from None
 
 
 def _nbytes(t: TensorProto) -> int:

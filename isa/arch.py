@@ -124,6 +124,12 @@ def derive(a: Arch) -> Derived:
 POSITIVE = {"legions", "cores", "array", "vector_lanes", "vector_transcendental_cycles", "act_kib", "wgt_kib",
             "acc_kib", "vec_kib", "clock_ghz", "dram_gbps", "noc_link_gbps"}
 NOT_NEGATIVE = {"dram_latency_cycles", *ENERGY}
+# The timing and energy models divide and multiply by these numbers: a subnormal clock or
+# bandwidth, or an energy near the float maximum, makes cycles or joules infinite (or NaN). Every
+# real number of a description lies within FLOATS (0 allowed where NOT_NEGATIVE), and a DMA moves
+# between 1/1024 and 2**40 bytes a cycle, far beyond any machine's either way.
+FLOATS = (1e-6, 1e6)
+BYTES_PER_CYCLE = (2.0 ** -10, 2.0 ** 40)
 
 
 def _number(v) -> bool:
@@ -161,6 +167,22 @@ def _value_problem(name: str, annotation: str, v) -> str | None:
         return f"{name} is out of range ({_shown(v)})"
     if name in NOT_NEGATIVE and v < 0:
         return f"{name} must not be negative (is {_shown(v)})"
+    if annotation == "float" and not (v == 0 or FLOATS[0] <= v <= FLOATS[1]):
+        zero = "0 or " if name in NOT_NEGATIVE else ""
+        return f"{name} must be {zero}between {FLOATS[0]:g} and {FLOATS[1]:g}, not {_shown(v)}"
+    if annotation == "dict" and not all(FLOATS[0] <= x <= FLOATS[1] for x in v.values()):
+        return f"{name} values must be between {FLOATS[0]:g} and {FLOATS[1]:g}"
+    return None
+
+
+def _rate_problem(values: dict) -> str | None:
+    """A bandwidth over the clock, in bytes per cycle, outside BYTES_PER_CYCLE."""
+    lo, hi = BYTES_PER_CYCLE
+    for name in ("dram_gbps", "noc_link_gbps"):
+        rate = values[name] / values["clock_ghz"]
+        if not lo <= rate <= hi:
+            return (f"{name} / clock_ghz is {rate:g} bytes per cycle; a DMA moves between 1/1024 and 2**40 "
+                    f"bytes a cycle")
     return None
 
 
@@ -170,6 +192,9 @@ def problem(values: dict) -> str | None:
         why = _value_problem(f.name, f.type, values[f.name])
         if why:
             return why
+    why = _rate_problem(values)
+    if why:
+        return why
     modes, dataflow = values["modes"], values["dataflow"]
     if not modes or any(m not in MODES for m in modes):
         return f"modes must be a non-empty subset of {MODES}, got {modes}"

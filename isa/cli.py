@@ -19,7 +19,7 @@ import click
 from isa import arch as arch_mod
 from isa import asm
 from isa.arch import ArchError
-from isa.console import check_outputs, no_empty_path, run_script, version_option
+from isa.console import check_outputs, no_empty_path, run_script, stdout_path, version_option
 from isa.program import Program, ProgramError
 from isa.verify import verify
 
@@ -94,8 +94,8 @@ def assemble_main(program: str, output: str | None) -> None:
 @click.command("dlegion-dis", cls=Script, context_settings={"help_option_names": ["-h", "--help"]})
 @version_option()
 @click.argument("program", type=click.Path(dir_okay=False), callback=no_empty_path)
-@click.option("-o", "--output", type=click.Path(dir_okay=False), callback=no_empty_path,
-              help="Text file to write (default: standard output).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), callback=stdout_path,
+              help="Text file to write (default, or '-': standard output).")
 def disassemble_main(program: str, output: str | None) -> None:
     """Disassemble a D-Legion binary into canonical program text.
 
@@ -117,7 +117,7 @@ def _arch_json(a: arch_mod.Arch) -> dict:
 
 @click.command("dlegion-arch", cls=Script, context_settings={"help_option_names": ["-h", "--help"]})
 @version_option()
-@click.argument("name", required=False)
+@click.argument("name", required=False, callback=no_empty_path)
 @click.option("--json", "as_json", is_flag=True,
               help="Print the parameters and derived figures as JSON.")
 def arch_main(name: str | None, as_json: bool) -> None:

@@ -117,12 +117,25 @@ def check_outputs(outputs: dict[str, str | Path | None], inputs: dict[str, str |
             check_writable(path)
 
 
+STDIO = "-"
+NOT_STDIO = "'-' (standard input or output) is not taken here; name a file ('./-' for one named '-')"
+
+
 def no_empty_path(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """A click callback: an empty path would read as 'not given' (an output silently not
-    written, or written to its default, a check not run)."""
+    written, or written to its default, a check not run); '-', which reads as standard input or
+    output by convention, is refused where a command does not read or write a stream (rather
+    than read or written as a file of that name)."""
     if value == "":
         raise click.BadParameter("an empty path names no file", ctx, param)
+    if value == STDIO:
+        raise click.BadParameter(NOT_STDIO, ctx, param)
     return value
+
+
+def stdout_path(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A click callback for an output that may be standard output: '-' is None (stdout)."""
+    return None if value == STDIO else no_empty_path(ctx, param, value)
 
 
 def positive_int(text: str) -> int | None:

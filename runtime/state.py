@@ -229,6 +229,8 @@ class Machine:
             raise ProgramError(f"{where} is a {t.kind} tensor, not an input")
         if t.dtype in PACK:
             raise ProgramError(f"{where} has packed dtype {t.dtype}, which inputs cannot have")
+        if array.dtype == np.bool_ and t.dtype == "u8":     # a graph's bool input is stored as u8: 0 or 1
+            array = array.view(np.uint8)
         if array.dtype != STORAGE[t.dtype]:
             raise ProgramError(f"{where} wants {np.dtype(STORAGE[t.dtype])} ({t.dtype}), "
                                f"got {array.dtype}")

@@ -329,3 +329,149 @@ def test_onnxruntime_logs_nothing_before_the_error(tmp_path):
                        capture_output=True, text=True, timeout=120)
     refused((r.returncode, r.stderr.splitlines()), "dlegion-cc", "shape inference failed: AssertionError")
     assert not (tmp_path / "p.s").exists()
+
+
+# --- 8. NaN and infinity in weights ---------------------------------------------------------------
+
+def _poisoned(tmp_path, weight, index, value):
+    """The tiny BitNet with one weight element set to ``value``."""
+    import onnx
+    m = onnx.load(ROOT / "models" / "bitnet_tiny_relu2.onnx")
+    t = next(t for t in m.graph.initializer if t.name == weight)
+    a = numpy_helper.to_array(t).copy()
+    a[index] = value
+    t.CopyFrom(numpy_helper.from_array(a, t.name))
+    path = tmp_path / "poisoned.onnx"
+    onnx.save(m, path)
+    return path
+
+
+@pytest.mark.parametrize("weight, index, value", [
+    ("model.embed_tokens.weight", (5, 3), np.nan),                       # token 5's row: its keys and values
+    ("model.layers.0.self_attn.k_proj.weight_t", (5, 3), np.nan),        # every key
+    ("model.layers.1.self_attn.v_proj.weight_t", (7, 1), np.inf),        # every value
+])
+def test_a_nan_or_inf_weight_spreads_as_onnx_says(tmp_path, weight, index, value):
+    """The causal skip leaves out products with a masked score or a zero of P; a NaN or an
+    infinity there is NaN in every row onnxruntime computes, so nothing is skipped then."""
+    import onnxruntime as ort
+    from dlegion_cc.pipeline import Options, compile_model
+    from runtime.emulator import run as emulate
+    model = _poisoned(tmp_path, weight, index, value)
+    tiny = arch.load("dlegion-tiny")
+    _, program = compile_model(model, Options(tiny))
+    ids = {"input_ids": np.arange(1, 9, dtype=np.int64).reshape(1, 8)}
+    ours = emulate(program, tiny, ids).outputs["logits"]
+    want = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(["logits"], ids)[0]
+    assert np.isnan(want).any()
+    np.testing.assert_array_equal(np.isnan(ours), np.isnan(want))
+    clean = compile_model(ROOT / "models" / "bitnet_tiny_relu2.onnx", Options(tiny))[1]
+    assert program.skipped.get("causal_skipped_macs", 0) < clean.skipped["causal_skipped_macs"]
+
+
+def test_finite_weights_still_skip_causal_blocks():
+    from dlegion_cc.pipeline import Options, compile_model
+    _, program = compile_model(ROOT / "models" / "bitnet_tiny_relu2.onnx", Options(arch.load("dlegion-tiny")))
+    assert program.skipped.get("causal_skipped_macs", 0) > 0
+
+
+# --- 9. bool inputs -----------------------------------------------------------------------------
+
+def _bool_model(tmp_path):
+    nodes = [helper.make_node("Where", ["b", "x", "z"], ["y"], name="w"), helper.make_node("Not", ["b"], ["nb"], name="n")]
+    return _model(tmp_path / "where.onnx", nodes,
+                  [_vi("x", [4, 8]), _vi("b", [4, 8], TensorProto.BOOL), _vi("z", [4, 8])],
+                  [_vi("y", [4, 8]), _vi("nb", [4, 8], TensorProto.BOOL)])
+
+
+def test_a_bool_input_runs_checked_with_random_or_given_values(tmp_path, run):
+    """A bool input is u8 in the program (0 or 1): random values are 0 or 1, and --inputs may
+    give it as bool; onnxruntime gets bools either way."""
+    model, prog = _bool_model(tmp_path), tmp_path / "p.s"
+    assert run("dlegion-cc", model, "-o", prog, "--arch", "dlegion-tiny", "-q")[0] == 0
+    assert '.tensor b u8[4,8] input "b" range 0 2' in prog.read_text()
+    assert run("dlegion-run", prog, "-q", "--check", model) == (0, [])
+    rng = np.random.default_rng(1)
+    np.savez(tmp_path / "in.npz", x=rng.standard_normal((4, 8)).astype(np.float32), b=rng.random((4, 8)) < 0.5,
+             z=np.zeros((4, 8), np.float32))
+    status, _ = run("dlegion-run", prog, "-q", "--inputs", tmp_path / "in.npz", "--check", model,
+                    "--out", tmp_path / "out.npz")
+    assert status == 0
+    with np.load(tmp_path / "in.npz") as given, np.load(tmp_path / "out.npz") as got:
+        np.testing.assert_array_equal(got["nb"], ~given["b"])
+
+
+# --- 10. machine numbers the model cannot compute with --------------------------------------------
+
+@pytest.mark.parametrize("old, new, message", [
+    ("dram_gbps = 64.0", "dram_gbps = 5e-324", "dram_gbps must be between 1e-06 and 1e+06, not 5e-324"),
+    ("clock_ghz = 1.0", "clock_ghz = 5e-324", "clock_ghz must be between"),
+    ("clock_ghz = 1.0", "clock_ghz = 1e300", "clock_ghz must be between"),
+    ("noc_link_gbps = 32.0", "noc_link_gbps = 1e-5", "noc_link_gbps / clock_ghz is 1e-05 bytes per cycle"),
+    ("clock_ghz = 1.0", "clock_ghz = 1e5", "dram_gbps / clock_ghz is 0.00064 bytes per cycle"),
+    ("static_watts = 0.008", "static_watts = 1e300", "static_watts must be 0 or between"),
+    ("pj_per_dram_byte = 243.75", "pj_per_dram_byte = 1e308", "pj_per_dram_byte must be 0 or between"),
+])
+def test_a_machine_number_past_what_the_model_computes_with_is_refused(prog, run, old, new, message):
+    """A subnormal clock or bandwidth made cycles overflow (a traceback), a false deadlock or
+    'inf us'; an energy near the float maximum 'inf J' and 'nan W'."""
+    assert old in TINY
+    (prog.parent / "m.toml").write_text(TINY.replace(old, new))
+    before = listing(prog.parent)
+    refused(run("dlegion-run", prog, "--arch", "m.toml", "-q", "--report", "--json", "r.json"),
+            "dlegion-run", "m.toml: ", message)
+    assert listing(prog.parent) == before
+
+
+def test_a_zero_energy_is_still_a_machine(tmp_path, run):
+    (tmp_path / "m.toml").write_text(TINY.replace("pj_per_dram_byte = 243.75", "pj_per_dram_byte = 0"))
+    assert run("dlegion-arch", tmp_path / "m.toml")[0] == 0
+
+
+# --- 11. outputs partly written -------------------------------------------------------------------
+
+@pytest.mark.parametrize("old, new, warning", [
+    ("rows=16 cols=24", "rows=12 cols=24", "no instruction writes some elements of output tensor(s) y (96 of 384)"),
+    ('.tensor y i32[16,24] output "y"', '.tensor y i32[16,24] output "y"\n.tensor z i32[4] output "z"',
+     "no instruction writes output tensor(s) z; they stay zero"),
+])
+def test_an_output_part_no_instruction_writes_is_warned_of(prog, run, old, new, warning):
+    prog.write_text(prog.read_text().replace(old, new, 1))
+    status, lines = run("dlegion-run", "matmul_w8.s", "-q")
+    assert status == 0 and lines == [f"dlegion-run: warning: matmul_w8.s: {warning}" + ("" if "stay" in warning
+                                                                                          else "; they stay zero")]
+
+
+def test_a_wholly_written_output_gets_no_warning(prog, run):
+    assert run("dlegion-run", prog, "-q") == (0, [])
+
+
+# --- 12. '-' -------------------------------------------------------------------------------------
+
+MODEL = ROOT / "models" / "bitnet_tiny_relu2.onnx"
+
+
+@pytest.mark.parametrize("name, args", [
+    ("dlegion-as", ["-"]), ("dlegion-as", ["matmul_w8.s", "-o", "-"]), ("dlegion-dis", ["-"]),
+    ("dlegion-run", ["-"]), ("dlegion-run", ["matmul_w8.s", "--out", "-"]),
+    ("dlegion-run", ["matmul_w8.s", "--json", "-"]), ("dlegion-run", ["matmul_w8.s", "--trace", "-"]),
+    ("dlegion-run", ["matmul_w8.s", "--inputs", "-"]), ("dlegion-run", ["matmul_w8.s", "--check", "-"]),
+    ("dlegion-run", ["matmul_w8.s", "--arch", "-"]), ("dlegion-cc", ["-", "-o", "p.s"]),
+    ("dlegion-cc", [MODEL, "-o", "-"]), ("dlegion-cc", [MODEL, "-o", "p.s", "--arch", "-"]),
+    ("dlegion-dse", ["-"]), ("dlegion-dse", [MODEL, "--out", "-"]), ("dlegion-dse", [MODEL, "--preset", "-"]),
+    ("dlegion-arch", ["-"]),
+])
+def test_a_dash_where_no_stream_is_read_or_written_is_refused(prog, run, name, args):
+    """'-' is not read or written as a file of that name (dlegion-cc -o - wrote './-' and './-.data')."""
+    before = listing(prog.parent)
+    refused(run(name, *args), name, "'-' (standard input or output) is not taken here")
+    assert listing(prog.parent) == before
+
+
+def test_disassembling_to_dash_prints_the_program(prog):
+    from click.testing import CliRunner
+    from isa.cli import disassemble_main
+    before = listing(prog.parent)
+    result = CliRunner().invoke(disassemble_main, [str(prog), "-o", "-"])
+    assert result.exit_code == 0 and result.stdout == asm.format_program(asm.load(prog, read_data=False))
+    assert listing(prog.parent) == before

@@ -239,7 +239,10 @@ class Lowering:
             self.operands[name] = whole(idx, self.shape(name))
 
     def _index_range(self, name: str) -> tuple[int, int] | None:
-        """Token ids: the rows of the table they index, so random inputs are valid."""
+        """Token ids: the rows of the table they index, so random inputs are valid; a bool
+        (stored as u8): 0 or 1."""
+        if self.dtype(name) == np.bool_:
+            return (0, 2)
         for n in self.graph.consumers(name):
             if n.op == "Gather" and n.inputs[1] == name:
                 return (0, self.shape(n.inputs[0])[n.attrs.get("axis", 0)])
