@@ -9,6 +9,39 @@ import numpy as np
 REL_L2_TOLERANCE = 1e-4
 
 
+# A float output that is not within the tolerance of onnxruntime still passes when it is no
+# farther from the graph evaluated in float64 than FP64_MULTIPLE times onnxruntime's own fp32
+# output is, both in relative L2 and in the count of positions (rows along the last axis) farther
+# than the tolerance from it (at least FP64_MULTIPLE positions are allowed). Models whose
+# initializers pass FP64_MAX_PARAMETER_BYTES are not evaluated in float64 unless asked.
+FP64_MULTIPLE = 2.0
+FP64_MAX_PARAMETER_BYTES = 1 << 30
+# The compiler's own approximations (reference64.APPROXIMATIONS) are modelled in a second
+# float64 evaluation; the distance they put between it and the graph's may be at most this.
+APPROXIMATION_BOUND = 3e-2
+
+
+@dataclass
+class Fp64:
+    """One float output measured against the float64 evaluation of the graph (relative L2, and
+    positions farther than the tolerance), for dlegion and for onnxruntime's fp32 run."""
+    ours: float
+    reference: float
+    off_ours: int
+    off_reference: int
+    positions: int
+    approximation: float | None     # the compiler's approximations' distance from fp64, if any
+    ok: bool
+
+
+@dataclass
+class Top1:
+    """Positions of a language model's logits where the largest logit is the same token."""
+    agree: int
+    positions: int
+    differing: list[int]            # flat indices over the leading dimensions
+
+
 @dataclass
 class Comparison:
     name: str
@@ -16,8 +49,29 @@ class Comparison:
     exact: bool          # compared bit for bit (integer outputs)
     rel_l2: float
     max_abs: float
-    mismatches: int      # elements that differ (integer values) or are non-finite in one only
+    # elements that differ: integers (and integers carried in floats) unequal; other floats
+    # non-finite in one only or farther apart than the tolerance times the reference's RMS
+    mismatches: int
     ok: bool
+    within_tolerance: bool = False  # the tolerance alone would pass it
+    nonfinite: int = 0              # elements finite in one only
+    fp64: Fp64 | None = None
+    top1: Top1 | None = None
+
+    def as_json(self) -> dict:
+        finite = lambda x: x if x is None or np.isfinite(x) else None     # noqa: E731 (JSON has no inf)
+        out = {"name": self.name, "dtype": self.dtype, "exact": self.exact, "rel_l2": finite(self.rel_l2),
+               "max_abs_diff": finite(self.max_abs), "mismatches": self.mismatches,
+               "within_tolerance": self.within_tolerance, "ok": self.ok}
+        if self.fp64:
+            f = self.fp64
+            out["fp64"] = {"rel_l2_dlegion": f.ours, "rel_l2_onnxruntime": f.reference,
+                           "positions_off_dlegion": f.off_ours, "positions_off_onnxruntime": f.off_reference,
+                           "positions": f.positions, "approximation_rel_l2": f.approximation, "ok": f.ok}
+        if self.top1:
+            out["top1"] = {"agree": self.top1.agree, "positions": self.top1.positions,
+                           "differing": self.top1.differing}
+        return out
 
 
 # What ``--check`` compares with: onnxruntime as it comes, or onnxruntime made to compute the
@@ -27,7 +81,9 @@ class Comparison:
 # int8 MatMulInteger weights to uint8 with zero point + 128 (the same products, a uint8 x uint8
 # kernel that cannot saturate) and optimizes at ORT_ENABLE_BASIC (no QDQ fusion). That run
 # equals ONNX's reference evaluator.
-REFERENCES = ("onnxruntime", "exact")
+# "fp64": the default judgement (onnxruntime's fp32 run, "exact" on graphs with integer
+# operators, and the float64 evaluation) whatever the model's size.
+REFERENCES = ("onnxruntime", "exact", "fp64")
 INTEGER_OPS = {"MatMulInteger", "QLinearMatMul", "DynamicQuantizeLinear", "QuantizeLinear", "DequantizeLinear"}
 
 
@@ -100,13 +156,21 @@ def onnx_reference(model: str | Path, inputs: dict[str, np.ndarray],
                    reference: str = "onnxruntime") -> dict[str, np.ndarray]:
     """Run onnxruntime on ``model`` with ``inputs``; every graph output by name."""
     sess = session(model, reference)
-    feeds = {i.name: inputs[i.name] for i in sess.get_inputs() if i.name in inputs}
+    feeds = {i.name: _fed(inputs[i.name], i.type) for i in sess.get_inputs() if i.name in inputs}
     missing = [i.name for i in sess.get_inputs() if i.name not in inputs]
     if missing:
         raise ValueError(f"{model}: the model takes input(s) {', '.join(missing)}, which the program has not "
                          f"(program inputs: {', '.join(sorted(inputs)) or 'none'})")
     names = [o.name for o in sess.get_outputs()]
     return dict(zip(names, sess.run(names, feeds)))
+
+
+def _fed(array: np.ndarray, onnx_type: str) -> np.ndarray:
+    """An input as onnxruntime takes it: a bool input is u8 in the program, 0 or 1 (other
+    values are left for onnxruntime to refuse)."""
+    if onnx_type == "tensor(bool)" and array.dtype == np.uint8 and array.max(initial=0) <= 1:
+        return array.astype(np.bool_)
+    return array
 
 
 def compare_one(name: str, ours: np.ndarray, ref: np.ndarray, tol: float = REL_L2_TOLERANCE) -> Comparison:
@@ -116,17 +180,22 @@ def compare_one(name: str, ours: np.ndarray, ref: np.ndarray, tol: float = REL_L
         diff = int(np.count_nonzero(ours != ref))
         big = np.abs(ours.astype(np.float64) - ref.astype(np.float64))
         return Comparison(name, str(ref.dtype), True, 0.0 if diff == 0 else float("inf"),
-                          float(big.max(initial=0.0)), diff, diff == 0)
+                          float(big.max(initial=0.0)), diff, diff == 0, diff == 0)
     a, b = ours.astype(np.float64), ref.astype(np.float64)
-    differing = int(np.count_nonzero(np.isfinite(a) != np.isfinite(b)))
-    if b.size and np.array_equal(b, np.round(b)):      # integers carried in floats (quantized values)
-        differing += int(np.count_nonzero(a != b))
+    nonfinite = int(np.count_nonzero(np.isfinite(a) != np.isfinite(b)))
     fin = np.isfinite(a) & np.isfinite(b)
-    err = np.linalg.norm(a[fin] - b[fin])
+    diff = np.abs(a[fin] - b[fin])
+    err = np.linalg.norm(diff)
     norm = np.linalg.norm(b[fin])
     rel = float(err / norm) if norm > 0 else float(err)
-    max_abs = float(np.abs(a[fin] - b[fin]).max(initial=0.0))
-    return Comparison(name, str(ref.dtype), False, rel, max_abs, differing, rel <= tol and differing == 0)
+    max_abs = float(diff.max(initial=0.0))
+    if b.size and np.array_equal(b, np.round(b)):      # integers carried in floats (quantized values)
+        differing = nonfinite + int(np.count_nonzero(a != b))
+        within = rel <= tol and differing == 0
+    else:   # rel > tol puts at least one element past tol x RMS: a MISMATCH never shows 0 here
+        differing = nonfinite + int(np.count_nonzero(diff > tol * norm / np.sqrt(max(diff.size, 1))))
+        within = rel <= tol and nonfinite == 0
+    return Comparison(name, str(ref.dtype), False, rel, max_abs, differing, within, within, nonfinite)
 
 
 def compare(ours: dict[str, np.ndarray], ref: dict[str, np.ndarray],
@@ -172,3 +241,122 @@ def compare_intermediates(model, inputs, result, tol: float = REL_L2_TOLERANCE,
         want = ref[name]
         rows.append(compare_one(name, value.astype(want.dtype, copy=False).reshape(want.shape), want, tol))
     return rows
+
+
+# --- the verdict of ``dlegion-run --check`` ----------------------------------------------------
+
+@dataclass
+class Verdict:
+    rows: list[Comparison]
+    reference: str                  # the fp32 run compared with: "onnxruntime" or "exact"
+    fp64: str                       # "evaluated", or why not
+    approximations: list[str]       # what the compiler computes instead of some operators
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.rows)
+
+    def as_json(self, tol: float) -> dict:
+        return {"reference": self.reference, "tolerance": tol, "fp64": self.fp64,
+                "fp64_multiple": FP64_MULTIPLE, "approximations": self.approximations,
+                "approximation_bound": APPROXIMATION_BOUND, "ok": self.ok,
+                "outputs": [r.as_json() for r in self.rows]}
+
+
+def judge(model: str | Path, inputs: dict[str, np.ndarray], ours: dict[str, np.ndarray],
+          reference: str | None = None, tol: float = REL_L2_TOLERANCE) -> Verdict:
+    """``ours`` against onnxruntime's fp32 run of ``model`` and, unless ``reference`` names an
+    fp32 run alone or the model is too large (FP64_MAX_PARAMETER_BYTES, unless ``reference`` is
+    "fp64"), against the graph evaluated in float64. Graphs with integer operators are compared
+    with the "exact" run unless ``reference`` says "onnxruntime": the float64 evaluation computes
+    the operators' definition, as that run does."""
+    from runtime.reference64 import approximations
+    fp32 = reference if reference in ("onnxruntime", "exact") else "exact" if integer_ops(model) else "onnxruntime"
+    ref = onnx_reference(model, inputs, fp32)
+    rows = compare(ours, ref, tol)
+    vocab = vocabulary(model)
+    for r in rows:
+        r.top1 = top1(ours[r.name], ref[r.name]) if is_logits(r.name, ref[r.name], vocab) else None
+    why = _fp64_skipped(model, reference)
+    if why:
+        return Verdict(rows, fp32, why, [])
+    approx = approximations(model)
+    try:
+        f64, f64a = _float64(model, inputs, approx)
+    except Exception as e:  # onnxruntime raises its own exception types
+        if reference == "fp64":
+            raise
+        return Verdict(rows, fp32, f"failed ({str(e).splitlines()[0]}); judged at the tolerance alone", approx)
+    for r in rows:
+        if r.exact or r.name not in f64 or not np.issubdtype(ref[r.name].dtype, np.floating):
+            continue
+        r.fp64 = fp64_distances(ours[r.name], ref[r.name], f64[r.name], f64a[r.name], tol)
+        r.ok = r.within_tolerance or (r.fp64.ok and r.nonfinite == 0)
+    return Verdict(rows, fp32, "evaluated", approx)
+
+
+def _fp64_skipped(model, reference: str | None) -> str | None:
+    from runtime.reference64 import parameter_bytes
+    if reference in ("onnxruntime", "exact"):
+        return f"not evaluated (--reference {reference}: the fp32 run alone, at the tolerance)"
+    size = parameter_bytes(model)
+    if reference is None and size > FP64_MAX_PARAMETER_BYTES:
+        return (f"skipped: the model's parameters take {size / 2**30:.2f} GiB, over the "
+                f"{FP64_MAX_PARAMETER_BYTES / 2**30:g} GiB evaluated in float64 by default (--reference fp64 "
+                f"forces it); judged at the tolerance alone")
+    return None
+
+
+def _float64(model, inputs, approx: list[str]):
+    """The graph's outputs in float64, and those of the graph as the compiler computes it."""
+    from runtime.reference64 import float64_outputs
+    plain = float64_outputs(model, inputs)
+    return plain, float64_outputs(model, inputs, approximations=True) if approx else plain
+
+
+def positions_rel_l2(x: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """Relative L2 distance of each row along the last axis (absolute where ``ref``'s row is 0)."""
+    last = ref.shape[-1] if ref.ndim else 1
+    a = np.asarray(x, np.float64).reshape(-1, last)
+    b = np.asarray(ref, np.float64).reshape(-1, last)
+    err, norm = np.linalg.norm(a - b, axis=1), np.linalg.norm(b, axis=1)
+    return np.where(norm > 0, err / np.where(norm > 0, norm, 1.0), err)
+
+
+def fp64_distances(ours: np.ndarray, fp32: np.ndarray, f64: np.ndarray, f64_approx: np.ndarray,
+                   tol: float) -> Fp64:
+    """dlegion's distance from the float64 evaluation of the graph as the compiler computes it
+    (``f64_approx``, ``f64`` when it makes no approximation) beside onnxruntime's from ``f64``."""
+    from runtime.reference64 import rel_l2
+    ours_d, ref_d = rel_l2(ours, f64_approx), rel_l2(fp32, f64)
+    off_ours = int(np.count_nonzero(~(positions_rel_l2(ours, f64_approx) <= tol)))     # NaN counts as off
+    off_ref = int(np.count_nonzero(~(positions_rel_l2(fp32, f64) <= tol)))
+    approx = None if f64_approx is f64 else rel_l2(f64_approx, f64)
+    ok = (ours_d <= FP64_MULTIPLE * ref_d and off_ours <= FP64_MULTIPLE * max(off_ref, 1)
+          and (approx is None or approx <= APPROXIMATION_BOUND))
+    positions = ours.size // ours.shape[-1] if ours.ndim and ours.shape[-1] else 1
+    return Fp64(ours_d, ref_d, off_ours, off_ref, positions, approx, bool(ok))
+
+
+def vocabulary(model: str | Path) -> int | None:
+    """Rows of the embedding table: an initializer that a Gather indexes by a graph input."""
+    import onnx
+    m = onnx.load(str(model), load_external_data=False)
+    inputs, inits = {i.name for i in m.graph.input}, {t.name: t for t in m.graph.initializer}
+    for n in m.graph.node:
+        if n.op_type == "Gather" and n.input[1] in inputs and n.input[0] in inits and inits[n.input[0]].dims:
+            return int(inits[n.input[0]].dims[0])
+    return None
+
+
+def is_logits(name: str, ref: np.ndarray, vocab: int | None) -> bool:
+    """A language model's logits: a float output named so whose last dimension is the vocabulary."""
+    return ("logits" in name.lower() and np.issubdtype(ref.dtype, np.floating) and ref.ndim >= 2
+            and ref.shape[-1] > 1 and (vocab is None or ref.shape[-1] == vocab))
+
+
+def top1(ours: np.ndarray, ref: np.ndarray) -> Top1:
+    """Per position (rows along the last axis): whether the largest logits are the same token."""
+    a, b = ours.reshape(-1, ref.shape[-1]), ref.reshape(-1, ref.shape[-1])
+    same = a.argmax(axis=1) == b.argmax(axis=1)
+    return Top1(int(same.sum()), int(same.size), [int(i) for i in np.flatnonzero(~same)])

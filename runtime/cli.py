@@ -17,7 +17,7 @@ from isa.console import check_outputs, no_empty_path, read_arrays, version_optio
 from isa.files import atomic_write_all
 from isa.progress import SILENT, Progress
 from isa.instructions import DmaStore
-from runtime.check import REFERENCES
+from runtime.check import FP64_MAX_PARAMETER_BYTES, FP64_MULTIPLE, REFERENCES
 
 EXIT_MISMATCH = 1
 
@@ -45,22 +45,45 @@ def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
     return buf.getvalue()
 
 
+def unwritten_outputs(program) -> dict[str, tuple[int, int]]:
+    """Per graph output that some element of stays unwritten by every store: (elements no
+    store writes, elements). Read from the program's stores (each rank of a span too), not
+    from a run, so it holds whatever the waits."""
+    from runtime.state import window
+    tensors = program.tensors
+    written = {n: np.zeros(t.storage_elems, np.bool_) for n, t in enumerate(tensors) if t.kind == "output"}
+    for i in program.instrs:
+        if not isinstance(i, DmaStore) or i.dst.tensor not in written or not i.rows or not i.cols:
+            continue
+        marks = written[i.dst.tensor]
+        for rank in range(i.span or 1):
+            start = i.dst.offset + rank * (i.lstride or 0)
+            if start + (i.rows - 1) * i.dst.rs + i.cols <= marks.size:     # else the run traps
+                window(marks, start, i.rows, i.cols, i.dst.rs, 1, writeable=True)[...] = True
+    return {tensors[n].name: (int(marks.size - np.count_nonzero(marks)), marks.size)
+            for n, marks in written.items() if not marks.all()}
+
+
 def _warn_unwritten(program) -> None:
-    """A graph output no instruction stores to stays zero: worth a word, not a failure."""
-    stored = {i.dst.tensor for i in program.instrs if isinstance(i, DmaStore)}
-    names = [t.name for n, t in enumerate(program.tensors) if t.kind == "output" and n not in stored]
-    if names:
+    """A graph output, or part of one, that no instruction stores to stays zero: worth a word,
+    not a failure."""
+    missing = unwritten_outputs(program)
+    whole = [name for name, (left, total) in missing.items() if left == total]
+    if whole:
         click.echo(f"dlegion-run: warning: {program.source}: no instruction writes output tensor(s) "
-                   f"{', '.join(names)}; they stay zero", err=True)
+                   f"{', '.join(whole)}; they stay zero", err=True)
+    parts = [f"{name} ({left:,} of {total:,})" for name, (left, total) in missing.items() if left < total]
+    if parts:
+        click.echo(f"dlegion-run: warning: {program.source}: no instruction writes some elements of output "
+                   f"tensor(s) {', '.join(parts)}; they stay zero", err=True)
 
 
-def _check(model: str, inputs, result, tol: float, check_all: bool = False,
-           reference: str = "onnxruntime") -> bool:
-    from runtime.check import compare, integer_ops, onnx_reference
-    from runtime.report import print_comparisons
+def _check(model: str, inputs, result, tol: float, check_all: bool = False, reference: str | None = None):
+    """The verdict of --check (runtime.check.judge), printed."""
+    from runtime.check import integer_ops, judge
+    from runtime.report import print_verdict
     try:
-        ref = onnx_reference(model, inputs, reference)
-        rows = compare(result.outputs, ref, tol)
+        verdict = judge(model, inputs, result.outputs, reference, tol)
     except OSError as e:
         raise Failure(f"{model}: cannot read ({e.strerror or e})") from None
     except ValueError as e:
@@ -68,18 +91,18 @@ def _check(model: str, inputs, result, tol: float, check_all: bool = False,
         raise Failure(why if why.startswith(f"{model}: ") else f"{model}: {why}") from None
     except Exception as e:  # onnxruntime raises its own exception types
         raise Failure(f"{model}: onnxruntime failed: {str(e).splitlines()[0]}") from None
-    print_comparisons(rows, tol)
-    if reference == "onnxruntime" and not all(r.ok for r in rows) and integer_ops(model):
+    print_verdict(verdict, tol)
+    if verdict.reference == "onnxruntime" and not verdict.ok and integer_ops(model):
         print("note: onnxruntime's uint8 x int8 kernels sum pairs of products in saturating int16 on CPUs "
               "without VNNI; --reference exact compares with its kernels that compute the operators' definition")
     if check_all:
         from runtime.check import compare_intermediates
         from runtime.report import print_intermediates
         try:
-            print_intermediates(compare_intermediates(model, inputs, result, tol, reference), tol)
+            print_intermediates(compare_intermediates(model, inputs, result, tol, verdict.reference), tol)
         except Exception as e:  # onnxruntime raises its own exception types
             raise Failure(f"{model}: onnxruntime failed on intermediates: {str(e).splitlines()[0]}") from None
-    return all(r.ok for r in rows)
+    return verdict
 
 
 def _execute(program, arch, inputs_path, seed, races=True, keep=False, progress=SILENT):
@@ -148,12 +171,18 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
 @click.option("--check-all", is_flag=True,
               help="With --check: also compare every intermediate tensor that survives compilation "
                    "and name the first that diverges.")
-@click.option("--reference", type=click.Choice(REFERENCES), default="onnxruntime", show_default=True,
-              help="With --check: onnxruntime as it comes, or 'exact': onnxruntime made to compute the integer "
-                   "operators' definition (uint8 x uint8 MatMulInteger kernels, no QDQ fusion), which its "
-                   "default uint8 x int8 kernels do not on CPUs without VNNI.")
+@click.option("--reference", type=click.Choice(REFERENCES), default=None,
+              help="With --check: what to judge against. Default: onnxruntime's fp32 run (the 'exact' one on graphs "
+                   "with integer operators) and the graph evaluated in float64, when the model's parameters take "
+                   f"at most {FP64_MAX_PARAMETER_BYTES / 2**30:g} GiB; 'fp64': the same whatever the size; "
+                   "'onnxruntime': onnxruntime as it comes, at the tolerance alone; 'exact': onnxruntime made "
+                   "to compute the integer operators' definition (uint8 x uint8 MatMulInteger kernels, no QDQ "
+                   "fusion), which its default uint8 x int8 kernels do not on CPUs without VNNI, at the "
+                   "tolerance alone.")
 @click.option("--tolerance", type=click.FloatRange(min=0), default=1e-4, show_default=True, callback=_finite,
-              help="Largest relative L2 error accepted for float outputs (integers must be exact).")
+              help="Relative L2 error from onnxruntime accepted for float outputs without more (integers must "
+                   "be exact); past it, a float output passes when no farther from the float64 evaluation than "
+                   f"{FP64_MULTIPLE:g} times onnxruntime's own fp32 output is.")
 @click.option("--report", is_flag=True, help="Print cycles, throughput, utilization and traffic.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), metavar="FILE", callback=no_empty_path,
               help="Write the report's numbers as JSON.")
@@ -193,7 +222,9 @@ def run_command(ctx, program, arch, inputs_path, seed, out_path, check_model, ch
     numbers = rep.summarize(result)
     if report:
         rep.print_report(numbers)
-    ok = _check(check_model, inputs, result, tolerance, check_all, reference) if check_model else True
+    verdict = _check(check_model, inputs, result, tolerance, check_all, reference) if check_model else None
+    if verdict:
+        numbers["check"] = verdict.as_json(tolerance)
     files = []
     if out_path:
         files.append((out_path, _npz_bytes(result.outputs)))
@@ -202,7 +233,7 @@ def run_command(ctx, program, arch, inputs_path, seed, out_path, check_model, ch
     if trace_path:
         files.append((trace_path, json.dumps(rep.chrome_trace(result)).encode()))
     atomic_write_all(files)
-    if not ok:
+    if verdict and not verdict.ok:
         sys.exit(EXIT_MISMATCH)
 
 

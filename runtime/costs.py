@@ -17,6 +17,12 @@ MatMul (array Na x Na = ``arch.array``, ``t`` tiles a window by mode, ``C`` core
   Psum traffic per column block with nk nonzero K-slices: ceil(nk / C) accumulator updates
   when split=k and the parallel accumulators sum the cores' outputs, else nk; each update
   reads and writes M x width int32s, except that the first update of a `set` only writes.
+  MACs: ``macs`` are the useful ones, M x (rows x columns of each nonzero block, an edge block
+  as narrow as K and N leave it). A pass occupies the whole array for each of its ``t`` tiles:
+  M x Na x Na x t MAC slots, and ``padded_macs`` are the slots of all passes that carry no
+  useful product (edge blocks narrower than the array, windows holding fewer than ``t``
+  blocks). Zero columns a program adds itself are, to the machine, work the instruction asks
+  for, and count as useful.
 
 DMA: rows * cols elements of the DRAM tensor's storage dtype; a multicast load is one read.
 Scratchpad traffic (``spad_bytes``, apart from psum traffic): what each instruction reads from
@@ -24,9 +30,9 @@ and writes to the Legion scratchpads; a pass streams M x Na activation bytes and
 window of Na x Na weight bytes (every mode packs a window into Na x Na bytes).
 Vector unit (``vector_lanes`` lanes): ceil(elements / lanes) cycles, times
 ``vector_transcendental_cycles`` for a transcendental function; a drain moves M x N elements;
-``vmm`` does M x K x N multiply-adds. ``vector_ops`` counts lane-ops for the energy estimate:
-one per element (a multiply-add for ``vmm``, a scaling for a drain), and a transcendental as
-many as the cycles it holds a lane.
+``vmm`` does M x K x N fp32 multiply-adds, its ``vector_macs``. ``vector_ops`` counts lane-ops
+for the energy estimate: one per element (a multiply-add for ``vmm``, a scaling for a drain),
+and a transcendental as many as the cycles it holds a lane.
 """
 from __future__ import annotations
 
@@ -183,7 +189,9 @@ def matmul(i: Instr, arch: Arch, env: Env) -> Cost:
     d = block_stats(*shape, None)
     cycles, dense_cycles = pass_cycles(arch, i.M, s.passes_max), pass_cycles(arch, i.M, d.passes_max)
     first = s.psum_first if i.accumulate == "set" else 0
-    counters = {"macs": i.M * s.block_macs, "dense_macs": i.M * i.K * i.N,
+    macs = i.M * s.block_macs
+    counters = {"macs": macs, "dense_macs": i.M * i.K * i.N,
+                "padded_macs": s.passes * i.M * arch.array * arch.array * MODE_TILES[i.mode] - macs,
                 "passes": s.passes, "dense_passes": d.passes,
                 "windows_skipped": d.passes - s.passes,
                 "sparsity_cycles_saved": dense_cycles - cycles,
@@ -219,7 +227,7 @@ def vector_matmul(i: Instr, arch: Arch, env: Env) -> Cost:
     elems = i.M * i.K * i.N
     spad = 4 * (i.M * i.K + i.K * i.N + i.M * i.N)
     return Cost(cycles=-(-elems // arch.vector_lanes),
-                counters={"vector_elems": elems, "vector_ops": elems, "spad_bytes": spad})
+                counters={"vector_elems": elems, "vector_ops": elems, "vector_macs": elems, "spad_bytes": spad})
 
 
 def sync(i: Instr, arch: Arch, env: Env) -> Cost:

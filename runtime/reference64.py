@@ -23,8 +23,9 @@ _F32, _F64 = 1, 11          # onnx.TensorProto.FLOAT, DOUBLE
 FLOAT32_ONLY = {"DequantizeLinear", "QuantizeLinear", "DynamicQuantizeLinear", "MatMulNBits", "QLinearMatMul"}
 
 
-def float64_model(path: str | Path):
-    """The model at ``path`` (external data loaded) with its float32 tensors made float64."""
+def float64_model(path: str | Path, approximations: bool = False):
+    """The model at ``path`` (external data loaded) with its float32 tensors made float64;
+    with ``approximations``, also the ones the compiler makes (see APPROXIMATIONS)."""
     import onnx
     from onnx import numpy_helper
     from runtime.check import unsigned_integer_weights
@@ -42,10 +43,56 @@ def float64_model(path: str | Path):
         _widen_node(node)
     nodes = []
     for node in g.node:
+        if approximations and (node.domain, node.op_type) in APPROXIMATIONS:
+            nodes.extend(_absmax_rows(node, floats, model))
         nodes.extend(_kept_float32(node, floats) if node.op_type in FLOAT32_ONLY else [node])
     del g.node[:]
     g.node.extend(nodes)
     return model
+
+
+# The approximations dlegion-cc makes, by the operator it makes them in: what it computes instead
+# (dlegion_cc/passes/matmul_nbits.py quantizes MatMulNBits' float activations to int8 per row).
+APPROXIMATIONS = {("com.microsoft", "MatMulNBits"): "float activations quantized to int8 per row"}
+ABSMAX_FLOOR = 1e-30        # as the compiler's: an all-zero row stays zero
+
+
+def approximations(path: str | Path) -> list[str]:
+    """What the compiler computes instead of ``path``'s operators, one phrase per kind."""
+    import onnx
+    m = onnx.load(str(path), load_external_data=False)
+    kinds = {(n.domain, n.op_type) for n in m.graph.node} & set(APPROXIMATIONS)
+    return [f"{op}: {APPROXIMATIONS[(d, op)]}" for d, op in sorted(kinds)]
+
+
+def _absmax_rows(node, floats: set[str], model) -> list:
+    """Nodes making ``node``'s first input what the compiler feeds it: ``q * r`` with
+    ``q = round(x / r)`` (half to even) and ``r = max(max|x|, floor) / 127`` per row; rewires
+    ``node`` to it."""
+    from onnx import helper, numpy_helper
+    x = node.input[0]
+    p = f"{x}/absmax_rows/{node.name}"
+    consts = {f"{p}/floor": ABSMAX_FLOOR, f"{p}/127": 127.0, f"{p}/axes": None}
+    for name, v in consts.items():
+        value = np.array([-1], np.int64) if v is None else np.array(v, np.float64)
+        model.graph.initializer.append(numpy_helper.from_array(value, name))
+    nodes = [helper.make_node("Abs", [x], [f"{p}/abs"]),
+             helper.make_node("ReduceMax", [f"{p}/abs", f"{p}/axes"], [f"{p}/max"], keepdims=1),
+             helper.make_node("Max", [f"{p}/max", f"{p}/floor"], [f"{p}/floored"]),
+             helper.make_node("Div", [f"{p}/floored", f"{p}/127"], [f"{p}/r"]),
+             helper.make_node("Div", [x, f"{p}/r"], [f"{p}/scaled"]),
+             helper.make_node("Round", [f"{p}/scaled"], [f"{p}/q"]),
+             helper.make_node("Mul", [f"{p}/q", f"{p}/r"], [p])]
+    if _opset(model) < 18:          # ReduceMax takes its axes as an attribute before opset 18
+        del nodes[1].input[1:]
+        nodes[1].attribute.append(helper.make_attribute("axes", [-1]))
+    node.input[0] = p
+    floats.add(p)
+    return nodes
+
+
+def _opset(model) -> int:
+    return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
 
 
 def _float32_values(model) -> set[str]:
@@ -85,8 +132,10 @@ def _widen_node(node) -> None:
             a.t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(a.t).astype(np.float64), a.t.name))
 
 
-def float64_outputs(path: str | Path, inputs: dict[str, np.ndarray], threads: int | None = None) -> dict[str, np.ndarray]:
-    """The graph's outputs evaluated in float64 on ``inputs`` (float inputs widened)."""
+def float64_outputs(path: str | Path, inputs: dict[str, np.ndarray], threads: int | None = None,
+                    approximations: bool = False) -> dict[str, np.ndarray]:
+    """The graph's outputs evaluated in float64 on ``inputs`` (float inputs widened); with
+    ``approximations``, those of the graph as the compiler computes it (see APPROXIMATIONS)."""
     import onnxruntime as ort
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
@@ -94,7 +143,7 @@ def float64_outputs(path: str | Path, inputs: dict[str, np.ndarray], threads: in
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if threads is not None:
         opts.intra_op_num_threads = opts.inter_op_num_threads = threads
-    sess = _session(float64_model(path), opts)
+    sess = _session(float64_model(path, approximations), opts)
     feed = {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in inputs.items()}
     names = [o.name for o in sess.get_outputs()]
     return dict(zip(names, sess.run(names, feed)))
@@ -110,6 +159,18 @@ def _session(model, opts):
         path = f"{tmp}/model.onnx"
         onnx.save_model(model, path, save_as_external_data=True, location="model.onnx.data")
         return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+
+
+def parameter_bytes(path: str | Path) -> int:
+    """Bytes of the model's initializers as stored (external data counted, not read)."""
+    import onnx
+    from onnx import helper
+    m = onnx.load(str(path), load_external_data=False)
+    total = 0
+    for t in m.graph.initializer:
+        size = helper.tensor_dtype_to_np_dtype(t.data_type).itemsize if t.data_type else 0
+        total += int(np.prod(t.dims, dtype=np.int64)) * size
+    return total
 
 
 def rel_l2(x: np.ndarray, ref: np.ndarray) -> float:

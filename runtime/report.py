@@ -15,9 +15,15 @@ Beside the timing model's counters the report gives three estimates:
 - **Energy**, reported as MLPerf Power does: joules per run and average watts (energy / time).
   Each counter times its per-operation energy from the ``[energy]`` table of the architecture,
   plus the static power over the run's time.
+
+MACs are the useful ones, by unit: the arrays' by mode (``macs_by_mode``) and the vector unit's
+fp32 products (``vector_macs``); ``macs`` and the achieved TOPS count both. The array MAC slots
+of the passes that carry no useful product (edge blocks narrower than the array, windows with
+fewer blocks than the mode holds) are ``padded_macs``, counted apart (runtime/costs.py).
 """
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 
 import numpy as np
@@ -39,16 +45,21 @@ def summarize(result) -> dict:
     c, d = tl.counters, arch.derived
     seconds = tl.cycles / (arch.clock_ghz * 1e9)
     macs_by_mode = _macs_by_mode(c.get("per_instr", []))
+    heads = instructions(result.program)
     numbers = {
         "arch": arch.name,
         "cycles": int(tl.cycles),
         "time_s": seconds,
         "clock_ghz": arch.clock_ghz,
-        "macs": int(c["macs"]),
+        "macs": _useful_macs(c),
+        "array_macs": int(c["macs"]),
+        "vector_macs": int(c["vector_macs"]),
+        "padded_macs": int(c["padded_macs"]),
         "dense_macs": int(c["dense_macs"]),
-        "achieved_tops": _tops(c["macs"], seconds),
+        "achieved_tops": _tops(_useful_macs(c), seconds),
         "peak_tops": dict(d.peak_tops),
         "macs_by_mode": dict(macs_by_mode),
+        "padded_macs_by_mode": _macs_by_mode(c.get("per_instr", []), "padded_macs"),
         "dram_read_bytes": int(c["dram_read_bytes"]),
         "dram_write_bytes": int(c["dram_write_bytes"]),
         "multicast_saved_bytes": int(c["multicast_saved_bytes"]),
@@ -57,7 +68,7 @@ def summarize(result) -> dict:
         "vector_elems": int(c["vector_elems"]),
         "sparsity": {"passes": int(c["passes"]), "dense_passes": int(c["dense_passes"]),
                      "windows_skipped": int(c["windows_skipped"]),
-                     "cycles_saved": int(c["sparsity_cycles_saved"]), **_mask_numbers(result.program),
+                     "cycles_saved": int(c["sparsity_cycles_saved"]), **_mask_numbers(result.program, heads),
                      **_causal_numbers(result.program, arch)},
         "program_instructions": _source_count(result.program),
         "instructions": {f: int(c[f"count_{f}"]) for f in FAMILIES},
@@ -67,7 +78,7 @@ def summarize(result) -> dict:
     }
     numbers |= _roofline_numbers(result, macs_by_mode)
     numbers |= _energy_numbers(arch, c, macs_by_mode, seconds)
-    numbers["matmuls"] = matmul_table(result)
+    numbers["matmuls"] = matmul_table(result, heads)
     return numbers
 
 
@@ -76,17 +87,36 @@ def _source_count(program) -> int:
     return program.origin[-1] + 1 if program.origin else len(program.instrs)
 
 
-def _mask_numbers(program) -> dict:
+def instructions(program) -> list[tuple[int, int]]:
+    """Per instruction of the program as written, its first task and how many tasks it runs as
+    (the program runs one task per Legion of a span; a task's tensors and kind are its
+    instruction's)."""
+    n = len(program.instrs)
+    if program.origin is None:
+        return [(k, 1) for k in range(n)]
+    origin = _origin(program)
+    first = np.flatnonzero(np.r_[True, origin[1:] != origin[:-1]]) if n else origin
+    return list(zip(first.tolist(), np.diff(np.r_[first, n]).tolist()))
+
+
+def _origin(program) -> np.ndarray:
+    """Per task, its instruction in the program as written."""
+    held = getattr(program.instrs, "origin", None)         # an expansion keeps it as an array
+    return held if isinstance(held, np.ndarray) else np.asarray(program.origin, dtype=np.int64)
+
+
+def _mask_numbers(program, heads: list) -> dict:
     """The ``mm`` tasks that carry a block mask and the weight blocks those masks mark zero
     (all-zero weight chunks the compiler left out entirely are not counted: they are not in the
     program)."""
-    masked = [i for i in program.instrs if isinstance(i, MatMul) and i.mask is not None]
+    masked = [(program.instrs[k], n) for k, n in heads
+              if isinstance(program.instrs[k], MatMul) and program.instrs[k].mask is not None]
     zeros: dict[int, int] = {}
-    for i in masked:
+    for i, _ in masked:
         if i.mask not in zeros:
             raw = np.frombuffer(program.const_bytes(program.tensors[i.mask]), np.uint8)
             zeros[i.mask] = int((raw == 0).sum())
-    return {"masked_mm": len(masked), "masked_zero_blocks": sum(zeros[i.mask] for i in masked)}
+    return {"masked_mm": sum(n for _, n in masked), "masked_zero_blocks": sum(zeros[i.mask] * n for i, n in masked)}
 
 
 def _causal_numbers(program, arch) -> dict:
@@ -99,10 +129,15 @@ def _causal_numbers(program, arch) -> dict:
             "causal_vector_ops_skipped": ops, "causal_cycles_saved": -(-(macs + ops) // arch.vector_lanes)}
 
 
-def _macs_by_mode(rows) -> dict:
+def _useful_macs(counters: dict) -> int:
+    """Useful MACs of the arrays and the vector unit's fp32 products."""
+    return int(counters["macs"] + counters["vector_macs"])
+
+
+def _macs_by_mode(rows, key: str = "macs") -> dict:
     out = defaultdict(int)
     for row in rows:
-        out[row["mode"]] += row["macs"]
+        out[row["mode"]] += row.get(key, 0)
     return dict(out)
 
 
@@ -179,7 +214,11 @@ def region_dram_bytes(program, members) -> int:
     """Compulsory traffic of instructions ``members``: the DRAM tensors their loads read plus
     those their stores write, each tensor counted once per direction."""
     moved = {"dram_read_bytes": set(), "dram_write_bytes": set()}
-    for k in members:
+    at = np.asarray(members, dtype=np.int64)
+    if program.origin is not None and len(at):     # one task of each instruction: the same tensors
+        o = _origin(program)[at]
+        at = at[np.concatenate([[True], o[1:] != o[:-1]])]
+    for k in at.tolist():
         i = program.instrs[k]
         side = DMA_SIDE.get(type(i))
         if side is not None:
@@ -187,7 +226,7 @@ def region_dram_bytes(program, members) -> int:
     return sum(program.tensors[t].nbytes for ts in moved.values() for t in ts)
 
 
-def matmul_table(result) -> list[dict]:
+def matmul_table(result, heads: list | None = None) -> list[dict]:
     """One row per region that runs ``mm`` instructions (on the arrays, by mode) or ``vmm``
     (fp32 products on the vector lanes, mode ``f32``), in program order."""
     program, tl = result.program, result.timeline
@@ -196,10 +235,11 @@ def matmul_table(result) -> list[dict]:
     for row in tl.counters.get("per_instr", []):
         if owner[row["index"]] >= 0:
             rows_of[program.regions[owner[row["index"]]][1]].append(row)
-    for k, i in enumerate(program.instrs):
-        if isinstance(i, VMatMul) and owner[k] >= 0:
-            rows_of[program.regions[owner[k]][1]].append({"mode": VECTOR_MODE, "macs": i.M * i.K * i.N,
-                                                          "legion": i.legion})
+    for k, n in heads if heads is not None else instructions(program):
+        i = program.instrs[k]
+        if isinstance(i, VMatMul) and owner[k] >= 0:        # a span's tasks: Legions i.legion on
+            rows_of[program.regions[owner[k]][1]].append({"mode": VECTOR_MODE, "macs": i.M * i.K * i.N * n,
+                                                          "legions": range(i.legion, i.legion + n)})
     return [_matmul_row(result, name, rows_of[name], members[name]) for name in members if name in rows_of]
 
 
@@ -209,7 +249,9 @@ def _matmul_row(result, name: str, mm_rows: list[dict], members: list[int]) -> d
     start, done = _span(result.timeline, members)
     cycles = ceil_cycles(done - start)
     return {"region": name, "nodes": name.split("+"), "mode": "+".join(sorted(macs_by_mode)),
-            "macs": int(sum(macs_by_mode.values())), "legions": len({r["legion"] for r in mm_rows}),
+            "macs": int(sum(macs_by_mode.values())),
+            "padded_macs": int(sum(r.get("padded_macs", 0) for r in mm_rows)),
+            "legions": len({legion for r in mm_rows for legion in r.get("legions", (r.get("legion"),))}),
             "cycles": cycles,
             "roofline_cycles": roof["cycles"], "roofline_bound": roof["bound"],
             "roofline_fraction": _fraction(roof["cycles"], cycles)}
@@ -234,7 +276,7 @@ def _energy_numbers(arch, counters: dict, macs_by_mode: dict, seconds: float) ->
     parts = energy(arch, counters, macs_by_mode, seconds)
     joules = sum(parts.values())
     return {"energy_joules": joules, "average_watts": joules / seconds if seconds > 0 else 0.0,
-            "tops_per_watt": 2.0 * counters["macs"] / joules / 1e12 if joules > 0 else 0.0,
+            "tops_per_watt": 2.0 * _useful_macs(counters) / joules / 1e12 if joules > 0 else 0.0,
             "energy": parts}
 
 
@@ -288,8 +330,9 @@ def print_report(n: dict, console: Console | None = None) -> None:
     console.print(f"[bold]{n['arch']}[/bold]: {n['cycles']:,} cycles = {n['time_s'] * 1e6:.3f} us "
                   f"at {n['clock_ghz']:g} GHz")
     peaks = ", ".join(f"{m} {t:.2f}" for m, t in n["peak_tops"].items())
-    console.print(f"throughput: {n['achieved_tops']:.3f} TOPS achieved ({n['macs']:,} MACs); "
+    console.print(f"throughput: {n['achieved_tops']:.3f} TOPS achieved ({n['macs']:,} useful MACs); "
                   f"peak TOPS {peaks}")
+    console.print(_macs_lines(n))
     console.print(f"DRAM: read {_bytes(n['dram_read_bytes'])}, written {_bytes(n['dram_write_bytes'])}; "
                   f"multicast saved {_bytes(n['multicast_saved_bytes'])}")
     console.print(f"scratchpad traffic: {_bytes(n['spad_bytes'])}; accumulator (psum) traffic: "
@@ -310,6 +353,15 @@ def print_report(n: dict, console: Console | None = None) -> None:
                   f"{n['average_watts']:.4g} W, {n['tops_per_watt']:.3g} TOPS/W")
     for table in (_family_table(n), _legion_table(n), _energy_table(n)) + ((_matmul_table(n),) if n["matmuls"] else ()):
         print_table(table, console)
+
+
+def _macs_lines(n: dict) -> str:
+    """Useful MACs by unit, and the array MAC slots spent on padding."""
+    modes = ", ".join(f"{m} {v:,}" for m, v in n["macs_by_mode"].items())
+    share = _fraction(n["padded_macs"], n["array_macs"] + n["padded_macs"])
+    return (f"useful MACs: arrays {n['array_macs']:,}{f' ({modes})' if modes else ''}, vector unit fp32 "
+            f"{n['vector_macs']:,}\npadding: {n['padded_macs']:,} array MAC slots ({share:.1%} of the "
+            "arrays' passes) not counted: edge blocks narrower than the array, part-filled windows")
 
 
 def print_table(t: Table, console: Console) -> None:
@@ -380,30 +432,83 @@ def print_comparisons(rows, tol: float, console: Console | None = None) -> None:
     print_table(t, console)
 
 
+def print_verdict(verdict, tol: float, console: Console | None = None) -> None:
+    """The table of ``dlegion-run --check`` (runtime.check.judge), with the float64 figures when
+    they were evaluated, and what else a user needs to read it."""
+    from runtime.check import APPROXIMATION_BOUND, FP64_MULTIPLE
+    console = console or report_console()
+    fp64 = verdict.fp64 == "evaluated"
+    against = "onnxruntime" + (" (exact integer kernels)" if verdict.reference == "exact" else "")
+    rule = f"relative L2 <= {tol:g}" + (f", or from fp64 at most {FP64_MULTIPLE:g}x onnxruntime's" if fp64 else "")
+    t = Table(title=f"check against {against} (float: {rule}; integers exact)", title_justify="left")
+    cols = ["output", "dtype", "rel L2", "max |diff|", "mismatches"]
+    cols += ["fp64: dlegion", "fp64: onnxruntime", "positions off (dlegion / onnxruntime)"] if fp64 else []
+    for col in [*cols, "result"]:
+        t.add_column(col)
+    for r in verdict.rows:
+        rel = "exact" if r.exact and r.ok else f"{r.rel_l2:.3e}"
+        row = [r.name, r.dtype, rel, f"{r.max_abs:.3e}", str(r.mismatches)]
+        if fp64:
+            f = r.fp64
+            row += ([f"{f.ours:.3e}", f"{f.reference:.3e}", f"{f.off_ours} / {f.off_reference} of {f.positions}"]
+                    if f else ["", "", ""])
+        t.add_row(*row, "[green]ok[/green]" if r.ok else "[red]MISMATCH[/red]")
+    print_table(t, console)
+    if not fp64:
+        console.print(f"fp64 evaluation: {verdict.fp64}")
+    for r in verdict.rows:
+        if r.fp64 and r.fp64.approximation is not None:
+            console.print(f"{r.name}: the compiler's approximations ({'; '.join(verdict.approximations)}) are "
+                          f"{r.fp64.approximation:.3e} from fp64 (bound {APPROXIMATION_BOUND:g}); dlegion is measured "
+                          f"from fp64 with them")
+        if r.top1:
+            where = f" (differs at {', '.join(map(str, r.top1.differing[:10]))}" \
+                    f"{', ...' if len(r.top1.differing) > 10 else ''})" if r.top1.differing else ""
+            console.print(f"{r.name}: top-1 token agrees with onnxruntime at {r.top1.agree} of "
+                          f"{r.top1.positions} positions{where}")
+
+
 def chrome_trace(result) -> dict:
-    """Chrome/Perfetto trace: a process per Legion with a thread per queue, and one for DRAM."""
+    """Chrome/Perfetto trace in the trace-event format: a process per Legion with a track per
+    queue, one for DRAM with a track per Legion's flows, and one for the regions (which node
+    the machine runs).
+
+    Times are whole nanoseconds, written in microseconds (the format's unit). The format wants
+    the complete slices of one thread disjoint or nested; a track whose slices overlap in time
+    (pipelined DMAs: a load's data lands after the next load has started; interleaved regions)
+    is drawn as lanes: each slice goes on the lowest-numbered lane whose slices have all ended
+    by its start, and each lane is a thread named after its track ("dma", "dma #2", ...)."""
     program, tl, arch = result.program, result.timeline, result.arch
-    us = 1.0 / (arch.clock_ghz * 1e3)           # microseconds per cycle
-    dram_pid = arch.legions
-    events = _trace_names(arch.legions, dram_pid)
+    ns = 1.0 / arch.clock_ghz                   # nanoseconds per cycle
+    dram_pid, regions_pid = arch.legions, arch.legions + 1
+    flows = [f"flows of Legion {legion}" for legion in range(arch.legions)]
+    tracks: dict[tuple, list] = {(legion, q): [] for legion in range(arch.legions) for q in QUEUES}
+    tracks |= {(dram_pid, name): [] for name in flows} | {(regions_pid, "regions"): []}
     owner = region_of(program)
+    barriers = []
     for i, ins in enumerate(program.instrs):
-        queue = ins.queue()
-        if queue == "*":            # a barrier: a moment, not a span
-            events.append({"name": "barrier", "ph": "i", "s": "g", "pid": 0, "tid": 0,
-                           "ts": float(tl.start[i]) * us})
+        start = _ns(tl.start[i], ns)
+        if ins.queue() == "*":            # a barrier: a moment, not a span
+            barriers.append({"name": "barrier", "ph": "i", "s": "g", "pid": 0, "tid": 0, "ts": start / 1e3})
             continue
-        start, done = float(tl.start[i]), float(tl.done[i])
-        events.append({"name": ins.MNEMONIC, "ph": "X", "pid": ins.legion, "tid": QUEUES.index(queue),
-                       "ts": start * us, "dur": max(done - start, 0.0) * us,
-                       "args": _trace_args(program, owner, i)})
+        args = _trace_args(program, owner, i)
+        tracks[(ins.legion, ins.queue())].append((ins.MNEMONIC, start, _ns(tl.done[i], ns), args))
         if type(ins) in DMA_CLASSES:
-            events.append({"name": ins.MNEMONIC, "ph": "X", "pid": dram_pid, "tid": ins.legion,
-                           "ts": start * us, "dur": max(float(tl.free[i]) - start, 0.0) * us,
-                           "args": _trace_args(program, owner, i)})
-    events += _region_spans(program, tl, dram_pid + 1, us)
-    return {"traceEvents": events, "displayTimeUnit": "ns",
+            tracks[(dram_pid, flows[ins.legion])].append((ins.MNEMONIC, start, _ns(tl.free[i], ns), args))
+    for (_, name), members in zip(program.regions, region_ranges(program)):
+        if members:
+            start, done = _span(tl, members)
+            tracks[(regions_pid, "regions")].append((name, _ns(start, ns), _ns(done, ns), {"region": name}))
+    processes = {legion: f"Legion {legion}" for legion in range(arch.legions)}
+    processes |= {dram_pid: "DRAM", regions_pid: "regions"}
+    events = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}
+              for pid, name in processes.items()]
+    return {"traceEvents": events + _track_events(tracks) + barriers, "displayTimeUnit": "ns",
             "otherData": {"arch": arch.name, "cycles": int(tl.cycles)}}
+
+
+def _ns(cycles: float, ns_per_cycle: float) -> int:
+    return round(float(cycles) * ns_per_cycle)
 
 
 def _trace_args(program, owner: np.ndarray, i: int) -> dict:
@@ -413,29 +518,39 @@ def _trace_args(program, owner: np.ndarray, i: int) -> dict:
     return args
 
 
-def _region_spans(program, tl, pid: int, us: float) -> list[dict]:
-    """A track with one span per region that holds instructions: which node the machine runs."""
-    events = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": "regions"}}]
-    for (_, name), members in zip(program.regions, region_ranges(program)):
-        if not members:
-            continue
-        start, done = _span(tl, members)
-        events.append({"name": name, "ph": "X", "pid": pid, "tid": 0, "ts": start * us,
-                       "dur": max(done - start, 0.0) * us, "args": {"region": name}})
-    return events
+def lanes(spans: list[tuple[int, int]]) -> list[int]:
+    """Per (start, end) span, taken in order of start, the lowest-numbered lane whose spans have
+    all ended by its start: no two spans of a lane overlap, and there are as many lanes as the
+    most spans that overlap at one time."""
+    out = [0] * len(spans)
+    free: list[int] = []                        # lanes whose spans have ended
+    busy: list[tuple[int, int]] = []            # (end of its last span, lane)
+    for k in sorted(range(len(spans)), key=lambda k: spans[k][0]):
+        start, end = spans[k]
+        while busy and busy[0][0] <= start:
+            heapq.heappush(free, heapq.heappop(busy)[1])
+        out[k] = heapq.heappop(free) if free else len(busy)
+        heapq.heappush(busy, (end, out[k]))
+    return out
 
 
-def _trace_names(legions: int, dram_pid: int) -> list[dict]:
-    events = []
-    for legion in range(legions):
-        events.append({"ph": "M", "name": "process_name", "pid": legion, "args": {"name": f"Legion {legion}"}})
-        for k, q in enumerate(QUEUES):
-            events.append({"ph": "M", "name": "thread_name", "pid": legion, "tid": k, "args": {"name": q}})
-    events.append({"ph": "M", "name": "process_name", "pid": dram_pid, "args": {"name": "DRAM"}})
-    for legion in range(legions):
-        events.append({"ph": "M", "name": "thread_name", "pid": dram_pid, "tid": legion,
-                       "args": {"name": f"flows of Legion {legion}"}})
-    return events
+def _track_events(tracks: dict) -> list[dict]:
+    """Each (pid, name) track's slices on lanes; a process's threads number its tracks' lanes in
+    turn, each lane named (a track without slices keeps one)."""
+    names, slices = [], []
+    next_tid: dict[int, int] = defaultdict(int)
+    for (pid, name), spans in tracks.items():
+        lane_of = lanes([(start, end) for _, start, end, _ in spans])
+        first = next_tid[pid]
+        next_tid[pid] += max(lane_of, default=0) + 1
+        for tid in range(first, next_tid[pid]):
+            lane = f" #{tid - first + 1}" if tid > first else ""
+            names += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name + lane}},
+                      {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}}]
+        slices += [{"name": label, "ph": "X", "pid": pid, "tid": first + lane, "ts": start / 1e3,
+                    "dur": max(end - start, 0) / 1e3, "args": args}
+                   for (label, start, end, args), lane in zip(spans, lane_of)]
+    return names + slices
 
 
 def print_intermediates(rows, tol: float, console: Console | None = None, most: int = 20) -> None:

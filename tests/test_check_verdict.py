@@ -1,0 +1,136 @@
+"""The verdict of ``dlegion-run --check``: a correct program passes on every committed model and on
+a BitNet-2B4T-shaped layer, where no fp32 program is within 1e-4 of onnxruntime; the same program
+with one weight flipped in its data fails on each."""
+import dataclasses
+import json
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from isa import arch as arch_mod
+from isa.asm import load
+from isa.program import pack, unpack
+from dlegion_cc.pipeline import Options, compile_model
+from models.bitnet import build_bitnet, preset, save
+from runtime.check import compare_one, fp64_distances, judge
+from runtime.emulator import random_inputs, run
+
+ROOT = Path(__file__).parent.parent
+TINY = arch_mod.load("dlegion-tiny")
+MODELS = sorted(p.stem for p in (ROOT / "models").glob("*.onnx"))
+DIMS = {"bitnet_tiny_gqa": {"sequence": 8}}
+WEIGHTS = ("w2", "w4", "w8", "i8")         # the integer weights of quantized matmuls
+
+
+def flip_one_weight(data: bytes, program) -> tuple[bytes, str]:
+    """``data`` with the first nonzero weight of the program's largest integer weight tensor negated
+    (made 0 where its negation does not fit), and which weight that is."""
+    t = max((t for t in program.tensors if t.kind == "const" and t.dtype in WEIGHTS), key=lambda t: t.nbytes)
+    raw = bytearray(data)
+    w = unpack(np.frombuffer(bytes(raw[t.offset:t.offset + t.nbytes]), np.uint8), t.dtype)[:t.numel]
+    w = w.astype(np.int64)
+    i = int(np.flatnonzero(w)[0])
+    lo = -128 if t.dtype in ("w8", "i8") else -(1 << (int(t.dtype[1]) - 1))
+    w[i] = -w[i] if lo <= -w[i] < -lo else 0
+    raw[t.offset:t.offset + t.nbytes] = pack(w, t.dtype).view(np.uint8).tobytes()
+    return bytes(raw), f"{t.name}[{i}]"
+
+
+@cache
+def compiled(name: str):
+    path = ROOT / "models" / f"{name}.onnx"
+    _, program = compile_model(path, Options(TINY, DIMS.get(name, {})))
+    return path, program, random_inputs(program, 0)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_correct_program_passes_and_one_flipped_weight_fails(name):
+    path, program, inputs = compiled(name)
+    good = judge(path, inputs, run(program, TINY, inputs).outputs)
+    assert good.ok and good.fp64 == "evaluated", good.rows
+    data, which = flip_one_weight(program.data, program)
+    bad = judge(path, inputs, run(dataclasses.replace(program, data=data), TINY, inputs).outputs)
+    [row] = bad.rows
+    assert not bad.ok and row.mismatches > 0, f"{which}: {row}"
+    assert row.fp64.ours > 2 * row.fp64.reference
+
+
+def test_the_compilers_approximation_is_measured_with_its_own_bound():
+    """llama_tiny_nbits4: the compiler quantizes MatMulNBits' float activations to int8 per row,
+    1e-2 from onnxruntime; measured against fp64 with that quantization, it is at fp32's level."""
+    path, program, inputs = compiled("llama_tiny_nbits4")
+    [row] = judge(path, inputs, run(program, TINY, inputs).outputs).rows
+    assert not row.within_tolerance and row.rel_l2 > 1e-3
+    assert 1e-3 < row.fp64.approximation < 3e-2 and row.fp64.ours < 1e-6 and row.ok
+
+
+@pytest.fixture(scope="module")
+def wide_layer(tmp_path_factory):
+    """One BitNet-2B4T layer at a fifth of its widths (head dim 128, GQA 4:1), sequence 32."""
+    path = tmp_path_factory.mktemp("2b4t") / "layer.onnx"
+    config = preset("2b4t", layers=1, seq=32, vocab=256, hidden=512, heads=4, kv_heads=1, ffn=1408)
+    save(build_bitnet(config), path, external_data=True)
+    machine = arch_mod.load("dlegion-8x8")
+    _, program = compile_model(path, Options(machine))
+    return path, program, machine, random_inputs(program, 0)
+
+
+def test_a_2b4t_layer_is_judged_against_onnxruntimes_own_fp64_distance(wide_layer):
+    path, program, machine, inputs = wide_layer
+    [row] = judge(path, inputs, run(program, machine, inputs).outputs).rows
+    print(f"\n2B4T layer, a fifth of its widths, sequence 32: {row}")
+    assert row.ok and row.fp64.ours <= 2 * row.fp64.reference
+    data, which = flip_one_weight(program.data, program)
+    [bad] = judge(path, inputs, run(dataclasses.replace(program, data=data), machine, inputs).outputs).rows
+    print(f"flipped {which}: {bad}")
+    assert not bad.ok
+
+
+def test_a_float_mismatch_counts_its_differing_elements():
+    ref = np.linspace(-1, 1, 64, dtype=np.float32)
+    row = compare_one("y", ref * np.float32(1 + 3e-4), ref)
+    assert not row.ok and row.mismatches > 0
+
+
+def test_positions_off_fp64_are_counted_beside_onnxruntimes():
+    f64 = np.random.default_rng(0).standard_normal((1, 16, 32))
+    fp32 = f64.astype(np.float32)
+    spoiled = fp32.copy()
+    spoiled[0, :3] += 0.1                   # three positions far off: more than twice onnxruntime's none
+    f = fp64_distances(spoiled, fp32, f64, f64, 1e-4)
+    assert (f.off_ours, f.off_reference, f.positions) == (3, 0, 16) and not f.ok
+    spoiled[0, 1:3] = fp32[0, 1:3]          # one position off: within twice at least one
+    assert fp64_distances(spoiled, fp32, f64, f64, 1e-4).off_ours == 1
+
+
+def _cli(module: str, name: str, *args):
+    code = f"import sys; from {module} import main; sys.argv[0] = {name!r}; main()"
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True)
+
+
+def test_the_command_prints_and_writes_the_verdict(tmp_path):
+    """dlegion-run --check on a file flipped by one weight: exit 1; the JSON carries each output's
+    figures; the correct program exits 0 with the same fields."""
+    model = ROOT / "models" / "bitnet_tiny_relu2.onnx"
+    prog = tmp_path / "p.s"
+    r = _cli("dlegion_cc.cli", "dlegion-cc", model, "-o", prog, "--arch", "dlegion-tiny", "-q")
+    assert r.returncode == 0, r.stderr
+    r = _cli("runtime.cli", "dlegion-run", prog, "--check", model, "--json", tmp_path / "ok.json", "-q")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "fp64: dlegion" in r.stdout and "top-1 token agrees with onnxruntime at 8 of 8" in r.stdout
+    [good] = json.loads((tmp_path / "ok.json").read_text())["check"]["outputs"]
+    assert good["ok"] and good["fp64"]["ok"] and good["top1"] == {"agree": 8, "positions": 8, "differing": []}
+    data = Path(f"{prog}.data")
+    data.write_bytes(flip_one_weight(data.read_bytes(), load(prog, read_data=False))[0])
+    r = _cli("runtime.cli", "dlegion-run", prog, "--check", model, "--json", tmp_path / "bad.json", "-q")
+    assert r.returncode == 1 and "MISMATCH" in r.stdout
+    check = json.loads((tmp_path / "bad.json").read_text())["check"]
+    [bad] = check["outputs"]
+    assert not check["ok"] and not bad["ok"] and bad["mismatches"] > 0 and bad["rel_l2"] > 1e-4
+    assert bad["fp64"]["rel_l2_dlegion"] > 2 * bad["fp64"]["rel_l2_onnxruntime"]
+    r = _cli("runtime.cli", "dlegion-run", prog, "--check", model, "--reference", "onnxruntime", "-q")
+    assert r.returncode == 1 and "fp64 evaluation: not evaluated" in r.stdout
