@@ -14,6 +14,7 @@ inference propagates them.
 from __future__ import annotations
 
 import math
+import os
 import re
 from pathlib import Path
 
@@ -238,11 +239,35 @@ def _check_nodes(graph: Graph, source: str) -> None:
     problems = []
     for n in graph.nodes:
         check = None if n.domain else NODE_CHECKS.get(n.op)
-        why = check and check(n, graph.values)
+        why = check and check(n, graph.values) or _size_problem(n, graph.values)
         if why:
             problems.append((n.name, n.op, why))
+    for name in graph.inputs:
+        v = graph.values.get(name)
+        if v is not None and _nbytes_of(v) > host_memory():
+            raise CompileError(f"{source}: input '{name}' {v.text()} is larger than this host's memory "
+                               f"({host_memory() / 2**30:.0f} GiB)")
     if problems:
         raise UnsupportedNodes(source, problems)
+
+
+def host_memory() -> int:
+    """Bytes of this host's physical memory: no tensor the compiler lays out, nor the emulator
+    holds, can be larger (an Expand to 2**40 elements would otherwise be tiled for hours)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _nbytes_of(v: Value) -> int:
+    return math.prod(v.shape) * np.dtype(v.dtype).itemsize
+
+
+def _size_problem(node: Node, values: dict[str, Value]) -> str | None:
+    for name in node.outputs:
+        v = values.get(name)
+        if v is not None and v.stored is None and _nbytes_of(v) > host_memory():
+            return (f"output '{name}' {v.text()} would take {_nbytes_of(v) / 2**30:,.0f} GiB, more than "
+                    f"this host's memory ({host_memory() / 2**30:.0f} GiB)")
+    return None
 
 
 def _reshape_problem(node: Node, values: dict[str, Value]) -> str | None:

@@ -279,10 +279,19 @@ def _invalid_models(tmp_path):
         "no outputs": (_model(tmp_path / "noout.onnx", relu[:1], [_vi("x", [4, 8])], []), "the graph has no outputs"),
         "duplicate": (_model(tmp_path / "dup.onnx", relu, [_vi("x", [4, 8])], [_vi("y", [4, 8])]),
                       "node 'r' (Relu): invalid ONNX model: a second node of this name"),
+        # 2**42 elements: it used to be tiled for hours
+        "huge": (_model(tmp_path / "huge.onnx", [helper.make_node("Expand", ["x", "big"], ["e"], name="e"),
+                                                 helper.make_node("ReduceSum", ["e", "axes"], ["y"], name="sum",
+                                                                  keepdims=0)],
+                        [_vi("x", [1, 4])], [_vi("y", [4])],
+                        [numpy_helper.from_array(np.array([1 << 20, 1 << 20, 4], np.int64), "big"),
+                         numpy_helper.from_array(np.array([0, 1], np.int64), "axes")], opset=18),
+                 "node 'e' (Expand): output 'e' float32[1048576,1048576,4] would take 16,384 GiB, more than "
+                 "this host's memory"),
     }
 
 
-@pytest.mark.parametrize("case", ["reshape", "gather", "opset", "empty", "no outputs", "duplicate"])
+@pytest.mark.parametrize("case", ["reshape", "gather", "opset", "empty", "no outputs", "duplicate", "huge"])
 def test_an_invalid_model_is_refused_naming_its_node(tmp_path, run, case):
     model, message = _invalid_models(tmp_path)[case]
     out = tmp_path / "out" / "p.s"
