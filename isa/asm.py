@@ -7,10 +7,8 @@ exactly one child each (see ``isa/gen.py`` for how the rules are named).
 """
 from __future__ import annotations
 
-import contextlib
 import difflib
 import functools
-import gc
 import json
 import mmap
 import os
@@ -248,23 +246,10 @@ def parse(text: str, source: str = "<text>") -> Program:
     b = _Builder(text, source)
     lines = text.split("\n")
     first = _first_instr(lines)
-    with _collector_paused():
+    with no_cycle_collection():
         _lark_parse("\n".join(lines[:first]), b)
         _instrs(b, lines, first)
     return b.finish()
-
-
-@contextlib.contextmanager
-def _collector_paused():
-    """A program is many small objects without cycles; the cyclic garbage collector would
-    rescan them again and again while they are made (over a tenth of the parse time) for nothing."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _lark_parse(text: str, b: _Builder, first_line: int = 1) -> None:
@@ -717,7 +702,7 @@ def load(path, read_data: bool = True) -> Program:
     except OSError as e:
         raise ProgramError(f"{source}: cannot read ({e.strerror})") from None
     binary = raw.startswith(encoding.MAGIC)
-    with no_cycle_collection():
+    with no_cycle_collection():      # a binary's instructions too
         p = encoding.decode_program(raw, source) if binary else _parse_bytes(raw, source)
     encoding.check_bindings(p)
     where = None if p.data_file is None else data_path(p)     # checked even when not read

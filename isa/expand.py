@@ -78,6 +78,7 @@ class Tasks(Sequence):
         self.queue = queue[self.origin]
         self.cond = _conditions(source, self, barrier, legions)
         self._made: list = [None] * len(self.origin)
+        self._alike = None
 
     def __len__(self) -> int:
         return len(self.origin)
@@ -104,12 +105,40 @@ class Tasks(Sequence):
     def __eq__(self, other) -> bool:
         return isinstance(other, Sequence) and list(self) == list(other)
 
+    def alike(self) -> "Alike":
+        """Values computed once per distinct instruction of this program (shared by its users)."""
+        if self._alike is None:
+            self._alike = Alike(self.source)
+        return self._alike
+
     def _make(self, k: int) -> Instr:
         o = int(self.origin[k])
         ins = self.source[o]
         if isinstance(ins, Barrier):
             return ins
         return _task(ins, k - int(self.first[o]), self.cond[k])
+
+
+class Alike:
+    """Values computed once per distinct instruction: a model's layers repeat every instruction
+    but their DMAs. Each instruction is hashed once (a hash walks every field) and compared only
+    when its hash meets an earlier one's."""
+
+    def __init__(self, source: list[Instr]):
+        self.source = source
+        self.hashes = [hash(i) for i in source]
+        self.tables: dict = {}
+
+    def get(self, table: str, o: int, make):
+        """``make()`` for instruction ``o``, or what it gave for an equal instruction before."""
+        seen = self.tables.setdefault(table, {})
+        ins, h = self.source[o], self.hashes[o]
+        hit = seen.get(h)
+        if hit is not None and (hit[0] is ins or hit[0] == ins):
+            return hit[1]
+        value = make()
+        seen[h] = (ins, value)
+        return value
 
 
 def _task(ins: Instr, rank: int, cond_row) -> Instr:

@@ -95,10 +95,10 @@ def _field_problems(tasks: Tasks) -> tuple[list, np.ndarray]:
     """Fields are encoded as written: the tasks of an instruction share its (un)encodable
     fields, and instructions alike in every field (each layer's) share them too. Listed once,
     at the instruction's first task; also, per instruction, whether it has any."""
-    known: dict = {}
+    alike = tasks.alike()
     out, bad = [], np.zeros(len(tasks.source), dtype=bool)
     for o, ins in enumerate(tasks.source):
-        found = known[ins] if ins in known else known.setdefault(ins, list(ins.bad_fields()))
+        found = alike.get("fields", o, lambda: list(ins.bad_fields()))
         out += [(int(tasks.first[o]), 0, what) for what in found]
         bad[o] = bool(found)
     return out, bad
@@ -117,18 +117,18 @@ def _checked_tasks(tasks: Tasks) -> np.ndarray:
 def _end_problems(tasks: Tasks, ctx: Context, bad: np.ndarray) -> list:
     """The family checks (which assume well-formed fields). A first task that moves nothing
     with its rank is checked once per distinct instruction (the layers of a model repeat them)."""
-    out, known = [], {}
+    out, alike = [], tasks.alike()
     for k in _checked_tasks(tasks).tolist():
         o = int(tasks.origin[k])
         if bad[o]:
             continue
         ins = tasks.source[o]
-        if type(ins) in DMA_CLASSES or isinstance(ins, Wait) or k != tasks.first[o]:
-            found = list(family_problems(tasks[k], ctx))     # a wait's check is its own count
-        elif ins in known:
-            found = known[ins]
+        if isinstance(ins, Wait):        # its family's check is its condition's, made per task
+            found = list(legion(ins.legion, ctx.arch)) if k == tasks.first[o] else []
+        elif type(ins) in DMA_CLASSES or k != tasks.first[o]:
+            found = list(family_problems(tasks[k], ctx))
         else:
-            found = known[ins] = list(family_problems(tasks[k], ctx))
+            found = alike.get("family", o, lambda: list(family_problems(tasks[k], ctx)))
         out += [(k, 0, what) for what in found]
     return out
 

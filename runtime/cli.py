@@ -10,6 +10,7 @@ import click
 import numpy as np
 from click.core import ParameterSource
 
+from isa.bulk import no_cycle_collection
 from isa import arch as arch_mod
 from isa.asm import arch_of, load
 from isa.cli import program_files
@@ -219,9 +220,10 @@ def run_command(ctx, program, arch, inputs_path, seed, out_path, check_model, ch
         inputs, result = None, _time_only(prog, arch, progress)
     else:   # --check-all reads the intermediates at the end: keep them
         inputs, result = _execute(prog, arch, inputs_path, seed, races, keep=check_all, progress=progress)
-    numbers = rep.summarize(result)
-    if report:
-        rep.print_report(numbers)
+    with no_cycle_collection():     # a whole model's program holds millions of objects
+        numbers = rep.summarize(result)
+        if report:
+            rep.print_report(numbers)
     verdict = _check(check_model, inputs, result, tolerance, check_all, reference) if check_model else None
     if verdict:
         numbers["check"] = verdict.as_json(tolerance)

@@ -66,7 +66,7 @@ def tasks_of(program, costed, legions: int) -> Tasks:
     an expansion already holds their Legions, queues and conditions as arrays."""
     instrs, origin = program.instrs, costed.origin
     first = np.searchsorted(origin, np.arange(len(costed.costs)))
-    heads = [instrs[k] for k in first.tolist()]
+    heads = instrs.source if isinstance(instrs, Expansion) else [instrs[k] for k in first.tolist()]
     kind_of = np.array([_kind(i) for i in heads], dtype=np.int64)
     timings, timing_of = {}, []
     for c in costed.costs:

@@ -30,6 +30,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from isa.bulk import no_cycle_collection
 from isa.instructions import DMA_CLASSES, QUEUES, MatMul, VMatMul
 from isa.console import table_console
 from runtime.costs import DMA_SIDE, ceil_cycles
@@ -41,6 +42,11 @@ PJ = 1e-12
 
 def summarize(result) -> dict:
     """Every number of the report, JSON-ready."""
+    with no_cycle_collection():      # a whole model's program holds millions of objects
+        return _summarize(result)
+
+
+def _summarize(result) -> dict:
     arch, tl = result.arch, result.timeline
     c, d = tl.counters, arch.derived
     seconds = tl.cycles / (arch.clock_ghz * 1e9)
@@ -87,16 +93,20 @@ def _source_count(program) -> int:
     return program.origin[-1] + 1 if program.origin else len(program.instrs)
 
 
-def instructions(program) -> list[tuple[int, int]]:
-    """Per instruction of the program as written, its first task and how many tasks it runs as
-    (the program runs one task per Legion of a span; a task's tensors and kind are its
-    instruction's)."""
+def instructions(program) -> list[tuple]:
+    """Per instruction of the program as written: the instruction, its first task and how many
+    tasks it runs as (one per Legion of a span; its first task runs on the instruction's Legion
+    and every task reads and writes its tensors)."""
     n = len(program.instrs)
+    written = getattr(program.instrs, "source", None)
+    if written is not None:             # an expansion: its instructions as written, not made tasks
+        first = program.instrs.first
+        return list(zip(written, first.tolist(), np.diff(np.r_[first, n]).tolist()))
     if program.origin is None:
-        return [(k, 1) for k in range(n)]
+        return [(i, k, 1) for k, i in enumerate(program.instrs)]
     origin = _origin(program)
     first = np.flatnonzero(np.r_[True, origin[1:] != origin[:-1]]) if n else origin
-    return list(zip(first.tolist(), np.diff(np.r_[first, n]).tolist()))
+    return [(program.instrs[k], k, c) for k, c in zip(first.tolist(), np.diff(np.r_[first, n]).tolist())]
 
 
 def _origin(program) -> np.ndarray:
@@ -109,8 +119,7 @@ def _mask_numbers(program, heads: list) -> dict:
     """The ``mm`` tasks that carry a block mask and the weight blocks those masks mark zero
     (all-zero weight chunks the compiler left out entirely are not counted: they are not in the
     program)."""
-    masked = [(program.instrs[k], n) for k, n in heads
-              if isinstance(program.instrs[k], MatMul) and program.instrs[k].mask is not None]
+    masked = [(i, n) for i, _, n in heads if isinstance(i, MatMul) and i.mask is not None]
     zeros: dict[int, int] = {}
     for i, _ in masked:
         if i.mask not in zeros:
@@ -215,11 +224,13 @@ def region_dram_bytes(program, members) -> int:
     those their stores write, each tensor counted once per direction."""
     moved = {"dram_read_bytes": set(), "dram_write_bytes": set()}
     at = np.asarray(members, dtype=np.int64)
+    written = getattr(program.instrs, "source", None)
     if program.origin is not None and len(at):     # one task of each instruction: the same tensors
         o = _origin(program)[at]
-        at = at[np.concatenate([[True], o[1:] != o[:-1]])]
-    for k in at.tolist():
-        i = program.instrs[k]
+        keep = np.concatenate([[True], o[1:] != o[:-1]])
+        at, o = at[keep], o[keep]
+    for n, k in enumerate(at.tolist()):
+        i = written[o[n]] if written is not None else program.instrs[k]
         side = DMA_SIDE.get(type(i))
         if side is not None:
             moved[side[1]].add(getattr(i, side[0]).tensor)
@@ -235,8 +246,7 @@ def matmul_table(result, heads: list | None = None) -> list[dict]:
     for row in tl.counters.get("per_instr", []):
         if owner[row["index"]] >= 0:
             rows_of[program.regions[owner[row["index"]]][1]].append(row)
-    for k, n in heads if heads is not None else instructions(program):
-        i = program.instrs[k]
+    for i, k, n in heads if heads is not None else instructions(program):
         if isinstance(i, VMatMul) and owner[k] >= 0:        # a span's tasks: Legions i.legion on
             rows_of[program.regions[owner[k]][1]].append({"mode": VECTOR_MODE, "macs": i.M * i.K * i.N * n,
                                                           "legions": range(i.legion, i.legion + n)})

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from isa.arch import Arch
-from isa.expand import expand
+from isa.expand import Tasks, expand
 from isa.fields import QUEUES
 from isa.instructions import family
 from runtime.lockstep import BARRIER, TASK, WAIT
@@ -349,16 +349,18 @@ def _costs(program: Program, arch: Arch) -> Costed:
     cost depends on: each instruction is costed once, on its first task."""
     env = Env(tuple(program.tensors), _masks(program))
     n = len(program.instrs)
-    origin = np.asarray(program.origin if program.origin is not None else range(n), dtype=np.int64)
+    held = getattr(program.instrs, "origin", None)          # an expansion's, as an array
+    origin = held if isinstance(held, np.ndarray) else \
+        np.asarray(program.origin if program.origin is not None else range(n), dtype=np.int64)
     first = np.searchsorted(origin, np.arange(origin[-1] + 1 if n else 0)).tolist()
-    known: dict = {}                # instructions alike in every field (each layer's) cost alike
+    tasks = program.instrs
     costs = []
-    for k in first:
-        i = program.instrs[k]
-        c = known.get(i)
-        if c is None:
-            c = known[i] = _cost(program, k, i, arch, env)
-        costs.append(c)
+    if isinstance(tasks, Tasks):        # instructions alike in every field (each layer's) cost alike
+        alike = tasks.alike()
+        for o, k in enumerate(first):
+            costs.append(alike.get("cost", o, lambda: _cost(program, k, tasks[k], arch, env)))
+    else:
+        costs = [_cost(program, k, tasks[k], arch, env) for k in first]
     return Costed(costs, origin)
 
 
@@ -377,10 +379,14 @@ def _counters(program: Program, costed: Costed, tasks, start: np.ndarray, free: 
     first = np.searchsorted(origin, np.arange(len(costs))).tolist()
     tasks_of = np.bincount(origin, minlength=len(costs)).tolist()
     counters = dict.fromkeys(SUMMED, 0)
-    for c, times in zip(costs, tasks_of):
+    times: dict = {}                    # cost -> tasks that have it (alike instructions share one)
+    for c, n in zip(costs, tasks_of):
+        times[id(c)] = (c, times[id(c)][1] + n if id(c) in times else n)
+    for c, n in times.values():
         for name, v in c.counters.items():
-            counters[name] += v * times
-    fam_of = np.array([FAMILIES.index(family(type(program.instrs[k]))) for k in first], dtype=np.int64)
+            counters[name] += v * n
+    written = getattr(program.instrs, "source", None) or [program.instrs[k] for k in first]
+    fam_of = np.array([FAMILIES.index(family(type(i))) for i in written], dtype=np.int64)
     fam = fam_of[origin] if len(origin) else origin
     held = free - start
     count = np.bincount(fam, minlength=len(FAMILIES))
@@ -388,7 +394,7 @@ def _counters(program: Program, costed: Costed, tasks, start: np.ndarray, free: 
     for f, name in enumerate(FAMILIES):
         counters[f"count_{name}"] = int(count[f])
         counters[f"busy_{name}"] = ceil_cycles(cycles[f])
-    counters["per_instr"] = _per_instr(program, costed, first, start, done)
+    counters["per_instr"] = _per_instr(program, costed, first, start, done, tasks.legion)
     return counters, _busy(tasks, fam, held)
 
 
@@ -403,14 +409,14 @@ def _busy(tasks, fam: np.ndarray, held: np.ndarray) -> dict:
     return {(int(s) // len(names), names[int(s) % len(names)]): ceil_cycles(sums[s]) for s in np.flatnonzero(used)}
 
 
-def _per_instr(program: Program, costed: Costed, first: list, start, done) -> list:
+def _per_instr(program: Program, costed: Costed, first: list, start, done, legion: np.ndarray) -> list:
     rows = []
     detailed = [o for o, c in enumerate(costed.costs) if c.detail is not None]
     for o in detailed:
         lo = first[o]
         hi = first[o + 1] if o + 1 < len(first) else len(costed.origin)
         for k in range(lo, hi):
-            rows.append({"index": k, "legion": program.instrs[k].legion, **costed.costs[o].detail,
+            rows.append({"index": k, "legion": int(legion[k]), **costed.costs[o].detail,
                          "start": float(start[k]), "done": float(done[k])})
     return rows
 
