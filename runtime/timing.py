@@ -27,7 +27,9 @@ The model (every number comes from the :class:`~isa.arch.Arch` passed in, or its
   flow: one DRAM read delivered over the receivers' links in parallel.
 
 All flows move at the same rate, so one "bytes served per flow" clock orders their ends in a
-heap: simulation costs O(log) per event, and nothing loops per cycle.
+heap: simulation costs O(log) per event, and nothing loops per cycle. What is simulated is cut
+at barriers, one Legion of each class that runs the same tasks standing for the class, and
+stretches alike are timed once (``runtime/lockstep.py``): the times are those of every task.
 """
 from __future__ import annotations
 
