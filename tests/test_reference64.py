@@ -31,3 +31,18 @@ def test_the_copy_keeps_quantization_operators_in_float32():
     assert {a.i for c in casts for a in c.attribute if a.name == "to"} >= {1, 11}
     assert not [t.name for t in model.graph.initializer if t.data_type == 1 and t.name not in
                 {i for n in nbits for i in n.input}]
+
+
+def test_an_operator_onnxruntime_has_no_double_kernel_for_is_evaluated_by_the_reference(tmp_path):
+    # GELU's Erf has no float64 kernel in onnxruntime: onnx's reference evaluator runs the copy
+    import math
+    import onnx
+    from onnx import TensorProto, helper
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])
+    graph = helper.make_graph([helper.make_node("Erf", ["x"], ["y"])], "erf", [x], [y])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "erf.onnx")
+    values = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
+    got = float64_outputs(tmp_path / "erf.onnx", {"x": values})["y"]
+    assert got.dtype == np.float64
+    np.testing.assert_allclose(got, [[math.erf(float(v)) for v in row] for row in values], rtol=1e-15)
