@@ -94,11 +94,11 @@ def whole(tasks: Tasks, parties: list) -> Part:
 
 
 def _part(tasks: Tasks, order: np.ndarray, cond: np.ndarray, rep, size, parties: list) -> Part:
-    """The tasks ``order`` for the event loop, with conditions ``cond`` (rows for all tasks);
+    """The tasks ``order`` for the event loop, with conditions ``cond`` (a row for each);
     ``rep`` and ``size`` map a Legion to its class's representative and member count."""
     legion = tasks.legion[order].tolist()
     queue = tasks.queue[order].tolist()
-    c = cond[order].tolist()
+    c = cond.tolist()
     timings = tasks.timings
     part = Part([], tasks.kind[order].tolist(), [], [timings[t] for t in tasks.timing[order].tolist()],
                 [1] * len(legion) if size is None else [size[l] for l in legion], parties)
@@ -168,9 +168,7 @@ def _segment(tasks: Tasks, lo: int, hi: int, base: np.ndarray, legions: int, par
     glob = order + lo
 
     def part() -> Part:
-        full = np.full_like(tasks.cond, NONE)
-        full[lo:hi] = cond
-        return _part(tasks, glob, full, rep.tolist(), size, parties)
+        return _part(tasks, glob, cond[order], rep.tolist(), size, parties)
 
     cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64))
     return Segment(lo, hi, key, glob, cat(dst) + lo, cat(src), part)
