@@ -45,7 +45,7 @@ def is_flat(program: Program) -> bool:
 
 def expand(program: Program, legions: int) -> Expanded:
     """One task per (instruction, Legion); ``legions`` is the machine's (a barrier counts in each)."""
-    if program.origin is not None:
+    if program.origin is not None:          # expanded already (its instructions are Tasks)
         return Expanded(program, program.origin)
     tasks = Tasks(program.instrs, legions)
     origin = tasks.origin.tolist()
@@ -157,12 +157,19 @@ def _task(ins: Instr, rank: int, cond_row) -> Instr:
             Cond, {"legion": int(cond_row[0]), "queue": cond.queue, "count": int(cond_row[2]), "back": 0})
     name = DRAM_FIELD.get(type(ins))
     if name is not None and ins.lstride is not None:
-        ref = getattr(ins, name)
         fields["lstride"] = None
-        fields[name] = _new(DramRef, {"tensor": ref.tensor, "offset": ref.offset + rank * ins.lstride, "rs": ref.rs})
+        fields[name] = dram_of(ins, rank)
     if isinstance(ins, DmaLoad) and rank:
         fields["dests"] = frozenset(d + rank for d in ins.dests)
     return _new(type(ins), fields)
+
+
+def dram_of(ins: Instr, rank: int) -> DramRef:
+    """The DRAM reference rank ``rank`` of a DMA's span reads or writes: moved by ``lstride``."""
+    ref = getattr(ins, DRAM_FIELD[type(ins)])
+    if not rank or ins.lstride is None:
+        return ref
+    return _new(DramRef, {"tensor": ref.tensor, "offset": ref.offset + rank * ins.lstride, "rs": ref.rs})
 
 
 def _new(cls, fields: dict):

@@ -80,8 +80,6 @@ def _checked(program: Program, arch: Arch) -> tuple[list[str], Program | None]:
         return out, None
     flat = expand(program, arch.legions)
     tasks = flat.program.instrs
-    if not isinstance(tasks, Tasks):          # a program expanded before
-        tasks = Tasks(list(tasks), arch.legions)
     queues = Queues(tasks, np.array([isinstance(i, Barrier) for i in tasks.source], dtype=bool), arch.legions)
     ctx = Context(flat.program, arch, _lengths(tasks, queues, arch))
     fields, bad = _field_problems(tasks)

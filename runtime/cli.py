@@ -10,11 +10,12 @@ import click
 import numpy as np
 from click.core import ParameterSource
 
-from isa.bulk import no_cycle_collection
 from isa import arch as arch_mod
 from isa.asm import arch_of, load
+from isa.bulk import no_cycle_collection
 from isa.cli import program_files
 from isa.console import check_outputs, no_empty_path, read_arrays, version_option
+from isa.expand import dram_of
 from isa.files import atomic_write_all
 from isa.progress import SILENT, Progress
 from isa.instructions import DmaStore
@@ -58,7 +59,7 @@ def unwritten_outputs(program) -> dict[str, tuple[int, int]]:
             continue
         marks = written[i.dst.tensor]
         for rank in range(i.span or 1):
-            start = i.dst.offset + rank * (i.lstride or 0)
+            start = dram_of(i, rank).offset
             if start + (i.rows - 1) * i.dst.rs + i.cols <= marks.size:     # else the run traps
                 window(marks, start, i.rows, i.cols, i.dst.rs, 1, writeable=True)[...] = True
     return {tensors[n].name: (int(marks.size - np.count_nonzero(marks)), marks.size)

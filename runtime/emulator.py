@@ -7,7 +7,6 @@ import numpy as np
 
 from isa.arch import Arch
 from isa.bulk import no_cycle_collection
-from isa.expand import Tasks
 from isa.instructions import Barrier, Wait
 from isa.program import Program, ProgramError, Tensor
 from isa.progress import SILENT, Progress
@@ -78,10 +77,8 @@ def _executed(program: Program) -> int:
     """Tasks the timing model hands to ``execute``: all but waits and barriers (counted per
     instruction of an expansion, whose tasks are made only when read)."""
     tasks = program.instrs
-    if isinstance(tasks, Tasks):
-        runs = np.array([not isinstance(i, (Wait, Barrier)) for i in tasks.source], dtype=bool)
-        return int(np.count_nonzero(runs[tasks.origin]))
-    return sum(not isinstance(i, (Wait, Barrier)) for i in tasks)
+    runs = np.array([not isinstance(i, (Wait, Barrier)) for i in tasks.source], dtype=bool)
+    return int(np.count_nonzero(runs[tasks.origin]))
 
 
 def _every(block: int, execute, advance):

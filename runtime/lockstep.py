@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from isa.expand import Tasks as Expansion
 from isa.fields import QUEUES
 from isa.instructions import Barrier, Wait
 
@@ -60,20 +59,16 @@ class Tasks:
     names: list           # queue names by index
 
 
-def tasks_of(program, costed, legions: int) -> Tasks:
+def tasks_of(program, costed) -> Tasks:
     """``costed``: each instruction's cost and the instruction of each task (runtime/timing.py).
-    The tasks of an instruction share its kind, queue and cost and run on consecutive Legions;
-    an expansion already holds their Legions, queues and conditions as arrays."""
+    The tasks of an instruction share its kind and cost; the expansion (isa/expand.py Tasks)
+    holds their Legions, queues and conditions as arrays."""
     instrs, origin = program.instrs, costed.origin
-    first = np.searchsorted(origin, np.arange(len(costed.costs)))
-    heads = instrs.source if isinstance(instrs, Expansion) else [instrs[k] for k in first.tolist()]
-    kind_of = np.array([_kind(i) for i in heads], dtype=np.int64)
+    kind_of = np.array([_kind(i) for i in instrs.source], dtype=np.int64)
     timings, timing_of = {}, []
     for c in costed.costs:
         timing_of.append(timings.setdefault((c.cycles, c.lead, c.flow_bytes), len(timings)))
     timing = np.asarray(timing_of, dtype=np.int64)[origin]
-    if not isinstance(instrs, Expansion):
-        instrs = Expansion(list(instrs), legions)
     return Tasks(instrs.legion, instrs.queue, kind_of[origin], timing, instrs.cond, list(timings), instrs.names)
 
 

@@ -90,29 +90,15 @@ def _summarize(result) -> dict:
 
 def _source_count(program) -> int:
     """Instructions of the program as written (it runs as one task per Legion of a span)."""
-    return program.origin[-1] + 1 if program.origin else len(program.instrs)
+    return len(program.instrs.source)
 
 
 def instructions(program) -> list[tuple]:
     """Per instruction of the program as written: the instruction, its first task and how many
     tasks it runs as (one per Legion of a span; its first task runs on the instruction's Legion
-    and every task reads and writes its tensors)."""
-    n = len(program.instrs)
-    written = getattr(program.instrs, "source", None)
-    if written is not None:             # an expansion: its instructions as written, not made tasks
-        first = program.instrs.first
-        return list(zip(written, first.tolist(), np.diff(np.r_[first, n]).tolist()))
-    if program.origin is None:
-        return [(i, k, 1) for k, i in enumerate(program.instrs)]
-    origin = _origin(program)
-    first = np.flatnonzero(np.r_[True, origin[1:] != origin[:-1]]) if n else origin
-    return [(program.instrs[k], k, c) for k, c in zip(first.tolist(), np.diff(np.r_[first, n]).tolist())]
-
-
-def _origin(program) -> np.ndarray:
-    """Per task, its instruction in the program as written."""
-    held = getattr(program.instrs, "origin", None)         # an expansion keeps it as an array
-    return held if isinstance(held, np.ndarray) else np.asarray(program.origin, dtype=np.int64)
+    and every task reads and writes its tensors). ``program`` is an expansion (isa/expand.py)."""
+    tasks = program.instrs
+    return list(zip(tasks.source, tasks.first.tolist(), np.diff(np.r_[tasks.first, len(tasks)]).tolist()))
 
 
 def _mask_numbers(program, heads: list) -> dict:
@@ -224,13 +210,10 @@ def region_dram_bytes(program, members) -> int:
     those their stores write, each tensor counted once per direction."""
     moved = {"dram_read_bytes": set(), "dram_write_bytes": set()}
     at = np.asarray(members, dtype=np.int64)
-    written = getattr(program.instrs, "source", None)
-    if program.origin is not None and len(at):     # one task of each instruction: the same tensors
-        o = _origin(program)[at]
-        keep = np.concatenate([[True], o[1:] != o[:-1]])
-        at, o = at[keep], o[keep]
-    for n, k in enumerate(at.tolist()):
-        i = written[o[n]] if written is not None else program.instrs[k]
+    tasks = program.instrs
+    o = tasks.origin[at]
+    for n in np.unique(o).tolist():       # an instruction's tasks all move the same tensors
+        i = tasks.source[n]
         side = DMA_SIDE.get(type(i))
         if side is not None:
             moved[side[1]].add(getattr(i, side[0]).tensor)

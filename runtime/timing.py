@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from isa.arch import Arch
-from isa.expand import Tasks, expand
+from isa.expand import expand
 from isa.fields import QUEUES
 from isa.instructions import family
 from runtime.lockstep import BARRIER, TASK, WAIT
@@ -158,7 +158,9 @@ class _Sim:
                     q.items.append(k)
                 self.queue_of.append(self.parties[0])
                 continue
-            q = self.queues.get(key) or self.queues.setdefault(key, _Queue(key))
+            if key not in self.queues:
+                self.queues[key] = _Queue(key)
+            q = self.queues[key]
             q.items.append(k)
             self.queue_of.append(q)
         self.waiters: dict[tuple, dict] = defaultdict(dict)   # queue key -> queues waiting on it
@@ -169,7 +171,7 @@ class _Sim:
         self.handlers = {TASK: self._issue, WAIT: self._wait, BARRIER: self._barrier}
 
     def run(self) -> None:
-        for q in list(self.queues.values()):
+        for q in self.queues.values():
             self._advance(q, 0.0)
         while True:
             t_event = self.events[0][0] if self.events else INF
@@ -323,8 +325,7 @@ def _why_stuck(program: Program, sim: _Sim, k: int, q: _Queue) -> str:
 
 def _masks(program: Program) -> dict:
     """Decoded block masks of the u8 const tensors MatMuls name."""
-    written = getattr(program.instrs, "source", program.instrs)     # an expansion's instructions
-    used = {getattr(i, "mask", None) for i in written} - {None}
+    used = {getattr(i, "mask", None) for i in program.instrs.source} - {None}
     out = {}
     for m in sorted(used):
         t = program.tensors[m] if m < len(program.tensors) else None
@@ -341,6 +342,7 @@ class Costed:
 
     costs: list             # per instruction of the source program
     origin: np.ndarray      # per task
+    first: list             # per instruction, its first task
 
     def per_task(self) -> list:
         return [self.costs[o] for o in self.origin.tolist()]
@@ -350,20 +352,10 @@ def _costs(program: Program, arch: Arch) -> Costed:
     """The tasks of one span differ only by Legion, DRAM offset and destinations, which no
     cost depends on: each instruction is costed once, on its first task."""
     env = Env(tuple(program.tensors), _masks(program))
-    n = len(program.instrs)
-    held = getattr(program.instrs, "origin", None)          # an expansion's, as an array
-    origin = held if isinstance(held, np.ndarray) else \
-        np.asarray(program.origin if program.origin is not None else range(n), dtype=np.int64)
-    first = np.searchsorted(origin, np.arange(origin[-1] + 1 if n else 0)).tolist()
     tasks = program.instrs
-    costs = []
-    if isinstance(tasks, Tasks):        # instructions alike in every field (each layer's) cost alike
-        alike = tasks.alike()
-        for o, k in enumerate(first):
-            costs.append(alike.get("cost", o, lambda: _cost(program, k, tasks[k], arch, env)))
-    else:
-        costs = [_cost(program, k, tasks[k], arch, env) for k in first]
-    return Costed(costs, origin)
+    first, alike = tasks.first.tolist(), tasks.alike()     # alike instructions (each layer's) cost alike
+    costs = [alike.get("cost", o, lambda: _cost(program, k, tasks[k], arch, env)) for o, k in enumerate(first)]
+    return Costed(costs, tasks.origin, first)
 
 
 def _cost(program: Program, k: int, i, arch: Arch, env: Env):
@@ -377,8 +369,7 @@ def _counters(program: Program, costed: Costed, tasks, start: np.ndarray, free: 
               done: np.ndarray) -> tuple[dict, dict]:
     """The counters summed over the tasks, busy cycles by family and by queue, and the
     per-instruction rows of the matmuls; an instruction's tasks share its cost."""
-    origin, costs = costed.origin, costed.costs
-    first = np.searchsorted(origin, np.arange(len(costs))).tolist()
+    origin, costs, first = costed.origin, costed.costs, costed.first
     tasks_of = np.bincount(origin, minlength=len(costs)).tolist()
     counters = dict.fromkeys(SUMMED, 0)
     times: dict = {}                    # cost -> tasks that have it (alike instructions share one)
@@ -387,8 +378,7 @@ def _counters(program: Program, costed: Costed, tasks, start: np.ndarray, free: 
     for c, n in times.values():
         for name, v in c.counters.items():
             counters[name] += v * n
-    written = getattr(program.instrs, "source", None) or [program.instrs[k] for k in first]
-    fam_of = np.array([FAMILIES.index(family(type(i))) for i in written], dtype=np.int64)
+    fam_of = np.array([FAMILIES.index(family(type(i))) for i in program.instrs.source], dtype=np.int64)
     fam = fam_of[origin] if len(origin) else origin
     held = free - start
     count = np.bincount(fam, minlength=len(FAMILIES))
@@ -432,7 +422,7 @@ def simulate(program: Program, arch: Arch, execute=None, progress=None) -> Timel
     if arch.derived.dram_bytes_per_cycle <= 0 or arch.derived.link_bytes_per_cycle <= 0:
         raise TimingError(f"{arch.name}: DRAM and link bandwidth must be positive")
     costed = _costs(program, arch)
-    tasks = lockstep.tasks_of(program, costed, arch.legions)
+    tasks = lockstep.tasks_of(program, costed)
     n = len(tasks.kind)
     times = tuple(np.full(n, np.nan) for _ in range(3))
     if lockstep.fits(tasks, arch.legions):

@@ -70,7 +70,7 @@ def programs(draw):
 def every_task(program):
     """The times of simulating every task of ``program`` on its own."""
     flat = timing.expand(program, ARCH.legions).program
-    tasks = lockstep.tasks_of(flat, timing._costs(flat, ARCH), ARCH.legions)
+    tasks = lockstep.tasks_of(flat, timing._costs(flat, ARCH))
     times = tuple(np.full(len(tasks.kind), np.nan) for _ in range(3))
     timing._at_once(flat, ARCH, tasks, times, None, None)
     return flat, times
@@ -108,7 +108,7 @@ def test_symmetric_legions_are_simulated_once_and_repeats_not_again():
     body = [load_x(0, 64, dests=range(4)), vadd(0, 64, span=4, wait=Cond(0, "dma")),
             load_x(0, 32, span=4, lstride=32), vadd(0, 32, span=4, wait=Cond(None, "dma")), Barrier()]
     flat = timing.expand(Program("t", [X], body * 3, data=None), ARCH.legions).program
-    tasks = lockstep.tasks_of(flat, timing._costs(flat, ARCH), ARCH.legions)
+    tasks = lockstep.tasks_of(flat, timing._costs(flat, ARCH))
     segs = list(lockstep.segments(tasks, ARCH.legions, timing.machine_queues(ARCH)))
     # L0 issues the multicast and is a class of its own; L1-L3 move together
     assert sorted(segs[0].part().mult) == [1] * 4 + [3] * 3
