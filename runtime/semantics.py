@@ -122,8 +122,10 @@ def gather(m: Machine, i: Gather) -> None:
 
 # --- matrix ----------------------------------------------------------------------------------
 
-# fp32 value of every weight a w2/w4 byte packs, lowest bits first: row b of a (256, 8/bits) table.
-_WEIGHT_LUT = {mode: UNPACK[mode].astype(np.float32) for mode in ("w4", "w2")}
+# fp32 values of the weights a w2/w4 byte packs, lowest bits first, as one element per byte
+# (a row of 8/bits fp32 as raw bytes): unpacking is one flat take, not a take of table rows.
+_WEIGHT_LUT = {mode: np.ascontiguousarray(UNPACK[mode], np.float32).view(f"V{4 * UNPACK[mode].shape[1]}").ravel()
+               for mode in ("w4", "w2")}
 # Every integer of magnitude up to 2**24 is an fp32 value.
 FP32_EXACT = 2 ** 24
 
@@ -134,7 +136,7 @@ def _weights(m: Machine, i: MatMul) -> np.ndarray:
     packed = m.read(i.legion, i.wgt, i.K, row_bytes, _span(i))
     if i.mode == "w8":
         return packed.view(np.int8).astype(np.float32)
-    w = np.take(_WEIGHT_LUT[i.mode], packed, axis=0)
+    w = _WEIGHT_LUT[i.mode].take(packed).view(np.float32)
     return w.reshape(packed.shape[0], i.K, -1)[:, :, :i.N]
 
 
