@@ -16,7 +16,7 @@ from isa.progress import SILENT, Progress
 from isa.verify import verify
 from runtime import semantics
 from runtime.liveness import Liveness
-from runtime.races import RaceCheck
+from runtime.races import RaceCheck, segment_key
 from runtime.state import Machine, Trap, host_array
 from runtime.timing import Timeline, simulate
 
@@ -60,21 +60,37 @@ def run(program: Program, arch: Arch, inputs: dict[str, np.ndarray], races: bool
 
 def _by_instruction(machine: Machine, program: Program, keep: bool, advance) -> None:
     """Every instruction in program order, all its tasks (one per Legion of its span) at once:
-    a program whose conditions all wait for earlier instructions is ordered this way."""
+    a program whose conditions all wait for earlier instructions is ordered this way. The race
+    check skips a segment between barriers that repeats one it checked (races.segment_key)."""
     tasks = program.instrs
     source, first = tasks.source, tasks.first.tolist()
     live = None if keep else Liveness(program, source)
+    watch, checked = machine.watch, set()
     count = 0
     for o, ins in enumerate(source):
+        if watch is not None and (o == 0 or isinstance(ins, Barrier)):
+            machine.watch = _segment_watch(watch, checked, source, o, program)
         if isinstance(ins, (Wait, Barrier)):
             continue
         span = getattr(ins, "span", None) or 1
-        _execute(machine, program, ins, first[o], span, live.ran(o) if live is not None else ())
+        _execute(machine, program, ins, first[o], span, live.ran(o) if live is not None else (), watch)
         count += span
         if count >= PROGRESS_BLOCK:
             advance(count)
             count = 0
+    machine.watch = watch
     advance(count)
+
+
+def _segment_watch(watch: RaceCheck, checked: set, source: list, o: int, program: Program):
+    """The race check for the segment starting at instruction ``o``; None when it repeats one
+    already checked."""
+    end = next((j for j in range(o + 1, len(source)) if isinstance(source[j], Barrier)), len(source))
+    key = segment_key(source[o:end], program.tensors)
+    if key in checked:
+        return None
+    checked.add(key)
+    return watch
 
 
 def _by_task(machine: Machine, program: Program, keep: bool, advance):
@@ -85,7 +101,8 @@ def _by_task(machine: Machine, program: Program, keep: bool, advance):
 
     def execute(k: int) -> None:
         nonlocal count
-        _execute(machine, program, program.instrs[k], k, 1, live.ran(k) if live is not None else ())
+        _execute(machine, program, program.instrs[k], k, 1, live.ran(k) if live is not None else (),
+                 machine.watch)
         count += 1
         if count == PROGRESS_BLOCK:
             advance(count)
@@ -93,8 +110,9 @@ def _by_task(machine: Machine, program: Program, keep: bool, advance):
     return execute
 
 
-def _execute(machine: Machine, program: Program, ins, k: int, span: int, dead) -> None:
-    """Run tasks k..k+span-1 (``ins``), then free the tensors they were the last use of."""
+def _execute(machine: Machine, program: Program, ins, k: int, span: int, dead, watch) -> None:
+    """Run tasks k..k+span-1 (``ins``), then free the tensors they were the last use of (and
+    their race ledgers in ``watch``)."""
     if machine.watch is not None:
         machine.watch.start(k, span)
     try:
@@ -103,8 +121,8 @@ def _execute(machine: Machine, program: Program, ins, k: int, span: int, dead) -
         raise Trap(f"{program.where(k)}: {ins.MNEMONIC}: {e}") from None
     for n in dead:
         machine.free(n)
-        if machine.watch is not None:
-            machine.watch.forget(n)
+        if watch is not None:
+            watch.forget(n)
 
 
 def in_program_order(tasks: Tasks, legions: int) -> bool:

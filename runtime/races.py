@@ -30,7 +30,7 @@ import numpy as np
 from isa.arch import Arch
 from isa.expand import NONE, Tasks
 from isa.fields import QUEUES, View
-from isa.instructions import Barrier
+from isa.instructions import DmaLoad, DmaStore, Gather
 from isa.program import Program
 from runtime.state import Trap
 
@@ -534,3 +534,37 @@ def _replaces(win: tuple, write: bool, q: int, old: Access, lo: int, hi: int) ->
     if old[6] == win:
         return True
     return lo <= old[0] and old[1] <= hi and _contiguous(win)
+
+
+# --- segments checked once -------------------------------------------------------------------
+
+TENSOR_FIELDS = {DmaLoad: "src", DmaStore: "dst", Gather: "table"}
+
+
+def segment_key(instrs: list, tensors: list) -> tuple:
+    """What the race check of the instructions between two barriers depends on: the
+    instructions, each DRAM tensor renamed by its first use in the segment (and marked tracked
+    or not). Every access before a barrier is known done by every task after it, so a segment
+    that repeats an earlier one in this form (a decoder's layers) has its races, and so its
+    verdict: checked once."""
+    names: dict = {}
+
+    def local(tensor: int) -> tuple:
+        kind = tensors[tensor].kind
+        return names.setdefault(tensor, (len(names), kind not in ("const", "input")))
+
+    out = []
+    for ins in instrs:
+        field = TENSOR_FIELDS.get(type(ins))
+        mask = getattr(ins, "mask", None)
+        if field is None and mask is None:
+            out.append(ins)
+            continue
+        fields = dict(ins.__dict__)
+        if field is not None:
+            ref = fields[field]
+            fields[field] = (local(ref.tensor), ref.offset, ref.rs)
+        if mask is not None:
+            fields["mask"] = local(mask)
+        out.append((type(ins), tuple(fields.items())))
+    return tuple(out)

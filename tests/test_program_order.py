@@ -84,3 +84,30 @@ vmul L0 vec[64,64,1] vec[0,64,1] #2 rows=1 cols=64 span=8 wait=L0.dma>=1
 """)
     with pytest.raises(Trap, match=r"read of never-written L3 vec\[0\]"):
         run(p, L8, {"x": np.zeros((8, 64), np.float32)}, races=False)
+
+
+SEGMENT = """dma.ld L0 {0} vec[0,64,1] @x[0,64] rows=1 cols=64 span=8 lstride=64
+vmul L0 vec[64,64,1] vec[0,64,1] #2 rows=1 cols=64 span=8 wait=dma
+dma.st L0 @y[0,64] vec[64,64,1] rows=1 cols=64 span=8 lstride=64 wait=vec
+barrier
+"""
+
+
+def test_a_repeated_segment_is_race_checked_once(monkeypatch):
+    from runtime.races import RaceCheck
+    started = []
+    original = RaceCheck.start
+    monkeypatch.setattr(RaceCheck, "start", lambda self, k, span=1: (started.append(k), original(self, k, span)))
+    p = parse(HEAD + ".tensor t f32[8,64] scratch\n" + SEGMENT * 3 + SEGMENT.replace("@y", "@t")
+              + SEGMENT.replace("#2", "#3"))
+    run(p, L8, {"x": np.ones((8, 64), np.float32)})
+    # Checked: the first segment, the second (the first after a barrier) and the last, which
+    # multiplies by another number; not the third, nor the fourth, the same with t for y.
+    assert len(started) == 3 * 3
+
+
+def test_a_race_in_a_segment_that_differs_only_by_it_is_found():
+    racy = SEGMENT.replace(" wait=vec", "")
+    p = parse(HEAD + SEGMENT * 2 + racy)
+    with pytest.raises(Trap, match=r"race on L0 vec\[64\]"):
+        run(p, L8, {"x": np.ones((8, 64), np.float32)})
