@@ -51,6 +51,8 @@ class Options:
     prefetch: bool = True         # off: a matmul's first weights wait for the row kernel before it
     # What quantized-matmul schedules are chosen for: "latency", "energy" or "edp" (qplan.OBJECTIVES).
     objective: str = "latency"
+    # Quantized matmuls' schedules (lower.schedules.Schedules): pinned ones in, those given out.
+    schedules: object = field(default=None, compare=False)
 
     def switches(self) -> Switches:
         return Switches(self.multicast, self.accumulators, self.sparsity, self.prefetch, self.objective)
@@ -67,7 +69,7 @@ def compile_model(model: str | Path, options: Options, data_file: str | None = N
     ``Program.data``."""
     graph = graph_of(model, options, after_pass, progress)
     program = lower_graph(graph, options.arch, data_file, options.switches(),  # tiles, kernels, DMA, sync
-                          progress, data_out)
+                          progress, data_out, options.schedules)
     return graph, program
 
 
