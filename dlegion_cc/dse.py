@@ -27,7 +27,7 @@ from dlegion_cc.lower.qplan import OBJECTIVES
 
 BASE = "dlegion-8x8"
 TABLE_WIDTH = 170
-OUTPUTS = ("dse.json", "dse.csv", "latency.png", "roofline.png")
+OUTPUTS = ("dse.json", "dse.csv", "latency.png", "roofline.png", "pareto.png")
 
 
 # --- configurations --------------------------------------------------------------------------
@@ -132,14 +132,15 @@ def _csv_text(rows: list[dict]) -> str:
 
 
 def write_outputs(out: Path, rows: list[dict], model: str, dims: dict, objective: str = "latency") -> list[Path]:
-    """All four files, or none (each written to a temporary first, then renamed)."""
+    """All the files, or none (each written to a temporary first, then renamed)."""
     from isa.files import atomic_write_all
-    from dlegion_cc.dse_plots import latency_png, roofline_png
+    from dlegion_cc.dse_plots import latency_png, pareto_png, roofline_png
     title = Path(model).name + "".join(f" {k}={v}" for k, v in sorted(dims.items()))
     doc = {"model": str(model), "dims": dims, "base": BASE, "objective": objective, "columns": list(COLUMNS),
            "rows": rows}
     bodies = (json.dumps(doc, indent=2) + "\n", _csv_text(rows),
-              latency_png(rows, f"latency: {title}"), roofline_png(rows, f"roofline: {title}"))
+              latency_png(rows, f"latency: {title}"), roofline_png(rows, f"roofline: {title}"),
+              pareto_png(rows, f"latency against area: {title}"))
     files = [(out / name, body.encode() if isinstance(body, str) else body)
              for name, body in zip(OUTPUTS, bodies)]
     atomic_write_all(files)     # makes the folder
@@ -219,8 +220,8 @@ def _none_compiled(model: str, rows: list[dict]) -> str:
               help="Worker processes.")
 @click.option("--out", "out_dir", default="dse", show_default=True, type=click.Path(file_okay=False),
               callback=no_empty_path,
-              help="Folder (created if missing) to write dse.json, dse.csv, latency.png and "
-                   "roofline.png to; all four are replaced, or none.")
+              help="Folder (created if missing) to write dse.json, dse.csv, latency.png, roofline.png "
+                   "and pareto.png to; all five are replaced, or none.")
 @click.option("--objective", type=click.Choice(OBJECTIVES), default="latency", show_default=True,
               help="What each quantized matmul's schedule is chosen for (as dlegion-cc --objective).")
 def dse_command(model, dims, legions, cores, arrays, presets, jobs, out_dir, objective):

@@ -91,7 +91,7 @@ def test_rows_are_sorted_by_latency_in_json_and_csv(sweep):
 
 def test_plots_are_png(sweep):
     _, out = sweep
-    for name in ("latency.png", "roofline.png"):
+    for name in ("latency.png", "roofline.png", "pareto.png"):
         assert (out / name).read_bytes().startswith(PNG_MAGIC), name
 
 
