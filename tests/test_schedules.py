@@ -16,6 +16,7 @@ from dlegion_cc.pipeline import Options, compile_model
 from isa import arch as arch_mod
 from isa.asm import format_program
 from isa.instructions import MatMul
+from runtime.emulator import random_inputs, run
 from runtime.timing import simulate
 
 ROOT = Path(__file__).parent.parent
@@ -78,6 +79,25 @@ def test_a_pinned_schedule_is_the_one_compiled(tmp_path):
     first = next(k for k, (_, name) in enumerate(program.regions) if name == "proj")
     passes = [i for i in program.instrs[starts[first]:starts[first + 1]] if isinstance(i, MatMul)]
     assert passes and {i.K for i in passes} == {TINY.array}
+
+
+def test_a_pinned_deal_cuts_the_rows_and_the_results_stay_exact(tmp_path):
+    """The constant-weight matmul's rows in two parts of one Legion each (the search keeps them
+    whole): each part's schedule is for its 32 rows and 24 columns a Legion, and every output
+    is the searched program's, bit for bit."""
+    model = _narrow(tmp_path / "m.onnx")
+    searched, doc = _compile(model)
+    e = next(e for e in doc["schedules"] if e["node"] == "proj")
+    assert (e["deal"]["legions_per_part"], e["deal"]["parts"]) == (TINY.legions, 1)
+    e["deal"] |= {"legions_per_part": 1, "parts": 2, "columns_per_legion": 24}
+    e["shape"]["M"] = 32
+    pinned, again = _compile(model, doc)
+    assert [x["deal"] for x in again["schedules"] if x["node"] == "proj"] == [e["deal"]]
+    inputs = random_inputs(searched, 1)
+    want, got = run(searched, TINY, inputs).outputs, run(pinned, TINY, inputs).outputs
+    assert format_program(pinned) != format_program(searched)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
 @pytest.fixture
