@@ -174,3 +174,14 @@ def test_more_or_fewer_schedules_than_the_node_needs(tmp_path, cc):
         (tmp_path / "s.json").write_text(json.dumps({"schedules": schedules_}))
         status, lines = cc(model, "--arch", "dlegion-tiny", "-o", tmp_path / "p.s", "--schedule", tmp_path / "s.json")
         assert status == 2 and len(lines) == 1 and message in lines[0] and "node 'proj'" in lines[0], lines
+
+
+def test_the_schedules_read_are_never_overwritten_and_a_missing_file_is_named(tmp_path, cc):
+    model = _narrow(tmp_path / "m.onnx")
+    (tmp_path / "s.json").write_text('{"schedules": []}')
+    status, lines = cc(model, "--arch", "dlegion-tiny", "--emit", "schedule", "-o", tmp_path / "s.json",
+                       "--schedule", tmp_path / "s.json")
+    assert status == 2 and "would overwrite the schedules" in lines[0], lines
+    assert (tmp_path / "s.json").read_text() == '{"schedules": []}'
+    status, lines = cc(model, "--arch", "dlegion-tiny", "-o", tmp_path / "p.s", "--schedule", tmp_path / "none.json")
+    assert status == 2 and len(lines) == 1 and "none.json" in lines[0], lines
