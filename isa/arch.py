@@ -28,7 +28,7 @@ DATAFLOWS = ("dip", "ws")
 ENERGY = ("pj_per_mac_w8", "pj_per_mac_w4", "pj_per_mac_w2", "pj_per_dram_byte", "pj_per_sram_byte",
           "pj_per_vector_op", "static_watts")
 # Silicon area, in square micrometres at the process node ``area_node_nm`` (see the presets for
-# their sources): each PE by the lowest-precision mode it supports, each KiB of scratchpad
+# their sources): a PE by each mode it may support, each KiB of scratchpad
 # (single-ported) and of accumulator scratchpad (read-modify-write every cycle), each int32
 # adder of the accumulators, each fp32 vector lane, and each byte a cycle of a Legion's link.
 AREA = ("um2_per_pe_w8", "um2_per_pe_w4", "um2_per_pe_w2", "um2_per_sram_kib", "um2_per_acc_kib",
@@ -76,7 +76,7 @@ class Arch:
     pj_per_vector_op: float       # one lane-op of the vector unit (fp32)
     static_watts: float           # leakage and clock tree, drawn for the whole run
     # area (square micrometres at ``area_node_nm``; see AREA). Every description gives all
-    # three PE figures; a PE's area is that of the lowest-precision mode it supports.
+    # three PE figures; a PE is as large as the largest figure of the modes it supports.
     area_node_nm: int
     um2_per_pe_w8: float
     um2_per_pe_w4: float
@@ -143,8 +143,8 @@ def derive(a: Arch) -> Derived:
 
 
 def area(a: Arch) -> dict:
-    """The chip's area by part, in mm^2: the arrays' PEs (each as large as its lowest-precision
-    mode needs), the accumulators (a core's int32 adders, one per output lane of a pass:
+    """The chip's area by part, in mm^2: the arrays' PEs (each the largest figure of the modes
+    it supports: an adaptive PE is built for its narrowest mode), the accumulators (a core's int32 adders, one per output lane of a pass:
     ``array`` columns times the windows its mode holds; with parallel accumulators the same
     count forms the adder tree across the cores, plus the accumulator scratchpad), the other
     scratchpads, the vector lanes, and the NoC (one link and router per Legion, as wide as the
