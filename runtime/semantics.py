@@ -128,6 +128,8 @@ _WEIGHT_LUT = {mode: np.ascontiguousarray(UNPACK[mode], np.float32).view(f"V{4 *
                for mode in ("w4", "w2")}
 # Every integer of magnitude up to 2**24 is an fp32 value.
 FP32_EXACT = 2 ** 24
+# Rows from which a spanned matmul with shared activations runs as one wide product.
+WIDE_ROWS = 8
 
 
 def _weights(m: Machine, i: MatMul) -> np.ndarray:
@@ -194,9 +196,10 @@ def matmul(m: Machine, i: MatMul) -> None:
     if kept is not None:
         w = w * kept
     w_max = 1 << (MODE_BITS[i.mode] - 1)
-    if span > 1 and (a == a[:1]).all():
+    if span > 1 and i.M >= WIDE_ROWS and (a == a[:1]).all():
         # Multicast activations: the ranks' weights side by side make one wide product, which
-        # BLAS runs faster than a batch of narrow ones (exact either way).
+        # BLAS runs faster than a batch of narrow ones (exact either way); worth the copy of
+        # the weights only for enough rows.
         wide = np.moveaxis(w, 0, 1).reshape(i.K, span * i.N)
         out = exact_matmul(a[0], wide, w_max).reshape(i.M, span, i.N).transpose(1, 0, 2)
     else:

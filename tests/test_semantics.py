@@ -76,6 +76,28 @@ def test_matmul_exact_in_every_mode(mode, mask, accumulate):
     np.testing.assert_array_equal(spad(m, L0, "acc", acc.addr, acc.rs, *ref.shape), ref)
 
 
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("M", [3, 12])
+def test_a_spanned_matmul_is_exact_on_each_legion(shared, M):
+    """Both Legions of a span=2 matmul, with the same activations (one wide product) or not."""
+    rng = np.random.default_rng(M)
+    K, N = 24, 16
+    b = Builder()
+    acc, act, wgt = View("acc", 0, N), View("act", 0, K), View("wgt", 0, N // 4)
+    b.add(MatMul(L0, acc, act, wgt, M, K, N, "w2", "k", "set", None, span=2))
+    m = b.machine()
+    refs = []
+    for legion in (0, 1):
+        a = rng.integers(-128, 128, size=(M, K)) if legion == 0 or not shared else a
+        w = random_weights(rng, "w2", (K, N))
+        put(m, legion, "act", 0, K, a.astype(np.int8))
+        put(m, legion, "wgt", 0, N // 4, np.stack([pack_row(r, "w2") for r in w]))
+        refs.append(wrap32(a @ w))
+    run(m)
+    for legion, ref in enumerate(refs):
+        np.testing.assert_array_equal(spad(m, legion, "acc", 0, N, M, N), ref)
+
+
 @pytest.mark.parametrize("mode", ["w8", "w4", "w2"])
 def test_matmul_ragged_shapes(mode):
     m, acc, ref = matmul_case(np.random.default_rng(8), mode, True, "add", M=3, K=13, N=10)
