@@ -236,6 +236,7 @@ def _check_graph(model: onnx.ModelProto, source: str) -> None:
 def _check_nodes(graph: Graph, source: str) -> None:
     """What shape inference lets through, with every culprit named: their results would be wrong
     without a word (a Reshape's missing elements zero, a Gather's index taken modulo the rows)."""
+    _check_empty_outputs(graph, source)
     problems = []
     for n in graph.nodes:
         check = None if n.domain else NODE_CHECKS.get(n.op)
@@ -249,6 +250,19 @@ def _check_nodes(graph: Graph, source: str) -> None:
                                f"({host_memory() / 2**30:.0f} GiB)")
     if problems:
         raise UnsupportedNodes(source, problems)
+
+
+def _check_empty_outputs(graph: Graph, source: str) -> None:
+    """An empty input is legal (a decode step's empty cache), but an empty output leaves nothing
+    to compute: a dim bound to 0 that should not be (``--dim sequence=0``)."""
+    for name in graph.outputs:
+        v = graph.values.get(name)
+        if v is not None and not math.prod(v.shape):
+            raise CompileError(f"{source}: graph output '{name}' {v.text()} is empty; nothing to compute")
+    empty = [(n.name, n.op, f"output '{o}' {graph.values[o].text()} is empty; only graph inputs may be")
+             for n in graph.nodes for o in n.outputs if o in graph.values and not math.prod(graph.values[o].shape)]
+    if empty:
+        raise UnsupportedNodes(source, empty)
 
 
 def host_memory() -> int:
@@ -295,20 +309,28 @@ NODE_CHECKS = {"Reshape": _reshape_problem, "Gather": _gather_problem}
 
 
 def _bind_dims(model: onnx.ModelProto, dims: dict[str, int], source: str) -> None:
-    unbound = []
+    unbound: dict[str, list[str]] = {}      # dim -> the inputs it shapes, in order
     for inp in model.graph.input:
         for d in inp.type.tensor_type.shape.dim:
             if d.HasField("dim_value"):
                 continue
             name = d.dim_param or "?"
             if name not in dims:
-                unbound.append(f"'{name}' of input '{inp.name}'")
+                unbound.setdefault(name, []).append(inp.name)
                 continue
             d.dim_value = int(dims[name])
     if unbound:
-        names = sorted({u.split("'")[1] for u in unbound})
-        raise CompileError(f"{source}: unbound symbolic dimension {', '.join(unbound)}; "
-                           f"pass {' '.join(f'--dim {n}=N' for n in names)} or --inputs")
+        # one entry a dim, however many inputs it shapes (a cache: two a layer)
+        where = ", ".join(f"'{n}' of {_some_inputs(list(dict.fromkeys(inputs)))}" for n, inputs in unbound.items())
+        raise CompileError(f"{source}: unbound symbolic dimension {where}; "
+                           f"pass {' '.join(f'--dim {n}=N' for n in sorted(unbound))} or --inputs")
+
+
+def _some_inputs(names: list[str]) -> str:
+    if len(names) == 1:
+        return f"input '{names[0]}'"
+    more = f" and {len(names) - 1} more" if len(names) > 2 else f" and '{names[1]}'"
+    return f"inputs '{names[0]}'{more}"
 
 
 def _drop_unused(model: onnx.ModelProto) -> None:
