@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +44,7 @@ def import_model(path: str | Path, dims: dict[str, int] | None = None, progress:
     source = str(path)
     with progress.task("importing", None) as advance:
         model = _parse(Path(path))
+        given = {t.name for t in model.graph.initializer}
         spill = Spill()
         lazy = _unload(model, Path(path), spill)
         _check(Path(path), source)
@@ -54,7 +56,7 @@ def import_model(path: str | Path, dims: dict[str, int] | None = None, progress:
         for _ in range(MAX_FOLD_ROUNDS):
             model = _infer(model, source)
             advance()
-            if not _fold(model, lazy, spill, source):
+            if not _fold(model, lazy, spill, source, Positions(given, dims or {})):
                 break
         graph = _to_graph(model, lazy, source)
         _check_nodes(graph, source)
@@ -403,7 +405,33 @@ def _static_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _fold(model: onnx.ModelProto, lazy: dict[str, Lazy], spill: Spill, source: str) -> bool:
+@dataclass(frozen=True)
+class Positions:
+    """What tells a table of positions read past its end because of the bound dims (rotary cos/sin
+    caches gathered at past .. past + sequence) from an invalid model: the model's own constants
+    and the dims the command line bound."""
+
+    given: set[str]
+    dims: dict[str, int]
+
+    def check(self, node, known, source: str) -> None:
+        """A Gather of a constant table at indices computed from the bound dims, past its rows:
+        one line naming the dims, before any work (the model is not at fault)."""
+        if node.op_type != "Gather" or not self.dims or node.input[1] in self.given:
+            return
+        if not all(i in known for i in node.input):
+            return
+        table, indices = known[node.input[0]], np.asarray(known[node.input[1]])
+        axis = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 0)
+        rows = table.shape[axis] if table.ndim else 0
+        if not indices.size or (-rows <= indices.min() and indices.max() < rows):
+            return
+        bound = ", ".join(f"{k}={v}" for k, v in sorted(self.dims.items()))
+        raise CompileError(f"{source}: node '{node.name}' (Gather): {bound} reach position {int(indices.max())}, "
+                           f"past the model's {rows} positions (the rows of '{node.input[0]}')")
+
+
+def _fold(model: onnx.ModelProto, lazy: dict[str, Lazy], spill: Spill, source: str, positions: Positions) -> bool:
     """Evaluate every node whose inputs are all known; True when anything was folded. Large
     results join ``lazy`` (spilled) and stay stubs in the proto."""
     g = model.graph
@@ -411,6 +439,7 @@ def _fold(model: onnx.ModelProto, lazy: dict[str, Lazy], spill: Spill, source: s
     shapes = _static_shapes(model)
     kept, folded = [], False
     for node in g.node:
+        positions.check(node, known, source)
         values = _evaluate(node, known, shapes, source)
         if values is None:
             kept.append(node)
