@@ -139,3 +139,14 @@ def test_a_past_longer_than_the_models_positions_is_refused(cc, tmp_path):
     _refused(cc(model, "-o", out, "--dim", "sequence=2", "--dim", "past_sequence_length=7"),
              "node 'cos_gather' (Gather)", "past_sequence_length=7, sequence=2 reach position 8",
              "the model's 8 positions")
+
+
+def test_a_decode_step_reads_each_cached_head_once_per_group():
+    """One query row per head: the group's query heads are the rows of one product against the
+    unrepeated key/value head (not a product per query head, each reading the whole head)."""
+    from isa import arch
+    from dlegion_cc.pipeline import Options, graph_of
+    graph = graph_of(DECODE, Options(arch.load("dlegion-tiny"), {"sequence": 1, PAST_DIM: 11}))
+    products = [n for n in graph.nodes if n.op == "MatMul" and not n.domain][:2]
+    shapes = [[graph.values[i].shape for i in n.inputs] for n in products]
+    assert shapes == [[(1, KV, 2, HEAD), (1, KV, HEAD, 12)], [(1, KV, 2, 12), (1, KV, 12, HEAD)]]
