@@ -150,3 +150,23 @@ def test_a_decode_step_reads_each_cached_head_once_per_group():
     products = [n for n in graph.nodes if n.op == "MatMul" and not n.domain][:2]
     shapes = [[graph.values[i].shape for i in n.inputs] for n in products]
     assert shapes == [[(1, KV, 2, HEAD), (1, KV, HEAD, 12)], [(1, KV, 2, 12), (1, KV, 12, HEAD)]]
+
+
+def test_copying_a_cache_into_its_present_output_keeps_dram_busy(tmp_path):
+    """The present output is a copy of the past with the new rows after it: rows of a 2B4T
+    layer's cache are longer than a block, and the blocks they are cut into take half the
+    vector scratchpad each, so one loads while the one before is stored."""
+    from isa import arch
+    from dlegion_cc.pipeline import Options, compile_model
+    from runtime.timing import simulate
+    machine = arch.load("dlegion-8x8")
+    past, new = [1, 5, 512, 128], [1, 5, 1, 128]
+    g = helper.make_graph([helper.make_node("Concat", ["past", "new"], ["present"], axis=2)], "g",
+                          [helper.make_tensor_value_info("past", TensorProto.FLOAT, past),
+                           helper.make_tensor_value_info("new", TensorProto.FLOAT, new)],
+                          [helper.make_tensor_value_info("present", TensorProto.FLOAT, [1, 5, 513, 128])])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 20)]), tmp_path / "cat.onnx")
+    _, program = compile_model(tmp_path / "cat.onnx", Options(machine))
+    moved = 2 * 4 * (np.prod(past) + np.prod(new))          # read once and written once
+    floor = moved / machine.derived.dram_bytes_per_cycle + 2 * machine.dram_latency_cycles
+    assert simulate(program, machine).cycles <= 1.05 * floor

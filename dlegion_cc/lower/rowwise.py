@@ -199,9 +199,12 @@ def _whole_frames(em, args, shape, bound, strides, body, resident, reach: _Reach
 
 def _folded(em, args, shape, bound, width, body, where) -> None:
     """Rows longer than a block, element by element: each row is cut into rows of ``fold``
-    elements (and a shorter last one), which row blocks then take several at a time."""
+    elements (and a shorter last one), which row blocks then take several at a time. A block
+    takes half the scratchpad, so the next one loads while this one is computed and stored
+    (a whole one would leave DRAM idle between them: a 2B4T decode step's copy of a
+    512-position cache into its present output went 5,837 -> 4,469 cycles)."""
     cols = shape[-1]
-    fold = _fold_width(cols, width)
+    fold = _fold_width(cols, max(1, width // 2))
     whole_rows, rest = divmod(cols, fold)
     ops = list(bound.values())
     folded = [Operand(o.tensor, o.offset, o.strides[:-1] + (fold * o.strides[-1], o.strides[-1])) for o in ops]
