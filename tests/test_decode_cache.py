@@ -170,3 +170,23 @@ def test_copying_a_cache_into_its_present_output_keeps_dram_busy(tmp_path):
     moved = 2 * 4 * (np.prod(past) + np.prod(new))          # read once and written once
     floor = moved / machine.derived.dram_bytes_per_cycle + 2 * machine.dram_latency_cycles
     assert simulate(program, machine).cycles <= 1.05 * floor
+
+
+@pytest.mark.fp32
+def test_the_causal_skip_follows_the_mask_offset_by_the_past():
+    """Several new tokens after a cache: token i sees keys 0 .. past + i, so the blocks past that
+    are left out (the mask's own values say where), and the result is onnxruntime's."""
+    from isa import arch
+    from dlegion_cc.pipeline import Options, compile_model
+    from runtime.check import compare, onnx_reference
+    from runtime.emulator import random_inputs, run
+    seq, past = 24, 40
+    machine = arch.load("dlegion-tiny")
+    graph, program = compile_model(DECODE, Options(machine, {"sequence": seq, PAST_DIM: past}))
+    [qk] = [n for n in graph.nodes if n.op == "MatMul" and "dead" in n.attrs][:1]
+    rows, cols = np.indices((seq, past + seq))
+    np.testing.assert_array_equal(qk.attrs["dead"], cols > past + rows)
+    assert program.skipped.get("causal_skipped_macs", 0) > 0
+    inputs = random_inputs(program, 0)
+    result = compare(run(program, machine, inputs).outputs, onnx_reference(DECODE, inputs))
+    assert all(r.ok for r in result), result
