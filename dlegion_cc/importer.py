@@ -59,6 +59,7 @@ def import_model(path: str | Path, dims: dict[str, int] | None = None, progress:
             if not _fold(model, lazy, spill, source, Positions(given, dims or {})):
                 break
         graph = _to_graph(model, lazy, source)
+        _check_empty_outputs(graph, dims or {}, source)
         _check_nodes(graph, source)
     _drop_output_identities(graph)
     return graph
@@ -238,7 +239,6 @@ def _check_graph(model: onnx.ModelProto, source: str) -> None:
 def _check_nodes(graph: Graph, source: str) -> None:
     """What shape inference lets through, with every culprit named: their results would be wrong
     without a word (a Reshape's missing elements zero, a Gather's index taken modulo the rows)."""
-    _check_empty_outputs(graph, source)
     problems = []
     for n in graph.nodes:
         check = None if n.domain else NODE_CHECKS.get(n.op)
@@ -254,17 +254,17 @@ def _check_nodes(graph: Graph, source: str) -> None:
         raise UnsupportedNodes(source, problems)
 
 
-def _check_empty_outputs(graph: Graph, source: str) -> None:
-    """An empty input is legal (a decode step's empty cache), but an empty output leaves nothing
-    to compute: a dim bound to 0 that should not be (``--dim sequence=0``)."""
+def _check_empty_outputs(graph: Graph, dims: dict[str, int], source: str) -> None:
+    """A dim bound to 0 may empty an input (a decode step's empty cache: a prefill), but one that
+    empties a graph output leaves nothing to compute: a slip (``--dim sequence=0``)."""
+    zeros = sorted(name for name, size in dims.items() if size == 0)
+    if not zeros:
+        return
     for name in graph.outputs:
         v = graph.values.get(name)
         if v is not None and not math.prod(v.shape):
-            raise CompileError(f"{source}: graph output '{name}' {v.text()} is empty; nothing to compute")
-    empty = [(n.name, n.op, f"output '{o}' {graph.values[o].text()} is empty; only graph inputs may be")
-             for n in graph.nodes for o in n.outputs if o in graph.values and not math.prod(graph.values[o].shape)]
-    if empty:
-        raise UnsupportedNodes(source, empty)
+            raise CompileError(f"{source}: graph output '{name}' {v.text()} is empty with "
+                               f"{', '.join(f'{z}=0' for z in zeros)}; nothing to compute")
 
 
 def host_memory() -> int:

@@ -130,7 +130,8 @@ def write_bitnet(config: BitNetConfig, path: str | Path, external_data: bool, pr
               help="symbolic sequence dimension 'sequence' (with --past, the cache's 'past_sequence_length' too)")
 @click.option("--past", type=click.IntRange(min=0),
               help="a decode step with a key/value cache of this many positions: past_key_values.N.key/value "
-                   "inputs, present.N.key/value outputs")
+                   "inputs, present.N.key/value outputs (with --dynamic the cache's length is symbolic, "
+                   "whatever P)")
 @click.option("--block-sparsity", type=float, default=0.0, show_default=True, help="fraction of zero weight blocks")
 @click.option("--block", type=int, default=16, show_default=True, help="block edge for --block-sparsity")
 @click.option("--external-data/--no-external-data", default=False, show_default=True,

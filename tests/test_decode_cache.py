@@ -13,6 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from isa.asm import load
+from isa.encoding import decode_program, encode_program
 from models import bitnet
 from models.decoder import PAST_DIM
 
@@ -96,8 +97,10 @@ def test_an_unbound_cache_names_the_dim_to_give_once(cc, tmp_path):
 def test_an_empty_cache_compiles_from_dim_or_inputs(cc, tmp_path):
     status, lines = cc(DECODE, "-o", tmp_path / "a.s", "--dim", "sequence=3", "--dim", "past_sequence_length=0", "-q")
     assert status == 0, lines
-    empty = [t for t in load(tmp_path / "a.s").tensors if t.io_name and t.io_name.startswith("past_key_values.")]
+    program = load(tmp_path / "a.s")
+    empty = [t for t in program.tensors if t.io_name and t.io_name.startswith("past_key_values.")]
     assert [t.shape for t in empty] == [(1, KV, 0, HEAD)] * 4
+    assert decode_program(encode_program(program)).tensors == program.tensors     # the binary form too
     arrays = {"input_ids": np.zeros((1, 3), np.int64)}
     arrays |= {f"past_key_values.{i}.{k}": np.zeros((1, KV, 0, HEAD), np.float32) for i in range(2) for k in ("key", "value")}
     np.savez(tmp_path / "in.npz", **arrays)
@@ -108,7 +111,7 @@ def test_an_empty_cache_compiles_from_dim_or_inputs(cc, tmp_path):
 
 def test_an_empty_output_is_refused(cc, tmp_path):
     _refused(cc(DECODE, "-o", tmp_path / "p.s", "--dim", "sequence=0", "--dim", "past_sequence_length=2"),
-             "graph output 'logits' float32[1,0,256] is empty")
+             "graph output 'logits' float32[1,0,256] is empty with sequence=0")
     assert not list(tmp_path.iterdir())
 
 

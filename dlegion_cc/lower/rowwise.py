@@ -15,6 +15,8 @@ rows reach; the columns beyond are left as they are in DRAM.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -68,6 +70,8 @@ def rowwise(em: Emitter, shape: tuple[int, ...], args: list[Arg], body: Body,
     """Emit ``body`` over every row block of the frame ``shape``. ``reach`` (with
     ``keep_last``), of the frame's rows (``shape[:-1]``): how many leading columns each row
     needs; a group of blocks runs as wide as the widest of its rows."""
+    if not math.prod(shape):
+        return          # an empty frame (a value emptied by a dim bound to 0): nothing to do
     shape, args, reach = _broadcast_rows(em, shape, args, keep_last, reach)
     shape2, bound, strides = _coalesced(shape, args, keep_last)
     reach = _Reach(reach.reshape(shape2[:-1]) if reach is not None and keep_last else None, shape2[-1])
