@@ -12,6 +12,7 @@ from dlegion_cc.importer import import_model
 from dlegion_cc.ir import Graph
 from dlegion_cc.lower.context import Switches
 from dlegion_cc.lower.graph import lower_graph
+from dlegion_cc.lower.schedules import Schedules
 from dlegion_cc.passes.bitlinear import RecognizeBitLinear
 from dlegion_cc.passes.causal import CausalSkip
 from dlegion_cc.passes.fuse import FuseRowwise
@@ -51,6 +52,8 @@ class Options:
     prefetch: bool = True         # off: a matmul's first weights wait for the row kernel before it
     # What quantized-matmul schedules are chosen for: "latency", "energy" or "edp" (qplan.OBJECTIVES).
     objective: str = "latency"
+    # Quantized matmuls' schedules: pinned ones in, those given out (None: all searched).
+    schedules: Schedules | None = field(default=None, compare=False)
 
     def switches(self) -> Switches:
         return Switches(self.multicast, self.accumulators, self.sparsity, self.prefetch, self.objective)
@@ -67,7 +70,7 @@ def compile_model(model: str | Path, options: Options, data_file: str | None = N
     ``Program.data``."""
     graph = graph_of(model, options, after_pass, progress)
     program = lower_graph(graph, options.arch, data_file, options.switches(),  # tiles, kernels, DMA, sync
-                          progress, data_out)
+                          progress, data_out, options.schedules)
     return graph, program
 
 

@@ -360,3 +360,22 @@ def top1(ours: np.ndarray, ref: np.ndarray) -> Top1:
     a, b = ours.reshape(-1, ref.shape[-1]), ref.reshape(-1, ref.shape[-1])
     same = a.argmax(axis=1) == b.argmax(axis=1)
     return Top1(int(same.sum()), int(same.size), [int(i) for i in np.flatnonzero(~same)])
+
+
+WEIGHTS = ("w2", "w4", "w8", "i8")         # the integer weights of quantized matmuls
+
+
+def flip_one_weight(data: bytes, program) -> tuple[bytes, str]:
+    """A deliberately wrong program's data, to show the check catches one: ``data`` with the
+    first nonzero weight of the program's largest integer weight tensor negated (made 0 where
+    its negation does not fit), and which weight that is."""
+    from isa.program import pack, unpack
+    t = max((t for t in program.tensors if t.kind == "const" and t.dtype in WEIGHTS), key=lambda t: t.nbytes)
+    raw = bytearray(data)
+    w = unpack(np.frombuffer(bytes(raw[t.offset:t.offset + t.nbytes]), np.uint8), t.dtype)[:t.numel]
+    w = w.astype(np.int64)
+    i = int(np.flatnonzero(w)[0])
+    lo = -128 if t.dtype in ("w8", "i8") else -(1 << (int(t.dtype[1]) - 1))
+    w[i] = -w[i] if lo <= -w[i] < -lo else 0
+    raw[t.offset:t.offset + t.nbytes] = pack(w, t.dtype).view(np.uint8).tobytes()
+    return bytes(raw), f"{t.name}[{i}]"

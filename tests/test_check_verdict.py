@@ -13,31 +13,15 @@ import pytest
 
 from isa import arch as arch_mod
 from isa.asm import load
-from isa.program import pack, unpack
 from dlegion_cc.pipeline import Options, compile_model
 from models.bitnet import build_bitnet, preset, save
-from runtime.check import compare_one, fp64_distances, judge
+from runtime.check import compare_one, flip_one_weight, fp64_distances, judge
 from runtime.emulator import random_inputs, run
 
 ROOT = Path(__file__).parent.parent
 TINY = arch_mod.load("dlegion-tiny")
 MODELS = sorted(p.stem for p in (ROOT / "models").glob("*.onnx"))
 DIMS = {"bitnet_tiny_gqa": {"sequence": 8}, "bitnet_tiny_decode": {"sequence": 4, "past_sequence_length": 11}}
-WEIGHTS = ("w2", "w4", "w8", "i8")         # the integer weights of quantized matmuls
-
-
-def flip_one_weight(data: bytes, program) -> tuple[bytes, str]:
-    """``data`` with the first nonzero weight of the program's largest integer weight tensor negated
-    (made 0 where its negation does not fit), and which weight that is."""
-    t = max((t for t in program.tensors if t.kind == "const" and t.dtype in WEIGHTS), key=lambda t: t.nbytes)
-    raw = bytearray(data)
-    w = unpack(np.frombuffer(bytes(raw[t.offset:t.offset + t.nbytes]), np.uint8), t.dtype)[:t.numel]
-    w = w.astype(np.int64)
-    i = int(np.flatnonzero(w)[0])
-    lo = -128 if t.dtype in ("w8", "i8") else -(1 << (int(t.dtype[1]) - 1))
-    w[i] = -w[i] if lo <= -w[i] < -lo else 0
-    raw[t.offset:t.offset + t.nbytes] = pack(w, t.dtype).view(np.uint8).tobytes()
-    return bytes(raw), f"{t.name}[{i}]"
 
 
 @cache

@@ -24,11 +24,11 @@ def run(machine):
 
 
 def put(machine, legion, space, addr, rs, values, cs=1):
-    machine.write(legion, View(space, addr, rs, cs), np.asarray(values))
+    machine.write(legion, View(space, addr, rs, cs), np.asarray(values)[None])
 
 
 def spad(machine, legion, space, addr, rs, rows, cols, cs=1):
-    return np.array(machine.read(legion, View(space, addr, rs, cs), rows, cols))
+    return np.array(machine.read(legion, View(space, addr, rs, cs), rows, cols)[0])
 
 
 def wrap32(x):
@@ -413,10 +413,10 @@ def test_vmatmul_in_fp32():
 def test_sync_instructions_change_nothing():
     m = Builder().machine()
     put(m, L0, "vec", 0, 4, np.arange(8, dtype=np.float32).reshape(2, 4))
-    before = [s.data.copy() for legion in m.spads for s in legion.values()]
+    before = [bank.data.copy() for bank in m.banks.values()]
     execute(m, Wait(1, "vec", Cond(L0, "dma", 3)))
     execute(m, Barrier())
-    after = [s.data for legion in m.spads for s in legion.values()]
+    after = [bank.data for bank in m.banks.values()]
     assert len(after) == len(before) and all((a == b).all() for a, b in zip(after, before))
 
 
@@ -437,7 +437,7 @@ def test_view_outside_the_scratchpad_traps():
     m = Builder().machine()
     cap = m.arch.derived.spad_elems["acc"]
     with pytest.raises(Trap, match=rf"L1 acc\[{cap - 4}\.\.{cap + 3}\].*of {cap} elements"):
-        m.write(1, View("acc", cap - 4, 4), np.zeros((2, 4), np.int32))
+        m.write(1, View("acc", cap - 4, 4), np.zeros((1, 2, 4), np.int32))
 
 
 def test_read_of_never_written_scratchpad_traps():

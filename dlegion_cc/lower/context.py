@@ -79,10 +79,12 @@ def lowers(*ops: str, domain: str = "", views: ViewTest | None = None, writes: V
 class Lowering:
     """Maps graph values to DRAM operands while nodes are lowered in order."""
 
-    def __init__(self, graph: Graph, em: Emitter, switches: Switches = Switches()):
+    def __init__(self, graph: Graph, em: Emitter, switches: Switches = Switches(), schedules=None):
+        from dlegion_cc.lower.schedules import Schedules     # it imports this module
         # A switch turns a feature off, never on: a machine without multicast gets none whatever
         # the caller asked (the parallel accumulators are checked where splits are chosen).
         self.graph, self.em = graph, em
+        self.schedules = schedules if schedules is not None else Schedules()     # quantized matmuls'
         self.switches = replace(switches, multicast=switches.multicast and em.arch.multicast)
         self.operands: dict[str, Operand] = {}
         self.int8 = int8_activations(graph)

@@ -34,7 +34,7 @@ from dlegion_cc.lower.emitter import Emitter
 from dlegion_cc.lower.layout import Operand, whole
 from dlegion_cc.lower.rowwise import Arg, rowwise
 from dlegion_cc.lower.qparts import part_widths, pick_width, row_parts, split_rows
-from dlegion_cc.lower.qtiles import Problem, RowScale, Segment, emit_tiles, plan_tiles
+from dlegion_cc.lower.qtiles import Problem, RowScale, Segment, emit_tiles
 
 WEIGHT_DTYPE = {"w2": "w2", "w4": "w4", "w8": "i8"}
 
@@ -163,7 +163,7 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
     per = M // batches
     corr = None if zero_point(low, acts) == acts.offset else correction_shape(arch, values[0], block)
     shapes = _Shapes(low, layouts, segments, rscale, block, corr, out.requant, exact, per, K)
-    width = pick_width(arch, low.switches, shapes.widths(), shapes.part)
+    width = low.schedules.width(arch, per, lambda: pick_width(arch, low.switches, shapes.widths(), shapes.part))
     if width != arch.legions:
         w, lay = layouts.laid(width)
         values = _batches(w)
@@ -239,7 +239,7 @@ def _emit_parts(low: Lowering, p: Problem, width: int) -> None:
     for j, rows in enumerate(split_rows(p.rows, parts)):
         part = p if parts == 1 else replace(p, rows=rows, legions=range(j * width, (j + 1) * width))
         if len(rows) not in plans:
-            plans[len(rows)] = plan_tiles(arch, part, low.switches)
+            plans[len(rows)] = low.schedules.plan(arch, part, low.switches)
         emit_tiles(low.em, part, plans[len(rows)], low.written)
 
 
@@ -303,14 +303,14 @@ def lower_run_time_weights(low: Lowering, a: str, b: str, out: str) -> None:
     if em.tensors[dst.tensor].dtype != "i32":
         raise ValueError(f"output '{out}' is not stored as int32")
     per = M // batches
-    width, parts = row_parts(arch, per, n_pad)
+    width, parts = low.schedules.deal(arch, per, lambda: row_parts(arch, per, n_pad))
     plans: dict = {}            # by the rows of a part: parts alike have one plan
     for j, rows in enumerate(split_rows(range(per), parts)):
         batch = [Problem(a8, None, ((w, "w8"),), None, 1, K, None, None, None, 0, "w8", None, True, dst.tensor,
                          range(i * per + rows.start, i * per + rows.stop), K, N, n_pad, w_offset=i * K * n_pad,
                          legions=range(j * width, (j + 1) * width)) for i in range(batches)]
         if len(rows) not in plans:
-            plans[len(rows)] = plan_tiles(arch, replace(batch[0], batches=batches), low.switches)
+            plans[len(rows)] = low.schedules.plan(arch, replace(batch[0], batches=batches), low.switches)
         emit_tiles(em, batch[0], plans[len(rows)], low.written, more=tuple(batch[1:]))
 
 

@@ -318,12 +318,17 @@ def vec_fixed(p: Problem, plan: Plan) -> int:
     return RS_SLOTS * plan.rows + CV_SLOTS * (p.groups + 1) * plan.cols
 
 
+def needs(p: Problem, plan: Plan) -> dict[str, int]:
+    """Elements of each scratchpad ``plan`` takes (``wgt`` in bytes, as it holds packed weights)."""
+    return {"wgt": plan.w_slots * wgt_slot_bytes(p, plan),
+            "act": plan.a_slots * act_slot_elems(p, plan) + p.k2,
+            "acc": plan.acc_slots * plan.rows * plan.cols,
+            "vec": plan.res_slots * plan.rows * plan.cols + vec_fixed(p, plan)}
+
+
 def fits(arch: Arch, p: Problem, plan: Plan) -> bool:
     cap = arch.derived.spad_elems
-    return (plan.w_slots * wgt_slot_bytes(p, plan) <= cap["wgt"]
-            and plan.a_slots * act_slot_elems(p, plan) + p.k2 <= cap["act"]
-            and plan.acc_slots * plan.rows * plan.cols <= cap["acc"]
-            and plan.res_slots * plan.rows * plan.cols + vec_fixed(p, plan) <= cap["vec"])
+    return all(n <= cap[space] for space, n in needs(p, plan).items())
 
 
 def _most_slots(cap: int, size: int, useful: int) -> int:
@@ -349,10 +354,10 @@ def with_slots(arch: Arch, p: Problem, plan: Plan) -> Plan | None:
                    res_slots=_most_slots(cap["vec"] - vec_fixed(p, plan), plan.rows * plan.cols, 2))
     if min(plan.w_slots, plan.a_slots, plan.acc_slots, plan.res_slots) < 1:
         return None
-    return replace(plan, corr_depth=_corr_depth(p, plan))
+    return replace(plan, corr_depth=correction_depth(p, plan))
 
 
-def _corr_depth(p: Problem, plan: Plan) -> int:
+def correction_depth(p: Problem, plan: Plan) -> int:
     if not p.k2:
         return 0
     return max(1, min(p.k2, wgt_slot_bytes(p, plan) * 8 // (plan.cols * MODE_BITS[p.corr_mode])))
@@ -390,11 +395,16 @@ def _even_parts(total: int, most: int) -> list[int]:
     return sorted(out)
 
 
+def columns_per_legion(arch: Arch, p: Problem) -> int:
+    """The deal: the output columns, in array-wide slices, shared out evenly over the Legions."""
+    return math.ceil(p.n_pad / arch.array / len(legion_range(arch, p))) * arch.array
+
+
 def candidates(arch: Arch, p: Problem, switches: Switches) -> list[Plan]:
     na, cap = arch.array, arch.derived.spad_elems
     window = na * max(MODE_TILES[m] for _, m in p.weights)
     split = split_for(arch, switches)
-    per_legion = math.ceil(p.n_pad / na / len(legion_range(arch, p))) * na
+    per_legion = columns_per_legion(arch, p)
     group = min(p.block, p.K)
     depths = {d for d in _multiples(na * arch.cores, group) if d <= group} | {group}
     out = []
