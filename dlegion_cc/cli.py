@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from isa import arch as arch_mod
-from isa.console import check_outputs, no_empty_path, positive_int, printable, read_arrays, version_option
+from isa.console import check_outputs, no_empty_path, printable, read_arrays, size_int, version_option
 from isa.progress import Progress
 from dlegion_cc.errors import CompileError
 from dlegion_cc.importer import peek
@@ -23,9 +23,9 @@ def _parse_dims(values: tuple[str, ...]) -> dict[str, int]:
     dims = {}
     for v in values:
         name, sep, num = v.partition("=")
-        size = positive_int(num)
+        size = size_int(num)      # 0 is a size: a decode step's empty cache (a prefill)
         if not sep or not name or size is None:
-            raise click.BadParameter(f"{v!r} is not NAME=POSITIVE_INTEGER (below 2**63)", param_hint="--dim")
+            raise click.BadParameter(f"{v!r} is not NAME=SIZE (an integer from 0 to below 2**63)", param_hint="--dim")
         if name in dims:        # a repeat is a slip at best (a copied line), at worst a contradiction
             raise click.BadParameter(f"'{name}' bound twice ({name}={dims[name]} and {v})", param_hint="--dim")
         dims[name] = size

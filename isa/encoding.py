@@ -171,8 +171,10 @@ def tensor_error(t: Tensor) -> str | None:
         return f"tensor {t.name!r}: unknown dtype {t.dtype!r} (dtypes: {' '.join(DTYPES)})"
     if t.kind not in KINDS:
         return f"tensor {t.name!r}: unknown kind {t.kind!r} (kinds: {' '.join(KINDS)})"
-    if not all(_is_int(d) and d >= 1 for d in t.shape):
-        return f"tensor {t.name!r}: bad shape {list(t.shape)} (dimensions >= 1; [] for a scalar)"
+    least = 0 if t.kind == "input" else 1      # an empty input (a decode step's empty cache) is legal ONNX
+    if not all(_is_int(d) and d >= least for d in t.shape):
+        rule = "dimensions >= 0 for an input, >= 1 otherwise" if t.kind == "input" else "dimensions >= 1"
+        return f"tensor {t.name!r}: bad shape {list(t.shape)} ({rule}; [] for a scalar)"
     return _tensor_extras_error(t)
 
 

@@ -143,7 +143,7 @@ def test_roof_and_sorting():
     ([MODEL, "--legions", "2,x"], "comma-separated list of positive integers"),
     ([MODEL, "--array", "0"], "comma-separated list of positive integers"),
     ([MODEL, "--preset", "no-such-machine"], "unknown architecture 'no-such-machine'"),
-    ([MODEL, "--dim", "seq"], "NAME=POSITIVE_INTEGER"),
+    ([MODEL, "--dim", "seq"], "NAME=SIZE"),
     ([MODEL, "--jobs", "0"], "--jobs"),
     ([MODEL, "--dim", "foo=3"], "has no symbolic dim 'foo'"),
     ([MODEL, "--dim", "sequence=8", "--dim", "sequence=8"], "'sequence' bound twice"),

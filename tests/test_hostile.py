@@ -134,7 +134,7 @@ def test_a_number_too_long_in_a_machine_file_is_refused(tmp_path, run, old, new,
 def test_a_dim_too_long_or_not_ascii_is_refused(tmp_path, run, dim):
     out = tmp_path / "out" / "p.s"
     refused(run("dlegion-cc", ROOT / "models" / "bitnet_tiny_gqa.onnx", "-o", out, "--dim", dim),
-            "dlegion-cc", "--dim", "is not NAME=POSITIVE_INTEGER")
+            "dlegion-cc", "--dim", "is not NAME=SIZE")
     assert listing(tmp_path) == []
 
 
