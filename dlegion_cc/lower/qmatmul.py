@@ -281,11 +281,14 @@ class _Shapes:
                        0, rows, self.K, N, n_pad, nonzero, segs, legions=range(width))
 
 
-def lower_run_time_weights(low: Lowering, a: str, b: str, out: str) -> None:
+def lower_run_time_weights(low: Lowering, a: str, b: str, out: str, ra: str | None = None,
+                           rb: str | None = None) -> None:
     """``out = a . b`` in int32 for int8 operands both computed at run time (a graph that
     quantizes attention's QK^T or PV): b's rows, as they are in DRAM, are the weight rows the
     arrays load in mode w8. Each batch of b multiplies its slice of a's rows; the weights'
-    zero blocks are unknown when compiling, so every window is passed."""
+    zero blocks are unknown when compiling, so every window is passed. With ``ra`` and ``rb``
+    (fp32 [.., M, 1] and [.., N, 1]: attention quantized by the compiler), the drain multiplies
+    row i by ``ra[i]`` and column j of each batch by ``rb[j]`` into an fp32 ``out``."""
     em, arch = low.em, low.em.arch
     shape, bshape = low.shape(a), low.shape(b)
     if len(bshape) < 2 or not shape or shape[-1] != bshape[-2]:
@@ -297,21 +300,52 @@ def lower_run_time_weights(low: Lowering, a: str, b: str, out: str) -> None:
     n_pad = math.ceil(N / arch.array) * arch.array
     before = len(em.instrs)
     a8, w = int8_rows(low, a, 0), int8_rows(low, b, 0, width=n_pad)
+    rscale = None if ra is None else _run_time_row_scale(low, ra, M)
+    scales = None if rb is None else _run_time_column_scales(low, rb, batches, N, n_pad)
     if len(em.instrs) > before:
         em.barrier()                                    # the arrays load what the vector unit wrote
     dst = low.result(out)
-    if em.tensors[dst.tensor].dtype != "i32":
+    exact = rscale is None
+    if exact and em.tensors[dst.tensor].dtype != "i32":
         raise ValueError(f"output '{out}' is not stored as int32")
     per = M // batches
     width, parts = row_parts(arch, per, n_pad)
     plans: dict = {}            # by the rows of a part: parts alike have one plan
     for j, rows in enumerate(split_rows(range(per), parts)):
-        batch = [Problem(a8, None, ((w, "w8"),), None, 1, K, None, None, None, 0, "w8", None, True, dst.tensor,
+        batch = [Problem(a8, rscale, ((w, "w8"),), scales, 1, K, None, None, None, 0, "w8", None, exact, dst.tensor,
                          range(i * per + rows.start, i * per + rows.stop), K, N, n_pad, w_offset=i * K * n_pad,
-                         legions=range(j * width, (j + 1) * width)) for i in range(batches)]
+                         s_offset=i * n_pad, legions=range(j * width, (j + 1) * width)) for i in range(batches)]
         if len(rows) not in plans:
             plans[len(rows)] = plan_tiles(arch, replace(batch[0], batches=batches), low.switches)
         emit_tiles(em, batch[0], plans[len(rows)], low.written, more=tuple(batch[1:]))
+
+
+@lowers("AttnMatMul", domain=DLEGION)
+def attn_matmul(low: Lowering, node) -> None:
+    """``a8 . b8`` scaled per row by ``ra`` and per column by ``rb`` (``passes/attention.py``)."""
+    a8, ra, b8, rb = node.inputs
+    lower_run_time_weights(low, a8, b8, node.outputs[0], ra, rb)
+
+
+def _run_time_row_scale(low: Lowering, ra: str, M: int) -> RowScale:
+    op = low.operand(ra)
+    if math.prod(low.shape(ra)) != M or op != whole(op.tensor, low.shape(ra)):
+        raise ValueError(f"row scale '{ra}' of shape {list(low.shape(ra))} is not one contiguous value per row")
+    return RowScale(op.tensor, op.offset, 1)
+
+
+def _run_time_column_scales(low: Lowering, rb: str, batches: int, N: int, n_pad: int) -> int:
+    """An f32 [batches, n_pad] tensor of each batch's column scales (zero past N)."""
+    op, shape = low.operand(rb), low.shape(rb)
+    if math.prod(shape) != batches * N:
+        raise ValueError(f"column scale '{rb}' of shape {list(shape)} is not one value per column of each batch")
+    if N == n_pad and op == whole(op.tensor, shape) and op.offset == 0:
+        return op.tensor
+    t = low.em.tensor(f"{rb}_cols", "f32", (batches, n_pad), "scratch")
+    body = lambda e, l, v, r, c: e.emit(BY_MNEMONIC["vmov"](l, v["out"], v["x"], r, c))     # noqa: E731
+    rowwise(low.em, (batches, N), [Arg("x", Operand(op.tensor, op.offset, (N, 1))),
+                                   Arg("out", Operand(t, 0, (n_pad, 1)), out=True)], body)
+    return t
 
 
 # --- fused matmuls ------------------------------------------------------------------------

@@ -61,6 +61,7 @@ class Problem:
     nonzero: tuple = ()      # per weight piece: bool [ceil(K/array), n_pad/array] nonzero blocks
     segments: tuple = ()     # of a fused matmul (``Segment``): where its columns are stored
     w_offset: int = 0        # where the weights start in their tensors (one batch of a run-time B)
+    s_offset: int = 0        # where the column scales start in theirs (one batch of run-time scales)
     legions: range | None = None    # the Legions it runs on, column slices in order (None: all)
     batches: int = 1         # run this many times over in the same slots (``emit_tiles``' ``more``)
 

@@ -563,7 +563,7 @@ def _column_vectors(st: _Tiles, g: Group, t: int) -> None:
     base = st.cv_at + s * st.cv_size
     loads = []
     if p.scales is not None:
-        loads.append(DmaLoad(g.base, frozenset({g.base}), View("vec", base, nb, 1), DramRef(p.scales, n0, p.n_pad),
+        loads.append(DmaLoad(g.base, frozenset({g.base}), View("vec", base, nb, 1), DramRef(p.scales, p.s_offset + n0, p.n_pad),
                              p.groups, nb, lstride=st.lstride(g)))
     if p.bias is not None:
         loads.append(DmaLoad(g.base, frozenset({g.base}), View("vec", base + p.groups * nb, nb, 1),
