@@ -32,6 +32,7 @@ from dlegion_cc.ir import DLEGION
 from dlegion_cc.lower.context import Lowering, lowers
 from dlegion_cc.lower.emitter import Emitter
 from dlegion_cc.lower.layout import Operand, whole
+from dlegion_cc.lower.movement import nd_copy
 from dlegion_cc.lower.rowwise import Arg, rowwise
 from dlegion_cc.lower.qparts import part_widths, pick_width, row_parts, split_rows
 from dlegion_cc.lower.qtiles import Problem, RowScale, Segment, emit_tiles, plan_tiles
@@ -299,9 +300,14 @@ def lower_run_time_weights(low: Lowering, a: str, b: str, out: str, ra: str | No
         raise ValueError(f"B of shape {list(bshape)} is not one matrix per batch of A {list(shape)}")
     n_pad = math.ceil(N / arch.array) * arch.array
     before = len(em.instrs)
-    a8, w = int8_rows(low, a, 0), int8_rows(low, b, 0, width=n_pad)
-    rscale = None if ra is None else _run_time_row_scale(low, ra, M)
-    scales = None if rb is None else _run_time_column_scales(low, rb, batches, N, n_pad)
+    a8 = int8_rows(low, a, 0)
+    if ra is None:
+        w, w_offsets = int8_rows(low, b, 0, width=n_pad), [i * K * n_pad for i in range(batches)]
+        rscale, scales, s_offsets = None, None, [0] * batches
+    else:
+        w, w_offsets = _distinct(low, b, low.operand(b), low.shape(b), n_pad, "i8")
+        rscale = _run_time_row_scale(low, ra, M)
+        scales, s_offsets = _run_time_column_scales(low, rb, N, n_pad)
     if len(em.instrs) > before:
         em.barrier()                                    # the arrays load what the vector unit wrote
     dst = low.result(out)
@@ -313,14 +319,38 @@ def lower_run_time_weights(low: Lowering, a: str, b: str, out: str, ra: str | No
     plans: dict = {}            # by the rows of a part: parts alike have one plan
     for j, rows in enumerate(split_rows(range(per), parts)):
         batch = [Problem(a8, rscale, ((w, "w8"),), scales, 1, K, None, None, None, 0, "w8", None, exact, dst.tensor,
-                         range(i * per + rows.start, i * per + rows.stop), K, N, n_pad, w_offset=i * K * n_pad,
-                         s_offset=i * n_pad, legions=range(j * width, (j + 1) * width)) for i in range(batches)]
+                         range(i * per + rows.start, i * per + rows.stop), K, N, n_pad, w_offset=w_offsets[i],
+                         s_offset=s_offsets[i], legions=range(j * width, (j + 1) * width)) for i in range(batches)]
         if len(rows) not in plans:
             plans[len(rows)] = plan_tiles(arch, replace(batch[0], batches=batches), low.switches)
         emit_tiles(em, batch[0], plans[len(rows)], low.written, more=tuple(batch[1:]))
 
 
-@lowers("AttnMatMul", domain=DLEGION)
+def _matrices_in_place(node, name: str, op: Operand) -> bool:
+    """Attention's quantized K/V and their scales are read as views (``_distinct``)."""
+    return name in node.inputs[2:]
+
+
+def _distinct(low: Lowering, name: str, op: Operand, shape: tuple, width: int, dtype: str) -> tuple[int, list[int]]:
+    """``op`` [.., rows, n] as a tensor of matrices whose rows are ``width`` apart, and the
+    offset of each batch's matrix: the value where it is when it is laid out so, else a copy of
+    each distinct matrix (a batch axis with a 0 stride repeats one: grouped-query attention's
+    K/V heads are copied once, not once per query head)."""
+    em = low.em
+    rows, n = shape[-2:]
+    if (em.tensors[op.tensor].dtype == dtype and n == width and op.strides[-1] == 1
+            and (rows == 1 or op.strides[-2] == n)):
+        return op.tensor, [op.at(idx).offset for idx in np.ndindex(*shape[:-2])]
+    batch = shape[:-2]
+    kept = tuple(1 if s == 0 else d for d, s in zip(batch, op.strides[:-2]))
+    t = em.tensor(f"{name}_{dtype}", dtype, (*kept, rows, width), "scratch")
+    dst = whole(t, (*kept, rows, width))
+    nd_copy(em, dst, op, (*kept, rows, n))
+    return t, [dst.at(tuple(0 if s == 0 else i for i, s in zip(idx, op.strides))).offset
+               for idx in np.ndindex(*batch)]
+
+
+@lowers("AttnMatMul", domain=DLEGION, views=_matrices_in_place)
 def attn_matmul(low: Lowering, node) -> None:
     """``a8 . b8`` scaled per row by ``ra`` and per column by ``rb`` (``passes/attention.py``)."""
     a8, ra, b8, rb = node.inputs
@@ -334,18 +364,14 @@ def _run_time_row_scale(low: Lowering, ra: str, M: int) -> RowScale:
     return RowScale(op.tensor, op.offset, 1)
 
 
-def _run_time_column_scales(low: Lowering, rb: str, batches: int, N: int, n_pad: int) -> int:
-    """An f32 [batches, n_pad] tensor of each batch's column scales (zero past N)."""
+def _run_time_column_scales(low: Lowering, rb: str, N: int, n_pad: int) -> tuple[int, list[int]]:
+    """An f32 tensor of each batch's column scales (``rb`` [.., N, 1], read as [.., 1, N]) and
+    each batch's offset."""
     op, shape = low.operand(rb), low.shape(rb)
-    if math.prod(shape) != batches * N:
+    if shape[-2:] != (N, 1):
         raise ValueError(f"column scale '{rb}' of shape {list(shape)} is not one value per column of each batch")
-    if N == n_pad and op == whole(op.tensor, shape) and op.offset == 0:
-        return op.tensor
-    t = low.em.tensor(f"{rb}_cols", "f32", (batches, n_pad), "scratch")
-    body = lambda e, l, v, r, c: e.emit(BY_MNEMONIC["vmov"](l, v["out"], v["x"], r, c))     # noqa: E731
-    rowwise(low.em, (batches, N), [Arg("x", Operand(op.tensor, op.offset, (N, 1))),
-                                   Arg("out", Operand(t, 0, (n_pad, 1)), out=True)], body)
-    return t
+    row = Operand(op.tensor, op.offset, (*op.strides[:-2], 0, op.strides[-2]))
+    return _distinct(low, rb, row, (*shape[:-2], 1, N), n_pad, "f32")
 
 
 # --- fused matmuls ------------------------------------------------------------------------

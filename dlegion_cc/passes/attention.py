@@ -72,6 +72,7 @@ def _rewrite(graph: Graph, mm: Node, quantized: dict) -> None:
         quantized[a] = (_absmax(graph, a, graph.nodes.index(mm)) if softmax is None
                         else _reshaped(graph, _quantized_softmax(graph, softmax), reshape))
     a8, ra = quantized[a]
+    b, expand = _repeated(graph, b)
     bt, nodes = _transposed(graph, b)
     if _feeds_softmax(graph, mm.outputs[0]):
         bt, more = _smoothed(graph, bt)
@@ -81,6 +82,8 @@ def _rewrite(graph: Graph, mm: Node, quantized: dict) -> None:
     b8t, rb = _absmax(graph, bt, graph.nodes.index(mm))
     b8, [swap] = _transposed(graph, b8t, through=False)
     graph.nodes.insert(graph.nodes.index(mm), swap)
+    if expand is not None:          # each query head of a group reads its K/V head in place
+        b8, rb = (_expand(graph, v, shape, graph.nodes.index(mm)) for v, shape in zip((b8, rb), expand))
     attrs = {k: v for k, v in mm.attrs.items() if k in ("dead", "zero_a")}
     attrs["approximation"] = APPROXIMATION
     graph.nodes[graph.nodes.index(mm)] = Node("AttnMatMul", mm.name, [a8, ra, b8, rb], list(mm.outputs), attrs,
@@ -176,6 +179,36 @@ def _transposed(graph: Graph, x: str, through: bool = True) -> tuple[str, list[N
     out = graph.add_value(f"{x}_t", (*shape[:-2], shape[-1], shape[-2]), graph.values[x].dtype)
     perm = list(range(rank - 2)) + [rank - 1, rank - 2]
     return out, [Node("Transpose", graph.fresh(f"{x}_transpose"), [x], [out], {"perm": perm})]
+
+
+def _repeated(graph: Graph, b: str) -> tuple[str, tuple | None]:
+    """``b`` before the Expand that repeats it along leading axes (grouped-query attention's
+    K/V heads, ``passes/gqa.py``), looking through a transpose of the last two axes, and the
+    shapes of ``b`` and of its per-column scales; else ``b`` and None. The repeats are
+    quantized once, and the matmul reads each repeat in place (a 0 stride)."""
+    shape = graph.values[b].shape
+    swap = graph.producer(b) if _swaps_last_two(graph.producer(b), len(shape)) else None
+    src = swap.inputs[0] if swap is not None else b
+    e = graph.producer(src)
+    if e is None or e.op != "Expand" or e.domain or len(graph.values[e.inputs[0]].shape) != len(shape):
+        return b, None
+    small = graph.values[e.inputs[0]].shape
+    if tuple(small[-2:]) != tuple(graph.values[src].shape[-2:]):
+        return b, None
+    if swap is None:
+        return e.inputs[0], (shape, (*shape[:-2], shape[-1], 1))
+    # b = Transpose(Expand(s)): the same as Expand(Transpose(s)), with Transpose(s) made here.
+    base, [t] = _transposed(graph, e.inputs[0], through=False)
+    graph.nodes.insert(graph.nodes.index(swap), t)
+    return base, (shape, (*shape[:-2], shape[-1], 1))
+
+
+def _expand(graph: Graph, x: str, shape: tuple, at: int) -> str:
+    """Insert ``Expand(x, shape)`` before node ``at``; returns its output."""
+    out = graph.add_value(f"{x}_repeats", shape, graph.values[x].dtype)
+    dims = graph.add_value(f"{x}_repeats_shape", (len(shape),), np.int64, np.array(shape, np.int64))
+    graph.nodes.insert(at, Node("Expand", graph.fresh(f"{x}_expand"), [x, dims], [out]))
+    return out
 
 
 def _smoothed(graph: Graph, kt: str) -> tuple[str, list[Node]]:
