@@ -25,9 +25,8 @@ APPROXIMATION_BOUND = 3e-2
 # stay within on a float output. By default ``--check`` judges float outputs at the sum of the
 # tolerances of the approximations a program records (distances add at most), and says so.
 # int8_attention: 3.1e-2 at most on the committed models' logits (their random weights pass
-# every perturbation through each later layer's int8 activations), 2e-3 on a generated 2B4T
-# layer's output at sequence 512 (bench/bench_layer.py --error). int8_activations: the bound
-# above (llama_tiny_nbits4: 1.2e-2).
+# every perturbation through each later layer's int8 activations; README, "Attention in int8").
+# int8_activations: the bound above (llama_tiny_nbits4: 1.2e-2).
 PROGRAM_APPROXIMATIONS = {
     "int8_attention": ("attention's float products (QK^T, PV) on the arrays in int8: Q, K (smoothed) and P "
                        "quantized per row, V per channel", 5e-2),

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dlegion_cc.ir import DLEGION, Graph, Node, Value
+from dlegion_cc.passes.causal import Finiteness
 
 APPROXIMATION = "int8_attention"
 MODES = ("int8", "fp32")
@@ -52,8 +53,11 @@ class QuantizeAttention:
         if chosen_mode(graph, getattr(options, "attention", None)) != "int8":
             return
         quantized: dict[str, tuple[str, str]] = {}
+        finite = Finiteness(graph)
         for node in list(graph.nodes):
-            if _float_product(graph, node):
+            # A NaN or an infinity would be lost in int8 (stored as 0, or saturated): ONNX
+            # spreads it, so such products keep fp32.
+            if _float_product(graph, node) and all(finite.known(i) for i in node.inputs):
                 _rewrite(graph, node, quantized)
 
 
