@@ -11,6 +11,7 @@ from onnx import helper, numpy_helper
 
 from isa import arch
 from isa.asm import format_program, parse
+from isa.instructions import MatMul
 from isa.encoding import decode_program, encode_program
 from dlegion_cc.pipeline import Options, compile_model, graph_of
 from runtime.check import approximation_tolerance, judge
@@ -157,14 +158,19 @@ def test_smoothing_k_removes_its_shared_bias(tmp_path, monkeypatch):
 
 
 def test_causal_skipping_keeps_the_same_bits(tmp_path):
-    """P's quantized rows are computed only as far as the causal mask lets them reach; the
-    program computes the same as with nothing skipped."""
+    """P's quantized rows are computed only as far as the causal mask lets them reach, and the
+    PV product leaves out the rows of V past a row block's reach (neither loaded nor passed);
+    the program computes the same as with nothing skipped."""
     path = attention(tmp_path / "attn.onnx", 2, 256)
     x = _inputs(2, 256)
     _, sparse = compile_model(path, Options(WIDE, attention="int8"))
     _, dense = compile_model(path, Options(WIDE, attention="int8", sparsity=False))
-    np.testing.assert_array_equal(run(sparse, WIDE, x).outputs["o"], run(dense, WIDE, x).outputs["o"])
-    assert sparse.skipped.get("causal_skipped_vector_ops", 0) > 0 and not dense.skipped
+    a, b = run(sparse, WIDE, x), run(dense, WIDE, x)
+    np.testing.assert_array_equal(a.outputs["o"], b.outputs["o"])
+    assert sparse.skipped["causal_skipped_vector_ops"] > 0 and sparse.skipped["causal_skipped_macs"] > 0
+    assert not dense.skipped
+    assert any(isinstance(i, MatMul) and i.mask is not None for i in sparse.instrs)
+    assert a.timeline.counters["macs"] < b.timeline.counters["macs"]
 
 
 @pytest.mark.parametrize("name", ["bitnet_tiny_relu2", "bitnet_tiny_gqa", "llama_tiny_dynamic_int8",
@@ -182,3 +188,18 @@ def test_committed_models_pass_check_with_int8_attention(name):
     [row] = verdict.rows
     assert row.ok and row.rel_l2 > 1e-4
     assert row.top1.agree == row.top1.positions
+
+
+def test_check_says_what_the_program_approximates_and_allows_for_it(tmp_path):
+    from click.testing import CliRunner
+    from dlegion_cc.cli import compile_command
+    from runtime.cli import run_command
+    model, prog = ROOT / "models" / "bitnet_tiny_relu2.onnx", tmp_path / "p.s"
+    r = CliRunner().invoke(compile_command, [str(model), "-o", str(prog), "--arch", "dlegion-tiny", "-q"])
+    assert r.exit_code == 0, r.output
+    assert ".approximation int8_attention" in prog.read_text()
+    r = CliRunner().invoke(run_command, [str(prog), "--check", str(model), "-q"])
+    assert r.exit_code == 0, r.output
+    assert "int8_attention" in r.output and "relative L2 <= 0.05" in r.output
+    r = CliRunner().invoke(run_command, [str(prog), "--check", str(model), "--tolerance", "1e-4", "-q"])
+    assert r.exit_code == 1 and "MISMATCH" in r.output

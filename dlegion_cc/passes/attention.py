@@ -66,7 +66,7 @@ def _float_product(graph: Graph, node: Node) -> bool:
     if node.op != "MatMul" or node.domain or len(node.inputs) != 2:
         return False
     values = [graph.values[i] for i in node.inputs]
-    return all(v.const is None and len(v.shape) >= 2 and np.dtype(v.dtype) == np.float32 for v in values)
+    return all(v.stored is None and len(v.shape) >= 2 and np.dtype(v.dtype) == np.float32 for v in values)
 
 
 def _rewrite(graph: Graph, mm: Node, quantized: dict) -> None:
