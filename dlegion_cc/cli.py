@@ -14,6 +14,7 @@ from dlegion_cc.errors import CompileError
 from dlegion_cc.importer import peek
 from dlegion_cc.lower import schedules
 from dlegion_cc.lower.qplan import OBJECTIVES
+from dlegion_cc.passes.attention import MODES as ATTENTION_MODES
 from dlegion_cc.pipeline import PASS_NAMES, Options, compile_model
 
 EMITS = ("asm", "bin", "ir", "schedule")
@@ -168,9 +169,13 @@ def _compile_program(model: str, options: Options, output: str, arch: str, emit:
 @click.option("--objective", type=click.Choice(OBJECTIVES), default="latency", show_default=True,
               help="What each quantized matmul's schedule is chosen for: the fewest cycles, the fewest joules "
                    "by the architecture's energy table (mostly DRAM traffic), or the least energy x delay.")
+@click.option("--attention", type=click.Choice(ATTENTION_MODES), default=None,
+              help="Attention's float products (QK^T, PV): int8 on the systolic arrays (operands quantized by the "
+                   "compiler, an approximation --check allows for) or fp32 on the vector lanes (ONNX's semantics). "
+                   "Default: int8 where the model's projections are quantized, else fp32.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars (shown only when stderr is a terminal).")
 def compile_command(model, output, arch, dims, inputs_path, emit, schedule_path, print_after, no_multicast,
-                    no_accumulators, no_sparsity, no_fusion, no_prefetch, objective, quiet):
+                    no_accumulators, no_sparsity, no_fusion, no_prefetch, objective, attention, quiet):
     """Compile MODEL (ONNX) into a D-Legion program for ``dlegion-run``."""
     machine = arch_mod.load(arch)
     shapes, data_files = peek(model)
@@ -178,7 +183,8 @@ def compile_command(model, output, arch, dims, inputs_path, emit, schedule_path,
     _check_outputs(model, data_files, output, emit, schedule_path)
     options = Options(machine, bound, multicast=not no_multicast, accumulators=not no_accumulators,
                       sparsity=not no_sparsity, fusion=not no_fusion, prefetch=not no_prefetch,
-                      objective=objective, schedules=schedules.read(schedule_path) if schedule_path else schedules.Schedules())
+                      objective=objective, attention=attention,
+                      schedules=schedules.read(schedule_path) if schedule_path else schedules.Schedules())
     hook, progress = _print_after(print_after), Progress.for_terminal(quiet)
     program = (_compile_ir(model, options, output, hook, progress) if emit == "ir"
                else _compile_schedules(model, options, output, hook, progress) if emit == "schedule"

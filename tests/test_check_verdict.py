@@ -27,7 +27,7 @@ DIMS = {"bitnet_tiny_gqa": {"sequence": 8}, "bitnet_tiny_decode": {"sequence": 4
 @cache
 def compiled(name: str):
     path = ROOT / "models" / f"{name}.onnx"
-    _, program = compile_model(path, Options(TINY, DIMS.get(name, {})))
+    _, program = compile_model(path, Options(TINY, DIMS.get(name, {}), attention="fp32"))
     return path, program, random_inputs(program, 0)
 
 
@@ -59,7 +59,7 @@ def wide_layer(tmp_path_factory):
     config = preset("2b4t", layers=1, seq=32, vocab=256, hidden=512, heads=4, kv_heads=1, ffn=1408)
     save(build_bitnet(config), path, external_data=True)
     machine = arch_mod.load("dlegion-8x8")
-    _, program = compile_model(path, Options(machine))
+    _, program = compile_model(path, Options(machine, attention="fp32"))
     return path, program, machine, random_inputs(program, 0)
 
 
@@ -101,7 +101,7 @@ def test_the_command_prints_and_writes_the_verdict(tmp_path):
     figures; the correct program exits 0 with the same fields."""
     model = ROOT / "models" / "bitnet_tiny_relu2.onnx"
     prog = tmp_path / "p.s"
-    r = _cli("dlegion_cc.cli", "dlegion-cc", model, "-o", prog, "--arch", "dlegion-tiny", "-q")
+    r = _cli("dlegion_cc.cli", "dlegion-cc", model, "-o", prog, "--arch", "dlegion-tiny", "--attention", "fp32", "-q")
     assert r.returncode == 0, r.stderr
     r = _cli("runtime.cli", "dlegion-run", prog, "--check", model, "--json", tmp_path / "ok.json", "-q")
     assert r.returncode == 0, r.stdout + r.stderr

@@ -149,7 +149,7 @@ def test_a_decode_step_reads_each_cached_head_once_per_group():
     unrepeated key/value head (not a product per query head, each reading the whole head)."""
     from isa import arch
     from dlegion_cc.pipeline import Options, graph_of
-    graph = graph_of(DECODE, Options(arch.load("dlegion-tiny"), {"sequence": 1, PAST_DIM: 11}))
+    graph = graph_of(DECODE, Options(arch.load("dlegion-tiny"), {"sequence": 1, PAST_DIM: 11}, attention="fp32"))
     products = [n for n in graph.nodes if n.op == "MatMul" and not n.domain][:2]
     shapes = [[graph.values[i].shape for i in n.inputs] for n in products]
     assert shapes == [[(1, KV, 2, HEAD), (1, KV, HEAD, 12)], [(1, KV, 2, 12), (1, KV, 12, HEAD)]]
@@ -185,7 +185,7 @@ def test_the_causal_skip_follows_the_mask_offset_by_the_past():
     from runtime.emulator import random_inputs, run
     seq, past = 24, 40
     machine = arch.load("dlegion-tiny")
-    graph, program = compile_model(DECODE, Options(machine, {"sequence": seq, PAST_DIM: past}))
+    graph, program = compile_model(DECODE, Options(machine, {"sequence": seq, PAST_DIM: past}, attention="fp32"))
     [qk] = [n for n in graph.nodes if n.op == "MatMul" and "dead" in n.attrs][:1]
     rows, cols = np.indices((seq, past + seq))
     np.testing.assert_array_equal(qk.attrs["dead"], cols > past + rows)

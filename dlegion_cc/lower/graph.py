@@ -58,9 +58,16 @@ def _lower_node(low: Lowering, node: Node, problems: list, regions: list) -> Non
     except (ValueError, MemoryError) as e:
         problems.append((node.name, node.op, str(e)))
         return
+    em.approximations.update(_approximations(node))
     if len(em.instrs) > before:
         em.barrier()
         regions.append((before, region_name(node)))
+
+
+def _approximations(node: Node) -> set[str]:
+    """What a node (or the members of a fused kernel) computes instead of ONNX's semantics."""
+    members = node.attrs.get("nodes", []) if node.domain == DLEGION and node.op == "RowKernel" else []
+    return {n.attrs["approximation"] for n in (node, *members) if "approximation" in n.attrs}
 
 
 NAMED_IN_FULL = 3       # a longer fused run is named by its first and last nodes
