@@ -23,7 +23,8 @@ reach a softmax over the keys through nothing but a scalar Mul and an added mask
 
 This is an approximation of ONNX's fp32 semantics, recorded in the program
 (``int8_attention``) for ``dlegion-run --check``. ``--attention fp32`` keeps the products in fp32
-on the vector lanes; the default quantizes them where the model's projections are quantized.
+on the vector lanes; the default quantizes them where the model's projections are quantized. A
+product with fewer rows than the machine's arrays (a decode step's) stays fp32 by default.
 """
 from __future__ import annotations
 
@@ -54,10 +55,15 @@ class QuantizeAttention:
             return
         quantized: dict[str, tuple[str, str]] = {}
         finite = Finiteness(graph)
+        # By default a product of fewer rows than an array has (a decode step's few query rows
+        # against its whole cache) keeps fp32: quantizing the cache on the vector unit would
+        # cost more than the product itself. --attention int8 quantizes it all the same.
+        rows = 0 if getattr(options, "attention", None) == "int8" else options.arch.array
         for node in list(graph.nodes):
             # A NaN or an infinity would be lost in int8 (stored as 0, or saturated): ONNX
             # spreads it, so such products keep fp32.
-            if _float_product(graph, node) and all(finite.known(i) for i in node.inputs):
+            if (_float_product(graph, node) and graph.values[node.inputs[0]].shape[-2] >= rows
+                    and all(finite.known(i) for i in node.inputs)):
                 _rewrite(graph, node, quantized)
 
 
