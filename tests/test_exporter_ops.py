@@ -1,0 +1,68 @@
+"""Other exporters' operators (onnxruntime's contrib ops, ONNX's opset-23 and function ops): one-node
+models compiled for dlegion-tiny, run, and compared with onnxruntime; each must become one row
+kernel, as BitNet's own RMSNorm does."""
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto as TP
+from onnx import helper, numpy_helper
+
+from isa import arch
+from dlegion_cc.errors import CompileError
+from dlegion_cc.pipeline import Options, compile_model
+from runtime.check import compare, onnx_reference
+from runtime.emulator import run
+
+TINY = arch.load("dlegion-tiny")
+MS = "com.microsoft"
+SHAPE = [1, 5, 64]
+RNG = np.random.default_rng(0)
+GAMMA, BETA = RNG.standard_normal(64).astype(np.float32), RNG.standard_normal(64).astype(np.float32)
+
+
+def _model(node, inputs, outputs, opset=21):
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, TP.FLOAT, SHAPE) for n in inputs],
+                          [helper.make_tensor_value_info(n, TP.FLOAT, SHAPE) for n in outputs],
+                          [numpy_helper.from_array(GAMMA, "g"), numpy_helper.from_array(BETA, "b")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(MS, 1)])
+
+
+CASES = {
+    # onnxruntime-genai's builder: a contrib op in the default domain, which ONNX's checker refuses
+    "SimplifiedLayerNormalization": _model(helper.make_node("SimplifiedLayerNormalization", ["x", "g"], ["y"],
+                                                            epsilon=1e-6, axis=-1), ["x"], ["y"]),
+    "SkipSimplifiedLayerNormalization": _model(helper.make_node(
+        "SkipSimplifiedLayerNormalization", ["x", "s", "g"], ["y", "", "", "sum"], epsilon=1e-6, domain=MS),
+        ["x", "s"], ["y", "sum"]),
+    "SkipLayerNormalization": _model(helper.make_node("SkipLayerNormalization", ["x", "s", "g", "b", "b"],
+                                                      ["y", "", "", "sum"], domain=MS), ["x", "s"], ["y", "sum"]),
+    "LayerNormalization-14": _model(helper.make_node("LayerNormalization", ["x", "g", "b"], ["y"]), ["x"], ["y"],
+                                    opset=14),
+    "LayerNormalization-17": _model(helper.make_node("LayerNormalization", ["x", "g", "b"], ["y"], epsilon=1e-6),
+                                    ["x"], ["y"], opset=17),
+    "RMSNormalization-23": _model(helper.make_node("RMSNormalization", ["x", "g"], ["y"], epsilon=1e-6), ["x"], ["y"],
+                                  opset=23),
+    "FastGelu": _model(helper.make_node("FastGelu", ["x", "b"], ["y"], domain=MS), ["x"], ["y"]),
+    "Gelu-tanh-20": _model(helper.make_node("Gelu", ["x"], ["y"], approximate="tanh"), ["x"], ["y"], opset=20),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_one_node_matches_onnxruntime_in_one_row_kernel(tmp_path, name):
+    path = tmp_path / "m.onnx"
+    onnx.save(CASES[name], path)
+    graph, program = compile_model(path, Options(TINY))
+    assert [n.op for n in graph.nodes] == ["RowKernel"]
+    feeds = {i: RNG.standard_normal(SHAPE).astype(np.float32) for i in ("x", "s") if i in {v.name for v in CASES[name].graph.input}}
+    rows = compare(run(program, TINY, feeds).outputs, onnx_reference(path, feeds))
+    assert rows and all(r.ok for r in rows), rows
+
+
+def test_an_unsupported_output_of_a_contrib_op_is_named(tmp_path):
+    """SkipSimplifiedLayerNormalization's ``mean`` output is not computed by onnxruntime's
+    simplified norm; asked for, it is refused with the node named."""
+    node = helper.make_node("SkipSimplifiedLayerNormalization", ["x", "s", "g"], ["y", "m"], name="norm", domain=MS)
+    path = tmp_path / "m.onnx"
+    onnx.save(_model(node, ["x", "s"], ["y", "m"]), path)
+    with pytest.raises(CompileError, match=r"node 'norm' \(SkipSimplifiedLayerNormalization\): output 'mean'"):
+        compile_model(path, Options(TINY))
