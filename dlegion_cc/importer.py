@@ -47,6 +47,7 @@ def import_model(path: str | Path, dims: dict[str, int] | None = None, progress:
         model = _parse(Path(path))
         spill = Spill()
         lazy = _unload(model, Path(path), spill)
+        del model.graph.value_info[:]           # hints: inference makes them again (_check)
         _check(Path(path), source, model)
         _check_graph(model, source)
         advance()
@@ -211,12 +212,16 @@ def _read_into(t: TensorProto, path: Path, base: Path) -> None:
 
 
 def _check(path: Path, source: str, model: onnx.ModelProto) -> None:
-    """The checker's full rules (shape inference included); it reads the file itself, without
-    the weights: no copy of the model is made. Operators onnxruntime defines in the default
-    domain and ONNX does not are checked against onnxruntime's schemas."""
+    """The checker's full rules: its own (it reads the file itself, without the weights: no copy
+    of the model is made), then strict shape inference, on ``model``, whose declared shapes of
+    intermediate values are gone: onnxruntime lets one that inference contradicts go (the
+    inferred one wins; onnxruntime-genai's builder declares a 1-D constant as a scalar), and so
+    does the compiler. Operators onnxruntime defines in the default domain and ONNX does not are
+    checked against onnxruntime's schemas."""
     try:
         with lent_to_onnx(model):
-            onnx.checker.check_model(str(path), full_check=True)
+            onnx.checker.check_model(str(path))
+            shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, ValueError) as e:
         # one line, all of it: the checker names the culprit node on the lines after the first
         raise CompileError(f"{source}: invalid ONNX model: {' '.join(str(e).split())}") from None

@@ -66,3 +66,19 @@ def test_an_unsupported_output_of_a_contrib_op_is_named(tmp_path):
     onnx.save(_model(node, ["x", "s"], ["y", "m"]), path)
     with pytest.raises(CompileError, match=r"node 'norm' \(SkipSimplifiedLayerNormalization\): output 'mean'"):
         compile_model(path, Options(TINY))
+
+
+def test_a_declared_shape_that_inference_contradicts_is_let_go(tmp_path):
+    """onnxruntime-genai's builder declares a 1-D constant as a scalar; onnxruntime runs the
+    model (the inferred shape wins), and so does the compiler."""
+    nodes = [helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(BETA)),
+             helper.make_node("Add", ["x", "c"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TP.FLOAT, SHAPE)],
+                          [helper.make_tensor_value_info("y", TP.FLOAT, SHAPE)],
+                          value_info=[helper.make_tensor_value_info("c", TP.FLOAT, [])])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]), path)
+    feeds = {"x": RNG.standard_normal(SHAPE).astype(np.float32)}
+    _, program = compile_model(path, Options(TINY))
+    rows = compare(run(program, TINY, feeds).outputs, onnx_reference(path, feeds))
+    assert rows and all(r.ok for r in rows), rows
