@@ -54,12 +54,13 @@ def import_model(path: str | Path, dims: dict[str, int] | None = None, progress:
         _bind_dims(model, dims or {}, source)
         _drop_unused(model)
         _check_domains(model, source)
-        if canon.needed(model):                 # exporters' operators -> plain ONNX ops
-            model = canon.canonicalize(_infer(model, source), source)
         for _ in range(MAX_FOLD_ROUNDS):
             model = _infer(model, source)
             advance()
-            if not _fold(model, lazy, spill, source):
+            if _fold(model, lazy, spill, source):
+                continue
+            model, changed = canon.canonicalize(model, lazy, source)  # exporters' ops -> plain ONNX ops
+            if not changed:
                 break
         graph = _to_graph(model, lazy, source)
         _check_nodes(graph, source)

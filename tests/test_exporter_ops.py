@@ -82,3 +82,36 @@ def test_a_declared_shape_that_inference_contradicts_is_let_go(tmp_path):
     _, program = compile_model(path, Options(TINY))
     rows = compare(run(program, TINY, feeds).outputs, onnx_reference(path, feeds))
     assert rows and all(r.ok for r in rows), rows
+
+
+def _int64(name, value):
+    return numpy_helper.from_array(np.array(value, np.int64), name)
+
+
+def test_gather_nd_by_index_grids_as_a_mask_is_built(tmp_path):
+    """transformers' padding mask, ``mask[batch_idx, kv_idx]`` with index grids made of Range,
+    Expand and Concat (torch.onnx's advanced indexing): once folded, the indices are constant,
+    and GatherND is a Gather of the merged leading axes. Negative indices count from the end."""
+    B, KV = 2, 7
+    nodes = [helper.make_node("Range", ["zero", "nb", "one"], ["bi"]),
+             helper.make_node("Range", ["back", "zero", "one"], ["ki"]),         # -7..-1
+             helper.make_node("Reshape", ["bi", "s_b"], ["b4"]),
+             helper.make_node("Reshape", ["ki", "s_k"], ["k4"]),
+             helper.make_node("Expand", ["b4", "full"], ["be"]),
+             helper.make_node("Expand", ["k4", "full"], ["ke"]),
+             helper.make_node("Unsqueeze", ["be", "last"], ["bu"]),
+             helper.make_node("Unsqueeze", ["ke", "last"], ["ku"]),
+             helper.make_node("Concat", ["bu", "ku"], ["idx"], axis=-1),
+             helper.make_node("GatherND", ["mask", "idx"], ["picked"]),
+             helper.make_node("Not", ["picked"], ["y"])]
+    inits = [_int64("zero", 0), _int64("nb", B), _int64("back", -KV), _int64("one", 1), _int64("s_b", [B, 1, 1, 1]),
+             _int64("s_k", [1, 1, 1, KV]), _int64("full", [B, 1, 1, KV]), _int64("last", [-1])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("mask", TP.BOOL, [B, KV])],
+                          [helper.make_tensor_value_info("y", TP.BOOL, [B, 1, 1, KV])], inits)
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]), path)
+    graph, program = compile_model(path, Options(TINY))
+    assert "GatherND" not in {n.op for n in graph.nodes}
+    feeds = {"mask": RNG.random((B, KV)) < 0.5}
+    got = run(program, TINY, feeds).outputs["y"]
+    np.testing.assert_array_equal(got.astype(bool), onnx_reference(path, feeds)["y"])

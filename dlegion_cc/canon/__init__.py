@@ -10,8 +10,9 @@ meet one form:
 - an ONNX operator the compiler has no lowering for, whose schema defines it as a function of
   other operators, is inlined by ONNX's own inliner.
 
-This runs on the proto after a first shape inference (a handler may read its inputs' shapes),
-and shape inference runs again on what it leaves.
+This runs on the proto once shape inference and constant folding have nothing left to do (a
+handler may read its inputs' shapes and the constants folding made), and both run again on
+what it leaves.
 """
 from __future__ import annotations
 
@@ -38,25 +39,25 @@ def expands(*ops: str, domain: str = ""):
     return register
 
 
-def needed(model: onnx.ModelProto) -> bool:
-    """Whether ``model`` has anything this module rewrites."""
-    return any(_handler(n) or n.op_type in _inlined(model) for n in model.graph.node)
-
-
-def canonicalize(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
+def canonicalize(model: onnx.ModelProto, lazy: dict, source: str) -> tuple[onnx.ModelProto, bool]:
     """``model`` with every handled operator replaced and ONNX's functions inlined (and what
-    the functions' bodies write replaced in turn)."""
-    _rewrite(model, source)
+    the functions' bodies write replaced in turn), and whether anything changed. It runs once
+    folding has nothing left to do: a handler sees the constants folding makes (GatherND's
+    indices), and no function is inlined that folding removes (Range). ``lazy``: the large
+    constants' elements."""
+    changed = _rewrite(model, lazy, source)
     inlined = _inlined(model)
     if not inlined:
-        return model
+        return model, changed
     model = _inline(model, inlined)
-    _rewrite(model, source)
-    return model
+    _rewrite(model, lazy, source)
+    return model, True
 
 
-def _rewrite(model: onnx.ModelProto, source: str) -> None:
-    b = Builder(model)
+def _rewrite(model: onnx.ModelProto, lazy: dict, source: str) -> bool:
+    if not any(_handler(n) for n in model.graph.node):
+        return False
+    b = Builder(model, lazy)
     problems = []
     for node in model.graph.node:
         handler = _handler(node)
@@ -71,6 +72,7 @@ def _rewrite(model: onnx.ModelProto, source: str) -> None:
     if problems:
         raise UnsupportedNodes(source, problems)
     b.finish()
+    return b.changed
 
 
 def _handler(node: onnx.NodeProto) -> Handler | None:
@@ -101,4 +103,4 @@ def _inline(model: onnx.ModelProto, ops: set[str]) -> onnx.ModelProto:
                                                   inline_schema_functions=True)
 
 
-from dlegion_cc.canon import gelu, norms, plain  # noqa: E402,F401  (registers the handlers)
+from dlegion_cc.canon import gather_nd, gelu, norms, plain  # noqa: E402,F401  (registers the handlers)

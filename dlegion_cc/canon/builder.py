@@ -24,8 +24,8 @@ def io(names, count: int) -> list[str]:
 class Builder:
     """The node list a rewrite makes: kept nodes and handlers' replacements, in order."""
 
-    def __init__(self, model: onnx.ModelProto):
-        self.graph = model.graph
+    def __init__(self, model: onnx.ModelProto, lazy: dict):
+        self.graph, self.lazy = model.graph, lazy
         self.opset = default_opset(model)
         self.nodes: list[onnx.NodeProto] = []
         g = self.graph
@@ -33,6 +33,7 @@ class Builder:
         self.types.update({t.name: _tensor_type(t) for t in g.initializer})
         self.taken = set(self.types) | {o for n in g.node for o in n.output} | {n.name for n in g.node}
         self.base = "canon"
+        self.changed = False        # whether a handler wrote a node
 
     def keep(self, node: onnx.NodeProto) -> None:
         self.nodes.append(node)
@@ -56,6 +57,7 @@ class Builder:
     def op(self, op_type: str, inputs: list[str], out: str | None = None, **attrs) -> str:
         """A node of one output (``out``, or a fresh name); the output's name."""
         out = out or self.fresh(f"{op_type}_out")
+        self.changed = True
         self.nodes.append(helper.make_node(op_type, inputs, [out], name=self.fresh(op_type), **attrs))
         return out
 
@@ -63,6 +65,15 @@ class Builder:
         name = self.fresh(what)
         self.graph.initializer.append(numpy_helper.from_array(np.asarray(value, dtype), name))
         return name
+
+    def value(self, name: str) -> np.ndarray | None:
+        """A constant's elements (an initializer's), or None."""
+        if name in self.lazy:
+            return np.asarray(self.lazy[name])
+        for t in self.graph.initializer:
+            if t.name == name:
+                return numpy_helper.to_array(t)
+        return None
 
     def rank(self, name: str) -> int:
         t = self.types.get(name)
