@@ -115,3 +115,64 @@ def test_gather_nd_by_index_grids_as_a_mask_is_built(tmp_path):
     feeds = {"mask": RNG.random((B, KV)) < 0.5}
     got = run(program, TINY, feeds).outputs["y"]
     np.testing.assert_array_equal(got.astype(bool), onnx_reference(path, feeds)["y"])
+
+
+B, S, H, D, POSITIONS = 2, 5, 4, 16, 32
+COS, SIN = (RNG.standard_normal((POSITIONS, D // 2)).astype(np.float32) for _ in range(2))
+
+
+def _rotary(domain, x_shape, pos_shape, opset, **attrs):
+    ins = ["x", "pos", "cos", "sin"] if domain else ["x", "cos", "sin", "pos"]
+    node = helper.make_node("RotaryEmbedding", ins, ["y"], domain=domain, **attrs)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TP.FLOAT, x_shape),
+                                        helper.make_tensor_value_info("pos", TP.INT64, pos_shape)],
+                          [helper.make_tensor_value_info("y", TP.FLOAT, x_shape)],
+                          [numpy_helper.from_array(COS, "cos"), numpy_helper.from_array(SIN, "sin")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(MS, 1)])
+
+
+ROTARY = {
+    "contrib [B, S, H * D]": _rotary(MS, [B, S, H * D], [B, S], 21, num_heads=H),
+    "contrib [B, H, S, D]": _rotary(MS, [B, H, S, D], [B, S], 21),
+    "contrib start offset": _rotary(MS, [B, S, H * D], [1], 21, num_heads=H),
+    "contrib interleaved": _rotary(MS, [B, S, H * D], [B, S], 21, num_heads=H, interleaved=1),
+    "opset 23": _rotary("", [B, S, H * D], [B, S], 23, num_heads=H),
+    "opset 23 interleaved, half rotated": _rotary("", [B, S, H * D], [B, S], 23, num_heads=H, interleaved=1,
+                                                  rotary_embedding_dim=D // 2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROTARY))
+def test_rotary_embedding_matches_onnxruntime(tmp_path, name):
+    """onnxruntime's RotaryEmbedding (rewritten) and ONNX's (its function inlined); an
+    interleaved one writes its pairs through a Concat of [..., 1] parts."""
+    path = tmp_path / "m.onnx"
+    m = ROTARY[name]
+    if "half" in name:      # the caches hold the rotated width's half
+        for t in m.graph.initializer:
+            t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t)[:, :D // 4].copy(), t.name))
+    onnx.save(m, path)
+    _, program = compile_model(path, Options(TINY))
+    x_shape = [d.dim_value for d in m.graph.input[0].type.tensor_type.shape.dim]
+    pos_shape = [d.dim_value for d in m.graph.input[1].type.tensor_type.shape.dim]
+    pos = RNG.integers(0, POSITIONS - S, pos_shape) if pos_shape != [1] else np.array([7])
+    feeds = {"x": RNG.standard_normal(x_shape).astype(np.float32), "pos": pos.astype(np.int64)}
+    rows = compare(run(program, TINY, feeds).outputs, onnx_reference(path, feeds))
+    assert rows and all(r.ok for r in rows), rows
+
+
+@pytest.mark.parametrize("layout", ["[B, S, H * D]", "[B, H, S, D]"])
+def test_opset_23_attention_matches_onnxruntime(tmp_path, layout):
+    """ONNX's Attention (grouped: 4 query heads, 2 key/value heads; causal), its function inlined."""
+    q, kv = ([B, S, H * D], [B, S, 2 * D]) if layout.startswith("[B, S") else ([B, H, S, D], [B, 2, S, D])
+    attrs = {"q_num_heads": H, "kv_num_heads": 2} if len(q) == 3 else {}
+    node = helper.make_node("Attention", ["q", "k", "v"], ["y"], is_causal=1, **attrs)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, TP.FLOAT, s) for n, s in
+                                        (("q", q), ("k", kv), ("v", kv))],
+                          [helper.make_tensor_value_info("y", TP.FLOAT, q)])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 23)]), path)
+    _, program = compile_model(path, Options(TINY))
+    feeds = {n: RNG.standard_normal(s).astype(np.float32) for n, s in (("q", q), ("k", kv), ("v", kv))}
+    rows = compare(run(program, TINY, feeds).outputs, onnx_reference(path, feeds))
+    assert rows and all(r.ok for r in rows), rows

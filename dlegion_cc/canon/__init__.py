@@ -103,4 +103,4 @@ def _inline(model: onnx.ModelProto, ops: set[str]) -> onnx.ModelProto:
                                                   inline_schema_functions=True)
 
 
-from dlegion_cc.canon import gather_nd, gelu, norms, plain  # noqa: E402,F401  (registers the handlers)
+from dlegion_cc.canon import gather_nd, gelu, norms, plain, rotary  # noqa: E402,F401  (registers the handlers)
