@@ -62,6 +62,8 @@ def import_model(path: str | Path, dims: dict[str, int] | None = None, progress:
             model, changed = canon.canonicalize(model, lazy, source)  # exporters' ops -> plain ONNX ops
             if not changed:
                 break
+        else:
+            model = _infer(model, source)       # the last round changed the model
         graph = _to_graph(model, lazy, source)
         _check_nodes(graph, source)
     _drop_output_identities(graph)

@@ -176,3 +176,50 @@ def test_opset_23_attention_matches_onnxruntime(tmp_path, layout):
     feeds = {n: RNG.standard_normal(s).astype(np.float32) for n, s in (("q", q), ("k", kv), ("v", kv))}
     rows = compare(run(program, TINY, feeds).outputs, onnx_reference(path, feeds))
     assert rows and all(r.ok for r in rows), rows
+
+
+def _gqa(packed: bool, seq: int, past: int, rotary: bool):
+    """onnxruntime-genai's attention: 4 query heads over 2 key/value heads of 16, a past of
+    ``past`` positions, seqlens_k an input, total_sequence_length a constant."""
+    kv_heads, total = 2, past + seq
+    qkv = ["qkv", "", ""] if packed else ["q", "k", "v"]
+    ins = qkv + ["past_k", "past_v", "seqlens", "total"] + (["cos", "sin"] if rotary else [])
+    node = helper.make_node("GroupQueryAttention", ins, ["y", "present_k", "present_v"], domain=MS, num_heads=H,
+                            kv_num_heads=kv_heads, do_rotary=int(rotary))
+    widths = {"qkv": (H + 2 * kv_heads) * D, "q": H * D, "k": kv_heads * D, "v": kv_heads * D}
+    inputs = [helper.make_tensor_value_info(n, TP.FLOAT, [1, seq, widths[n]]) for n in qkv if n]
+    inputs += [helper.make_tensor_value_info(n, TP.FLOAT, [1, kv_heads, past, D]) for n in ("past_k", "past_v")]
+    inputs.append(helper.make_tensor_value_info("seqlens", TP.INT32, [1]))
+    outputs = [helper.make_tensor_value_info("y", TP.FLOAT, [1, seq, H * D])]
+    outputs += [helper.make_tensor_value_info(n, TP.FLOAT, [1, kv_heads, total, D]) for n in ("present_k", "present_v")]
+    inits = [numpy_helper.from_array(np.array([total], np.int32), "total"),
+             numpy_helper.from_array(COS, "cos"), numpy_helper.from_array(SIN, "sin")]
+    g = helper.make_graph([node], "g", inputs, outputs, inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)])
+
+
+@pytest.mark.parametrize("packed, seq, rotary", [(True, 1, True), (True, 3, True), (False, 2, False)])
+@pytest.mark.parametrize("padding", [0, 2])
+def test_group_query_attention_matches_onnxruntime(tmp_path, packed, seq, rotary, padding):
+    """Decode steps, a padded batch row (a shorter past, read from seqlens_k at run time) too:
+    the output and both presents."""
+    past = 8
+    path = tmp_path / "m.onnx"
+    m = _gqa(packed, seq, past, rotary)
+    onnx.save(m, path)
+    _, program = compile_model(path, Options(TINY))
+    feeds = {i.name: RNG.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
+             for i in m.graph.input if i.name != "seqlens"}
+    feeds["seqlens"] = np.array([past + seq - 1 - padding], np.int32)
+    rows = compare(run(program, TINY, feeds).outputs, onnx_reference(path, feeds))
+    assert len(rows) == 3 and all(r.ok for r in rows), rows
+
+
+def test_what_group_query_attention_cannot_do_is_named(tmp_path):
+    m = _gqa(True, 1, 8, True)
+    m.graph.node[0].name = "attn"
+    m.graph.node[0].attribute.append(helper.make_attribute("local_window_size", 4))
+    path = tmp_path / "m.onnx"
+    onnx.save(m, path)
+    with pytest.raises(CompileError, match=r"node 'attn' \(GroupQueryAttention\): local_window_size=4 is not supported"):
+        compile_model(path, Options(TINY))

@@ -47,11 +47,15 @@ def canonicalize(model: onnx.ModelProto, lazy: dict, source: str) -> tuple[onnx.
     constants' elements."""
     changed = _rewrite(model, lazy, source)
     inlined = _inlined(model)
-    if not inlined:
-        return model, changed
-    model = _inline(model, inlined)
-    _rewrite(model, lazy, source)
-    return model, True
+    if inlined:
+        model = _inline(model, inlined)
+        _rewrite(model, lazy, source)
+    if changed or inlined:
+        # inference makes them again; onnxruntime's took GroupQueryAttention's present for its past
+        del model.graph.value_info[:]
+        for out in model.graph.output:
+            out.type.tensor_type.ClearField("shape")
+    return model, changed or bool(inlined)
 
 
 def _rewrite(model: onnx.ModelProto, lazy: dict, source: str) -> bool:
@@ -103,4 +107,4 @@ def _inline(model: onnx.ModelProto, ops: set[str]) -> onnx.ModelProto:
                                                   inline_schema_functions=True)
 
 
-from dlegion_cc.canon import gather_nd, gelu, norms, plain, rotary  # noqa: E402,F401  (registers the handlers)
+from dlegion_cc.canon import gather_nd, gelu, gqa, norms, plain, rotary  # noqa: E402,F401  (registers the handlers)
