@@ -229,3 +229,14 @@ def test_what_group_query_attention_cannot_do_is_named(tmp_path):
     onnx.save(m, path)
     with pytest.raises(CompileError, match=r"node 'attn' \(GroupQueryAttention\): local_window_size=4 is not supported"):
         compile_model(path, Options(TINY))
+
+
+def test_a_range_of_run_time_values_is_named_not_its_function_body(tmp_path):
+    """ONNX defines Range by a Loop, which nothing lowers: it is not inlined, so the error names it."""
+    g = helper.make_graph([helper.make_node("Range", ["a", "b", "c"], ["y"], name="rng")], "g",
+                          [helper.make_tensor_value_info(n, TP.FLOAT, []) for n in "abc"],
+                          [helper.make_tensor_value_info("y", TP.FLOAT, [5])])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]), path)
+    with pytest.raises(CompileError, match=r"node 'rng' \(Range\): operator not supported"):
+        compile_model(path, Options(TINY))

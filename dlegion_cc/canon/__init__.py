@@ -89,12 +89,17 @@ def _inlined(model: onnx.ModelProto) -> set[str]:
     from dlegion_cc.lower.graph import LOWERINGS
     opset, ops = default_opset(model), set()
     for n in model.graph.node:
-        if n.domain not in DEFAULT_DOMAINS or ("", n.op_type) in LOWERINGS or not onnx.defs.has(n.op_type, opset, ""):
+        if (n.domain not in DEFAULT_DOMAINS or ("", n.op_type) in LOWERINGS or n.op_type in NOT_INLINED
+                or not onnx.defs.has(n.op_type, opset, "")):
             continue
         schema = onnx.defs.get_schema(n.op_type, opset, "")
         if schema.has_function or schema.has_context_dependent_function:
             ops.add(n.op_type)
     return ops
+
+
+# Functions whose bodies hold control flow, which nothing lowers: left whole, the error names them.
+NOT_INLINED = {"Range"}
 
 
 def _inline(model: onnx.ModelProto, ops: set[str]) -> onnx.ModelProto:
