@@ -111,13 +111,16 @@ def _reference(machine: str) -> str:
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """Each machine's latency, DRAM and psum traffic over its D-Legion's on the same workload
-    (> 1: D-Legion is faster or moves less)."""
+    """Each machine's latency, DRAM and psum traffic, and latency x area, over its D-Legion's on
+    the same workload (> 1: D-Legion is faster, moves less, or does more per mm^2)."""
     ok = {(r["shape"], r["seq"], r["kind"], r["name"]): r for r in rows if r["status"] == "ok"}
     for r in rows:
         ref = ok.get((r["shape"], r["seq"], r["kind"], _reference(r["name"])))
-        for key, ratio in (("time_us", "latency_x"), ("dram_bytes", "dram_x"), ("psum_bytes", "psum_x")):
-            good = r["status"] == "ok" and ref is not None and ref[key]
+        if r["status"] == "ok":
+            r["time_area"] = r["time_us"] * r["area_mm2"]     # its inverse is work per second per mm^2
+        for key, ratio in (("time_us", "latency_x"), ("dram_bytes", "dram_x"), ("psum_bytes", "psum_x"),
+                           ("time_area", "per_mm2_x")):
+            good = r["status"] == "ok" and ref is not None and ref.get(key)
             r[ratio] = r[key] / ref[key] if good else None
 
 
@@ -131,16 +134,17 @@ def _mib(n: int) -> str:
 
 def print_workload(rows: list[dict], shape: str, seq: int, kind: str, console: Console) -> None:
     t = Table(title=f"{shape} {WORKLOADS[kind][1]}, sequence {seq}", title_justify="left")
-    for col in ("machine", "cycles", "us", "DRAM MiB", "psum MiB", "matrix busy", "DRAM B/BW", "vector busy",
-                "bound", "latency vs D-Legion", "DRAM vs", "psum vs"):
+    for col in ("machine", "cycles", "us", "DRAM MiB", "psum MiB", "mm^2", "matrix busy", "DRAM B/BW",
+                "vector busy", "bound", "latency vs D-Legion", "DRAM vs", "psum vs", "per mm^2 vs"):
         t.add_column(col, justify="left" if col in ("machine", "bound") else "right", no_wrap=True)
     for r in rows:
         if r["status"] != "ok":
-            t.add_row(r["name"], *[""] * 7, "[red]failed[/red]", r["reason"][:60], "", "")
+            t.add_row(r["name"], *[""] * 8, "[red]failed[/red]", r["reason"][:60], "", "", "")
             continue
         t.add_row(r["name"] + ("*" if r["warning"] else ""), f"{r['cycles']:,}", f"{r['time_us']:,.1f}", _mib(r["dram_bytes"]),
-                  _mib(r["psum_bytes"]), f"{r['compute_cycles']:,}", f"{r['dram_cycles']:,}",
-                  f"{r['vector_cycles']:,}", r["bound"], _x(r["latency_x"]), _x(r["dram_x"]), _x(r["psum_x"]))
+                  _mib(r["psum_bytes"]), f"{r['area_mm2']:,.1f}", f"{r['compute_cycles']:,}", f"{r['dram_cycles']:,}",
+                  f"{r['vector_cycles']:,}", r["bound"], _x(r["latency_x"]), _x(r["dram_x"]), _x(r["psum_x"]),
+                  _x(r["per_mm2_x"]))
     console.print(t)
     for r in rows:
         if r["status"] == "ok" and r["warning"]:
@@ -158,13 +162,13 @@ def print_summary(rows: list[dict], console: Console, kind: str | None = None) -
     rows = [r for r in rows if kind is None or r["kind"] == kind]
     what = "workloads" if kind is None else WORKLOADS[kind][1]
     t = Table(title=f"geometric mean over {what} (baseline / D-Legion)", title_justify="left")
-    for col in ("baseline", "vs", "workloads", "latency", "DRAM", "psum"):
+    for col in ("baseline", "vs", "workloads", "latency", "DRAM", "psum", "latency x mm^2"):
         t.add_column(col, justify="left" if col in ("baseline", "vs") else "right")
     for ref, bases in PAIRS.items():
         for base in (*bases, *(f"{ref} no-{off}" for off in ABLATIONS)):
             mine = [r for r in rows if r["name"] == base and r["latency_x"] is not None]
             t.add_row(base, ref, str(len(mine)), *(_x(_geomean([r[k] for r in mine]))
-                                                   for k in ("latency_x", "dram_x", "psum_x")))
+                                                   for k in ("latency_x", "dram_x", "psum_x", "per_mm2_x")))
     console.print(t)
 
 

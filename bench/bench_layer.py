@@ -1,12 +1,19 @@
 """One BitNet-2B4T decoder layer on dlegion-8x8: program size against the ISA's budget, and
 how fast the compiler and the timing model handle it.
 
-    python bench/bench_layer.py [--seq 512] [--arch dlegion-8x8] [--no-prefetch]
+    python bench/bench_layer.py [--seq 512] [--arch dlegion-8x8] [--no-prefetch] [--attention int8|fp32]
+                                [--error]
 
 Prints the instruction count by family (budget: 20,000 at sequence 512), the simulated
 cycles and where they go (the regions of quantized matmuls, of fp32 matmuls on the vector
 lanes, and of the other vector kernels and copies), and the wall time of compiling and of
-timing the program (median of 3).
+timing the program (median of 3). Then the layer against its bound, max(matmul cycles, DRAM
+cycles): every BitLinear matmul in w2 and every attention product in w8 (only the causal
+lower triangle) at the arrays' peak, the ternary weights and the layer's fp32 input and
+output at the DRAM rate (target: at most 1.25x); and the other attention mode beside it
+(the ablation). ``--error`` also emulates both programs on the same inputs and prints the
+relative L2 distance of the layer's output (the residual stream before the final norm) with
+int8 attention from the fp32-attention program's (target: at most 1e-2).
 """
 from __future__ import annotations
 
@@ -21,10 +28,15 @@ import click
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
+import numpy as np                                            # noqa: E402
+import onnx                                                   # noqa: E402
+
 from isa import arch as arch_mod                               # noqa: E402
+from isa.arch import MODE_TILES                               # noqa: E402
 from isa.instructions import family                           # noqa: E402
 from dlegion_cc.pipeline import Options, compile_model        # noqa: E402
 from models.bitnet import build_bitnet, preset, save          # noqa: E402
+from runtime.emulator import run                              # noqa: E402
 from runtime.report import regions_by_name                    # noqa: E402
 from runtime.timing import simulate                           # noqa: E402
 
@@ -52,27 +64,113 @@ def _cycles_by_kind(timeline) -> Counter:
     return out
 
 
+def _layer_model(seq: int, path: Path) -> str:
+    """The generated layer, its output (the residual stream the final norm reads) made a graph
+    output too; returns that value's name."""
+    model = build_bitnet(preset("2b4t", layers=1, seq=seq, vocab=512))
+    norm = next(n for n in model.graph.node if n.name.startswith("model.norm/"))
+    layer_out = norm.input[0]
+    shape = [1, seq, preset("2b4t").hidden]
+    model.graph.output.append(onnx.helper.make_tensor_value_info(layer_out, onnx.TensorProto.FLOAT, shape))
+    save(model, path, external_data=True)
+    return layer_out
+
+
+def bound(graph, machine) -> dict:
+    """The layer's bound: BitLinear MACs in w2 and attention MACs in w8 (causal lower triangle
+    where a mask makes the rest dead) at the arrays' peak, ternary weights and the layer's fp32
+    input and output at the DRAM rate."""
+    per_cycle = machine.legions * machine.cores * machine.array ** 2
+    linear = attention = weight_bytes = 0
+    for node in graph.nodes:
+        if node.op == "QMatMul" and node.domain == "dlegion" and np.ndim(node.attrs["weight"]) == 2:
+            K, N = np.shape(node.attrs["weight"])
+            M = int(np.prod(graph.values[node.inputs[0]].shape[:-1]))
+            linear += M * K * N
+            weight_bytes += K * N * 2 // 8
+        elif node.op == "AttnMatMul" or (node.op == "MatMul" and all(graph.values[i].stored is None
+                                                                     for i in node.inputs)):
+            a, out = graph.values[node.inputs[0]].shape, graph.values[node.outputs[0]].shape
+            macs = int(np.prod(out)) * a[-1]
+            live = node.attrs.get("dead")
+            live = node.attrs.get("zero_a") if live is None else live
+            if live is not None:        # the causal triangle's share of the product
+                macs = macs * (1 - float(np.mean(live)))
+            attention += macs
+    cycles = linear / (per_cycle * MODE_TILES["w2"]) + attention / (per_cycle * MODE_TILES["w8"])
+    return {"matmul": cycles, "weights": weight_bytes}
+
+
+def _bound_cycles(graph, machine, seq: int) -> tuple[float, float]:
+    b = bound(graph, machine)
+    hidden = preset("2b4t").hidden
+    dram = (b["weights"] + 2 * seq * hidden * 4) / machine.derived.dram_bytes_per_cycle
+    return b["matmul"], dram
+
+
 @click.command()
 @click.option("--seq", default=512, show_default=True)
 @click.option("--arch", "arch_name", default="dlegion-8x8", show_default=True)
 @click.option("--prefetch/--no-prefetch", default=True, show_default=True,
               help="Weights load during the row kernel before each matmul (dlegion-cc --no-prefetch turns it off).")
-def main(seq: int, arch_name: str, prefetch: bool) -> None:
+@click.option("--attention", type=click.Choice(("int8", "fp32")), default="int8", show_default=True,
+              help="Attention's products on the arrays in int8 (the default for BitNet) or on the vector lanes.")
+@click.option("--error", is_flag=True, help="Emulate both attention modes and print the int8 one's error.")
+def main(seq: int, arch_name: str, prefetch: bool, attention: str, error: bool) -> None:
     machine = arch_mod.load(arch_name)
+    other = "fp32" if attention == "int8" else "int8"
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "layer.onnx"
-        save(build_bitnet(preset("2b4t", layers=1, seq=seq, vocab=512)), path, external_data=True)
-        t_compile, (_, program) = _median_time(lambda: compile_model(path, Options(machine, prefetch=prefetch)), runs=1)
+        layer_out = _layer_model(seq, path)
+        t_compile, (graph, program) = _median_time(
+            lambda: compile_model(path, Options(machine, prefetch=prefetch, attention=attention)), runs=1)
+        other_graph, other_program = compile_model(path, Options(machine, prefetch=prefetch, attention=other))
     t_time, timeline = _median_time(lambda: simulate(program, machine))
     counts = Counter(family(type(i)) for i in program.instrs)
     n = len(program.instrs)
-    print(f"2B4T layer, sequence {seq}, {machine.name}: {n:,} instructions "
+    print(f"2B4T layer, sequence {seq}, {machine.name}, attention {attention}: {n:,} instructions "
           f"({n / BUDGET:.2f}x the {BUDGET:,} budget)")
     print("  by family: " + ", ".join(f"{f} {c:,}" for f, c in counts.most_common()))
     print(f"  {timeline.cycles:,} cycles; compile {t_compile:.1f} s; timing model {t_time:.2f} s "
           f"({timeline.cycles / t_time / 1e6:.1f} M simulated cycles/s, {n / t_time:,.0f} instructions/s)")
     print("  by region: " + ", ".join(f"{kind} {c:,} ({c / timeline.cycles:.0%})"
                                       for kind, c in _cycles_by_kind(timeline).most_common()))
+    matmul, dram = _bound_cycles(graph, machine, seq)
+    limit = max(matmul, dram)
+    layer, other_layer = _layer_cycles(timeline), _layer_cycles(simulate(other_program, machine))
+    print(f"  the layer alone (without the embedding and the fp32 lm head): {layer:,} cycles, {layer / limit:.2f}x its "
+          f"bound of {limit:,.0f} (matmuls {matmul:,.0f}, DRAM {dram:,.0f}; target <= 1.25x); attention {other} "
+          f"(ablation): {other_layer:,} cycles, {other_layer / limit:.2f}x")
+    if error:
+        _print_error(machine, program if attention == "int8" else other_program,
+                     other_program if attention == "int8" else program, layer_out)
+
+
+def _layer_cycles(timeline) -> int:
+    """From the first region of the decoder layer to the first of the lm head."""
+    spans = [(name, _span(timeline, members)) for name, members in regions_by_name(timeline.program).items() if members]
+    start = min(s for name, (s, _) in spans if "model.layers." in name)
+    end = min(s for name, (s, _) in spans if name.startswith("lm_head"))
+    return int(end - start)
+
+
+def _span(timeline, members) -> tuple[float, float]:
+    return float(timeline.start[members].min()), float(timeline.done[members].max())
+
+
+def _print_error(machine, int8_program, fp32_program, layer_out: str) -> None:
+    """The layer output of the int8-attention program against the fp32-attention one's, on the
+    same random inputs."""
+    from runtime.emulator import random_inputs
+    inputs = random_inputs(int8_program, 0)
+    t0 = time.perf_counter()
+    a = run(int8_program, machine, inputs, races=False, keep=False).outputs
+    b = run(fp32_program, machine, inputs, races=False, keep=False).outputs
+    rel = lambda x, y: float(np.linalg.norm(x.astype(np.float64) - y) / np.linalg.norm(y.astype(np.float64)))  # noqa: E731
+    same = float(np.mean(a["logits"].argmax(-1) == b["logits"].argmax(-1)))
+    print(f"  int8 attention against fp32 attention (emulated, {time.perf_counter() - t0:.0f} s): layer output "
+          f"relative L2 {rel(a[layer_out], b[layer_out]):.2e} (target <= 1e-2), logits {rel(a['logits'], b['logits']):.2e}, "
+          f"top-1 the same at {same:.1%} of positions")
 
 
 if __name__ == "__main__":

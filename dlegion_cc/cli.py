@@ -8,23 +8,25 @@ from pathlib import Path
 import click
 
 from isa import arch as arch_mod
-from isa.console import check_outputs, no_empty_path, positive_int, printable, read_arrays, version_option
+from isa.console import check_outputs, no_empty_path, printable, read_arrays, size_int, version_option
 from isa.progress import Progress
 from dlegion_cc.errors import CompileError
 from dlegion_cc.importer import peek
+from dlegion_cc.lower import schedules
 from dlegion_cc.lower.qplan import OBJECTIVES
+from dlegion_cc.passes.attention import MODES as ATTENTION_MODES
 from dlegion_cc.pipeline import PASS_NAMES, Options, compile_model
 
-EMITS = ("asm", "bin", "ir")
+EMITS = ("asm", "bin", "ir", "schedule")
 
 
 def _parse_dims(values: tuple[str, ...]) -> dict[str, int]:
     dims = {}
     for v in values:
         name, sep, num = v.partition("=")
-        size = positive_int(num)
+        size = size_int(num)      # 0 is a size: a decode step's empty cache (a prefill)
         if not sep or not name or size is None:
-            raise click.BadParameter(f"{v!r} is not NAME=POSITIVE_INTEGER (below 2**63)", param_hint="--dim")
+            raise click.BadParameter(f"{v!r} is not NAME=SIZE (an integer from 0 to below 2**63)", param_hint="--dim")
         if name in dims:        # a repeat is a slip at best (a copied line), at worst a contradiction
             raise click.BadParameter(f"'{name}' bound twice ({name}={dims[name]} and {v})", param_hint="--dim")
         dims[name] = size
@@ -69,11 +71,11 @@ def model_files(model: str, data_files: set[Path]) -> dict[str, str | Path]:
     return {f"the model {model}": model} | {f"the data file {f} of {model}": f for f in data_files}
 
 
-def _check_outputs(model: str, data_files: set[Path], output: str, emit: str) -> None:
-    """Refuse to overwrite the model or its weights, and find an unwritable output before the
-    long compile rather than after it."""
-    check_outputs({"-o": output, "-o's data file": None if emit == "ir" else output + ".data"},
-                  model_files(model, data_files))
+def _check_outputs(model: str, data_files: set[Path], output: str, emit: str, schedule: str | None = None) -> None:
+    """Refuse to overwrite the model, its weights or the schedules read, and find an unwritable
+    output before the long compile rather than after it."""
+    check_outputs({"-o": output, "-o's data file": None if emit in ("ir", "schedule") else output + ".data"},
+                  model_files(model, data_files) | {f"the schedules {schedule}": schedule})
 
 
 def _arch_for(arch: str, output: str) -> str:
@@ -96,12 +98,26 @@ def _print_after(selected: str | None):
     return hook
 
 
-def _compile_ir(model: str, options: Options, output: str, hook, progress: Progress):
-    """--emit ir: the whole compile runs (its errors are the same), its constants discarded."""
-    from isa.files import atomic_write
+def _compile_only(model: str, options: Options, hook, progress: Progress):
+    """The whole compile (its errors are the same), its constants discarded: (graph, program)."""
     with open(os.devnull, "wb") as nowhere:
-        graph, program = compile_model(model, options, None, hook, progress, nowhere)
+        return compile_model(model, options, None, hook, progress, nowhere)
+
+
+def _compile_ir(model: str, options: Options, output: str, hook, progress: Progress):
+    """--emit ir: the graph the lowering read."""
+    from isa.files import atomic_write
+    graph, program = _compile_only(model, options, hook, progress)
     atomic_write(output, graph.text())
+    return program
+
+
+def _compile_schedules(model: str, options: Options, output: str, hook, progress: Progress):
+    """--emit schedule: the schedule of each quantized matmul (JSON), as the lowering gave it."""
+    import json
+    from isa.files import atomic_write
+    _, program = _compile_only(model, options, hook, progress)
+    atomic_write(output, json.dumps(options.schedules.document(options.arch, options.switches()), indent=1) + "\n")
     return program
 
 
@@ -131,7 +147,12 @@ def _compile_program(model: str, options: Options, output: str, arch: str, emit:
               callback=no_empty_path,
               help="Bind symbolic dimensions from the shapes of these inputs.")
 @click.option("--emit", type=click.Choice(EMITS), default="asm", show_default=True,
-              help="Write assembly text, binary instruction words, or the graph IR.")
+              help="Write assembly text, binary instruction words, the graph IR, or each quantized matmul's "
+                   "schedule (JSON: deal, loop order, tile, chunk, slots, predicted cycles and bytes).")
+@click.option("--schedule", "schedule_path", type=click.Path(dir_okay=False), metavar="FILE.json",
+              callback=no_empty_path,
+              help="Give the quantized matmuls this file names (as --emit schedule writes it) its schedules "
+                   "instead of searching; each is checked against the machine.")
 @click.option("--print-ir-after", "print_after", metavar="PASS|all",
               type=click.Choice(("all",) + PASS_NAMES),
               help="Print the graph IR after a pass (to stderr). Passes: " + ", ".join(PASS_NAMES))
@@ -148,21 +169,29 @@ def _compile_program(model: str, options: Options, output: str, arch: str, emit:
 @click.option("--objective", type=click.Choice(OBJECTIVES), default="latency", show_default=True,
               help="What each quantized matmul's schedule is chosen for: the fewest cycles, the fewest joules "
                    "by the architecture's energy table (mostly DRAM traffic), or the least energy x delay.")
+@click.option("--attention", type=click.Choice(ATTENTION_MODES), default=None,
+              help="Attention's float products (QK^T, PV): int8 on the systolic arrays (operands quantized by the "
+                   "compiler, an approximation --check allows for) or fp32 on the vector lanes (ONNX's semantics). "
+                   "Default: int8 where the model's projections are quantized, else fp32.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars (shown only when stderr is a terminal).")
-def compile_command(model, output, arch, dims, inputs_path, emit, print_after, no_multicast, no_accumulators,
-                    no_sparsity, no_fusion, no_prefetch, objective, quiet):
+def compile_command(model, output, arch, dims, inputs_path, emit, schedule_path, print_after, no_multicast,
+                    no_accumulators, no_sparsity, no_fusion, no_prefetch, objective, attention, quiet):
     """Compile MODEL (ONNX) into a D-Legion program for ``dlegion-run``."""
     machine = arch_mod.load(arch)
     shapes, data_files = peek(model)
     bound = _bound_dims(model, shapes, inputs_path, _parse_dims(dims))
-    _check_outputs(model, data_files, output, emit)
+    _check_outputs(model, data_files, output, emit, schedule_path)
     options = Options(machine, bound, multicast=not no_multicast, accumulators=not no_accumulators,
                       sparsity=not no_sparsity, fusion=not no_fusion, prefetch=not no_prefetch,
-                      objective=objective)
+                      objective=objective, attention=attention,
+                      schedules=schedules.read(schedule_path) if schedule_path else schedules.Schedules())
     hook, progress = _print_after(print_after), Progress.for_terminal(quiet)
     program = (_compile_ir(model, options, output, hook, progress) if emit == "ir"
+               else _compile_schedules(model, options, output, hook, progress) if emit == "schedule"
                else _compile_program(model, options, output, arch, emit, hook, progress))
-    click.echo(printable(f"{output}: {len(program.instrs)} instructions for {machine.name}"), err=True)
+    made = (f"{len(options.schedules.chosen)} quantized-matmul schedules" if emit == "schedule"
+            else f"{len(program.instrs)} instructions")
+    click.echo(printable(f"{output}: {made} for {machine.name}"), err=True)
 
 
 def main() -> None:

@@ -26,8 +26,8 @@ from dlegion_cc.dse_measure import COLUMNS, Config, config_of, evaluate, failed_
 from dlegion_cc.lower.qplan import OBJECTIVES
 
 BASE = "dlegion-8x8"
-TABLE_WIDTH = 150
-OUTPUTS = ("dse.json", "dse.csv", "latency.png", "roofline.png")
+TABLE_WIDTH = 170
+OUTPUTS = ("dse.json", "dse.csv", "latency.png", "roofline.png", "pareto.png")
 
 
 # --- configurations --------------------------------------------------------------------------
@@ -77,8 +77,19 @@ def _row_of(future, config: Config) -> dict:
 
 
 def sort_rows(rows: list[dict]) -> list[dict]:
-    """By latency (time, since clocks differ), failed configurations last, ties by name."""
-    return sorted(rows, key=lambda r: (r["status"] != "ok", r["time_us"] or 0.0, r["name"]))
+    """By latency (time, since clocks differ), failed configurations last, ties by name; each
+    row that ran marked whether it is on the latency-area Pareto front."""
+    return mark_pareto(sorted(rows, key=lambda r: (r["status"] != "ok", r["time_us"] or 0.0, r["name"])))
+
+
+def mark_pareto(rows: list[dict]) -> list[dict]:
+    """Set ``pareto`` on the rows that ran and that no other row beats on latency and area at
+    once (no other is at least as fast and as small, and better in one)."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    for r in ok:
+        r["pareto"] = not any(o["time_us"] <= r["time_us"] and o["area_mm2"] <= r["area_mm2"]
+                              and (o["time_us"], o["area_mm2"]) != (r["time_us"], r["area_mm2"]) for o in ok)
+    return rows
 
 
 # --- outputs ---------------------------------------------------------------------------------
@@ -86,9 +97,9 @@ def sort_rows(rows: list[dict]) -> list[dict]:
 def print_table(rows: list[dict], console: Console) -> None:
     """The configurations that ran, by latency; then a line per configuration that failed or whose
     program does not verify (its numbers are shown, flagged)."""
-    t = Table(title="configurations by latency", title_justify="left")
+    t = Table(title="configurations by latency (P: on the latency-area Pareto front)", title_justify="left")
     for col in ("configuration", "L x c x N", "cycles", "us", "TOPS", "of peak", "DRAM MiB", "ops/B", "uJ",
-                "instrs", "bound"):
+                "mm^2", "TOPS/mm^2", "instrs", "bound"):
         t.add_column(col, justify="left" if col in ("configuration", "bound") else "right", no_wrap=True)
     for r in rows:
         if r["status"] != "ok":
@@ -96,8 +107,9 @@ def print_table(rows: list[dict], console: Console) -> None:
         intensity = f"{r['intensity']:.1f}" if r["intensity"] else "-"
         t.add_row(r["name"] + ("*" if r["warning"] else ""), f"{r['legions']}x{r['cores']}x{r['array']}", f"{r['cycles']:,}",
                   f"{r['time_us']:.2f}", f"{r['achieved_tops']:.3g}", f"{r['peak_fraction']:.2%}",
-                  f"{r['dram_bytes'] / 2**20:.2f}", intensity, f"{r['energy_uj']:.3g}", f"{r['instructions']:,}",
-                  r["bound"])
+                  f"{r['dram_bytes'] / 2**20:.2f}", intensity, f"{r['energy_uj']:.3g}",
+                  f"{r['area_mm2']:.1f}" + ("P" if r["pareto"] else ""), f"{r['tops_per_mm2']:.3g}",
+                  f"{r['instructions']:,}", r["bound"])
     console.print(t)
     for r in rows:
         if r["status"] != "ok":
@@ -120,14 +132,15 @@ def _csv_text(rows: list[dict]) -> str:
 
 
 def write_outputs(out: Path, rows: list[dict], model: str, dims: dict, objective: str = "latency") -> list[Path]:
-    """All four files, or none (each written to a temporary first, then renamed)."""
+    """All the files, or none (each written to a temporary first, then renamed)."""
     from isa.files import atomic_write_all
-    from dlegion_cc.dse_plots import latency_png, roofline_png
+    from dlegion_cc.dse_plots import latency_png, pareto_png, roofline_png
     title = Path(model).name + "".join(f" {k}={v}" for k, v in sorted(dims.items()))
     doc = {"model": str(model), "dims": dims, "base": BASE, "objective": objective, "columns": list(COLUMNS),
            "rows": rows}
     bodies = (json.dumps(doc, indent=2) + "\n", _csv_text(rows),
-              latency_png(rows, f"latency: {title}"), roofline_png(rows, f"roofline: {title}"))
+              latency_png(rows, f"latency: {title}"), roofline_png(rows, f"roofline: {title}"),
+              pareto_png(rows, f"latency against area: {title}"))
     files = [(out / name, body.encode() if isinstance(body, str) else body)
              for name, body in zip(OUTPUTS, bodies)]
     atomic_write_all(files)     # makes the folder
@@ -207,8 +220,8 @@ def _none_compiled(model: str, rows: list[dict]) -> str:
               help="Worker processes.")
 @click.option("--out", "out_dir", default="dse", show_default=True, type=click.Path(file_okay=False),
               callback=no_empty_path,
-              help="Folder (created if missing) to write dse.json, dse.csv, latency.png and "
-                   "roofline.png to; all four are replaced, or none.")
+              help="Folder (created if missing) to write dse.json, dse.csv, latency.png, roofline.png "
+                   "and pareto.png to; all five are replaced, or none.")
 @click.option("--objective", type=click.Choice(OBJECTIVES), default="latency", show_default=True,
               help="What each quantized matmul's schedule is chosen for (as dlegion-cc --objective).")
 def dse_command(model, dims, legions, cores, arrays, presets, jobs, out_dir, objective):

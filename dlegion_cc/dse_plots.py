@@ -1,4 +1,5 @@
-"""The sweep's plots as PNG bytes: latency per configuration, and achieved TOPS against each roofline.
+"""The sweep's plots as PNG bytes: latency per configuration, achieved TOPS against each roofline,
+and latency against area with the Pareto front.
 
 Figures are built without pyplot (no global figure state, no display): ``Figure.savefig``
 renders PNG with the Agg canvas.
@@ -59,6 +60,28 @@ def roofline_png(rows: list[dict], title: str) -> bytes:
     ax.set_ylabel("TOPS")
     ax.set_title(title)
     ax.grid(which="major", alpha=0.3)
+    return _png(fig)
+
+
+def pareto_png(rows: list[dict], title: str) -> bytes:
+    """Latency against area, one point per configuration; the latency-area Pareto front (rows
+    marked ``pareto``) joined by a step line and named."""
+    ok = _ok(rows)
+    fig = Figure(figsize=(8, 5.5))
+    ax = fig.add_subplot()
+    ax.scatter([r["area_mm2"] for r in ok], [r["time_us"] for r in ok], color="0.6", s=22, zorder=2)
+    front = sorted((r for r in ok if r["pareto"]), key=lambda r: r["area_mm2"])
+    if front:
+        ax.step([r["area_mm2"] for r in front], [r["time_us"] for r in front], where="post", color="tab:red",
+                zorder=3)
+        for r in front:
+            ax.scatter(r["area_mm2"], r["time_us"], color="tab:red", s=30, zorder=4)
+            ax.annotate(r["name"], (r["area_mm2"], r["time_us"]), fontsize=7, xytext=(4, 4),
+                        textcoords="offset points")
+    ax.set_xlabel("area (mm^2)")
+    ax.set_ylabel("latency (us)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
     return _png(fig)
 
 

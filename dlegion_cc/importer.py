@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,7 @@ def import_model(path: str | Path, dims: dict[str, int] | None = None, progress:
     source = str(path)
     with progress.task("importing", None) as advance:
         model = _parse(Path(path))
+        given = {t.name for t in model.graph.initializer}
         spill = Spill()
         lazy = _unload(model, Path(path), spill)
         del model.graph.value_info[:]           # hints: inference makes them again (_check)
@@ -57,7 +59,7 @@ def import_model(path: str | Path, dims: dict[str, int] | None = None, progress:
         for _ in range(MAX_FOLD_ROUNDS):
             model = _infer(model, source)
             advance()
-            if _fold(model, lazy, spill, source):
+            if _fold(model, lazy, spill, source, Positions(given, dims or {})):
                 continue
             model, changed = canon.canonicalize(model, lazy, source)  # exporters' ops -> plain ONNX ops
             if not changed:
@@ -65,6 +67,7 @@ def import_model(path: str | Path, dims: dict[str, int] | None = None, progress:
         else:
             model = _infer(model, source)       # the last round changed the model
         graph = _to_graph(model, lazy, source)
+        _check_empty_outputs(graph, dims or {}, source)
         _check_nodes(graph, source)
     _drop_output_identities(graph)
     return graph
@@ -265,6 +268,19 @@ def _check_nodes(graph: Graph, source: str) -> None:
         raise UnsupportedNodes(source, problems)
 
 
+def _check_empty_outputs(graph: Graph, dims: dict[str, int], source: str) -> None:
+    """A dim bound to 0 may empty an input (a decode step's empty cache: a prefill), but one that
+    empties a graph output leaves nothing to compute: a slip (``--dim sequence=0``)."""
+    zeros = sorted(name for name, size in dims.items() if size == 0)
+    if not zeros:
+        return
+    for name in graph.outputs:
+        v = graph.values.get(name)
+        if v is not None and not math.prod(v.shape):
+            raise CompileError(f"{source}: graph output '{name}' {v.text()} is empty with "
+                               f"{', '.join(f'{z}=0' for z in zeros)}; nothing to compute")
+
+
 def host_memory() -> int:
     """Bytes of this host's physical memory: no tensor the compiler lays out, nor the emulator
     holds, can be larger (an Expand to 2**40 elements would otherwise be tiled for hours)."""
@@ -309,20 +325,28 @@ NODE_CHECKS = {"Reshape": _reshape_problem, "Gather": _gather_problem}
 
 
 def _bind_dims(model: onnx.ModelProto, dims: dict[str, int], source: str) -> None:
-    unbound = []
+    unbound: dict[str, list[str]] = {}      # dim -> the inputs it shapes, in order
     for inp in model.graph.input:
         for d in inp.type.tensor_type.shape.dim:
             if d.HasField("dim_value"):
                 continue
             name = d.dim_param or "?"
             if name not in dims:
-                unbound.append(f"'{name}' of input '{inp.name}'")
+                unbound.setdefault(name, []).append(inp.name)
                 continue
             d.dim_value = int(dims[name])
     if unbound:
-        names = sorted({u.split("'")[1] for u in unbound})
-        raise CompileError(f"{source}: unbound symbolic dimension {', '.join(unbound)}; "
-                           f"pass {' '.join(f'--dim {n}=N' for n in names)} or --inputs")
+        # one entry a dim, however many inputs it shapes (a cache: two a layer)
+        where = ", ".join(f"'{n}' of {_some_inputs(list(dict.fromkeys(inputs)))}" for n, inputs in unbound.items())
+        raise CompileError(f"{source}: unbound symbolic dimension {where}; "
+                           f"pass {' '.join(f'--dim {n}=N' for n in sorted(unbound))} or --inputs")
+
+
+def _some_inputs(names: list[str]) -> str:
+    if len(names) == 1:
+        return f"input '{names[0]}'"
+    more = f" and {len(names) - 1} more" if len(names) > 2 else f" and '{names[1]}'"
+    return f"inputs '{names[0]}'{more}"
 
 
 def _drop_unused(model: onnx.ModelProto) -> None:
@@ -396,7 +420,33 @@ def _static_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _fold(model: onnx.ModelProto, lazy: dict[str, Lazy], spill: Spill, source: str) -> bool:
+@dataclass(frozen=True)
+class Positions:
+    """What tells a table of positions read past its end because of the bound dims (rotary cos/sin
+    caches gathered at past .. past + sequence) from an invalid model: the model's own constants
+    and the dims the command line bound."""
+
+    given: set[str]
+    dims: dict[str, int]
+
+    def check(self, node, known, source: str) -> None:
+        """A Gather of a constant table at indices computed from the bound dims, past its rows:
+        one line naming the dims, before any work (the model is not at fault)."""
+        if node.op_type != "Gather" or not self.dims or node.input[1] in self.given:
+            return
+        if not all(i in known for i in node.input):
+            return
+        table, indices = known[node.input[0]], np.asarray(known[node.input[1]])
+        axis = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "axis"), 0)
+        rows = table.shape[axis] if table.ndim else 0
+        if not indices.size or (-rows <= indices.min() and indices.max() < rows):
+            return
+        bound = ", ".join(f"{k}={v}" for k, v in sorted(self.dims.items()))
+        raise CompileError(f"{source}: node '{node.name}' (Gather): {bound} reach position {int(indices.max())}, "
+                           f"past the model's {rows} positions (the rows of '{node.input[0]}')")
+
+
+def _fold(model: onnx.ModelProto, lazy: dict[str, Lazy], spill: Spill, source: str, positions: Positions) -> bool:
     """Evaluate every node whose inputs are all known; True when anything was folded. Large
     results join ``lazy`` (spilled) and stay stubs in the proto."""
     g = model.graph
@@ -404,6 +454,7 @@ def _fold(model: onnx.ModelProto, lazy: dict[str, Lazy], spill: Spill, source: s
     shapes = _static_shapes(model)
     kept, folded = [], False
     for node in g.node:
+        positions.check(node, known, source)
         values = _evaluate(node, known, shapes, source)
         if values is None:
             kept.append(node)

@@ -12,6 +12,8 @@ from dlegion_cc.importer import import_model
 from dlegion_cc.ir import Graph
 from dlegion_cc.lower.context import Switches
 from dlegion_cc.lower.graph import lower_graph
+from dlegion_cc.lower.schedules import Schedules
+from dlegion_cc.passes.attention import QuantizeAttention
 from dlegion_cc.passes.bitlinear import RecognizeBitLinear
 from dlegion_cc.passes.causal import CausalSkip
 from dlegion_cc.passes.fuse import FuseRowwise
@@ -33,6 +35,7 @@ PASSES = (
     CausalSkip(),               # attention blocks a constant causal mask wipes out are not computed
     SplitGroupedHeads(),        # query heads read their group's key/value head, not a copy of it
     SplitRotaryHalves(),        # rotary embeddings by halves of q, not a rotated copy
+    QuantizeAttention(),        # float QK^T and PV -> int8 on the arrays (--attention int8)
     FuseRowwise(),              # runs of row-local ops -> one kernel per row block
     Legalize(),                 # every remaining node has a lowering and supported dtypes
 )
@@ -51,6 +54,11 @@ class Options:
     prefetch: bool = True         # off: a matmul's first weights wait for the row kernel before it
     # What quantized-matmul schedules are chosen for: "latency", "energy" or "edp" (qplan.OBJECTIVES).
     objective: str = "latency"
+    # Quantized matmuls' schedules: pinned ones in, those given out (None: all searched).
+    schedules: Schedules | None = field(default=None, compare=False)
+    # Attention's float products: "int8" on the arrays, "fp32" on the vector lanes (ONNX's
+    # semantics), None: int8 where the model's projections are quantized (passes/attention.py).
+    attention: str | None = None
 
     def switches(self) -> Switches:
         return Switches(self.multicast, self.accumulators, self.sparsity, self.prefetch, self.objective)
@@ -67,7 +75,7 @@ def compile_model(model: str | Path, options: Options, data_file: str | None = N
     ``Program.data``."""
     graph = graph_of(model, options, after_pass, progress)
     program = lower_graph(graph, options.arch, data_file, options.switches(),  # tiles, kernels, DMA, sync
-                          progress, data_out)
+                          progress, data_out, options.schedules)
     return graph, program
 
 

@@ -27,6 +27,12 @@ DATAFLOWS = ("dip", "ws")
 
 ENERGY = ("pj_per_mac_w8", "pj_per_mac_w4", "pj_per_mac_w2", "pj_per_dram_byte", "pj_per_sram_byte",
           "pj_per_vector_op", "static_watts")
+# Silicon area, in square micrometres at the process node ``area_node_nm`` (see the presets for
+# their sources): a PE by each mode it may support, each KiB of scratchpad
+# (single-ported) and of accumulator scratchpad (read-modify-write every cycle), each int32
+# adder of the accumulators, each fp32 vector lane, and each byte a cycle of a Legion's link.
+AREA = ("um2_per_pe_w8", "um2_per_pe_w4", "um2_per_pe_w2", "um2_per_sram_kib", "um2_per_acc_kib",
+        "um2_per_adder", "um2_per_vector_lane", "um2_per_link_byte")
 
 
 class ArchError(ValueError):
@@ -69,6 +75,17 @@ class Arch:
     pj_per_sram_byte: float       # scratchpad and accumulator (psum) traffic
     pj_per_vector_op: float       # one lane-op of the vector unit (fp32)
     static_watts: float           # leakage and clock tree, drawn for the whole run
+    # area (square micrometres at ``area_node_nm``; see AREA). Every description gives all
+    # three PE figures; a PE is as large as the largest figure of the modes it supports.
+    area_node_nm: int
+    um2_per_pe_w8: float
+    um2_per_pe_w4: float
+    um2_per_pe_w2: float
+    um2_per_sram_kib: float       # act, wgt and vec scratchpads
+    um2_per_acc_kib: float        # the accumulator scratchpad
+    um2_per_adder: float          # one int32 adder of a core's accumulation (or of the adder tree)
+    um2_per_vector_lane: float
+    um2_per_link_byte: float      # a Legion's NoC link and router, per byte a cycle of its width
     # published figures to compare with (not parameters: nothing is computed from them)
     published_peak_tops: dict = field(default_factory=dict, compare=False)
 
@@ -95,6 +112,9 @@ class Derived:
     pass_overhead: int            # cycles a pass adds to its M streamed rows: N (DiP) or 2N (WS)
     weight_load_cycles: int       # cycles to load one window of weight tiles
     pj_per_mac: dict              # mode -> picojoules per MAC
+    area_mm2: dict                # part -> square millimetres for the whole chip (see ``area``)
+    total_mm2: float
+    tops_per_mm2: dict            # mode -> peak tera-ops per second per square millimetre
 
 
 ELEM_BYTES = {"act": 1, "wgt": 1, "acc": 4, "vec": 4}
@@ -102,6 +122,8 @@ ELEM_BYTES = {"act": 1, "wgt": 1, "acc": 4, "vec": 4}
 
 def derive(a: Arch) -> Derived:
     pes = a.array * a.array
+    parts = area(a)
+    total = sum(parts.values())
     macs = {m: a.legions * a.cores * pes * MODE_TILES[m] for m in a.modes}
     kib = {"act": a.act_kib, "wgt": a.wgt_kib, "acc": a.acc_kib, "vec": a.vec_kib}
     return Derived(
@@ -114,7 +136,30 @@ def derive(a: Arch) -> Derived:
         pass_overhead=a.array if a.dataflow == "dip" else 2 * a.array,
         weight_load_cycles=a.array,
         pj_per_mac={m: getattr(a, f"pj_per_mac_{m}") for m in a.modes},
+        area_mm2=parts,
+        total_mm2=total,
+        tops_per_mm2={m: 2 * v * a.clock_ghz / 1000.0 / total for m, v in macs.items()},
     )
+
+
+def area(a: Arch) -> dict:
+    """The chip's area by part, in mm^2: the arrays' PEs (each the largest figure of the modes
+    it supports: an adaptive PE is built for its narrowest mode), the accumulators (a core's int32 adders, one per output lane of a pass:
+    ``array`` columns times the windows its mode holds; with parallel accumulators the same
+    count forms the adder tree across the cores, plus the accumulator scratchpad), the other
+    scratchpads, the vector lanes, and the NoC (one link and router per Legion, as wide as the
+    link's bytes a cycle; a one-Legion machine has none: its link is the DRAM port). DRAM, its
+    PHY and the host interface are the same for every machine and left out."""
+    pe = max(getattr(a, f"um2_per_pe_{m}") for m in a.modes)
+    lanes = a.array * max(MODE_TILES[m] for m in a.modes)
+    per_legion = {
+        "PEs": a.cores * a.array * a.array * pe,
+        "accumulators": a.cores * lanes * a.um2_per_adder + a.acc_kib * a.um2_per_acc_kib,
+        "scratchpads": (a.act_kib + a.wgt_kib + a.vec_kib) * a.um2_per_sram_kib,
+        "vector": a.vector_lanes * a.um2_per_vector_lane,
+        "NoC": a.noc_link_gbps / a.clock_ghz * a.um2_per_link_byte if a.legions > 1 else 0.0,
+    }
+    return {k: a.legions * v / 1e6 for k, v in per_legion.items()}
 
 
 # --- validation: a description gives every parameter a value of its type and range --------------
@@ -122,8 +167,9 @@ def derive(a: Arch) -> Derived:
 # are positive; a latency or an energy may be 0. TOML's integers are numbers too.
 
 POSITIVE = {"legions", "cores", "array", "vector_lanes", "vector_transcendental_cycles", "act_kib", "wgt_kib",
-            "acc_kib", "vec_kib", "clock_ghz", "dram_gbps", "noc_link_gbps"}
-NOT_NEGATIVE = {"dram_latency_cycles", *ENERGY}
+            "acc_kib", "vec_kib", "clock_ghz", "dram_gbps", "noc_link_gbps", "area_node_nm",
+            "um2_per_pe_w8", "um2_per_pe_w4", "um2_per_pe_w2"}
+NOT_NEGATIVE = {"dram_latency_cycles", *ENERGY, *AREA}
 # The timing and energy models divide and multiply by these numbers: a subnormal clock or
 # bandwidth, or an energy near the float maximum, makes cycles or joules infinite (or NaN). Every
 # real number of a description lies within FLOATS (0 allowed where NOT_NEGATIVE), and a DMA moves
@@ -216,7 +262,7 @@ def problem(values: dict) -> str | None:
     return None
 
 
-SECTIONS = ("chip", "legion", "core", "energy")
+SECTIONS = ("chip", "legion", "core", "energy", "area")
 
 
 def _flatten(doc: dict, source: str) -> dict:
@@ -293,9 +339,11 @@ def summary(a: Arch) -> str:
              f"parallel accumulators {'on' if a.parallel_accumulators else 'off'}"]
     lines.append(f"  energy: DRAM {a.pj_per_dram_byte:g} pJ/B, SRAM {a.pj_per_sram_byte:g} pJ/B, "
                  f"vector {a.pj_per_vector_op:g} pJ/lane-op, static {a.static_watts:g} W")
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in d.area_mm2.items())
+    lines.append(f"  area: {d.total_mm2:.2f} mm^2 at {a.area_node_nm} nm ({parts})")
     for m in a.modes:
         line = (f"  {m}: {d.macs_per_cycle[m]} MACs/cycle, {d.pj_per_mac[m]:g} pJ/MAC, "
-                f"peak {d.peak_tops[m]:.2f} TOPS")
+                f"peak {d.peak_tops[m]:.2f} TOPS, {d.tops_per_mm2[m]:.3f} TOPS/mm^2")
         if m in a.published_peak_tops:
             pub = a.published_peak_tops[m]
             line += f" (published {pub:g}; ours {100 * (d.peak_tops[m] / pub - 1):+.1f}%, reports use ours)"

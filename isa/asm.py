@@ -29,7 +29,7 @@ from isa.fields import (ADDR_BITS, QUEUES, SPACES, After, Cond, Dram, DramRef, K
 from isa.instructions import BY_MNEMONIC, INSTRUCTIONS, OPCODE_BITS, Instr, RowView
 from isa.program import Program, ProgramError, Tensor
 
-DIRECTIVES = (".arch", ".data", ".tensor", ".skipped", ".region")
+DIRECTIVES = (".arch", ".data", ".tensor", ".skipped", ".approximation", ".region")
 ARCH_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 LEGION_SET_BITS = LegionSet.bits
 
@@ -77,6 +77,12 @@ class _Builder:
         if str(tok) in self.p.skipped:
             raise self.error(tok, f"a second .skipped {tok}")
         self.p.skipped[str(tok)] = int(count)
+
+    def add_approximation(self, tok) -> None:
+        self._directive_first(tok, ".approximation")
+        if str(tok) in self.p.approximations:
+            raise self.error(tok, f"a second .approximation {tok}")
+        self.p.approximations.append(str(tok))
 
     def add_region(self, tok) -> None:
         """A ``.region`` may come anywhere: it names the instructions that follow it."""
@@ -185,6 +191,9 @@ class _Callbacks:
 
     def skipped(self, ch):
         self.b.add_skipped(ch[0], ch[1])
+
+    def approximation(self, ch):
+        self.b.add_approximation(ch[0])
 
     def region(self, ch):
         self.b.add_region(ch[0])
@@ -662,6 +671,7 @@ def format_program(p: Program) -> str:
         lines.append(f".data {encoding.json_text(p.data_file)}")
     lines += [format_tensor(t) for t in p.tensors]
     lines += [f".skipped {kind} {count}" for kind, count in sorted(p.skipped.items())]
+    lines += [f".approximation {name}" for name in p.approximations]
     names, marks = p.names(), _region_lines(p)
     for n, i in enumerate(p.instrs):
         why = encoding.ref_error(i, len(names))

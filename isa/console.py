@@ -142,10 +142,16 @@ def positive_int(text: str) -> int | None:
     """``text`` as a positive integer below 2**63 (larger sizes are out of every range), or None.
     ASCII digits only, and few of them: ``str.isdigit`` also takes '²', and int() refuses more
     than 4,300 digits; either would be a traceback."""
+    n = size_int(text)
+    return n if n else None
+
+
+def size_int(text: str) -> int | None:
+    """``text`` as an integer from 0 to below 2**63, or None (a dimension may be empty)."""
     if not re.fullmatch(r"[0-9]{1,19}", text):
         return None
     n = int(text)
-    return n if 0 < n < 1 << 63 else None
+    return n if n < 1 << 63 else None
 
 
 def read_arrays(path: str | Path) -> dict:

@@ -25,9 +25,9 @@ from isa.instructions import BY_OPCODE, INSTRUCTIONS, OPCODE_BITS, WORD_BITS, In
 from isa.program import DTYPES, KINDS, Program, ProgramError, Tensor
 
 MAGIC = b"DLGN"
-VERSION = 7          # 2: 320-bit words and progress-counter synchronization; 3: regions; 4: spans,
+VERSION = 8          # 2: 320-bit words and progress-counter synchronization; 3: regions; 4: spans,
                      # relative waits; 5: skipped work; 6: 26-bit scratchpad addresses;
-                     # 7: the number of instructions in the header
+                     # 7: the number of instructions in the header; 8: approximations
 WORD_BYTES = WORD_BITS // 8
 PREFIX = struct.Struct("<4sHHI")
 NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -171,8 +171,10 @@ def tensor_error(t: Tensor) -> str | None:
         return f"tensor {t.name!r}: unknown dtype {t.dtype!r} (dtypes: {' '.join(DTYPES)})"
     if t.kind not in KINDS:
         return f"tensor {t.name!r}: unknown kind {t.kind!r} (kinds: {' '.join(KINDS)})"
-    if not all(_is_int(d) and d >= 1 for d in t.shape):
-        return f"tensor {t.name!r}: bad shape {list(t.shape)} (dimensions >= 1; [] for a scalar)"
+    least = 0 if t.kind == "input" else 1      # an empty input (a decode step's empty cache) is legal ONNX
+    if not all(_is_int(d) and d >= least for d in t.shape):
+        rule = "dimensions >= 0 for an input, >= 1 otherwise" if t.kind == "input" else "dimensions >= 1"
+        return f"tensor {t.name!r}: bad shape {list(t.shape)} ({rule}; [] for a scalar)"
     return _tensor_extras_error(t)
 
 
@@ -246,9 +248,20 @@ def skipped_error(p: Program) -> str | None:
     return None
 
 
+def approximations_error(p: Program) -> str | None:
+    """Why ``p.approximations`` is malformed, or None: distinct names."""
+    for name in p.approximations:
+        if not (isinstance(name, str) and NAME_RE.fullmatch(name)):
+            return f"approximation {name!r} is not a name"
+    if len(set(p.approximations)) != len(p.approximations):
+        return "an approximation named twice"
+    return None
+
+
 def check_regions(p: Program) -> None:
-    """Regions and skipped work, which the text and binary formats carry alongside the words."""
-    why = region_error(p) or skipped_error(p)
+    """Regions, skipped work and approximations, which the text and binary formats carry
+    alongside the words."""
+    why = region_error(p) or skipped_error(p) or approximations_error(p)
     if why:
         raise ProgramError(f"{p.source}: {why}")
 
@@ -484,7 +497,8 @@ def header(p: Program) -> dict:
                 "range": None if t.range is None else list(t.range)} for t in p.tensors]
     regions = [[at, name] for at, name in p.regions]
     return {"arch": p.arch, "data_file": p.data_file, "tensors": tensors, "regions": regions,
-            "skipped": dict(sorted(p.skipped.items())), "instructions": len(p.instrs)}
+            "skipped": dict(sorted(p.skipped.items())), "approximations": list(p.approximations),
+            "instructions": len(p.instrs)}
 
 
 def json_text(value, **options) -> str:
@@ -579,7 +593,7 @@ def _read_prefix(b: bytes, source: str) -> tuple[int, dict]:
 
 # Header keys and the Python types their values may have.
 _HEAD_KEYS = {"arch": (str,), "data_file": (str, type(None)), "tensors": (list,), "regions": (list,),
-              "skipped": (dict,), "instructions": (int,)}
+              "skipped": (dict,), "approximations": (list,), "instructions": (int,)}
 _TENSOR_KEYS = {"name": (str,), "dtype": (str,), "shape": (list,), "kind": (str,),
                 "io_name": (str, type(None)), "offset": (int, type(None)), "range": (list, type(None))}
 
@@ -603,7 +617,8 @@ def _program_from_header(head, source: str) -> Program:
                                 d["offset"], rng))
     p.regions = [tuple(r) if isinstance(r, list) else r for r in head["regions"]]
     p.skipped = head["skipped"]
-    why = skipped_error(p)
+    p.approximations = head["approximations"]
+    why = skipped_error(p) or approximations_error(p)
     if why:
         raise ProgramError(f"{source}: corrupt header: {why}")
     return p

@@ -73,6 +73,11 @@ class Program:
     # ``causal_skipped_vector_ops``: the lane operations of softmax columns past P's nonzeros):
     # for the report.
     skipped: dict[str, int] = field(default_factory=dict)
+    # What the compiler computes instead of the model's own semantics, by name (``int8_attention``:
+    # attention's float products quantized to int8; ``int8_activations``: a weight-only quantized
+    # matmul's float activations quantized per row): ``dlegion-run --check`` judges the outputs
+    # with each one's documented tolerance (runtime/check.py).
+    approximations: list[str] = field(default_factory=list)
     # Where each instruction came from, for messages; not part of a program's identity.
     lines: list[int] = field(default_factory=list, compare=False, repr=False)
     source: str = field(default="<program>", compare=False, repr=False)

@@ -38,12 +38,13 @@ class BitNetConfig:
     seed: int = 0
     block_sparsity: float = 0.0
     block: int = 16
+    past: int | None = None  # a decode step's cached positions (None: no key/value cache)
 
     def spec(self) -> DecoderSpec:
         return DecoderSpec(
             hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads, ffn=self.ffn, layers=self.layers,
             vocab=self.vocab, seq=self.seq, act=self.act, sub_norm=True, dynamic=self.dynamic,
-            rms_eps=self.rms_eps, rope_theta=self.rope_theta,
+            rms_eps=self.rms_eps, rope_theta=self.rope_theta, past=self.past,
         )
 
 
@@ -125,16 +126,22 @@ def write_bitnet(config: BitNetConfig, path: str | Path, external_data: bool, pr
 @click.option("--act", type=click.Choice(["relu2", "silu"]), help="MLP activation (default: the preset's)")
 @click.option("--kv-heads", type=int, help="key/value heads (default: the preset's)")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--dynamic", is_flag=True, help="symbolic sequence dimension 'sequence'")
+@click.option("--dynamic", is_flag=True,
+              help="symbolic sequence dimension 'sequence' (with --past, the cache's 'past_sequence_length' too)")
+@click.option("--past", type=click.IntRange(min=0),
+              help="a decode step with a key/value cache of this many positions: past_key_values.N.key/value "
+                   "inputs, present.N.key/value outputs (with --dynamic the cache's length is symbolic, "
+                   "whatever P)")
 @click.option("--block-sparsity", type=float, default=0.0, show_default=True, help="fraction of zero weight blocks")
 @click.option("--block", type=int, default=16, show_default=True, help="block edge for --block-sparsity")
 @click.option("--external-data/--no-external-data", default=False, show_default=True,
               help="weights in OUTPUT.data beside the model, written layer by layer (needed past 2 GiB)")
 @click.option("-q", "--quiet", is_flag=True, help="no progress bar")
 @click.argument("output", type=click.Path(dir_okay=False))
-def main(name, layers, seq, vocab, act, kv_heads, seed, dynamic, block_sparsity, block, external_data, quiet, output):
+def main(name, layers, seq, vocab, act, kv_heads, seed, dynamic, past, block_sparsity, block, external_data, quiet,
+         output):
     config = preset(name, layers=layers, seq=seq, vocab=vocab, act=act, kv_heads=kv_heads, seed=seed,
-                    dynamic=dynamic, block_sparsity=block_sparsity, block=block)
+                    dynamic=dynamic, block_sparsity=block_sparsity, block=block, past=past)
     write_bitnet(config, output, external_data, Progress.for_terminal(quiet))
     click.echo(f"wrote {output}")
 

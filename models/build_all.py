@@ -28,6 +28,7 @@ class Entry:
     seq: int  # golden sequence length (differs from the build length for a symbolic sequence)
     external_data: bool = False
     input_seed: int = 1
+    past: int = 0  # golden cache length, for a decode-step graph
 
     @property
     def filename(self) -> str:
@@ -37,9 +38,9 @@ class Entry:
         return [self.filename, self.filename + ".data"] if self.external_data else [self.filename]
 
 
-def bitnet_entry(name: str, seq: int = 8, external_data: bool = False, **overrides) -> Entry:
+def bitnet_entry(name: str, seq: int = 8, external_data: bool = False, golden_past: int = 0, **overrides) -> Entry:
     config = bitnet.preset("tiny", **overrides)
-    return Entry(name, lambda: bitnet.build_bitnet(config), config.vocab, seq, external_data)
+    return Entry(name, lambda: bitnet.build_bitnet(config), config.vocab, seq, external_data, past=golden_past)
 
 
 def llama_entry(name: str, variant: str) -> Entry:
@@ -56,6 +57,8 @@ ZOO = (
     bitnet_entry("bitnet_tiny_gqa", seq=6, external_data=True, act="silu", kv_heads=1, dynamic=True, seed=2),
     # half of the 16x16 weight blocks zero, for sparsity-aware compilation
     bitnet_entry("bitnet_tiny_sparse", block_sparsity=0.5, block=16, seed=3),
+    # a decode step with a key/value cache, symbolic sequence and past; golden: one token after 11
+    bitnet_entry("bitnet_tiny_decode", seq=1, golden_past=11, dynamic=True, past=0, seed=4),
     llama_entry("llama_tiny_dynamic_int8", "dynamic-int8"),
     llama_entry("llama_tiny_nbits4", "nbits4"),
     llama_entry("llama_tiny_qdq", "qdq"),
@@ -71,7 +74,7 @@ def write_golden(entry: Entry, models_dir: Path, golden_dir: Path) -> None:
     """Golden file: the seeded inputs under the graph input names, outputs under the graph output names."""
     path = models_dir / entry.filename
     inputs = golden.seeded_inputs(onnx.load(path, load_external_data=False), entry.seq, entry.vocab,
-                                  entry.input_seed)
+                                  entry.input_seed, entry.past)
     outputs = golden.run(path, inputs)
     golden.write_npz(golden_dir / f"{entry.name}.npz", {**inputs, **outputs})
 

@@ -14,6 +14,8 @@ from models.weights import gaussian_rows, norm_weight
 
 MASK_MIN = np.finfo(np.float32).min  # what transformers adds at masked positions
 SEQ_DIM = "sequence"
+PAST_DIM = "past_sequence_length"  # the cached positions of a decode step's key/value inputs
+TOTAL_DIM = "total_sequence_length"  # past + sequence: the present key/value outputs
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,7 @@ class DecoderSpec:
     dynamic: bool = False
     rms_eps: float = 1e-5
     rope_theta: float = 10000.0
+    past: int | None = None  # cached positions per key/value input; None: no cache inputs or outputs
 
     @property
     def head_dim(self) -> int:
@@ -54,6 +57,17 @@ class DecoderSpec:
             raise ValueError(f"activation {self.act!r} is not one of {sorted(ACTIVATIONS)}")
         if self.seq < 1 or self.layers < 1:
             raise ValueError(f"sequence {self.seq} and layers {self.layers} must be positive")
+        if self.past is not None and self.past < 0:
+            raise ValueError(f"past {self.past} must not be negative")
+
+    @property
+    def cached(self) -> bool:
+        return self.past is not None
+
+    @property
+    def offset(self) -> int:
+        """The position of the first new token: the cached positions come before it."""
+        return self.past or 0
 
 
 class Projection(Protocol):
@@ -66,7 +80,8 @@ class Projection(Protocol):
 
 @dataclass
 class Tables:
-    """Per-sequence values shared by all layers: causal mask, rotary cos/sin, the [1] sequence length.
+    """Per-sequence values shared by all layers: causal mask, rotary cos/sin, the [1] sequence length
+    and the [1] length of the keys (past + sequence; the sequence without a cache).
 
     With a symbolic sequence, values derived from these are built once at first use (in layer 0) and
     reused, as the exporter's common-subexpression pass leaves them."""
@@ -75,6 +90,7 @@ class Tables:
     cos: str
     sin: str
     seq: str | None = None
+    keys: str | None = None
     derived: dict = field(default_factory=dict)
 
     def once(self, key: str, make) -> str:
@@ -104,12 +120,13 @@ ACTIVATIONS = {"relu2": relu2, "silu": silu}
 
 
 def static_tables(b: GraphBuilder, spec: DecoderSpec) -> Tables:
-    """Static shapes: the exporter folds mask and cos/sin into [1,1,S,S] and [1,1,S,D] initializers."""
-    s = spec.seq
-    mask = np.where(np.tril(np.ones((s, s), dtype=bool)), np.float32(0), MASK_MIN).astype(np.float32)
-    cos, sin = rotary_tables(spec, np.arange(s))
+    """Static shapes: the exporter folds mask and cos/sin into [1,1,S,P+S] and [1,1,S,D] initializers
+    (P cached positions, 0 without a cache): token i sees keys 0..P+i; positions start at P."""
+    s, p = spec.seq, spec.offset
+    mask = np.where(np.tri(s, p + s, p, dtype=bool), np.float32(0), MASK_MIN).astype(np.float32)
+    cos, sin = rotary_tables(spec, np.arange(p, p + s))
     return Tables(
-        mask=b.weight("causal_mask", mask.reshape(1, 1, s, s)),
+        mask=b.weight("causal_mask", mask.reshape(1, 1, s, p + s)),
         cos=b.weight("rotary_cos", cos.reshape(1, 1, s, -1)),
         sin=b.weight("rotary_sin", sin.reshape(1, 1, s, -1)),
     )
@@ -128,18 +145,26 @@ def rotary_tables(spec: DecoderSpec, positions: np.ndarray) -> tuple[np.ndarray,
 
 
 def dynamic_tables(b: GraphBuilder, spec: DecoderSpec, ids: str) -> Tables:
-    """Symbolic sequence: positions from Range; rotary as the exporter computes it; a plain causal mask."""
+    """Symbolic sequence: positions from Range; rotary as the exporter computes it; a plain causal mask.
+    With a cache, the new tokens' positions start at the cached length P and the keys run 0..P+S-1."""
     seq = b.op("Shape", ids, start=1, end=2)
-    positions = b.op("Range", b.const(0), b.op("Squeeze", seq), b.const(1))
+    if spec.cached:
+        past = b.op("Shape", past_name(0, "key"), start=2, end=3)
+        keys = b.op("Add", past, seq)
+        positions = b.op("Range", b.op("Squeeze", past), b.op("Squeeze", keys), b.const(1))
+        key_positions = b.op("Range", b.const(0), b.op("Squeeze", keys), b.const(1))
+    else:
+        keys = seq
+        positions = key_positions = b.op("Range", b.const(0), b.op("Squeeze", seq), b.const(1))
     # mask[i, j] = 0 where j <= i else MASK_MIN (transformers' vmapped mask reduces to this for one sequence)
-    allowed = b.op("LessOrEqual", b.op("Unsqueeze", positions, b.const([0])),
+    allowed = b.op("LessOrEqual", b.op("Unsqueeze", key_positions, b.const([0])),
                    b.op("Unsqueeze", positions, b.const([1])))
     mask = b.op("Where", allowed, b.f32(0.0), b.f32(MASK_MIN))
     mask = b.op("Unsqueeze", mask, b.const([0, 1]))
     pos = b.op("Cast", b.op("Unsqueeze", positions, b.const([0, 2])), to=FLOAT)
     freqs = b.op("Mul", pos, b.weight("model.rotary_emb.inv_freq", inv_freq(spec)))
     emb = b.op("Concat", freqs, freqs, axis=-1)
-    return Tables(mask=mask, cos=b.op("Cos", emb), sin=b.op("Sin", emb), seq=seq)
+    return Tables(mask=mask, cos=b.op("Cos", emb), sin=b.op("Sin", emb), seq=seq, keys=keys)
 
 
 def rotary_4d(b: GraphBuilder, t: Tables) -> tuple[str, str]:
@@ -168,11 +193,11 @@ def rotate(b: GraphBuilder, x: str, spec: DecoderSpec, t: Tables) -> str:
 
 
 def expand_shape(b: GraphBuilder, spec: DecoderSpec, t: Tables) -> tuple[str, str]:
-    """The Expand target [1,KV,rep,S,D] and the Reshape target [1,H,S,D] of repeat_kv."""
-    rep, d = spec.heads // spec.kv_heads, spec.head_dim
+    """The Expand target [1,KV,rep,T,D] and the Reshape target [1,H,T,D] of repeat_kv (T keys)."""
+    rep, d, keys = spec.heads // spec.kv_heads, spec.head_dim, spec.offset + spec.seq
     if t.seq is None:
-        return b.const([1, spec.kv_heads, rep, spec.seq, d]), b.const([1, spec.heads, spec.seq, d])
-    parts = [b.const([1]), b.const([spec.kv_heads]), b.const([rep]), t.seq, b.const([d])]
+        return b.const([1, spec.kv_heads, rep, keys, d]), b.const([1, spec.heads, keys, d])
+    parts = [b.const([1]), b.const([spec.kv_heads]), b.const([rep]), t.keys, b.const([d])]
     return t.once("expand", lambda: b.op("Concat", *parts, axis=0)), b.const([1, spec.heads, -1, d])
 
 
@@ -185,7 +210,23 @@ def repeat_kv(b: GraphBuilder, x: str, spec: DecoderSpec, t: Tables) -> str:
     return b.op("Reshape", b.op("Expand", grouped, target), flat, allowzero=1)
 
 
-def attention(b: GraphBuilder, x: str, spec: DecoderSpec, t: Tables, proj: Projection, rng) -> str:
+def past_name(layer: int, kind: str) -> str:
+    return f"past_key_values.{layer}.{kind}"
+
+
+def present_name(layer: int, kind: str) -> str:
+    return f"present.{layer}.{kind}"
+
+
+def with_cache(b: GraphBuilder, spec: DecoderSpec, layer: int, kind: str, new: str) -> str:
+    """transformers' cache update: the layer's cached keys (or values) and the new ones, Concat on
+    the sequence axis, are both the ``present`` output and what attention reads."""
+    if not spec.cached:
+        return new
+    return b.op("Concat", past_name(layer, kind), new, axis=2, out=present_name(layer, kind))
+
+
+def attention(b: GraphBuilder, x: str, spec: DecoderSpec, t: Tables, proj: Projection, rng, layer: int) -> str:
     """Self-attention of one layer, scope ``self_attn``; returns the o_proj output."""
     h, kv, d = spec.hidden, spec.kv_heads, spec.head_dim
     with b.scoped("self_attn"):
@@ -194,6 +235,7 @@ def attention(b: GraphBuilder, x: str, spec: DecoderSpec, t: Tables, proj: Proje
         k = split_heads(b, proj.project(b, xq, "k_proj", h, kv * d), spec, kv)
         v = split_heads(b, proj.project(b, xq, "v_proj", h, kv * d), spec, kv)
         q, k = rotate(b, q, spec, t), rotate(b, k, spec, t)
+        k, v = with_cache(b, spec, layer, "key", k), with_cache(b, spec, layer, "value", v)
         k, v = repeat_kv(b, k, spec, t), repeat_kv(b, v, spec, t)
         scores = b.op("MatMul", q, b.op("Transpose", k, perm=[0, 1, 3, 2]))
         scores = b.op("Add", b.op("Mul", scores, b.f32(d ** -0.5)), t.mask)
@@ -216,9 +258,9 @@ def mlp(b: GraphBuilder, x: str, spec: DecoderSpec, proj: Projection, rng) -> st
         return proj.project(b, proj.prepare(b, out), "down_proj", spec.ffn, spec.hidden)
 
 
-def decoder_layer(b: GraphBuilder, x: str, spec: DecoderSpec, t: Tables, proj: Projection, rng) -> str:
+def decoder_layer(b: GraphBuilder, x: str, spec: DecoderSpec, t: Tables, proj: Projection, rng, layer: int) -> str:
     normed = rms_norm(b, x, "input_layernorm", spec.hidden, spec.rms_eps, rng)
-    x = b.op("Add", x, attention(b, normed, spec, t, proj, rng))
+    x = b.op("Add", x, attention(b, normed, spec, t, proj, rng, layer))
     normed = rms_norm(b, x, "post_attention_layernorm", spec.hidden, spec.rms_eps, rng)
     return b.op("Add", x, mlp(b, normed, spec, proj, rng))
 
@@ -239,7 +281,21 @@ def build_decoder(spec: DecoderSpec, proj: Projection, rng: np.random.Generator,
             head = b.weight("lm_head.weight_t", gaussian_rows(rng, (spec.hidden, spec.vocab), spec.hidden ** -0.5))
             b.nodes.append(onnx.helper.make_node("MatMul", [x, head], ["logits"], name="lm_head/MatMul"))
         advance()
-    return b.model([tensor_info("input_ids", INT64, [1, seq])], [tensor_info("logits", FLOAT, [1, seq, spec.vocab])])
+    inputs, outputs = cache_infos(spec)
+    return b.model([tensor_info("input_ids", INT64, [1, seq])] + inputs,
+                   [tensor_info("logits", FLOAT, [1, seq, spec.vocab])] + outputs)
+
+
+def cache_infos(spec: DecoderSpec) -> tuple[list, list]:
+    """past_key_values.N.key/value inputs [1, KV, P, D] and present.N.key/value outputs [1, KV, P+S, D],
+    in transformers' order (layer by layer, key then value); none without a cache."""
+    if not spec.cached:
+        return [], []
+    kv, d = spec.kv_heads, spec.head_dim
+    past, total = (PAST_DIM, TOTAL_DIM) if spec.dynamic else (spec.past, spec.past + spec.seq)
+    pairs = [(i, kind) for i in range(spec.layers) for kind in ("key", "value")]
+    return ([tensor_info(past_name(i, kind), FLOAT, [1, kv, past, d]) for i, kind in pairs],
+            [tensor_info(present_name(i, kind), FLOAT, [1, kv, total, d]) for i, kind in pairs])
 
 
 def decoder_stack(b: GraphBuilder, spec: DecoderSpec, proj: Projection, rng, advance: Advance) -> str:
@@ -251,6 +307,6 @@ def decoder_stack(b: GraphBuilder, spec: DecoderSpec, proj: Projection, rng, adv
         tables = dynamic_tables(b, spec, "input_ids") if spec.dynamic else static_tables(b, spec)
         for i in range(spec.layers):
             with b.scoped(f"layers.{i}"):
-                x = decoder_layer(b, x, spec, tables, proj, rng)
+                x = decoder_layer(b, x, spec, tables, proj, rng, i)
             advance()
         return rms_norm(b, x, "norm", spec.hidden, spec.rms_eps, rng)

@@ -9,18 +9,30 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from models.decoder import PAST_DIM, SEQ_DIM
+
 FIXED_TIME = (1980, 1, 1, 0, 0, 0)  # zip entries carry no wall-clock time, so reruns give the same bytes
 ELEM_TYPES = {onnx.TensorProto.INT64: np.int64, onnx.TensorProto.FLOAT: np.float32}
 
 
-def seeded_inputs(model: onnx.ModelProto, seq: int, vocab: int, seed: int) -> dict[str, np.ndarray]:
-    """Token ids in [0, vocab) for every int64 graph input, shape [1, seq]."""
+def seeded_inputs(model: onnx.ModelProto, seq: int, vocab: int, seed: int, past: int = 0) -> dict[str, np.ndarray]:
+    """Token ids in [0, vocab) for every int64 graph input, shape [1, seq]; then standard normal
+    values for every float32 input (a key/value cache), its symbolic dims bound to ``seq`` and
+    ``past`` (the token ids are drawn first, so a model without a cache gets the ids it got)."""
     rng = np.random.default_rng(seed)
-    inputs = {}
+    inputs, floats = {}, []
     for value in model.graph.input:
-        if value.type.tensor_type.elem_type != onnx.TensorProto.INT64:
-            raise ValueError(f"graph input {value.name!r} is not int64 token ids")
-        inputs[value.name] = rng.integers(0, vocab, (1, seq), dtype=np.int64)
+        elem = value.type.tensor_type.elem_type
+        if elem == onnx.TensorProto.FLOAT:
+            floats.append(value)
+        elif elem == onnx.TensorProto.INT64:
+            inputs[value.name] = rng.integers(0, vocab, (1, seq), dtype=np.int64)
+        else:
+            raise ValueError(f"graph input {value.name!r} is neither int64 token ids nor a float32 cache")
+    sizes = {SEQ_DIM: seq, PAST_DIM: past}
+    for value in floats:
+        shape = [d.dim_value if d.HasField("dim_value") else sizes[d.dim_param] for d in value.type.tensor_type.shape.dim]
+        inputs[value.name] = rng.standard_normal(shape).astype(np.float32)
     return inputs
 
 

@@ -126,9 +126,11 @@ class GraphBuilder:
         self._count += 1
         return f"{stem}_{self._count}"
 
-    def op(self, op_type: str, *inputs: str, outputs: int = 1, **attrs):
-        """Append one node; returns its output name (or a list when ``outputs`` > 1)."""
+    def op(self, op_type: str, *inputs: str, outputs: int = 1, out: str | None = None, **attrs):
+        """Append one node; returns its output name (or a list when ``outputs`` > 1). ``out`` names
+        a single output (a graph output's name)."""
         names = [self.fresh(op_type.lower()) for _ in range(outputs)]
+        names = names if out is None else [out]
         node_name = f"{self.prefix()}/{op_type}_{self._count}"
         self.nodes.append(helper.make_node(op_type, list(inputs), names, name=node_name, **attrs))
         return names[0] if outputs == 1 else names

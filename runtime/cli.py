@@ -123,6 +123,16 @@ def _time_only(program, arch, progress):
     return time_only(program, arch_mod.load(arch) if arch else arch_of(program), progress)
 
 
+def _approximated(program, tolerance: float) -> float:
+    """The tolerance for a program that records approximations, said with them."""
+    from runtime.check import approximation_tolerance, describe_approximations
+    tol = approximation_tolerance(program.approximations, tolerance)
+    print(f"{program.source}: the compiler approximated the model's semantics: "
+          f"{'; '.join(describe_approximations(program.approximations))}; float outputs are judged at relative "
+          f"L2 <= {tol:g} (--tolerance to choose another)")
+    return tol
+
+
 def _given(ctx: click.Context, name: str) -> bool:
     return ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
 
@@ -225,9 +235,11 @@ def run_command(ctx, program, arch, inputs_path, seed, out_path, check_model, ch
         numbers = rep.summarize(result)
         if report:
             rep.print_report(numbers)
+    if check_model and prog.approximations and not _given(ctx, "tolerance"):
+        tolerance = _approximated(prog, tolerance)
     verdict = _check(check_model, inputs, result, tolerance, check_all, reference) if check_model else None
     if verdict:
-        numbers["check"] = verdict.as_json(tolerance)
+        numbers["check"] = verdict.as_json(tolerance) | {"program_approximations": list(prog.approximations)}
     files = []
     if out_path:
         files.append((out_path, _npz_bytes(result.outputs)))

@@ -1,4 +1,6 @@
-"""Running a program: verify, load inputs, execute in the timing model's completion order."""
+"""Running a program: verify, load inputs, time it, and execute it in an order its dependencies
+allow: program order, an instruction's tasks at once, when every condition waits for an earlier
+instruction (as compiled programs do); else task by task in the timing model's completion order."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,13 +9,14 @@ import numpy as np
 
 from isa.arch import Arch
 from isa.bulk import no_cycle_collection
+from isa.expand import NONE, Queues, Tasks
 from isa.instructions import Barrier, Wait
 from isa.program import Program, ProgramError, Tensor
 from isa.progress import SILENT, Progress
 from isa.verify import verify
 from runtime import semantics
 from runtime.liveness import Liveness
-from runtime.races import RaceCheck
+from runtime.races import RaceCheck, segment_key
 from runtime.state import Machine, Trap, host_array
 from runtime.timing import Timeline, simulate
 
@@ -33,34 +36,106 @@ PROGRESS_BLOCK = 1024
 
 def run(program: Program, arch: Arch, inputs: dict[str, np.ndarray], races: bool = True,
         keep: bool = True, progress: Progress = SILENT) -> RunResult:
-    """Emulate ``program`` on ``arch``: functional results and timing from one simulation;
-    ``races`` also checks that every two conflicting accesses are ordered (runtime/races.py);
-    ``keep`` keeps every scratch tensor to the end, for the caller to read (runtime/check.py);
-    else each is freed after its last use (dlegion-run, unless --check-all)."""
+    """Emulate ``program`` on ``arch``: its timing, and its functional results computed in an
+    order that respects every dependency; ``races`` also checks that every two conflicting
+    accesses are ordered (runtime/races.py), which makes the results those of any order the
+    machine may take; ``keep`` keeps every scratch tensor to the end, for the caller to read
+    (runtime/check.py); else each is freed after its last use (dlegion-run, unless --check-all)."""
     with no_cycle_collection():
         program = verify(program, arch)      # and expanded: one task per Legion of each span
     machine = Machine(program, arch)
     bind_inputs(machine, program, inputs)
     if races:
         machine.watch = RaceCheck(program, arch)
-    live = None if keep else Liveness(program)
-
-    def execute(i: int) -> None:
-        if machine.watch is not None:
-            machine.watch.now = i
-        try:
-            semantics.execute_unguarded(machine, program.instrs[i])
-        except Trap as e:
-            raise Trap(f"{program.where(i)}: {program.instrs[i].MNEMONIC}: {e}") from None
-        for n in live.ran(i) if live is not None else ():
-            machine.free(n)
-            if machine.watch is not None:
-                machine.watch.forget(n)
-
+    tasks = program.instrs
     with progress.task("emulating", _executed(program)) as advance, np.errstate(all="ignore"):
-        timeline = simulate(program, arch, _every(PROGRESS_BLOCK, execute, advance))
+        if in_program_order(tasks, arch.legions):
+            timeline = simulate(program, arch)
+            _by_instruction(machine, program, keep, advance)
+        else:
+            timeline = simulate(program, arch, _by_task(machine, program, keep, advance))
     outputs = {t.io_name: machine.get(t.name) for t in program.outputs()}
     return RunResult(outputs, timeline, arch, program, machine)
+
+
+def _by_instruction(machine: Machine, program: Program, keep: bool, advance) -> None:
+    """Every instruction in program order, all its tasks (one per Legion of its span) at once:
+    a program whose conditions all wait for earlier instructions is ordered this way. The race
+    check skips a segment between barriers that repeats one it checked (races.segment_key)."""
+    tasks = program.instrs
+    source, first = tasks.source, tasks.first.tolist()
+    live = None if keep else Liveness(program, source)
+    watch, checked = machine.watch, set()
+    count = 0
+    for o, ins in enumerate(source):
+        if watch is not None and (o == 0 or isinstance(ins, Barrier)):
+            machine.watch = _segment_watch(watch, checked, source, o, program)
+        if isinstance(ins, (Wait, Barrier)):
+            continue
+        span = getattr(ins, "span", None) or 1
+        _execute(machine, program, ins, first[o], span, live.ran(o) if live is not None else (), watch)
+        count += span
+        if count >= PROGRESS_BLOCK:
+            advance(count)
+            count = 0
+    machine.watch = watch
+    advance(count)
+
+
+def _segment_watch(watch: RaceCheck, checked: set, source: list, o: int, program: Program):
+    """The race check for the segment starting at instruction ``o``; None when it repeats one
+    already checked."""
+    end = next((j for j in range(o + 1, len(source)) if isinstance(source[j], Barrier)), len(source))
+    key = segment_key(source[o:end], program.tensors)
+    if key in checked:
+        return None
+    checked.add(key)
+    return watch
+
+
+def _by_task(machine: Machine, program: Program, keep: bool, advance):
+    """``execute(k)`` for the timing model to call on each task in completion order (a program
+    with a condition on a later instruction)."""
+    live = None if keep else Liveness(program)
+    count = 0
+
+    def execute(k: int) -> None:
+        nonlocal count
+        _execute(machine, program, program.instrs[k], k, 1, live.ran(k) if live is not None else (),
+                 machine.watch)
+        count += 1
+        if count == PROGRESS_BLOCK:
+            advance(count)
+            count = 0
+    return execute
+
+
+def _execute(machine: Machine, program: Program, ins, k: int, span: int, dead, watch) -> None:
+    """Run tasks k..k+span-1 (``ins``), then free the tensors they were the last use of (and
+    their race ledgers in ``watch``)."""
+    if machine.watch is not None:
+        machine.watch.start(k, span)
+    try:
+        semantics.execute_unguarded(machine, ins)
+    except Trap as e:
+        raise Trap(f"{program.where(k)}: {ins.MNEMONIC}: {e}") from None
+    for n in dead:
+        machine.free(n)
+        if watch is not None:
+            watch.forget(n)
+
+
+def in_program_order(tasks: Tasks, legions: int) -> bool:
+    """Whether every condition waits only for instructions before its own: program order is
+    then an order to compute in (compiled programs are; a hand-written one may wait ahead)."""
+    waits = np.flatnonzero(tasks.cond[:, 2] > 0)
+    if not len(waits):
+        return True
+    barrier = np.zeros(len(tasks.source), np.bool_)
+    barrier[tasks.origin[tasks.legion == NONE]] = True
+    cond = tasks.cond[waits]
+    given = Queues(tasks, barrier, legions).before(cond[:, 0], cond[:, 1], tasks.origin[waits])
+    return bool(np.all(cond[:, 2] <= given))
 
 
 def time_only(program: Program, arch: Arch, progress: Progress = SILENT) -> RunResult:
@@ -79,20 +154,6 @@ def _executed(program: Program) -> int:
     tasks = program.instrs
     runs = np.array([not isinstance(i, (Wait, Barrier)) for i in tasks.source], dtype=bool)
     return int(np.count_nonzero(runs[tasks.origin]))
-
-
-def _every(block: int, execute, advance):
-    """``execute`` that also reports progress once per ``block`` tasks run."""
-    count = 0
-
-    def step(i: int) -> None:
-        nonlocal count
-        execute(i)
-        count += 1
-        if count == block:
-            advance(count)
-            count = 0
-    return step
 
 
 def bind_inputs(machine: Machine, program: Program, inputs: dict[str, np.ndarray]) -> None:

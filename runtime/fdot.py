@@ -20,7 +20,8 @@ _MANTISSA = (1 << 23) - 1                # an fp32's fraction bits
 
 
 def rounded_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``a`` (M x K) times ``b`` (K x N), both fp32: the exact sums rounded once to fp32."""
+    """``a`` (... x M x K) times ``b`` (... x K x N), both fp32: the exact sums rounded once
+    to fp32 (leading axes: a batch, as np.matmul)."""
     with np.errstate(all="ignore"):      # infinities and NaN are results here, not faults
         return _rounded(np.asarray(a, np.float64), np.asarray(b, np.float64))
 
@@ -28,12 +29,13 @@ def rounded_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def _rounded(a64: np.ndarray, b64: np.ndarray) -> np.ndarray:
     s = a64 @ b64
     out = s.astype(np.float32)
-    if a64.shape[1] <= 1 or out.size == 0:
+    if a64.shape[-1] <= 1 or out.size == 0:
         return out                       # one product is exact in fp64: nothing to round twice
     # Twice gamma_K: room for the rounding of the bound itself.
-    err = (np.abs(a64) @ np.abs(b64)) * (2.0 * a64.shape[1] * _UNIT)
-    for m, n in zip(*np.nonzero(~_rounds_alike(s, err, out))):
-        out[m, n] = _exact_dot(a64[m], b64[:, n])
+    err = (np.abs(a64) @ np.abs(b64)) * (2.0 * a64.shape[-1] * _UNIT)
+    a64, b64 = np.broadcast_to(a64, out.shape[:-2] + a64.shape[-2:]), np.broadcast_to(b64, out.shape[:-2] + b64.shape[-2:])
+    for *batch, m, n in zip(*np.nonzero(~_rounds_alike(s, err, out))):
+        out[(*batch, m, n)] = _exact_dot(a64[(*batch, m)], b64[(*batch, slice(None), n)])
     return out
 
 

@@ -1,9 +1,9 @@
 """When a scratch tensor's DRAM can be given back: after the last task that touches it has run.
 
 Liveness is derived from the program: every task that names a tensor (a DMA's or gather's DRAM
-operand, a matmul's block mask) is one use of it. The emulator runs tasks in the timing model's
-completion order, not program order, so a tensor is freed when the count of its uses that
-have not run yet falls to zero, whichever of them runs last. Inputs, outputs and constants
+operand, a matmul's block mask) is one use of it. The emulator runs tasks in an order their
+dependencies allow (program order or the timing model's completion order), so a tensor is freed when
+the count of its uses that have not run yet falls to zero, whichever of them runs last. Inputs, outputs and constants
 are never freed: the caller reads outputs, and inputs and constants are views of the caller's
 arrays and of the data file, which cost no memory of their own.
 """
@@ -26,9 +26,12 @@ def tensors_of(ins) -> tuple[int, ...]:
 class Liveness:
     """Counts down each scratch tensor's remaining uses as the tasks run."""
 
-    def __init__(self, program: Program):
+    def __init__(self, program: Program, instrs=None):
+        """Uses counted over ``instrs``: the program's tasks (default), or its source
+        instructions when each is run whole."""
         scratch = {i for i, t in enumerate(program.tensors) if t.kind == "scratch"}
-        self.uses = [tuple(n for n in tensors_of(ins) if n in scratch) for ins in program.instrs]
+        instrs = program.instrs if instrs is None else instrs
+        self.uses = [tuple(n for n in tensors_of(ins) if n in scratch) for ins in instrs]
         self.left = Counter(n for used in self.uses for n in used)
 
     def ran(self, k: int) -> list[int]:

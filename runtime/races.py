@@ -15,8 +15,9 @@ conditions allow. An instruction is ordered after another only by what it waits 
 :class:`Order` folds these into a vector per instruction: per queue, how many of its
 instructions are known done when it starts. :class:`RaceCheck` keeps, per scratchpad and per
 DRAM tensor the program writes, a ledger of the accesses (windows) a later task might not be
-ordered after. The emulator calls it for each access, in completion order; an access whose
-earlier conflicting access is not known done is a race, reported with both instructions.
+ordered after. The emulator calls it for each access, in an order that respects every
+dependency (program order, an instruction's tasks together, for a compiled program); an access
+whose earlier conflicting access is not known done is a race, reported with both instructions.
 (A gather's table rows and a matmul's block mask are read-only constants in the programs the
 compiler writes and are not tracked.)
 """
@@ -27,81 +28,116 @@ from bisect import bisect_left, bisect_right
 import numpy as np
 
 from isa.arch import Arch
+from isa.expand import NONE, Tasks
 from isa.fields import QUEUES, View
-from isa.instructions import Barrier
+from isa.instructions import DmaLoad, DmaStore, Gather
 from isa.program import Program
 from runtime.state import Trap
 
 DMA = QUEUES.index("dma")
-NONE = -1
 
 
 class Order:
-    """Per instruction of an expanded program: its queue, its place there, and ``known[k, q]``,
-    how many instructions of queue ``q`` are done before ``k`` starts."""
+    """Per task of an expanded program: its queue, its place there, and ``known[k, q]``, how
+    many tasks of queue ``q`` are done before ``k`` starts. A queue's items are its own tasks
+    and every barrier, in program order."""
 
     def __init__(self, program: Program, arch: Arch):
+        tasks = program.instrs if isinstance(program.instrs, Tasks) else Tasks(list(program.instrs), arch.legions)
         self.nq = arch.legions * len(QUEUES)
-        self.items: list[list[int]] = [[] for _ in range(self.nq)]     # queue -> its instructions
-        n = len(program.instrs)
-        self.queue = np.full(n, NONE, np.int64)
-        self.place = np.zeros(n, np.int64)                             # position in its queue
-        self.barrier_places: dict[int, np.ndarray] = {}
-        self.prev: list[list[int]] = [[] for _ in range(n)]            # (instruction, done?) pairs
-        self.conds: list[int | None] = [None] * n
-        for k, ins in enumerate(program.instrs):
-            self._dispatch(k, ins)
-        self.known = self._knowledge(program)
+        barrier = tasks.legion == NONE
+        self.queue = np.where(barrier, NONE, tasks.legion * len(QUEUES) + tasks.queue)
+        self._items(np.flatnonzero(~barrier), np.flatnonzero(barrier))
+        self._dependencies(tasks)
+        self.known = self._knowledge(tasks)
 
     def qid(self, legion: int, queue: str) -> int:
         return legion * len(QUEUES) + QUEUES.index(queue)
 
-    def _dispatch(self, k: int, ins) -> None:
-        if isinstance(ins, Barrier):
-            places = np.array([len(q) for q in self.items], np.int64)
-            self.barrier_places[k] = places
-            self.prev[k] = [(q[-1], True) for q in self.items if q]
-            for q in self.items:
-                q.append(k)
-            return
-        q = self.qid(ins.legion, ins.queue())
-        self.queue[k], self.place[k] = q, len(self.items[q])
-        if self.items[q]:
-            # What came before on a DMA queue has left DRAM, not landed; a barrier is done.
-            last = self.items[q][-1]
-            self.prev[k] = [(last, q % len(QUEUES) != DMA or last in self.barrier_places)]
-        self.items[q].append(k)
-        cond = ins.condition()
-        if cond is not None and cond.count:
-            self.conds[k] = (self.qid(cond.legion, cond.queue), cond.count)
+    def _items(self, own: np.ndarray, bars: np.ndarray) -> None:
+        """Each queue's items (``items[q]``), each task's place on its queue, each barrier's
+        place on every queue (``bar_place[b]``), each task's item before it on its queue."""
+        nq, n = self.nq, len(self.queue)
+        q_of = np.concatenate([self.queue[own], np.repeat(np.arange(nq), len(bars))])
+        k_of = np.concatenate([own, np.tile(bars, nq)])
+        by = np.lexsort((k_of, q_of))
+        q_of, k_of = q_of[by], k_of[by]
+        starts = np.searchsorted(q_of, np.arange(nq + 1))
+        self.items = [k_of[starts[q]:starts[q + 1]] for q in range(nq)]
+        place = np.arange(len(k_of)) - starts[q_of]
+        self.place = np.zeros(n, np.int64)
+        is_own = self.queue[k_of] != NONE
+        self.place[k_of[is_own]] = place[is_own]
+        self.bar_index = np.full(n, NONE, np.int64)
+        self.bar_index[bars] = np.arange(len(bars))
+        self.bar_place = np.zeros((len(bars), nq), np.int64)
+        self.bar_place[self.bar_index[k_of[~is_own]], q_of[~is_own]] = place[~is_own]
+        self.prev = np.full(n, NONE, np.int64)
+        earlier = is_own & (place > 0)
+        self.prev[k_of[earlier]] = k_of[np.flatnonzero(earlier) - 1]
+        self._starts, self._flat = starts, k_of
+
+    def _dependencies(self, tasks: Tasks) -> None:
+        """``prev_done``: whether a task waits for its queue's item before it to be done (a DMA
+        queue's last transfer has only left DRAM, unless it is a barrier); ``target``: the
+        task its condition names, NONE for none."""
+        prev = self.prev
+        dma = (self.queue % len(QUEUES) == DMA) & (self.queue != NONE)
+        self.prev_done = ~dma | ((prev != NONE) & (self.bar_index[np.maximum(prev, 0)] != NONE))
+        legion, queue, count = tasks.cond.T
+        q = legion * len(QUEUES) + queue
+        size = np.where(legion == NONE, 0, self._starts[np.clip(q + 1, 0, self.nq)] - self._starts[np.clip(q, 0, self.nq)])
+        named = (count >= 1) & (count <= size)
+        self.target = np.full(len(prev), NONE, np.int64)
+        self.target[named] = self._flat[self._starts[q[named]] + count[named] - 1]
 
     def _deps(self, k: int) -> list:
-        deps = list(self.prev[k])
-        if self.conds[k] is not None:
-            q, count = self.conds[k]
-            if count <= len(self.items[q]):
-                deps.append((self.items[q][count - 1], True))
-        return deps
+        """(task, whether it must be done) pairs task ``k`` waits for."""
+        if self.queue[k] == NONE:
+            return [(int(items[self.bar_place[self.bar_index[k], q] - 1]), True)
+                    for q, items in enumerate(self.items) if self.bar_place[self.bar_index[k], q]]
+        deps = [] if self.prev[k] == NONE else [(int(self.prev[k]), bool(self.prev_done[k]))]
+        return deps + ([] if self.target[k] == NONE else [(int(self.target[k]), True)])
 
-    def _knowledge(self, program: Program) -> np.ndarray:
-        n = len(program.instrs)
-        deps = [self._deps(k) for k in range(n)]
-        known = np.zeros((n, self.nq), np.int64)
+    def _knowledge(self, tasks: Tasks) -> np.ndarray:
+        """``known``, computed in a table of 2n + 1 rows: what each task knows done when it
+        starts (rows 0..n-1), once it is done (rows n..2n-1: its queue(s) up to it as well),
+        and nothing (row 2n, for an absent dependency)."""
+        n = len(self.queue)
+        table = np.zeros((2 * n + 1, self.nq), np.int32)
+        # A task reads its queue's item before it as started or done, and its condition's as done.
+        via_prev = np.where(self.prev == NONE, 2 * n, self.prev + n * self.prev_done)
+        via_target = np.where(self.target == NONE, 2 * n, self.target + n)
         # A compiled program waits only for earlier instructions: program order is an order
-        # to compute in. A hand-written one may wait for a later one: depth first then.
-        forward = any(d > k for k in range(n) for d, _ in deps[k])
-        for k in _depth_first(deps) if forward else range(n):
-            for d, done in deps[k]:
-                np.maximum(known[k], self.done_vector(known, d) if done else known[d], out=known[k])
-        return known
+        # to compute in, an instruction's tasks at once. A hand-written one may wait for a
+        # later one: task by task, depth first then.
+        if np.any(self.target >= tasks.first[tasks.origin]):
+            deps = [self._deps(k) for k in range(n)]
+            spans = [(k, k + 1) for k in _depth_first(deps)]
+        else:
+            ends = np.append(tasks.first[1:], n)
+            spans = list(zip(tasks.first.tolist(), ends.tolist()))
+        own = self.queue != NONE
+        place = np.where(own, self.place + 1, 0)
+        column = np.where(own, self.queue, 0)
+        for lo, hi in spans:
+            if not own[lo]:
+                self._barrier(table, lo)
+                continue
+            row = np.maximum(table[via_prev[lo:hi]], table[via_target[lo:hi]])
+            table[lo:hi] = row
+            at = np.arange(hi - lo), column[lo:hi]
+            row[at] = np.maximum(row[at], place[lo:hi])
+            table[n + lo:n + hi] = row
+        return table[:n]
 
-    def done_vector(self, known: np.ndarray, k: int) -> np.ndarray:
-        """What is known done once ``k`` is: what it knew, and its queue(s) up to it."""
-        out = known[k].copy()
-        if k in self.barrier_places:
-            return np.maximum(out, self.barrier_places[k] + 1)
-        out[self.queue[k]] = max(out[self.queue[k]], self.place[k] + 1)
-        return out
+    def _barrier(self, table: np.ndarray, k: int) -> None:
+        """A barrier knows done what the last item of every queue knew once done; once done
+        itself, every queue up to it."""
+        n = len(self.queue)
+        deps = [d for d, _ in self._deps(k)]
+        table[k] = table[np.array(deps, np.int64) + n].max(axis=0) if deps else 0
+        table[n + k] = np.maximum(table[k], self.bar_place[self.bar_index[k]] + 1)
 
 
 def _depth_first(deps: list) -> list[int]:
@@ -258,20 +294,17 @@ class RaceCheck:
         self.dram = {i: WideLedger() for i, t in enumerate(program.tensors) if t.kind not in ("const", "input")}
         self.spad_queues, self.dram_queues = _accessors(program, arch, self.order)
         self.head = np.zeros(self.order.nq, np.int64)   # per queue: its first task that may not have run
-        self._now, self._known, self._ran = None, None, []
+        self._now, self._span, self._known, self._ran = None, 0, None, []
         self._queue, self._place = self.order.queue.tolist(), self.order.place.tolist()
         self._shapes: dict[tuple, tuple] = {}           # window -> its bounds and rectangle
 
-    @property
-    def now(self) -> int:
-        return self._now
-
-    @now.setter
-    def now(self, k: int) -> None:
-        """The emulator is about to run task ``k``; the tasks before it have run."""
+    def start(self, k: int, span: int = 1) -> None:
+        """The emulator is about to run tasks k..k+span-1 (the ranks of one instruction); the
+        tasks before them have run."""
         if self._now is not None:
-            self._ran.append(self._now)
-        self._now, self._known = k, self.order.known[k].tolist()
+            self._ran.extend(range(self._now, self._now + self._span))
+        self._now, self._span = k, span
+        self._known = self.order.known[k:k + span].tolist()
         if len(self._ran) >= PRUNE_EVERY:
             self._prune()
 
@@ -279,46 +312,41 @@ class RaceCheck:
         """A tensor no later task touches (runtime/liveness.py) needs no ledger."""
         self.dram.pop(tensor, None)
 
-    # The machine calls these for every access of the task ``now``.
-    def spad(self, legion: int, view: View, rows: int, cols: int, write: bool) -> None:
-        self._access(self.spads[legion][view.space], (view.addr, rows, cols, view.rs, view.cs), write,
-                     (legion, view.space))
+    # The machine calls these for every access of the tasks started, rank r on Legion legion + r.
+    def spad(self, legion: int, span: int, view: View, rows: int, cols: int, write: bool) -> None:
+        win = (view.addr, rows, cols, view.rs, view.cs)
+        for r in range(span):
+            where = (legion + r, view.space)
+            self._access(self.spads[where[0]][view.space], win, write, where, r)
 
-    def dram_access(self, tensor: int, offset: int, rs: int, rows: int, cols: int, write: bool) -> None:
+    def dram_access(self, tensor: int, offset: int, rs: int, rows: int, cols: int, write: bool,
+                    span: int = 1, lstride: int = 0) -> None:
         ledger = self.dram.get(tensor)
-        if ledger is not None:
-            self._access(ledger, (offset, rows, cols, rs, 1), write, tensor)
+        if ledger is None:
+            return
+        for r in range(span):
+            self._access(ledger, (offset + r * lstride, rows, cols, rs, 1), write, tensor, r)
 
-    def _access(self, ledger: "Ledger", win: tuple, write: bool, where: tuple | int) -> None:
-        """``where``: the space, (Legion, scratchpad) or a DRAM tensor's index."""
+    def _access(self, ledger: "Ledger", win: tuple, write: bool, where: tuple | int, r: int) -> None:
+        """Rank ``r``'s access; ``where``: the space, (Legion, scratchpad) or a DRAM tensor's index."""
         if win[1] == 0 or win[2] == 0:
             return
         shape = self._shapes.get(win)
         if shape is None:
             shape = self._shapes[win] = (*_bounds(win), _rectangle(win))
         lo, hi, rect = shape
-        k = self._now
-        q, place = self._queue[k], self._place[k]
+        k = self._now + r
+        q, place, known = self._queue[k], self._place[k], self._known[r]
         replaced, items = [], ledger.items
         for n in ledger.meeting(lo, hi, rect):
             old = items[n]
-            if (write or old[5]) and old[2] != k and not self._ordered(old, write, q, place):
+            if (write or old[5]) and old[2] != k and not _ordered(known, old, write, q, place):
                 self._raise_if_shared(win, old, where)
             if _replaces(win, write, q, old, lo, hi):
                 replaced.append(n)
         if replaced:
             ledger.drop(replaced)
         ledger.add((lo, hi, k, q, place + 1, write, win, rect))
-
-    def _ordered(self, old: Access, write: bool, q: int, place: int) -> bool:
-        """Whether task ``now`` (on queue ``q``, at ``place`` there) is ordered after the
-        earlier access ``old``: it knows it done, or comes later on the same DMA queue (ordered
-        after its reads, done when it left, and after its writes when writing too: transfers
-        land in order; not when reading what it wrote)."""
-        _, _, _, oq, ocount, owrite = old[:6]
-        if self._known[oq] >= ocount:
-            return True
-        return oq == q and q % len(QUEUES) == DMA and (not owrite or write) and ocount <= place
 
     def _raise_if_shared(self, win: tuple, old: Access, where: tuple | int) -> None:
         """A race when the two windows share an element; the first of ``win``'s is named."""
@@ -376,22 +404,37 @@ class RaceCheck:
 
 def _accessors(program: Program, arch: Arch, order: Order) -> tuple[list, dict]:
     """The queues whose tasks touch each Legion's scratchpads (by space), and each DRAM tensor:
-    a Legion's own queues, and the DMA queues of the loads that deliver to it."""
+    a Legion's own queues, and the DMA queues of the loads that deliver to it (rank r of a
+    span delivers to each destination moved by r)."""
     from runtime.liveness import tensors_of
+    tasks = program.instrs
     own = [{order.qid(legion, q) for q in QUEUES} for legion in range(arch.legions)]
     spads = [{s: set(own[legion]) for s in arch.derived.spad_elems} for legion in range(arch.legions)]
     dram: dict = {}
-    for k, ins in enumerate(program.instrs):
-        q = int(order.queue[k])
-        if q == NONE:
+    spans = np.diff(np.append(tasks.first, len(tasks))).tolist()
+    for ins, first, span in zip(tasks.source, tasks.first.tolist(), spans):
+        queues = order.queue[first:first + span].tolist()
+        if queues[0] == NONE:
             continue
         for legion in getattr(ins, "dests", ()):
-            if legion < arch.legions:
-                spads[legion][ins.dst.space].add(q)
+            for r, q in enumerate(queues):
+                if legion + r < arch.legions:
+                    spads[legion + r][ins.dst.space].add(q)
         for tensor in tensors_of(ins):
-            dram.setdefault(tensor, set()).add(q)
+            dram.setdefault(tensor, set()).update(queues)
     return ([{s: tuple(sorted(qs)) for s, qs in by_space.items()} for by_space in spads],
             {t: tuple(sorted(qs)) for t, qs in dram.items()})
+
+
+def _ordered(known: list, old: Access, write: bool, q: int, place: int) -> bool:
+    """Whether a task (on queue ``q``, at ``place`` there, knowing ``known`` done) is ordered
+    after the earlier access ``old``: it knows it done, or comes later on the same DMA queue
+    (ordered after its reads, done when it left, and after its writes when writing too:
+    transfers land in order; not when reading what it wrote)."""
+    _, _, _, oq, ocount, owrite = old[:6]
+    if known[oq] >= ocount:
+        return True
+    return oq == q and q % len(QUEUES) == DMA and (not owrite or write) and ocount <= place
 
 
 def _apart(a, b) -> bool:
@@ -491,3 +534,37 @@ def _replaces(win: tuple, write: bool, q: int, old: Access, lo: int, hi: int) ->
     if old[6] == win:
         return True
     return lo <= old[0] and old[1] <= hi and _contiguous(win)
+
+
+# --- segments checked once -------------------------------------------------------------------
+
+TENSOR_FIELDS = {DmaLoad: "src", DmaStore: "dst", Gather: "table"}
+
+
+def segment_key(instrs: list, tensors: list) -> tuple:
+    """What the race check of the instructions between two barriers depends on: the
+    instructions, each DRAM tensor renamed by its first use in the segment (and marked tracked
+    or not). Every access before a barrier is known done by every task after it, so a segment
+    that repeats an earlier one in this form (a decoder's layers) has its races, and so its
+    verdict: checked once."""
+    names: dict = {}
+
+    def local(tensor: int) -> tuple:
+        kind = tensors[tensor].kind
+        return names.setdefault(tensor, (len(names), kind not in ("const", "input")))
+
+    out = []
+    for ins in instrs:
+        field = TENSOR_FIELDS.get(type(ins))
+        mask = getattr(ins, "mask", None)
+        if field is None and mask is None:
+            out.append(ins)
+            continue
+        fields = dict(ins.__dict__)
+        if field is not None:
+            ref = fields[field]
+            fields[field] = (local(ref.tensor), ref.offset, ref.rs)
+        if mask is not None:
+            fields["mask"] = local(mask)
+        out.append((type(ins), tuple(fields.items())))
+    return tuple(out)

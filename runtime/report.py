@@ -1,6 +1,6 @@
 """What users read: the run's numbers (``--json``), the printed report, the Chrome trace.
 
-Beside the timing model's counters the report gives three estimates:
+Beside the timing model's counters the report gives four estimates:
 
 - **Roofline.** The fewest cycles the work could take: its MACs at each mode's peak rate
   (``derived.macs_per_cycle``), or its *compulsory* DRAM traffic at the DRAM bandwidth,
@@ -15,6 +15,8 @@ Beside the timing model's counters the report gives three estimates:
 - **Energy**, reported as MLPerf Power does: joules per run and average watts (energy / time).
   Each counter times its per-operation energy from the ``[energy]`` table of the architecture,
   plus the static power over the run's time.
+- **Area.** The chip's mm^2 from the ``[area]`` table (``Arch.derived``), and the achieved
+  TOPS per mm^2 beside each mode's peak per mm^2.
 
 MACs are the useful ones, by unit: the arrays' by mode (``macs_by_mode``) and the vector unit's
 fp32 products (``vector_macs``); ``macs`` and the achieved TOPS count both. The array MAC slots
@@ -84,6 +86,7 @@ def _summarize(result) -> dict:
     }
     numbers |= _roofline_numbers(result, macs_by_mode)
     numbers |= _energy_numbers(arch, c, macs_by_mode, seconds)
+    numbers |= _area_numbers(arch, numbers["achieved_tops"])
     numbers["matmuls"] = matmul_table(result, heads)
     return numbers
 
@@ -273,6 +276,13 @@ def _energy_numbers(arch, counters: dict, macs_by_mode: dict, seconds: float) ->
             "energy": parts}
 
 
+def _area_numbers(arch, achieved_tops: float) -> dict:
+    """The chip's area (``Arch.derived``) and performance per mm^2: achieved and peak TOPS."""
+    d = arch.derived
+    return {"area_mm2": d.total_mm2, "area_node_nm": arch.area_node_nm, "area_by_part_mm2": dict(d.area_mm2),
+            "achieved_tops_per_mm2": achieved_tops / d.total_mm2, "peak_tops_per_mm2": dict(d.tops_per_mm2)}
+
+
 def _tops(macs: float, seconds: float) -> float:
     return 2.0 * macs / seconds / 1e12 if seconds > 0 else 0.0
 
@@ -344,6 +354,8 @@ def print_report(n: dict, console: Console | None = None) -> None:
                   f"{n['roofline_fraction']:.1%} of it")
     console.print(f"energy: {_joules(n['energy_joules'])} per run, average power "
                   f"{n['average_watts']:.4g} W, {n['tops_per_watt']:.3g} TOPS/W")
+    console.print(f"area: {n['area_mm2']:.2f} mm^2 at {n['area_node_nm']} nm; "
+                  f"{n['achieved_tops_per_mm2']:.4g} TOPS/mm^2 achieved")
     for table in (_family_table(n), _legion_table(n), _energy_table(n)) + ((_matmul_table(n),) if n["matmuls"] else ()):
         print_table(table, console)
 

@@ -55,6 +55,17 @@ def execute_unguarded(machine: Machine, instr: Instr) -> None:
 
 
 # --- DMA -------------------------------------------------------------------------------------
+#
+# An instruction with ``span=S`` is S tasks, one per Legion L..L+S-1 (isa/expand.py); each
+# handler performs all of them at once on span x rows x cols arrays (a task is a span of 1).
+
+def _span(i: Instr) -> int:
+    return getattr(i, "span", None) or 1
+
+
+def _lstride(i: Instr) -> int:
+    return getattr(i, "lstride", None) or 0
+
 
 def _check_pair(allowed: dict, space: str, t: Tensor, verb: str) -> None:
     if t.dtype not in allowed[space]:
@@ -65,8 +76,8 @@ def _check_pair(allowed: dict, space: str, t: Tensor, verb: str) -> None:
 @handles(DmaLoad)
 def dma_load(m: Machine, i: DmaLoad) -> None:
     _check_pair(LOADS, i.dst.space, m.tensor(i.src.tensor), "load into")
-    values = move(m.dram_read(i.src, i.rows, i.cols), SPACE_DTYPE[i.dst.space])
-    # One DRAM read, delivered to every destination Legion (multicast).
+    values = move(m.dram_read(i.src, i.rows, i.cols, _span(i), _lstride(i)), SPACE_DTYPE[i.dst.space])
+    # One DRAM read, delivered to every destination Legion (multicast); rank r's are moved by r.
     for legion in sorted(i.dests):
         m.write(legion, i.dst, values)
 
@@ -75,25 +86,27 @@ def dma_load(m: Machine, i: DmaLoad) -> None:
 def dma_store(m: Machine, i: DmaStore) -> None:
     t = m.tensor(i.dst.tensor)
     _check_pair(STORES, i.src.space, t, "store from")
-    m.dram_write(i.dst, move(m.read(i.legion, i.src, i.rows, i.cols), STORAGE[t.dtype]))
+    values = m.read(i.legion, i.src, i.rows, i.cols, _span(i))
+    m.dram_write(i.dst, move(values, STORAGE[t.dtype]), _lstride(i))
 
 
-def _table_rows(i: Gather, t: Tensor) -> float:
-    """How many rows of ``cols`` elements the table reference reaches inside its tensor."""
-    room = t.storage_elems - i.table.offset - i.cols
+def _table_rows(i: Gather, t: Tensor, offset: int) -> float:
+    """How many rows of ``cols`` elements a table reference at ``offset`` reaches inside its tensor."""
+    room = t.storage_elems - offset - i.cols
     if room < 0:
         return 0
     return room // i.table.rs + 1 if i.table.rs else math.inf
 
 
-def _row_ids(m: Machine, i: Gather, t: Tensor) -> np.ndarray:
-    ids = m.read(i.legion, i.ids, i.rows, 1)[:, 0]
-    rows = _table_rows(i, t)
-    ok = np.isfinite(ids) & (ids == np.floor(ids)) & (ids >= 0) & (ids < rows)
-    if not ok.all():
-        k = int(np.argmin(ok))
-        raise Trap(f"gather id {ids[k]:g} (row {k}) is not a row of table {t.name}, "
-                   f"which has {rows} rows")
+def _row_ids(m: Machine, i: Gather, t: Tensor, offsets: np.ndarray) -> np.ndarray:
+    ids = m.read(i.legion, i.ids, i.rows, 1, _span(i))[:, :, 0]
+    for r, offset in enumerate(offsets.tolist()):
+        rows = _table_rows(i, t, offset)
+        ok = np.isfinite(ids[r]) & (ids[r] == np.floor(ids[r])) & (ids[r] >= 0) & (ids[r] < rows)
+        if not ok.all():
+            k = int(np.argmin(ok))
+            raise Trap(f"gather id {ids[r, k]:g} (row {k}) is not a row of table {t.name}, "
+                       f"which has {rows} rows")
     return ids.astype(np.int64)
 
 
@@ -101,27 +114,32 @@ def _row_ids(m: Machine, i: Gather, t: Tensor) -> np.ndarray:
 def gather(m: Machine, i: Gather) -> None:
     t = m.tensor(i.table.tensor)
     _check_pair(LOADS, i.dst.space, t, "gather into")
-    ids = _row_ids(m, i, t)
-    index = i.table.offset + ids[:, None] * i.table.rs + np.arange(i.cols)
+    offsets = i.table.offset + np.arange(_span(i), dtype=np.int64) * _lstride(i)
+    ids = _row_ids(m, i, t, offsets)
+    index = offsets[:, None, None] + ids[:, :, None] * i.table.rs + np.arange(i.cols)
     m.write(i.legion, i.dst, move(m.dram[i.table.tensor][index], SPACE_DTYPE[i.dst.space]))
 
 
 # --- matrix ----------------------------------------------------------------------------------
 
-# fp32 value of every weight a w2/w4 byte packs, lowest bits first: row b of a (256, 8/bits) table.
-_WEIGHT_LUT = {mode: UNPACK[mode].astype(np.float32) for mode in ("w4", "w2")}
+# fp32 values of the weights a w2/w4 byte packs, lowest bits first, as one element per byte
+# (a row of 8/bits fp32 as raw bytes): unpacking is one flat take, not a take of table rows.
+_WEIGHT_LUT = {mode: np.ascontiguousarray(UNPACK[mode], np.float32).view(f"V{4 * UNPACK[mode].shape[1]}").ravel()
+               for mode in ("w4", "w2")}
 # Every integer of magnitude up to 2**24 is an fp32 value.
 FP32_EXACT = 2 ** 24
+# Rows from which a spanned matmul with shared activations runs as one wide product.
+WIDE_ROWS = 8
 
 
 def _weights(m: Machine, i: MatMul) -> np.ndarray:
-    """The K x N weights as fp32 (exact small integers), unpacked from the weight scratchpad."""
+    """Each rank's K x N weights as fp32 (exact small integers), unpacked from the weight scratchpad."""
     row_bytes = -(-i.N * MODE_BITS[i.mode] // 8)
-    packed = m.read(i.legion, i.wgt, i.K, row_bytes)
+    packed = m.read(i.legion, i.wgt, i.K, row_bytes, _span(i))
     if i.mode == "w8":
         return packed.view(np.int8).astype(np.float32)
-    w = np.take(_WEIGHT_LUT[i.mode], packed, axis=0)
-    return w.reshape(i.K, -1)[:, :i.N]
+    w = _WEIGHT_LUT[i.mode].take(packed).view(np.float32)
+    return w.reshape(packed.shape[0], i.K, -1)[:, :, :i.N]
 
 
 def _kept_blocks(m: Machine, i: MatMul) -> np.ndarray | None:
@@ -141,14 +159,15 @@ def _kept_blocks(m: Machine, i: MatMul) -> np.ndarray | None:
 
 
 def exact_matmul(a: np.ndarray, w: np.ndarray, w_max: int) -> np.ndarray:
-    """int8 ``a`` (M x K) times integer-valued fp32 ``w`` (K x N) exactly, wrapped to int32.
+    """int8 ``a`` (... x M x K) times integer-valued fp32 ``w`` (... x K x N) exactly, wrapped
+    to int32 (leading axes: a batch, as np.matmul).
 
     With |a| <= a_max and |w| <= w_max, every partial sum over a K-slice of depth d is at most
     a_max * w_max * d, so fp32 BLAS sums the slice exactly, in whatever order, while that stays
     within 2**24. Deeper products run as a batch of such slices (one BLAS call, as fast as
     fp32) whose results are added in fp64, exact far beyond any K the encoding allows.
     """
-    M, K = a.shape
+    K = a.shape[-1]
     a_max = max(-int(a.min()), int(a.max())) if a.size else 0
     depth = FP32_EXACT // max(a_max * w_max, 1)
     if K <= depth:
@@ -156,10 +175,12 @@ def exact_matmul(a: np.ndarray, w: np.ndarray, w_max: int) -> np.ndarray:
     slices = -(-K // depth)
     depth = -(-K // slices)
     pad = slices * depth - K
-    a = np.pad(a, ((0, 0), (0, pad))) if pad else a
-    w = np.pad(w, ((0, pad), (0, 0))) if pad else w
-    a3 = np.ascontiguousarray(a.reshape(M, slices, depth).transpose(1, 0, 2), np.float32)
-    partial = np.matmul(a3, w.reshape(slices, depth, -1))
+    a = np.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)]) if pad else a
+    w = np.pad(w, [(0, 0)] * (w.ndim - 2) + [(0, pad), (0, 0)]) if pad else w
+    # slices x ... x M x depth times slices x ... x depth x N, summed over the slices
+    a3 = np.ascontiguousarray(np.moveaxis(a.reshape(*a.shape[:-1], slices, depth), -2, 0), np.float32)
+    w3 = np.moveaxis(w.reshape(*w.shape[:-2], slices, depth, w.shape[-1]), -3, 0)
+    partial = np.matmul(a3, w3)
     return partial.sum(axis=0, dtype=np.float64).astype(np.int64).astype(np.int32)
 
 
@@ -168,23 +189,33 @@ def matmul(m: Machine, i: MatMul) -> None:
     if i.mode not in m.arch.modes:
         raise Trap(f"mode {i.mode} is not supported by {m.arch.name} "
                    f"(modes: {', '.join(m.arch.modes)})")
-    a = m.read(i.legion, i.act, i.M, i.K)
+    span = _span(i)
+    a = m.read(i.legion, i.act, i.M, i.K, span)
     w = _weights(m, i)
     kept = _kept_blocks(m, i)
     if kept is not None:
         w = w * kept
-    out = exact_matmul(a, w, 1 << (MODE_BITS[i.mode] - 1))
+    w_max = 1 << (MODE_BITS[i.mode] - 1)
+    if span > 1 and i.M >= WIDE_ROWS and (a == a[:1]).all():
+        # Multicast activations: the ranks' weights side by side make one wide product, which
+        # BLAS runs faster than a batch of narrow ones (exact either way); worth the copy of
+        # the weights only for enough rows.
+        wide = np.moveaxis(w, 0, 1).reshape(i.K, span * i.N)
+        out = exact_matmul(a[0], wide, w_max).reshape(i.M, span, i.N).transpose(1, 0, 2)
+    else:
+        out = exact_matmul(a, w, w_max)
     if i.accumulate == "add":
-        out = m.read(i.legion, i.acc, i.M, i.N) + out      # int32 arrays wrap around
+        out = m.read(i.legion, i.acc, i.M, i.N, span) + out      # int32 arrays wrap around
     m.write(i.legion, i.acc, out)
 
 
 # --- vector ----------------------------------------------------------------------------------
 
-def _operand(m: Machine, legion: int, x: View | float, rows: int, cols: int):
-    """A vector operand as fp32: a view (any space converts), or an fp32 immediate."""
+def _operand(m: Machine, i: Instr, x: View | float, rows: int, cols: int):
+    """A vector operand as fp32, span x rows x cols: a view (any space converts), or an fp32
+    immediate."""
     if isinstance(x, View):
-        return np.asarray(m.read(legion, x, rows, cols), np.float32)
+        return np.asarray(m.read(i.legion, x, rows, cols, _span(i)), np.float32)
     return np.float32(x)
 
 
@@ -194,7 +225,7 @@ def _drain_vector(m: Machine, i: Drain, space: str, addr: int | None, per_row: b
     if addr is None:
         return None
     rs, cs = (1, 0) if per_row else (0, 1)
-    return m.read(i.legion, View(space, addr, rs, cs), i.M, i.N)
+    return m.read(i.legion, View(space, addr, rs, cs), i.M, i.N, _span(i))
 
 
 def _plus(v: np.ndarray, x: np.ndarray | None) -> np.ndarray:
@@ -207,54 +238,60 @@ def _times(v: np.ndarray, x: np.ndarray | None) -> np.ndarray:
 
 @handles(Drain)
 def drain(m: Machine, i: Drain) -> None:
-    acc = m.read(i.legion, i.acc, i.M, i.N)
+    acc = m.read(i.legion, i.acc, i.M, i.N, _span(i))
     # The zero-point correction is an int32 add (wrapping); the rest is fp32, in this order.
     v = _plus(acc, _drain_vector(m, i, "acc", i.zp, per_row=False)).astype(np.float32)
     v = _times(v, _drain_vector(m, i, "vec", i.rscale, per_row=True))
     v = _times(v, _drain_vector(m, i, "vec", i.cscale, per_row=False))
     v = _plus(v, _drain_vector(m, i, "vec", i.bias, per_row=False))
     if i.accumulate == "add":
-        v = _operand(m, i.legion, i.dst, i.M, i.N) + v
+        v = _operand(m, i, i.dst, i.M, i.N) + v
     m.write(i.legion, i.dst, v)
+
+
+def _shaped(m: Machine, i: Instr, out, rows: int, cols: int) -> np.ndarray:
+    """``out`` as the span x rows x cols fp32 result (two immediates, or a broadcasting view,
+    give fewer axes)."""
+    out = np.asarray(out, np.float32)
+    shape = (_span(i), rows, cols)
+    return out if out.shape == shape else np.broadcast_to(out, shape)
 
 
 @handles(VUnary)
 def vunary(m: Machine, i: VUnary) -> None:
-    a = _operand(m, i.legion, i.a, i.rows, i.cols)
-    m.write(i.legion, i.dst, np.asarray(type(i).FUNC(a), np.float32))
+    a = _operand(m, i, i.a, i.rows, i.cols)
+    m.write(i.legion, i.dst, _shaped(m, i, type(i).FUNC(a), i.rows, i.cols))
 
 
 @handles(VBinary)
 def vbinary(m: Machine, i: VBinary) -> None:
-    a = _operand(m, i.legion, i.a, i.rows, i.cols)
-    b = _operand(m, i.legion, i.b, i.rows, i.cols)
-    out = np.asarray(type(i).FUNC(a, b), np.float32)
-    if out.shape != (i.rows, i.cols):                 # two immediates, or a broadcasting view
-        out = np.broadcast_to(out, (i.rows, i.cols))
-    m.write(i.legion, i.dst, out)
+    a = _operand(m, i, i.a, i.rows, i.cols)
+    b = _operand(m, i, i.b, i.rows, i.cols)
+    m.write(i.legion, i.dst, _shaped(m, i, type(i).FUNC(a, b), i.rows, i.cols))
 
 
 @handles(VReduce)
 def vreduce(m: Machine, i: VReduce) -> None:
     if i.cols == 0:
         raise Trap("reduction over 0 columns")
-    a = _operand(m, i.legion, i.a, i.rows, i.cols)
-    out = np.asarray(type(i).FUNC(a), np.float32).reshape(i.rows, 1)
-    m.write(i.legion, i.dst, out)
+    a = _operand(m, i, i.a, i.rows, i.cols)
+    # Rank by rank: a row's fp32 sum is rounded in the order numpy gives its rows x cols view.
+    out = np.stack([np.asarray(type(i).FUNC(x), np.float32) for x in a])
+    m.write(i.legion, i.dst, out.reshape(-1, i.rows, 1))
 
 
 @handles(VSelect)
 def vselect(m: Machine, i: VSelect) -> None:
-    cond = _operand(m, i.legion, i.cond, i.rows, i.cols)
-    a = np.broadcast_to(_operand(m, i.legion, i.a, i.rows, i.cols), (i.rows, i.cols))
+    cond = _operand(m, i, i.cond, i.rows, i.cols)
+    a = _shaped(m, i, _operand(m, i, i.a, i.rows, i.cols), i.rows, i.cols)
     # Elements where cond is 0 keep their value: they are neither read nor written.
     m.write(i.legion, i.dst, a, where=cond != 0)
 
 
 @handles(VMatMul)
 def vmatmul(m: Machine, i: VMatMul) -> None:
-    a = _operand(m, i.legion, i.a, i.M, i.K)
-    b = _operand(m, i.legion, i.b, i.K, i.N)
+    a = _operand(m, i, i.a, i.M, i.K)
+    b = _operand(m, i, i.b, i.K, i.N)
     m.write(i.legion, i.dst, rounded_matmul(a, b))
 
 

@@ -90,57 +90,69 @@ def overlaps(rows: int, cols: int, rs: int, cs: int) -> bool:
     return cs // g < rows and rs // g < cols
 
 
-# --- scratchpads -----------------------------------------------------------------------------
+# --- scratchpads ---------------------------------------------------------------------------
 
-class Scratchpad:
-    """One space of one Legion: elements plus a record of which were ever written.
+class Bank:
+    """One space of every Legion, stacked: row L is Legion L's scratchpad, with a record of
+    which elements were ever written. An instruction spanning Legions L..L+S-1 reads and
+    writes rows L..L+S-1 through one strided view (span x rows x cols), so its S tasks are one
+    numpy operation.
 
     A program names the same few windows over and over, so each window's checked views are
-    kept by (addr, rows, cols, rs, cs): the bounds and overlap checks run once per window,
-    and a window once seen fully written needs no further check, as nothing unwrites."""
+    kept by (first Legion, span, addr, rows, cols, rs, cs): the bounds and overlap checks run
+    once per window, and a window once seen fully written needs no further check, as nothing
+    unwrites."""
 
-    def __init__(self, legion: int, space: str, elems: int):
-        self.name = f"L{legion} {space}"
-        self.data = np.zeros(elems, SPACE_DTYPE[space])
-        self.written = np.zeros(elems, np.bool_)
+    def __init__(self, space: str, legions: int, elems: int, first: int = 0):
+        self.space, self.first = space, first        # first: the Legion row 0 stands for
+        self.data = np.zeros((legions, elems), SPACE_DTYPE[space])
+        self.written = np.zeros((legions, elems), np.bool_)
         self._reads: dict[tuple, np.ndarray] = {}      # window -> read-only view, all written
         self._writes: dict[tuple, tuple] = {}          # window -> (data, written) writeable views
         self._full: set[tuple] = set()                 # windows a whole store has marked written
 
-    def _check_bounds(self, view: View, rows: int, cols: int) -> bool:
+    def name(self, legion: int) -> str:
+        return f"L{legion + self.first} {self.space}"
+
+    def _check_bounds(self, legion: int, view: View, rows: int, cols: int) -> bool:
         """Whether the window is non-empty; traps when it leaves the scratchpad."""
         if rows == 0 or cols == 0:
             return False
         last = last_element(view.addr, rows, cols, view.rs, view.cs)
-        if last >= self.data.size:
-            raise Trap(f"{self.name}[{view.addr}..{last}] ({rows}x{cols} of {view}) is outside "
-                       f"the scratchpad of {self.data.size} elements")
+        if last >= self.data.shape[1]:
+            raise Trap(f"{self.name(legion)}[{view.addr}..{last}] ({rows}x{cols} of {view}) is outside "
+                       f"the scratchpad of {self.data.shape[1]} elements")
         return True
 
-    def read(self, view: View, rows: int, cols: int) -> np.ndarray:
-        """A read-only rows x cols view of the elements (0 strides broadcast)."""
-        key = (view.addr, rows, cols, view.rs, view.cs)
+    def _rows(self, flat: np.ndarray, legion: int, span: int, view: View, rows: int, cols: int,
+              writeable: bool = False) -> np.ndarray:
+        return window(flat[legion:legion + span], view.addr, rows, cols, view.rs, view.cs, writeable)
+
+    def read(self, legion: int, span: int, view: View, rows: int, cols: int) -> np.ndarray:
+        """A read-only span x rows x cols view of the elements (0 strides broadcast)."""
+        key = (legion, span, view.addr, rows, cols, view.rs, view.cs)
         out = self._reads.get(key)
         if out is not None:
             return out
-        if not self._check_bounds(view, rows, cols):
-            return np.zeros((rows, cols), self.data.dtype)
-        seen = window(self.written, view.addr, rows, cols, view.rs, view.cs)
+        if not self._check_bounds(legion, view, rows, cols):
+            return np.zeros((span, rows, cols), self.data.dtype)
+        seen = self._rows(self.written, legion, span, view, rows, cols)
         if not seen.all():
-            i, j = np.unravel_index(np.argmin(seen), seen.shape)
+            r, i, j = np.unravel_index(np.argmin(seen), seen.shape)
             addr = view.addr + i * view.rs + j * view.cs
-            raise Trap(f"read of never-written {self.name}[{addr}] (element ({i}, {j}) of {view})")
-        out = self._reads[key] = window(self.data, view.addr, rows, cols, view.rs, view.cs)
+            raise Trap(f"read of never-written {self.name(legion + r)}[{addr}] "
+                       f"(element ({i}, {j}) of {view})")
+        out = self._reads[key] = self._rows(self.data, legion, span, view, rows, cols)
         return out
 
-    def write(self, view: View, values: np.ndarray, where: np.ndarray | None = None) -> None:
-        """Store a rows x cols array (converted to the space's dtype); ``where`` limits the
-        store to the elements where it is true."""
-        rows, cols = values.shape
-        key = (view.addr, rows, cols, view.rs, view.cs)
+    def write(self, legion: int, view: View, values: np.ndarray, where: np.ndarray | None = None) -> None:
+        """Store a span x rows x cols array (converted to the space's dtype) into Legions
+        legion.. of the span; ``where`` limits the store to the elements where it is true."""
+        span, rows, cols = values.shape
+        key = (legion, span, view.addr, rows, cols, view.rs, view.cs)
         views = self._writes.get(key)
         if views is None:
-            views = self._checked_target(view, rows, cols)
+            views = self._checked_target(legion, span, view, rows, cols)
             if views is None:
                 return
             self._writes[key] = views
@@ -155,15 +167,32 @@ class Scratchpad:
         np.copyto(target, values, where=where)
         np.copyto(seen, True, where=where)
 
-    def _checked_target(self, view: View, rows: int, cols: int) -> tuple | None:
+    def _checked_target(self, legion: int, span: int, view: View, rows: int, cols: int) -> tuple | None:
         """The writeable (data, written) views of a window a store may use; None when empty."""
-        if not self._check_bounds(view, rows, cols):
+        if not self._check_bounds(legion, view, rows, cols):
             return None
         if overlaps(rows, cols, view.rs, view.cs):
-            raise Trap(f"write to {self.name} through {view} ({rows}x{cols}) hits some "
+            raise Trap(f"write to {self.name(legion)} through {view} ({rows}x{cols}) hits some "
                        f"element twice")
-        return (window(self.data, view.addr, rows, cols, view.rs, view.cs, writeable=True),
-                window(self.written, view.addr, rows, cols, view.rs, view.cs, writeable=True))
+        return (self._rows(self.data, legion, span, view, rows, cols, writeable=True),
+                self._rows(self.written, legion, span, view, rows, cols, writeable=True))
+
+
+class Scratchpad:
+    """One space of one Legion, as a :class:`Bank` of one row: rows x cols reads and writes."""
+
+    def __init__(self, legion: int, space: str, elems: int):
+        self.bank = Bank(space, 1, elems, first=legion)
+
+    @property
+    def data(self) -> np.ndarray:
+        return self.bank.data[0]
+
+    def read(self, view: View, rows: int, cols: int) -> np.ndarray:
+        return self.bank.read(0, 1, view, rows, cols)[0]
+
+    def write(self, view: View, values: np.ndarray, where: np.ndarray | None = None) -> None:
+        self.bank.write(0, view, values[None], None if where is None else where[None])
 
 
 # --- the machine -----------------------------------------------------------------------------
@@ -188,8 +217,7 @@ class Machine:
         self.arch = arch
         self.dram = [self._initial(t) for t in program.tensors]
         elems = arch.derived.spad_elems
-        self.spads = [{s: Scratchpad(legion, s, elems[s]) for s in SPACES}
-                      for legion in range(arch.legions)]
+        self.banks = {s: Bank(s, arch.legions, elems[s]) for s in SPACES}
         self.watch = None         # told of every access instructions make (runtime/races.py)
 
     def _initial(self, t: Tensor) -> np.ndarray:
@@ -258,55 +286,80 @@ class Machine:
             raise Trap(f"tensor index {index} out of range ({len(self.program.tensors)} tensors)")
         return self.program.tensors[index]
 
-    def _dram_check(self, ref: DramRef, rows: int, cols: int) -> bool:
-        """Whether the access is non-empty; traps when it leaves the tensor."""
+    def _dram_check(self, ref: DramRef, rows: int, cols: int, span: int, lstride: int) -> bool:
+        """Whether the access is non-empty; traps when a rank's window leaves the tensor (rank
+        r's starts ``r * lstride`` past ``ref.offset``)."""
         t = self.tensor(ref.tensor)
         if rows == 0 or cols == 0:
             return False
-        last = last_element(ref.offset, rows, cols, ref.rs, 1)
-        if last >= t.storage_elems:
-            raise Trap(f"@{t.name}[{ref.offset}..{last}] ({rows}x{cols}, row stride {ref.rs}) "
-                       f"is outside tensor {t.name} of {t.storage_elems} storage elements")
+        first_last = last_element(ref.offset, rows, cols, ref.rs, 1)
+        if first_last + (span - 1) * lstride >= t.storage_elems:
+            over = first_last >= t.storage_elems or not lstride
+            r = 0 if over else -(-(t.storage_elems - first_last) // lstride)    # the first rank out
+            offset = ref.offset + r * lstride
+            raise Trap(f"@{t.name}[{offset}..{first_last + r * lstride}] ({rows}x{cols}, row stride "
+                       f"{ref.rs}) is outside tensor {t.name} of {t.storage_elems} storage elements")
         return True
 
-    def dram_read(self, ref: DramRef, rows: int, cols: int) -> np.ndarray:
-        """A read-only rows x cols view of a tensor's storage elements."""
-        if not self._dram_check(ref, rows, cols):
-            return np.zeros((rows, cols), self.dram[ref.tensor].dtype)
+    def dram_read(self, ref: DramRef, rows: int, cols: int, span: int = 1, lstride: int = 0) -> np.ndarray:
+        """A read-only span x rows x cols view of a tensor's storage elements."""
+        if not self._dram_check(ref, rows, cols, span, lstride):
+            return np.zeros((span, rows, cols), self.dram[ref.tensor].dtype)
         if self.watch is not None:
-            self.watch.dram_access(ref.tensor, ref.offset, ref.rs, rows, cols, write=False)
-        return window(self.dram[ref.tensor], ref.offset, rows, cols, ref.rs, 1)
+            self.watch.dram_access(ref.tensor, ref.offset, ref.rs, rows, cols, False, span, lstride)
+        return _ranks(self.dram[ref.tensor], ref, rows, cols, span, lstride)
 
-    def dram_write(self, ref: DramRef, values: np.ndarray) -> None:
-        rows, cols = values.shape
-        if not self._dram_check(ref, rows, cols):
+    def dram_write(self, ref: DramRef, values: np.ndarray, lstride: int = 0) -> None:
+        span, rows, cols = values.shape
+        if not self._dram_check(ref, rows, cols, span, lstride):
             return
         if overlaps(rows, cols, ref.rs, 1):
             name = self.tensor(ref.tensor).name
             raise Trap(f"write to @{name} with row stride {ref.rs} < {cols} columns overlaps rows")
         if self.watch is not None:
-            self.watch.dram_access(ref.tensor, ref.offset, ref.rs, rows, cols, write=True)
+            self.watch.dram_access(ref.tensor, ref.offset, ref.rs, rows, cols, True, span, lstride)
         flat = self.dram[ref.tensor]
         if not flat.flags.writeable:         # a constant (the verifier refuses that): copy, never the file
             flat = self.dram[ref.tensor] = flat.copy()
-        target = window(flat, ref.offset, rows, cols, ref.rs, 1, writeable=True)
-        target[...] = convert(values, flat.dtype)
+        values = convert(values, flat.dtype)
+        if span > 1 and lstride < last_element(0, rows, cols, ref.rs, 1) + 1:
+            for r in range(span):            # ranks that share elements (a race): in rank order
+                _ranks(flat, ref, rows, cols, 1, 0, offset=ref.offset + r * lstride, writeable=True)[...] = values[r]
+            return
+        _ranks(flat, ref, rows, cols, span, lstride, writeable=True)[...] = values
 
     # -- scratchpads --
 
-    def spad(self, legion: int, space: str) -> Scratchpad:
-        if not 0 <= legion < len(self.spads):
-            raise Trap(f"Legion L{legion} does not exist (the machine has {len(self.spads)})")
-        return self.spads[legion][space]
+    def bank(self, legion: int, span: int, space: str) -> Bank:
+        last = legion + span - 1
+        if legion < 0 or last >= self.arch.legions:
+            bad = legion if legion < 0 else last
+            raise Trap(f"Legion L{bad} does not exist (the machine has {self.arch.legions})")
+        return self.banks[space]
 
-    def read(self, legion: int, view: View, rows: int, cols: int) -> np.ndarray:
-        out = self.spad(legion, view.space).read(view, rows, cols)
+    def read(self, legion: int, view: View, rows: int, cols: int, span: int = 1) -> np.ndarray:
+        """Legions legion..legion+span-1's windows, span x rows x cols; rows x cols for one."""
+        out = self.bank(legion, span, view.space).read(legion, span, view, rows, cols)
         if self.watch is not None:      # after the read: a trap of the read comes first
-            self.watch.spad(legion, view, rows, cols, write=False)
+            self.watch.spad(legion, span, view, rows, cols, False)
         return out
 
     def write(self, legion: int, view: View, values: np.ndarray,
               where: np.ndarray | None = None) -> None:
-        self.spad(legion, view.space).write(view, values, where)
+        """Store span x rows x cols ``values`` into Legions legion..legion+span-1."""
+        span = values.shape[0]
+        self.bank(legion, span, view.space).write(legion, view, values, where)
         if self.watch is not None:
-            self.watch.spad(legion, view, *values.shape, write=True)
+            self.watch.spad(legion, span, view, *values.shape[1:], True)
+
+
+def _ranks(flat: np.ndarray, ref: DramRef, rows: int, cols: int, span: int, lstride: int,
+           offset: int | None = None, writeable: bool = False) -> np.ndarray:
+    """The span x rows x cols view of ``flat`` whose rank r starts ``r * lstride`` past
+    ``offset`` (default: the reference's)."""
+    item = flat.itemsize
+    start = ref.offset if offset is None else offset
+    out = np.ndarray((span, rows, cols), flat.dtype, flat, start * item,
+                     (lstride * item, ref.rs * item, item))
+    out.flags.writeable = writeable
+    return out

@@ -4,7 +4,7 @@ import pytest
 # Modules whose results pass through fp32 arithmetic that a BLAS kernel could change (the vector
 # unit's products, the goldens, bit-for-bit comparisons of two programs): CI runs them again
 # under other OpenBLAS kernels (`-m fp32`), and they must pass under every one.
-FP32_MODULES = {"test_causal", "test_fdot", "test_golden", "test_models", "test_quant_models",
+FP32_MODULES = {"test_attention_int8", "test_causal", "test_fdot", "test_golden", "test_models", "test_quant_models",
                 "test_rowwise", "test_views", "test_semantics", "test_examples", "test_real_shapes"}
 
 

@@ -53,7 +53,7 @@ def models(tmp_path_factory):
 
 
 def _build(path, combo):
-    return compile_model(path, Options(TINY, **combo))[1]
+    return compile_model(path, Options(TINY, **combo, attention="fp32"))[1]
 
 
 @pytest.mark.parametrize("name", ["bitnet", "int8"])

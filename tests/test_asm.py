@@ -287,7 +287,7 @@ def test_unknown_directive():
 @pytest.mark.parametrize("text, expected", [
     (".arch a\n.tensor x f16[4] input\n", "t.s:2:9: tensor 'x': unknown dtype 'f16'"),
     (".arch a\n.tensor x f32[4] buffer\n", "t.s:2:9: tensor 'x': unknown kind 'buffer'"),
-    (".arch a\n.tensor x f32[4,0] input\n", "t.s:2:9: tensor 'x': bad shape [4, 0]"),
+    (".arch a\n.tensor x f32[4,0] output\n", "t.s:2:9: tensor 'x': bad shape [4, 0]"),
     (".arch a\n.tensor x f32[4] const\n", "t.s:2:9: tensor 'x': a const tensor needs a data-file offset"),
     (".arch a\n.tensor x f32[4] input 3\n", "t.s:2:9: tensor 'x': a const tensor needs a data-file offset"),
     (".arch a\n.tensor x f32[4] output range 0 1\n", "t.s:2:9: tensor 'x': range (0, 1) needs an input"),

@@ -60,6 +60,11 @@ def test_sweep_writes_one_row_per_configuration(sweep):
         assert row["intensity"] == pytest.approx(2 * row["macs"] / row["dram_bytes"])
         assert 0 < row["achieved_tops"] <= row["roof_tops"] <= row["peak_tops"]
         assert row["bound"] in ("compute", "DRAM", "vector")
+        assert row["area_mm2"] == pytest.approx(sweep_configs(arch.load("dlegion-8x8"), [row["legions"]], [1], [4])[0]
+                                                .arch.derived.total_mm2)
+        assert row["tops_per_mm2"] == pytest.approx(row["achieved_tops"] / row["area_mm2"])
+    # one Legion is both slower and smaller than two: both on the latency-area front
+    assert rows["L1-c1-a4"]["pareto"] and rows["L2-c1-a4"]["pareto"]
     assert (rows["L1-c1-a4"]["legions"], rows["L2-c1-a4"]["legions"]) == (1, 2)
     assert "configurations by latency" in r.stdout and "L1-c1-a4" in r.stdout and "L2-c1-a4" in r.stdout
 
@@ -86,7 +91,7 @@ def test_rows_are_sorted_by_latency_in_json_and_csv(sweep):
 
 def test_plots_are_png(sweep):
     _, out = sweep
-    for name in ("latency.png", "roofline.png"):
+    for name in ("latency.png", "roofline.png", "pareto.png"):
         assert (out / name).read_bytes().startswith(PNG_MAGIC), name
 
 
@@ -125,9 +130,12 @@ def test_roof_and_sorting():
     assert roof(10.0, 614.0, 1.0) == pytest.approx(0.614)
     assert roof(10.0, 614.0, 1000.0) == 10.0
     assert roof(10.0, 614.0, None) == 10.0
-    rows = [{"name": "b", "status": "failed", "time_us": None}, {"name": "c", "status": "ok", "time_us": 2.0},
-            {"name": "a", "status": "ok", "time_us": 3.0}]
-    assert [r["name"] for r in sort_rows(rows)] == ["c", "a", "b"]
+    rows = [{"name": "b", "status": "failed", "time_us": None}, {"name": "c", "status": "ok", "time_us": 2.0,
+             "area_mm2": 5.0}, {"name": "a", "status": "ok", "time_us": 3.0, "area_mm2": 4.0},
+            {"name": "d", "status": "ok", "time_us": 3.0, "area_mm2": 6.0}]
+    assert [r["name"] for r in sort_rows(rows)] == ["c", "a", "d", "b"]
+    # slower and larger than "a": off the latency-area front; "b" never ran
+    assert {r["name"]: r.get("pareto") for r in rows} == {"a": True, "b": None, "c": True, "d": False}
 
 
 @pytest.mark.parametrize("args, message", [
@@ -135,7 +143,7 @@ def test_roof_and_sorting():
     ([MODEL, "--legions", "2,x"], "comma-separated list of positive integers"),
     ([MODEL, "--array", "0"], "comma-separated list of positive integers"),
     ([MODEL, "--preset", "no-such-machine"], "unknown architecture 'no-such-machine'"),
-    ([MODEL, "--dim", "seq"], "NAME=POSITIVE_INTEGER"),
+    ([MODEL, "--dim", "seq"], "NAME=SIZE"),
     ([MODEL, "--jobs", "0"], "--jobs"),
     ([MODEL, "--dim", "foo=3"], "has no symbolic dim 'foo'"),
     ([MODEL, "--dim", "sequence=8", "--dim", "sequence=8"], "'sequence' bound twice"),

@@ -23,7 +23,7 @@ EIGHT = arch.load("dlegion-8x8")
 
 @lru_cache(maxsize=None)
 def _compiled(prefetch: bool):
-    return compile_model(BITNET, Options(EIGHT, prefetch=prefetch))[1]
+    return compile_model(BITNET, Options(EIGHT, prefetch=prefetch, attention="fp32"))[1]
 
 
 def test_each_projections_first_weights_load_during_the_kernel_before():
@@ -58,7 +58,7 @@ def test_a_kernel_on_every_legion_leaves_no_time_to_fill(tmp_path):
     path = tmp_path / "bitnet.onnx"
     save(build_bitnet(preset("tiny", hidden=256, ffn=512, layers=1, seq=16, vocab=64)), path, False)
     tiny = arch.load("dlegion-tiny")
-    on, off = (compile_model(path, Options(tiny, prefetch=p))[1] for p in (True, False))
+    on, off = (compile_model(path, Options(tiny, prefetch=p, attention="fp32"))[1] for p in (True, False))
     assert on.instrs == off.instrs and on.regions == off.regions
 
 

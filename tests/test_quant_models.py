@@ -54,7 +54,7 @@ def golden(name: str) -> dict[str, np.ndarray]:
 @cache
 def compiled(name: str, seq: int | None = None):
     dims = {} if seq is None else {"sequence": seq}
-    graph, program = compile_model(model_path(name), Options(ARCH, dims))
+    graph, program = compile_model(model_path(name), Options(ARCH, dims, attention="fp32"))
     outputs = run(program, ARCH, {"input_ids": golden(name)["input_ids"]}).outputs
     return graph, program, outputs
 

@@ -160,10 +160,10 @@ def test_the_ledgers_stay_short_on_a_long_ordered_program():
 
 
 def test_a_race_after_many_ordered_tasks_is_still_found():
-    """The last vadd (line 306) reads what the last load brings, without waiting for it; it
-    runs first, and the load lands on what it read."""
+    """The last vadd (line 306) reads what the last load (line 305) brings, without waiting
+    for it."""
     body = _loop(100) + """dma.ld L0 {0} vec[0,8,1] @x[0,8] rows=4 cols=8 wait=L0.vec>=100
 vadd L0 vec[64,8,1] vec[0,8,1] #1 rows=4 cols=8
 """
-    with pytest.raises(Trap, match=r"305: dma.ld: race on L0 vec\[0\]: line 306 \(vadd\) read it"):
+    with pytest.raises(Trap, match=r"306: vadd: race on L0 vec\[0\]: line 305 \(dma.ld\) wrote it"):
         emulate(body)

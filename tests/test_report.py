@@ -138,7 +138,7 @@ def test_vector_lane_ops_count_a_transcendental_by_its_cycles():
 @lru_cache(maxsize=1)
 def _bitnet():
     a = arch.load("dlegion-tiny")
-    graph, program = compile_model(BITNET, Options(a, {"sequence": 6}))
+    graph, program = compile_model(BITNET, Options(a, {"sequence": 6}, attention="fp32"))
     return graph, run(program, a, random_inputs(program, 0))
 
 
@@ -205,6 +205,8 @@ def test_json_carries_the_report_keys():
                 "compulsory_dram_bytes", "psum_bytes", "energy_joules", "average_watts", "matmuls"):
         assert key in n
     assert n["arch"] == "dlegion-tiny" and n["energy_joules"] > 0
+    assert n["area_mm2"] == result.arch.derived.total_mm2
+    assert n["achieved_tops_per_mm2"] == pytest.approx(n["achieved_tops"] / n["area_mm2"])
     for row in n["matmuls"]:
         assert {"nodes", "mode", "macs", "cycles", "roofline_cycles"} <= set(row)
         assert isinstance(row["cycles"], int) and isinstance(row["macs"], int)
@@ -231,7 +233,7 @@ def test_the_printed_report_shows_roofline_energy_and_the_matmul_table():
     console = Console(record=True, width=200)
     report.print_report(report.summarize(result), console)
     text = console.export_text()
-    assert "roofline:" in text and "per run, average power" in text
+    assert "roofline:" in text and "per run, average power" in text and " mm^2 at 45 nm; " in text
     assert "model.layers.1.mlp.down_proj/MatMul_233" in text
     assert np.isfinite(report.summarize(result)["tops_per_watt"])
     # Each table's title is a line of its own, not wrapped to its columns' width.

@@ -28,7 +28,7 @@ def compiled(path, monkeypatch, cached: bool):
     monkeypatch.setattr(qplan, "candidates", lambda a, p, s: searched.append(qplan.Alike(p)) or CANDIDATES(a, p, s))
     SEARCH.cache_clear()
     monkeypatch.setattr(qplan, "_search", SEARCH if cached else SEARCH.__wrapped__)
-    _, program = compile_model(path, Options(TINY))
+    _, program = compile_model(path, Options(TINY, attention="fp32"))
     return format_program(program), program.data, searched
 
 

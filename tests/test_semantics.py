@@ -24,11 +24,11 @@ def run(machine):
 
 
 def put(machine, legion, space, addr, rs, values, cs=1):
-    machine.write(legion, View(space, addr, rs, cs), np.asarray(values))
+    machine.write(legion, View(space, addr, rs, cs), np.asarray(values)[None])
 
 
 def spad(machine, legion, space, addr, rs, rows, cols, cs=1):
-    return np.array(machine.read(legion, View(space, addr, rs, cs), rows, cols))
+    return np.array(machine.read(legion, View(space, addr, rs, cs), rows, cols)[0])
 
 
 def wrap32(x):
@@ -74,6 +74,28 @@ def test_matmul_exact_in_every_mode(mode, mask, accumulate):
     m, acc, ref = matmul_case(np.random.default_rng(1), mode, mask, accumulate)
     run(m)
     np.testing.assert_array_equal(spad(m, L0, "acc", acc.addr, acc.rs, *ref.shape), ref)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("M", [3, 12])
+def test_a_spanned_matmul_is_exact_on_each_legion(shared, M):
+    """Both Legions of a span=2 matmul, with the same activations (one wide product) or not."""
+    rng = np.random.default_rng(M)
+    K, N = 24, 16
+    b = Builder()
+    acc, act, wgt = View("acc", 0, N), View("act", 0, K), View("wgt", 0, N // 4)
+    b.add(MatMul(L0, acc, act, wgt, M, K, N, "w2", "k", "set", None, span=2))
+    m = b.machine()
+    refs = []
+    for legion in (0, 1):
+        a = rng.integers(-128, 128, size=(M, K)) if legion == 0 or not shared else a
+        w = random_weights(rng, "w2", (K, N))
+        put(m, legion, "act", 0, K, a.astype(np.int8))
+        put(m, legion, "wgt", 0, N // 4, np.stack([pack_row(r, "w2") for r in w]))
+        refs.append(wrap32(a @ w))
+    run(m)
+    for legion, ref in enumerate(refs):
+        np.testing.assert_array_equal(spad(m, legion, "acc", 0, N, M, N), ref)
 
 
 @pytest.mark.parametrize("mode", ["w8", "w4", "w2"])
@@ -413,10 +435,10 @@ def test_vmatmul_in_fp32():
 def test_sync_instructions_change_nothing():
     m = Builder().machine()
     put(m, L0, "vec", 0, 4, np.arange(8, dtype=np.float32).reshape(2, 4))
-    before = [s.data.copy() for legion in m.spads for s in legion.values()]
+    before = [bank.data.copy() for bank in m.banks.values()]
     execute(m, Wait(1, "vec", Cond(L0, "dma", 3)))
     execute(m, Barrier())
-    after = [s.data for legion in m.spads for s in legion.values()]
+    after = [bank.data for bank in m.banks.values()]
     assert len(after) == len(before) and all((a == b).all() for a, b in zip(after, before))
 
 
@@ -437,7 +459,7 @@ def test_view_outside_the_scratchpad_traps():
     m = Builder().machine()
     cap = m.arch.derived.spad_elems["acc"]
     with pytest.raises(Trap, match=rf"L1 acc\[{cap - 4}\.\.{cap + 3}\].*of {cap} elements"):
-        m.write(1, View("acc", cap - 4, 4), np.zeros((2, 4), np.int32))
+        m.write(1, View("acc", cap - 4, 4), np.zeros((1, 2, 4), np.int32))
 
 
 def test_read_of_never_written_scratchpad_traps():

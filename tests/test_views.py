@@ -83,7 +83,7 @@ def _rope_attention(path, out_transposed: bool = False):
 
 
 def _compiled_regions(path, fusion: bool = True):
-    graph, program = compile_model(path, Options(TINY, fusion=fusion))
+    graph, program = compile_model(path, Options(TINY, fusion=fusion, attention="fp32"))
     inputs = random_inputs(program, 0)
     rows = compare(run(program, TINY, inputs).outputs, onnx_reference(path, inputs))
     assert all(r.ok for r in rows), rows
@@ -130,7 +130,7 @@ def test_grouped_query_heads_multiply_their_shared_head_where_it_is(tmp_path):
     wide = arch.load("dlegion-8x8")
     path = tmp_path / "tiny.onnx"
     save(build_bitnet(preset("tiny", layers=1, seq=128)), path, external_data=False)
-    graph, program = compile_model(path, Options(wide))
+    graph, program = compile_model(path, Options(wide, attention="fp32"))
     regions = [name.split("/")[-1] for _, name in program.regions]
     # Nor are the heads merged back into rows by a copy after P.V: its blocks are stored there.
     assert not [r for r in regions if r.startswith(("Expand", "Reshape", "Transpose"))], regions
@@ -172,7 +172,7 @@ def test_rotary_embeddings_go_by_halves_into_their_output_bit_for_bit(tmp_path, 
     """No rotated copy of q, no negation, no concat copy: one row kernel computes both halves
     from q's halves and writes them where the concat puts them; onnxruntime's bits."""
     path = _rope(tmp_path / "rope.onnx", swapped)
-    graph, program = compile_model(path, Options(TINY))
+    graph, program = compile_model(path, Options(TINY, attention="fp32"))
     assert "Neg" not in {n.op for n in graph.nodes}
     assert [name.split(".")[-1] for _, name in program.regions] == ["hi"], program.regions
     q = np.random.default_rng(0).standard_normal((1, 2, 6, 8)).astype(np.float32)
@@ -194,6 +194,6 @@ def test_a_concat_input_is_written_in_place_unless_it_is_read_elsewhere(tmp_path
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]), path)
     regions = _compiled_regions(path, fusion)
     assert regions[-1] == "Concat_3" and len(regions) == (2 if fusion else 4), regions
-    _, program = compile_model(path, Options(TINY, fusion=fusion))
+    _, program = compile_model(path, Options(TINY, fusion=fusion, attention="fp32"))
     concat = dict(zip([n for _, n in program.regions], region_ranges(program)))[regions[-1]]
     assert sum(isinstance(program.instrs[k], DmaStore) for k in concat) == 1    # only c's part

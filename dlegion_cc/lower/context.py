@@ -79,10 +79,12 @@ def lowers(*ops: str, domain: str = "", views: ViewTest | None = None, writes: V
 class Lowering:
     """Maps graph values to DRAM operands while nodes are lowered in order."""
 
-    def __init__(self, graph: Graph, em: Emitter, switches: Switches = Switches()):
+    def __init__(self, graph: Graph, em: Emitter, switches: Switches = Switches(), schedules=None):
+        from dlegion_cc.lower.schedules import Schedules     # it imports this module
         # A switch turns a feature off, never on: a machine without multicast gets none whatever
         # the caller asked (the parallel accumulators are checked where splits are chosen).
         self.graph, self.em = graph, em
+        self.schedules = schedules if schedules is not None else Schedules()     # quantized matmuls'
         self.switches = replace(switches, multicast=switches.multicast and em.arch.multicast)
         self.operands: dict[str, Operand] = {}
         self.int8 = int8_activations(graph)
@@ -257,9 +259,12 @@ def int8_activations(graph: Graph) -> set[str]:
     producers = {o: sub for node in graph.nodes for sub in _members(node) for o in sub.outputs}
     out = set()
     for node in graph.nodes:
-        if node.domain != DLEGION or node.op != "QMatMul" or node.attrs.get("act_offset", 0):
+        if node.domain != DLEGION or node.op not in ("QMatMul", "AttnMatMul") or node.attrs.get("act_offset", 0):
             continue
         name = node.inputs[0]
+        while (name in producers and producers[name].op == "Reshape" and not producers[name].domain
+               and len(graph.consumers(name)) == 1 and name not in graph.outputs):
+            name = producers[name].inputs[0]        # a reshape of an int8 tensor is a view of it
         if name not in graph.outputs and _clipped_round(graph, producers, name):
             out.add(name)
     return out

@@ -125,10 +125,30 @@ def _reach(node: Node, frame: Frame) -> np.ndarray | None:
     widened to where ``vrsum`` adds the same as over the whole row (``summed_alike``)."""
     subs = node.attrs["nodes"]
     last = subs[-1]
-    if (last.op != "Softmax" or "reach" not in last.attrs or node.outputs != last.outputs
-            or any(_family(n.op) not in ("unary", "binary") for n in subs[:-1])):
+    if last.op != "Softmax" or "reach" not in last.attrs:
+        return _quantized_reach(node, frame)
+    if node.outputs != last.outputs or any(_family(n.op) not in ("unary", "binary") for n in subs[:-1]):
         return None
-    reach = last.attrs["reach"]
+    return _widened(last.attrs["reach"], frame)
+
+
+def _quantized_reach(node: Node, frame: Frame) -> np.ndarray | None:
+    """The reach of a kernel that quantizes a causal softmax (``passes/attention.py``): its one
+    full-width output is the quantized P, whose row maximum and sum, marked ``softmax_part``, see
+    past each row's reach only the mask's exact zeros of exp; its other outputs are per row."""
+    subs = node.attrs["nodes"]
+    marked = [n for n in subs if "reach" in n.attrs]
+    if len(marked) != 1 or marked[0].outputs[0] not in node.outputs:
+        return None
+    full = [o for o in node.outputs if shape_kind(node.attrs["values"][o].shape, frame) == "full"]
+    if full != marked[0].outputs:
+        return None
+    if any(_family(n.op) not in ("unary", "binary", "Clip") and not n.attrs.get("softmax_part") for n in subs):
+        return None
+    return _widened(marked[0].attrs["reach"], frame)
+
+
+def _widened(reach: np.ndarray, frame: Frame) -> np.ndarray | None:
     if frame.shape[-2:] != (reach.size, frame.cols):
         return None
     widths = np.array([summed_alike(frame.cols, int(r)) for r in reach])

@@ -20,11 +20,12 @@ from dlegion_cc.lower.prefetch import prefetch_weights
 
 
 def lower_graph(graph: Graph, arch: Arch, data_file: str | None, switches: Switches = Switches(),
-                progress: Progress = SILENT, data_out: IO[bytes] | None = None) -> Program:
+                progress: Progress = SILENT, data_out: IO[bytes] | None = None, schedules=None) -> Program:
     """The program for ``graph``; its constants go to ``data_out`` as each node is lowered
-    (then the program carries no data), else they are kept in ``Program.data``."""
+    (then the program carries no data), else they are kept in ``Program.data``. ``schedules``
+    (``schedules.Schedules``): quantized matmuls' pinned schedules, and where the given ones go."""
     em = Emitter(arch, graph.source, data=ConstData(data_out))
-    low = Lowering(graph, em, switches)
+    low = Lowering(graph, em, switches, schedules)
     low.declare_inputs()
     problems, regions = [], []
     with progress.task("lowering", len(graph.nodes)) as advance:
@@ -33,6 +34,7 @@ def lower_graph(graph: Graph, arch: Arch, data_file: str | None, switches: Switc
             advance()
     if problems:
         raise UnsupportedNodes(graph.source, problems)
+    low.schedules.finish(graph.source)
     _materialize_outputs(low, regions)
     program = em.program(data_file)
     program.regions = regions
@@ -46,6 +48,7 @@ def _lower_node(low: Lowering, node: Node, problems: list, regions: list) -> Non
         problems.append((node.name, node.op, "no lowering for this operator"))
         return
     before = len(em.instrs)
+    low.schedules.begin(node.name)
     try:
         fn(low, node)
     except KeyError:
@@ -55,9 +58,16 @@ def _lower_node(low: Lowering, node: Node, problems: list, regions: list) -> Non
     except (ValueError, MemoryError) as e:
         problems.append((node.name, node.op, str(e)))
         return
+    em.approximations.update(_approximations(node))
     if len(em.instrs) > before:
         em.barrier()
         regions.append((before, region_name(node)))
+
+
+def _approximations(node: Node) -> set[str]:
+    """What a node (or the members of a fused kernel) computes instead of ONNX's semantics."""
+    members = node.attrs.get("nodes", []) if node.domain == DLEGION and node.op == "RowKernel" else []
+    return {n.attrs["approximation"] for n in (node, *members) if "approximation" in n.attrs}
 
 
 NAMED_IN_FULL = 3       # a longer fused run is named by its first and last nodes

@@ -178,6 +178,8 @@ def _split(program: Program, arch: Arch, node: range, matmul: range) -> tuple[li
     moved, kept = [], []
     for k in matmul:
         i = instrs[k]
+        if isinstance(i, Barrier):      # what follows may read what the region wrote before it
+            open_ = dict.fromkeys(open_, False)
         if isinstance(i, Barrier) or i.queue() != "dma":
             kept.append((k, i))
             continue

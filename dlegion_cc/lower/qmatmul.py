@@ -32,9 +32,11 @@ from dlegion_cc.ir import DLEGION
 from dlegion_cc.lower.context import Lowering, lowers
 from dlegion_cc.lower.emitter import Emitter
 from dlegion_cc.lower.layout import Operand, whole
+from dlegion_cc.lower.movement import nd_copy
 from dlegion_cc.lower.rowwise import Arg, rowwise
 from dlegion_cc.lower.qparts import part_widths, pick_width, row_parts, split_rows
-from dlegion_cc.lower.qtiles import Problem, RowScale, Segment, emit_tiles, plan_tiles
+from dlegion_cc.lower.qtiles import Problem, RowScale, Segment, emit_tiles
+from dlegion_cc.passes.causal import reach
 
 WEIGHT_DTYPE = {"w2": "w2", "w4": "w4", "w8": "i8"}
 
@@ -163,7 +165,7 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
     per = M // batches
     corr = None if zero_point(low, acts) == acts.offset else correction_shape(arch, values[0], block)
     shapes = _Shapes(low, layouts, segments, rscale, block, corr, out.requant, exact, per, K)
-    width = pick_width(arch, low.switches, shapes.widths(), shapes.part)
+    width = low.schedules.width(arch, per, lambda: pick_width(arch, low.switches, shapes.widths(), shapes.part))
     if width != arch.legions:
         w, lay = layouts.laid(width)
         values = _batches(w)
@@ -239,7 +241,7 @@ def _emit_parts(low: Lowering, p: Problem, width: int) -> None:
     for j, rows in enumerate(split_rows(p.rows, parts)):
         part = p if parts == 1 else replace(p, rows=rows, legions=range(j * width, (j + 1) * width))
         if len(rows) not in plans:
-            plans[len(rows)] = plan_tiles(arch, part, low.switches)
+            plans[len(rows)] = low.schedules.plan(arch, part, low.switches)
         emit_tiles(low.em, part, plans[len(rows)], low.written)
 
 
@@ -281,11 +283,16 @@ class _Shapes:
                        0, rows, self.K, N, n_pad, nonzero, segs, legions=range(width))
 
 
-def lower_run_time_weights(low: Lowering, a: str, b: str, out: str) -> None:
+def lower_run_time_weights(low: Lowering, a: str, b: str, out: str, ra: str | None = None,
+                           rb: str | None = None, zero_a: np.ndarray | None = None) -> None:
     """``out = a . b`` in int32 for int8 operands both computed at run time (a graph that
     quantizes attention's QK^T or PV): b's rows, as they are in DRAM, are the weight rows the
     arrays load in mode w8. Each batch of b multiplies its slice of a's rows; the weights'
-    zero blocks are unknown when compiling, so every window is passed."""
+    zero blocks are unknown when compiling, so every window is passed. With ``ra`` and ``rb``
+    (fp32 [.., M, 1] and [.., N, 1]: attention quantized by the compiler), the drain multiplies
+    row i by ``ra[i]`` and column j of each batch by ``rb[j]`` into an fp32 ``out``. ``zero_a``
+    [M / batches, K]: entries of each batch's a that are exact zeros (a causal P); the weight
+    rows past a row block's last nonzero are neither loaded nor passed."""
     em, arch = low.em, low.em.arch
     shape, bshape = low.shape(a), low.shape(b)
     if len(bshape) < 2 or not shape or shape[-1] != bshape[-2]:
@@ -296,22 +303,82 @@ def lower_run_time_weights(low: Lowering, a: str, b: str, out: str) -> None:
         raise ValueError(f"B of shape {list(bshape)} is not one matrix per batch of A {list(shape)}")
     n_pad = math.ceil(N / arch.array) * arch.array
     before = len(em.instrs)
-    a8, w = int8_rows(low, a, 0), int8_rows(low, b, 0, width=n_pad)
+    a8 = int8_rows(low, a, 0)
+    if ra is None:
+        w, w_offsets = int8_rows(low, b, 0, width=n_pad), [i * K * n_pad for i in range(batches)]
+        rscale, scales, s_offsets = None, None, [0] * batches
+    else:
+        w, w_offsets = _distinct(low, b, low.operand(b), low.shape(b), n_pad, "i8")
+        rscale = _run_time_row_scale(low, ra, M)
+        scales, s_offsets = _run_time_column_scales(low, rb, N, n_pad)
     if len(em.instrs) > before:
         em.barrier()                                    # the arrays load what the vector unit wrote
     dst = low.result(out)
-    if em.tensors[dst.tensor].dtype != "i32":
+    exact = rscale is None
+    if exact and em.tensors[dst.tensor].dtype != "i32":
         raise ValueError(f"output '{out}' is not stored as int32")
     per = M // batches
-    width, parts = row_parts(arch, per, n_pad)
+    k_reach = None
+    if zero_a is not None and low.switches.sparsity and zero_a.shape == (per, K):
+        k_reach = np.tile(reach(~zero_a), batches)
+    width, parts = low.schedules.deal(arch, per, lambda: row_parts(arch, per, n_pad))
     plans: dict = {}            # by the rows of a part: parts alike have one plan
     for j, rows in enumerate(split_rows(range(per), parts)):
-        batch = [Problem(a8, None, ((w, "w8"),), None, 1, K, None, None, None, 0, "w8", None, True, dst.tensor,
-                         range(i * per + rows.start, i * per + rows.stop), K, N, n_pad, w_offset=i * K * n_pad,
-                         legions=range(j * width, (j + 1) * width)) for i in range(batches)]
+        batch = [Problem(a8, rscale, ((w, "w8"),), scales, 1, K, None, None, None, 0, "w8", None, exact, dst.tensor,
+                         range(i * per + rows.start, i * per + rows.stop), K, N, n_pad, w_offset=w_offsets[i],
+                         s_offset=s_offsets[i], legions=range(j * width, (j + 1) * width), k_reach=k_reach)
+                 for i in range(batches)]
         if len(rows) not in plans:
-            plans[len(rows)] = plan_tiles(arch, replace(batch[0], batches=batches), low.switches)
+            plans[len(rows)] = low.schedules.plan(arch, replace(batch[0], batches=batches), low.switches)
         emit_tiles(em, batch[0], plans[len(rows)], low.written, more=tuple(batch[1:]))
+
+
+def _matrices_in_place(node, name: str, op: Operand) -> bool:
+    """Attention's quantized K/V and their scales are read as views (``_distinct``)."""
+    return name in node.inputs[2:]
+
+
+def _distinct(low: Lowering, name: str, op: Operand, shape: tuple, width: int, dtype: str) -> tuple[int, list[int]]:
+    """``op`` [.., rows, n] as a tensor of matrices whose rows are ``width`` apart, and the
+    offset of each batch's matrix: the value where it is when it is laid out so, else a copy of
+    each distinct matrix (a batch axis with a 0 stride repeats one: grouped-query attention's
+    K/V heads are copied once, not once per query head)."""
+    em = low.em
+    rows, n = shape[-2:]
+    if (em.tensors[op.tensor].dtype == dtype and n == width and op.strides[-1] == 1
+            and (rows == 1 or op.strides[-2] == n)):
+        return op.tensor, [op.at(idx).offset for idx in np.ndindex(*shape[:-2])]
+    batch = shape[:-2]
+    kept = tuple(1 if s == 0 else d for d, s in zip(batch, op.strides[:-2]))
+    t = em.tensor(f"{name}_{dtype}", dtype, (*kept, rows, width), "scratch")
+    dst = whole(t, (*kept, rows, width))
+    nd_copy(em, dst, op, (*kept, rows, n))
+    return t, [dst.at(tuple(0 if s == 0 else i for i, s in zip(idx, op.strides))).offset
+               for idx in np.ndindex(*batch)]
+
+
+@lowers("AttnMatMul", domain=DLEGION, views=_matrices_in_place)
+def attn_matmul(low: Lowering, node) -> None:
+    """``a8 . b8`` scaled per row by ``ra`` and per column by ``rb`` (``passes/attention.py``)."""
+    a8, ra, b8, rb = node.inputs
+    lower_run_time_weights(low, a8, b8, node.outputs[0], ra, rb, node.attrs.get("zero_a"))
+
+
+def _run_time_row_scale(low: Lowering, ra: str, M: int) -> RowScale:
+    op = low.operand(ra)
+    if math.prod(low.shape(ra)) != M or op != whole(op.tensor, low.shape(ra)):
+        raise ValueError(f"row scale '{ra}' of shape {list(low.shape(ra))} is not one contiguous value per row")
+    return RowScale(op.tensor, op.offset, 1)
+
+
+def _run_time_column_scales(low: Lowering, rb: str, N: int, n_pad: int) -> tuple[int, list[int]]:
+    """An f32 tensor of each batch's column scales (``rb`` [.., N, 1], read as [.., 1, N]) and
+    each batch's offset."""
+    op, shape = low.operand(rb), low.shape(rb)
+    if shape[-2:] != (N, 1):
+        raise ValueError(f"column scale '{rb}' of shape {list(shape)} is not one value per column of each batch")
+    row = Operand(op.tensor, op.offset, (*op.strides[:-2], 0, op.strides[-2]))
+    return _distinct(low, rb, row, (*shape[:-2], 1, N), n_pad, "f32")
 
 
 # --- fused matmuls ------------------------------------------------------------------------

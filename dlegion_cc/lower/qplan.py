@@ -61,8 +61,12 @@ class Problem:
     nonzero: tuple = ()      # per weight piece: bool [ceil(K/array), n_pad/array] nonzero blocks
     segments: tuple = ()     # of a fused matmul (``Segment``): where its columns are stored
     w_offset: int = 0        # where the weights start in their tensors (one batch of a run-time B)
+    s_offset: int = 0        # where the column scales start in theirs (one batch of run-time scales)
     legions: range | None = None    # the Legions it runs on, column slices in order (None: all)
     batches: int = 1         # run this many times over in the same slots (``emit_tiles``' ``more``)
+    # Per activation row (over every batch's rows): how many leading weight rows it needs, the
+    # rest of its activations being exact zeros (a causal P: ``passes/causal.py``); None: all.
+    k_reach: np.ndarray | None = None
 
 
 def legion_range(arch: Arch, p: Problem) -> range:
@@ -255,6 +259,19 @@ def units(p: Problem, plan: Plan) -> list[list[Chunk]]:
     return [[c for u in out for c in u]] if p.exact else out
 
 
+def reach_blocks(arch: Arch, p: Problem, m0: int, mb: int, c: Chunk, nb: int) -> np.ndarray | None:
+    """Which ``array`` x ``array`` blocks of a weight chunk the activation rows ``m0`` ..
+    ``m0 + mb - 1`` reach (``Problem.k_reach``): the rows of blocks past the last row any of
+    them needs multiply exact zeros. None when they reach all."""
+    if p.k_reach is None:
+        return None
+    na = arch.array
+    need = int(p.k_reach[m0:m0 + mb].max(initial=0)) - c.k0
+    blocks = -(-c.kc // na)
+    live = np.arange(blocks) * na < need
+    return None if live.all() else np.repeat(live[:, None], -(-nb // na), axis=1)
+
+
 def act_key(plan: Plan, block: int, c: Chunk) -> tuple:
     return (block, 0) if plan.whole_rows else (block, c.k0)
 
@@ -318,12 +335,17 @@ def vec_fixed(p: Problem, plan: Plan) -> int:
     return RS_SLOTS * plan.rows + CV_SLOTS * (p.groups + 1) * plan.cols
 
 
+def needs(p: Problem, plan: Plan) -> dict[str, int]:
+    """Elements of each scratchpad ``plan`` takes (``wgt`` in bytes, as it holds packed weights)."""
+    return {"wgt": plan.w_slots * wgt_slot_bytes(p, plan),
+            "act": plan.a_slots * act_slot_elems(p, plan) + p.k2,
+            "acc": plan.acc_slots * plan.rows * plan.cols,
+            "vec": plan.res_slots * plan.rows * plan.cols + vec_fixed(p, plan)}
+
+
 def fits(arch: Arch, p: Problem, plan: Plan) -> bool:
     cap = arch.derived.spad_elems
-    return (plan.w_slots * wgt_slot_bytes(p, plan) <= cap["wgt"]
-            and plan.a_slots * act_slot_elems(p, plan) + p.k2 <= cap["act"]
-            and plan.acc_slots * plan.rows * plan.cols <= cap["acc"]
-            and plan.res_slots * plan.rows * plan.cols + vec_fixed(p, plan) <= cap["vec"])
+    return all(n <= cap[space] for space, n in needs(p, plan).items())
 
 
 def _most_slots(cap: int, size: int, useful: int) -> int:
@@ -349,10 +371,10 @@ def with_slots(arch: Arch, p: Problem, plan: Plan) -> Plan | None:
                    res_slots=_most_slots(cap["vec"] - vec_fixed(p, plan), plan.rows * plan.cols, 2))
     if min(plan.w_slots, plan.a_slots, plan.acc_slots, plan.res_slots) < 1:
         return None
-    return replace(plan, corr_depth=_corr_depth(p, plan))
+    return replace(plan, corr_depth=correction_depth(p, plan))
 
 
-def _corr_depth(p: Problem, plan: Plan) -> int:
+def correction_depth(p: Problem, plan: Plan) -> int:
     if not p.k2:
         return 0
     return max(1, min(p.k2, wgt_slot_bytes(p, plan) * 8 // (plan.cols * MODE_BITS[p.corr_mode])))
@@ -390,11 +412,16 @@ def _even_parts(total: int, most: int) -> list[int]:
     return sorted(out)
 
 
+def columns_per_legion(arch: Arch, p: Problem) -> int:
+    """The deal: the output columns, in array-wide slices, shared out evenly over the Legions."""
+    return math.ceil(p.n_pad / arch.array / len(legion_range(arch, p))) * arch.array
+
+
 def candidates(arch: Arch, p: Problem, switches: Switches) -> list[Plan]:
     na, cap = arch.array, arch.derived.spad_elems
     window = na * max(MODE_TILES[m] for _, m in p.weights)
     split = split_for(arch, switches)
-    per_legion = math.ceil(p.n_pad / na / len(legion_range(arch, p))) * na
+    per_legion = columns_per_legion(arch, p)
     group = min(p.block, p.K)
     depths = {d for d in _multiples(na * arch.cores, group) if d <= group} | {group}
     out = []
@@ -411,7 +438,8 @@ def candidates(arch: Arch, p: Problem, switches: Switches) -> list[Plan]:
                 for order in ORDERS[:1] if one else ORDERS:
                     for whole in (True,) if depth >= p.K else (True, False):
                         plan = Plan(order, rows, cols, depth, whole, per_legion, 0, 0, 0, 0, split,
-                                    switches.multicast, switches.sparsity and bool(p.nonzero))
+                                    switches.multicast,
+                                    switches.sparsity and (bool(p.nonzero) or p.k_reach is not None))
                         plan = with_slots(arch, p, plan)
                         if plan is not None and fits(arch, p, plan):
                             out.append(plan)
@@ -535,7 +563,10 @@ def picojoules(arch: Arch, p: Problem, plan: Plan, e: "Estimate") -> float:
 
 
 def _nonzero_share(p: Problem) -> float:
-    return sum(float(nz.mean()) for nz in p.nonzero) / len(p.nonzero)
+    """The share of weight blocks that hold a nonzero, times the share of the weight rows the
+    activation rows reach (no more is skipped: a bound on what the passes take)."""
+    share = sum(float(nz.mean()) for nz in p.nonzero) / len(p.nonzero) if p.nonzero else 1.0
+    return share * (1.0 if p.k_reach is None else float(np.mean(p.k_reach)) / p.K)
 
 
 def compute_bound(arch: Arch, p: Problem, plan: Plan) -> float:
@@ -723,12 +754,15 @@ def _model_chunk(m: _Model, st: _State, b: int, t: int, c: Chunk, here: list, ti
     one of them goes out between the two, as the emitter places it (``acc_readers``)."""
     a_slot = _model_activations(m, st, b, c, here)
     p, plan = m.p, m.plan
-    mb = row_blocks(p, plan)[b][1]
+    m0, mb = row_blocks(p, plan)[b]
     flows, where, work = [], [], []
     for l in here:
         n0, nb = tiles[l][t]
         for i, (_, mode) in enumerate(p.weights):
             nz = chunk_blocks(m.arch, p, i, c, n0, nb) if plan.sparse else None
+            reached = reach_blocks(m.arch, p, m0, mb, c, nb) if plan.sparse else None
+            if reached is not None:
+                nz = reached if nz is None else nz & reached
             if nz is not None and not nz.any():
                 continue
             key_w = (i, c.k0, n0)

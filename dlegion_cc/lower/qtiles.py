@@ -32,8 +32,8 @@ from isa.instructions import BY_MNEMONIC, DmaLoad, DmaStore, Drain, MatMul
 from dlegion_cc.lower.emitter import Emitter
 from dlegion_cc.lower.qplan import (CV_SLOTS, RS_SLOTS, Chunk, Group, Plan, Problem, RowScale, Segment, Slots,
                                     Switches, act_key, act_slot_elems, choose, chunk_blocks, groups, in_order,
-                                    last_visit, legion_tiles, owners, row_blocks, stores, tail_pieces, tile_order,
-                                    units, weights_wait, wgt_slot_bytes)
+                                    last_visit, legion_tiles, owners, reach_blocks, row_blocks, stores, tail_pieces,
+                                    tile_order, units, weights_wait, wgt_slot_bytes)
 
 __all__ = ["Plan", "Problem", "RowScale", "Segment", "emit_tiles", "plan_tiles"]
 
@@ -471,6 +471,7 @@ def _chunk(st: _Tiles, b: int, t: int, c: Chunk, here: list, acc: dict, first: d
         n0, nb = st.tiles[g][t]
         for i, (_, mode) in enumerate(p.weights):
             nz = chunk_blocks(st.arch, p, i, c, n0, nb) if plan.sparse else None
+            nz = _reached(st, nz, reach_blocks(st.arch, p, m0, mb, c, nb) if plan.sparse else None, g, mb, c, nb)
             if nz is not None and not nz.any():
                 continue                    # a fully-sparse chunk: no load, no pass
             if act is None:
@@ -486,6 +487,16 @@ def _chunk(st: _Tiles, b: int, t: int, c: Chunk, here: list, acc: dict, first: d
             first[g] = False
             st.read_by(("act", owner, a_slot), done)
             st.read_by(("wgt", g, s), done)
+
+
+def _reached(st: _Tiles, nz, reach, g: Group, mb: int, c: Chunk, nb: int):
+    """A chunk's block map with the blocks past its rows' causal reach left out (and counted
+    for the report, as the vector lanes' causal skips are)."""
+    if reach is None:
+        return nz
+    live = min(c.kc, int(reach[:, 0].sum()) * st.arch.array)
+    st.em.skipped["causal_skipped_macs"] += g.count * mb * nb * (c.kc - live)
+    return reach if nz is None else nz & reach
 
 
 def _finish_unit(st: _Tiles, b: int, t: int, u: int, g: Group, acc: int, first: bool, unit: list) -> None:
@@ -563,7 +574,7 @@ def _column_vectors(st: _Tiles, g: Group, t: int) -> None:
     base = st.cv_at + s * st.cv_size
     loads = []
     if p.scales is not None:
-        loads.append(DmaLoad(g.base, frozenset({g.base}), View("vec", base, nb, 1), DramRef(p.scales, n0, p.n_pad),
+        loads.append(DmaLoad(g.base, frozenset({g.base}), View("vec", base, nb, 1), DramRef(p.scales, p.s_offset + n0, p.n_pad),
                              p.groups, nb, lstride=st.lstride(g)))
     if p.bias is not None:
         loads.append(DmaLoad(g.base, frozenset({g.base}), View("vec", base + p.groups * nb, nb, 1),

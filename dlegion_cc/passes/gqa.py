@@ -12,6 +12,12 @@ Source construct (torch's ``repeat_kv``; G key/value heads, r query heads each):
 becomes ``y = Reshape(MatMul(Reshape(x, [.., G, r, M, K]), kvr or Transpose(kvr)))``: MatMul
 broadcasts over the group, the expand is a view with a 0 stride and both reshapes are views,
 so nothing is copied. The MatMul node is kept, with what earlier passes marked on it.
+
+Unless the causal pass marked it, the group's query heads are rows of one product instead,
+``Reshape(x, [.., G, r * M, K])`` against the key/value head itself (``[.., G, S, D]``): its rows
+are read once per group, not once per query head. A decode step (M = 1) is all such reads,
+the whole cache's. Each output element is the same dot product, so the bits are the same.
+(Marked products keep the repeat: their masks are per head, [M, S].)
 """
 from __future__ import annotations
 
@@ -69,6 +75,9 @@ def _rewrite(graph: Graph, mm: Node) -> None:
     groups, each = graph.values[e.outputs[0]].shape[a:a + 2]
     if xs[a] != groups * each:
         return
+    if a == len(xs) - 3 and not {"dead", "zero_a"} & set(mm.attrs):
+        _rows_of_group(graph, mm, t, e, groups)
+        return
     split = lambda shape: tuple(shape[:a]) + (groups, each) + tuple(shape[a + 1:])
     at = graph.nodes.index(mm)
     x5 = _add(graph, at, "Reshape", f"{mm.name}_groups", x, split(xs))
@@ -81,6 +90,25 @@ def _rewrite(graph: Graph, mm: Node) -> None:
     y5 = graph.add_value(f"{y}_groups", split(ys), graph.values[y].dtype)
     mm.inputs, mm.outputs = [x5, kv], [y5]
     graph.nodes.insert(graph.nodes.index(mm) + 1, Node("Reshape", f"{mm.name}_heads", [y5, _shape(graph, y, ys)], [y]))
+
+
+def _rows_of_group(graph: Graph, mm: Node, t: Node | None, e: Node, groups: int) -> None:
+    """``y = Reshape(MatMul(Reshape(x, [.., G, r * M, K]), kv or Transpose(kv)))``, kv the
+    unrepeated head ``[.., G, S, D]``: each group's query heads one product's rows."""
+    x, y = mm.inputs[0], mm.outputs[0]
+    xs, ys = graph.values[x].shape, graph.values[y].shape
+    lead = tuple(xs[:-3])
+    at = graph.nodes.index(mm)
+    rows = (xs[-3] // groups) * xs[-2]
+    x3 = _add(graph, at, "Reshape", f"{mm.name}_groups", x, lead + (groups, rows, xs[-1]))
+    full = graph.values[e.outputs[0]].shape
+    kv = _add(graph, at + 1, "Reshape", f"{e.name}_heads", e.inputs[0], lead + (groups,) + tuple(full[-2:]))
+    if t is not None:
+        kv = _add(graph, at + 2, "Transpose", f"{t.name}_groups", kv, lead + (groups, full[-1], full[-2]),
+                  perm=list(range(len(lead) + 1)) + [len(lead) + 2, len(lead) + 1])
+    y3 = graph.add_value(f"{y}_groups", lead + (groups, rows, ys[-1]), graph.values[y].dtype)
+    mm.inputs, mm.outputs = [x3, kv], [y3]
+    graph.nodes.insert(graph.nodes.index(mm) + 1, Node("Reshape", f"{mm.name}_heads", [y3, _shape(graph, y, ys)], [y]))
 
 
 def _shape(graph: Graph, base: str, shape: tuple) -> str:

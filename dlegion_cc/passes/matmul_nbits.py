@@ -27,6 +27,7 @@ from dlegion_cc.ir import DLEGION, Graph, Node, Value
 from dlegion_cc.lower.qmatmul import Weights, mode_for
 
 MS = "com.microsoft"
+APPROXIMATION = "int8_activations"      # recorded in the program for dlegion-run --check
 
 
 def unpack_codes(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
@@ -116,5 +117,6 @@ def _absmax_node(graph: Graph, x: str, at: int) -> tuple[str, str]:
     q, r = graph.fresh(f"{x}_q"), graph.fresh(f"{x}_r")
     graph.values[q] = Value(q, shape, np.dtype(np.int8))
     graph.values[r] = Value(r, (*shape[:-1], 1), np.dtype(np.float32))
-    graph.nodes.insert(at, Node("AbsmaxQuantize", f"{x}_absmax", [x], [q, r], {}, DLEGION))
+    graph.nodes.insert(at, Node("AbsmaxQuantize", f"{x}_absmax", [x], [q, r],
+                                {"approximation": APPROXIMATION}, DLEGION))
     return q, r

@@ -1,0 +1,205 @@
+"""Attention's float products on the arrays in int8 (passes/attention.py): the default rule,
+the exact integer parts, the error, causal skipping and the recorded approximation."""
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto as TP
+from onnx import helper, numpy_helper
+
+from isa import arch
+from isa.asm import format_program, parse
+from isa.instructions import MatMul
+from isa.encoding import decode_program, encode_program
+from dlegion_cc.pipeline import Options, compile_model, graph_of
+from runtime.check import approximation_tolerance, judge
+from runtime.emulator import run
+
+ROOT = Path(__file__).parent.parent
+WIDE = arch.load("dlegion-8x8")
+TINY = arch.load("dlegion-tiny")
+D = 32
+
+
+def _save(path, nodes, ins, outs, inits=()):
+    graph = helper.make_graph(nodes, "g", ins, outs, list(inits))
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]), path)
+    return path
+
+
+def attention(path, heads=2, seq=64, kv_heads=None):
+    """Causal attention of float inputs q [1, heads, seq, D] and k, v [1, kv_heads, seq, D]; with
+    fewer key/value heads, each is repeated for its group as torch's repeat_kv does."""
+    kv = kv_heads or heads
+    mask = np.where(np.tril(np.ones((seq, seq), bool)), 0, np.finfo(np.float32).min).astype(np.float32)
+    inits = [numpy_helper.from_array(mask.reshape(1, 1, seq, seq), "mask"),
+             numpy_helper.from_array(np.float32(D ** -0.5), "scale")]
+    nodes, k, v = [], "k", "v"
+    if kv != heads:
+        inits += [numpy_helper.from_array(np.array([2], np.int64), "axis2"),
+                  numpy_helper.from_array(np.array([1, kv, heads // kv, seq, D], np.int64), "wide"),
+                  numpy_helper.from_array(np.array([1, heads, seq, D], np.int64), "heads")]
+        for x in "kv":
+            nodes += [helper.make_node("Unsqueeze", [x, "axis2"], [f"{x}5"]),
+                      helper.make_node("Expand", [f"{x}5", "wide"], [f"{x}r"]),
+                      helper.make_node("Reshape", [f"{x}r", "heads"], [f"{x}h"])]
+        k, v = "kh", "vh"
+    nodes += [helper.make_node("Transpose", [k], ["kt"], perm=[0, 1, 3, 2]),
+              helper.make_node("MatMul", ["q", "kt"], ["s"]),
+              helper.make_node("Mul", ["s", "scale"], ["ss"]),
+              helper.make_node("Add", ["ss", "mask"], ["sm"]),
+              helper.make_node("Softmax", ["sm"], ["p"], axis=-1),
+              helper.make_node("MatMul", ["p", v], ["o"])]
+    ins = [helper.make_tensor_value_info("q", TP.FLOAT, [1, heads, seq, D])]
+    ins += [helper.make_tensor_value_info(x, TP.FLOAT, [1, kv, seq, D]) for x in "kv"]
+    return _save(path, nodes, ins, [helper.make_tensor_value_info("o", TP.FLOAT, [1, heads, seq, D])], inits)
+
+
+def _inputs(heads=2, seq=64, kv_heads=None):
+    rng = np.random.default_rng(0)
+    kv = kv_heads or heads
+    # K with a bias its channels share, which smoothing removes before quantizing
+    return {"q": rng.standard_normal((1, heads, seq, D)).astype(np.float32),
+            "k": (rng.standard_normal((1, kv, seq, D)) + 3 * rng.standard_normal(D)).astype(np.float32),
+            "v": rng.standard_normal((1, kv, seq, D)).astype(np.float32)}
+
+
+def _onnxruntime(path, x):
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, x)[0]
+
+
+def _rel(a, b):
+    return float(np.linalg.norm(a.astype(np.float64) - b) / np.linalg.norm(b.astype(np.float64)))
+
+
+def test_float_models_keep_fp32_and_quantized_models_default_to_int8(tmp_path):
+    path = attention(tmp_path / "attn.onnx")
+    plain = graph_of(path, Options(TINY))
+    assert not [n for n in plain.nodes if n.op == "AttnMatMul"]
+    forced = graph_of(path, Options(TINY, attention="int8"))
+    assert [n.op for n in forced.nodes if n.op == "AttnMatMul"] == ["AttnMatMul"] * 2
+    bitnet = graph_of(ROOT / "models" / "bitnet_tiny_relu2.onnx", Options(TINY))
+    assert [n for n in bitnet.nodes if n.op == "AttnMatMul"]
+    fp32 = graph_of(ROOT / "models" / "bitnet_tiny_relu2.onnx", Options(TINY, attention="fp32"))
+    assert not [n for n in fp32.nodes if n.op == "AttnMatMul"]
+
+
+def test_the_program_records_its_approximations_through_both_formats(tmp_path):
+    path = attention(tmp_path / "attn.onnx", seq=16)
+    _, exact = compile_model(path, Options(TINY))
+    _, approx = compile_model(path, Options(TINY, attention="int8"))
+    assert exact.approximations == [] and approx.approximations == ["int8_attention"]
+    text = format_program(approx)
+    assert ".approximation int8_attention" in text
+    assert parse(text).approximations == ["int8_attention"]
+    assert decode_program(encode_program(approx)).approximations == ["int8_attention"]
+    _, nbits = compile_model(ROOT / "models" / "llama_tiny_nbits4.onnx", Options(TINY))
+    assert nbits.approximations == ["int8_activations", "int8_attention"]
+    assert approximation_tolerance(nbits.approximations) > approximation_tolerance(approx.approximations) > 1e-4
+
+
+def test_the_integer_parts_are_exact(tmp_path):
+    """A product of two float matrices with no softmax after it: each row of a and each column of
+    b quantized by absmax, multiplied exactly in int32, scaled when draining, bit for bit as
+    numpy computes the same steps in fp32."""
+    H, M, K, N = 3, 40, 48, 24
+    path = _save(tmp_path / "mm.onnx", [helper.make_node("MatMul", ["a", "b"], ["o"])],
+                 [helper.make_tensor_value_info("a", TP.FLOAT, [H, M, K]),
+                  helper.make_tensor_value_info("b", TP.FLOAT, [H, K, N])],
+                 [helper.make_tensor_value_info("o", TP.FLOAT, [H, M, N])])
+    rng = np.random.default_rng(1)
+    x = {"a": rng.standard_normal((H, M, K)).astype(np.float32),
+         "b": (rng.standard_normal((H, K, N)) * rng.uniform(0.1, 10, (H, 1, N))).astype(np.float32)}
+    _, program = compile_model(path, Options(WIDE, attention="int8"))
+    got = run(program, WIDE, x).outputs["o"]
+
+    def absmax(v):          # per row of v: int8 values and their fp32 scale
+        r = np.maximum(np.abs(v).max(axis=-1, keepdims=True), np.float32(1e-30)) / np.float32(127)
+        return np.round(v / r), r
+    a8, ra = absmax(x["a"])
+    b8t, rb = absmax(np.swapaxes(x["b"], 1, 2))
+    acc = np.einsum("hmk,hnk->hmn", a8.astype(np.int64), b8t.astype(np.int64))
+    want = acc.astype(np.float32) * ra * np.swapaxes(rb, 1, 2)
+    np.testing.assert_array_equal(got, want)
+    assert 0 < _rel(got, x["a"] @ x["b"]) < 1e-2
+
+
+@pytest.mark.parametrize("kv_heads", [None, 2])
+def test_attention_error_is_within_its_bound(tmp_path, kv_heads):
+    heads, seq = 4, 128
+    path = attention(tmp_path / "attn.onnx", heads, seq, kv_heads)
+    x = _inputs(heads, seq, kv_heads)
+    _, program = compile_model(path, Options(WIDE, attention="int8"))
+    got = run(program, WIDE, x).outputs["o"]
+    err = _rel(got, _onnxruntime(path, x))
+    assert 1e-4 < err < 2e-2          # an approximation, and a close one (measured: 1.2e-2)
+    assert not [t for t in program.tensors if t.dtype == "f32" and t.shape[-2:] == (seq, seq)
+                and t.kind == "scratch" and "softmax" in t.name.lower()]
+
+
+def test_smoothing_k_removes_its_shared_bias(tmp_path, monkeypatch):
+    """K's channels share a large bias: quantized per token without smoothing, it takes most of
+    each token's range, and the scores lose what differs between tokens."""
+    path = attention(tmp_path / "attn.onnx", 2, 64)
+    x = _inputs(2, 64)
+    x["k"] = x["k"] + 20 * np.random.default_rng(2).standard_normal(D).astype(np.float32)
+    want = _onnxruntime(path, x)
+    graph = graph_of(path, Options(WIDE, attention="int8"))
+    assert [n for n in graph.nodes if n.op == "ReduceMean"]        # K's mean over the sequence
+    _, program = compile_model(path, Options(WIDE, attention="int8"))
+    smoothed = _rel(run(program, WIDE, x).outputs["o"], want)
+    from dlegion_cc.passes import attention as attn
+    monkeypatch.setattr(attn, "_feeds_softmax", lambda graph, scores: False)
+    _, plain = compile_model(path, Options(WIDE, attention="int8"))
+    unsmoothed = _rel(run(plain, WIDE, x).outputs["o"], want)
+    assert smoothed < unsmoothed / 2
+
+
+def test_causal_skipping_keeps_the_same_bits(tmp_path):
+    """P's quantized rows are computed only as far as the causal mask lets them reach, and the
+    PV product leaves out the rows of V past a row block's reach (neither loaded nor passed);
+    the program computes the same as with nothing skipped."""
+    path = attention(tmp_path / "attn.onnx", 2, 256)
+    x = _inputs(2, 256)
+    _, sparse = compile_model(path, Options(WIDE, attention="int8"))
+    _, dense = compile_model(path, Options(WIDE, attention="int8", sparsity=False))
+    a, b = run(sparse, WIDE, x), run(dense, WIDE, x)
+    np.testing.assert_array_equal(a.outputs["o"], b.outputs["o"])
+    assert sparse.skipped["causal_skipped_vector_ops"] > 0 and sparse.skipped["causal_skipped_macs"] > 0
+    assert not dense.skipped
+    assert any(isinstance(i, MatMul) and i.mask is not None for i in sparse.instrs)
+    assert a.timeline.counters["macs"] < b.timeline.counters["macs"]
+
+
+@pytest.mark.parametrize("name", ["bitnet_tiny_relu2", "bitnet_tiny_gqa", "llama_tiny_dynamic_int8",
+                                  "llama_tiny_qdq"])
+def test_committed_models_pass_check_with_int8_attention(name):
+    from models.golden import read_npz
+    golden = read_npz(ROOT / "tests" / "golden" / f"{name}.npz")
+    inputs = {"input_ids": golden["input_ids"]}
+    dims = {"sequence": golden["input_ids"].shape[1]} if name == "bitnet_tiny_gqa" else {}
+    model = ROOT / "models" / f"{name}.onnx"
+    _, program = compile_model(model, Options(TINY, dims))
+    assert program.approximations == ["int8_attention"]
+    outputs = run(program, TINY, inputs).outputs
+    verdict = judge(model, inputs, outputs, tol=approximation_tolerance(program.approximations))
+    [row] = verdict.rows
+    assert row.ok and row.rel_l2 > 1e-4
+    assert row.top1.agree == row.top1.positions
+
+
+def test_check_says_what_the_program_approximates_and_allows_for_it(tmp_path):
+    from click.testing import CliRunner
+    from dlegion_cc.cli import compile_command
+    from runtime.cli import run_command
+    model, prog = ROOT / "models" / "bitnet_tiny_relu2.onnx", tmp_path / "p.s"
+    r = CliRunner().invoke(compile_command, [str(model), "-o", str(prog), "--arch", "dlegion-tiny", "-q"])
+    assert r.exit_code == 0, r.output
+    assert ".approximation int8_attention" in prog.read_text()
+    r = CliRunner().invoke(run_command, [str(prog), "--check", str(model), "-q"])
+    assert r.exit_code == 0, r.output
+    assert "int8_attention" in r.output and "relative L2 <= 0.05" in r.output
+    r = CliRunner().invoke(run_command, [str(prog), "--check", str(model), "--tolerance", "1e-4", "-q"])
+    assert r.exit_code == 1 and "MISMATCH" in r.output
