@@ -1,8 +1,8 @@
 """Import: ONNX file -> checked, shape-inferred, constant-folded :class:`Graph`.
 
 Shapes come from ONNX's own shape inference (onnxruntime's symbolic shape inference for
-models with contrib ops such as com.microsoft.MatMulNBits); constants are folded with ONNX's
-reference evaluator. Weight-only subgraphs (transposes, casts, scale products) and shape
+models with contrib ops such as com.microsoft.MatMulNBits); other exporters' operators become
+plain ONNX ops (``canon``); constants are folded with ONNX's reference evaluator. Weight-only subgraphs (transposes, casts, scale products) and shape
 computations therefore disappear before any pass sees the graph.
 
 The model is never held whole: a large initializer leaves the proto as a stub (its dims and
@@ -25,8 +25,10 @@ from onnx import TensorProto, external_data_helper, helper, numpy_helper, shape_
 
 from isa.files import check_readable
 from isa.progress import SILENT, Progress
+from dlegion_cc import canon
 from dlegion_cc.errors import CompileError, UnsupportedNodes, node_error
 from dlegion_cc.ir import Graph, Lazy, Mapped, Node, Spill, Value
+from dlegion_cc.ort_schemas import DEFAULT_DOMAINS, lent_to_onnx, missing_ops
 
 NOT_FOLDED = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
               "Bernoulli"}
@@ -47,7 +49,8 @@ def import_model(path: str | Path, dims: dict[str, int] | None = None, progress:
         given = {t.name for t in model.graph.initializer}
         spill = Spill()
         lazy = _unload(model, Path(path), spill)
-        _check(Path(path), source)
+        del model.graph.value_info[:]           # hints: inference makes them again (_check)
+        _check(Path(path), source, model)
         _check_graph(model, source)
         advance()
         _bind_dims(model, dims or {}, source)
@@ -56,8 +59,13 @@ def import_model(path: str | Path, dims: dict[str, int] | None = None, progress:
         for _ in range(MAX_FOLD_ROUNDS):
             model = _infer(model, source)
             advance()
-            if not _fold(model, lazy, spill, source, Positions(given, dims or {})):
+            if _fold(model, lazy, spill, source, Positions(given, dims or {})):
+                continue
+            model, changed = canon.canonicalize(model, lazy, source)  # exporters' ops -> plain ONNX ops
+            if not changed:
                 break
+        else:
+            model = _infer(model, source)       # the last round changed the model
         graph = _to_graph(model, lazy, source)
         _check_empty_outputs(graph, dims or {}, source)
         _check_nodes(graph, source)
@@ -209,11 +217,17 @@ def _read_into(t: TensorProto, path: Path, base: Path) -> None:
                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
-def _check(path: Path, source: str) -> None:
-    """The checker's full rules (shape inference included); it reads the file itself, without
-    the weights: no copy of the model is made."""
+def _check(path: Path, source: str, model: onnx.ModelProto) -> None:
+    """The checker's full rules: its own (it reads the file itself, without the weights: no copy
+    of the model is made), then strict shape inference, on ``model``, whose declared shapes of
+    intermediate values are gone: onnxruntime lets one that inference contradicts go (the
+    inferred one wins; onnxruntime-genai's builder declares a 1-D constant as a scalar), and so
+    does the compiler. Operators onnxruntime defines in the default domain and ONNX does not are
+    checked against onnxruntime's schemas."""
     try:
-        onnx.checker.check_model(str(path), full_check=True)
+        with lent_to_onnx(model):
+            onnx.checker.check_model(str(path))
+            shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError, ValueError) as e:
         # one line, all of it: the checker names the culprit node on the lines after the first
         raise CompileError(f"{source}: invalid ONNX model: {' '.join(str(e).split())}") from None
@@ -372,7 +386,8 @@ def _reads(node: onnx.NodeProto) -> set[str]:
 
 
 def _has_contrib_ops(model: onnx.ModelProto) -> bool:
-    return any(n.domain not in ("", "ai.onnx") for n in model.graph.node)
+    """Whether ``model`` has operators only onnxruntime defines (its shape inference knows them)."""
+    return any(n.domain not in DEFAULT_DOMAINS for n in model.graph.node) or bool(missing_ops(model))
 
 
 def _infer(model: onnx.ModelProto, source: str) -> onnx.ModelProto:

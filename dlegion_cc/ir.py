@@ -209,13 +209,15 @@ class Graph:
         return name
 
     def remove_dead(self) -> None:
-        """Drop nodes and constants that no graph output depends on."""
+        """Drop nodes and constants that no graph output depends on. A kept node keeps all its
+        outputs' values, the unused ones too (a Split's): its lowering lays them out."""
         live = set(self.outputs)
         kept = []
         for n in reversed(self.nodes):
             if any(o in live for o in n.outputs):
                 kept.append(n)
                 live.update(i for i in n.inputs if i)
+        live.update(o for n in kept for o in n.outputs)
         self.nodes = kept[::-1]
         self.values = {k: v for k, v in self.values.items() if k in live or k in self.inputs}
 

@@ -90,7 +90,7 @@ def row_kernel(low: Lowering, node) -> None:
     # A tiled input may come in as one row broadcast over the block: its slot is never reused.
     kinds = {n: shape_kind(v.shape, frame, tiled=True) for n, v in values.items()}
     scalars = {n: float(np.float32(v.const.reshape(()))) for n, v in values.items()
-               if v.const is not None and v.const.size == 1}
+               if v.const is not None and v.const.size == 1 and n not in _read_as_views(node)}
     ins = [n for n in node.inputs if n not in scalars]
     slot, temps = _plan(node, kinds, scalars, set(ins), set(node.outputs))
     args = [Arg(n, _frame_operand(low.operand(n), values[n].shape, kinds[n], frame)) for n in ins]
@@ -107,6 +107,15 @@ def row_kernel(low: Lowering, node) -> None:
         n.op in ROW_REDUCE or n.op == "Softmax" for n in node.attrs["nodes"])
     rowwise(low.em, frame.shape, args, body, keep_last=keep, where=f"node '{node.name}': ",
             reach=_reach(node, frame))
+
+
+def _read_as_views(node: Node) -> set[str]:
+    """Constants in a place no instruction takes an immediate: the first operand of a binary op
+    that cannot swap its operands (``1 / x``, ``2 ** x``), a Where's condition. They are loaded
+    like any input, broadcast by 0 strides: making them in a slot from the other operand
+    (``b * 0 + c``) is NaN where b is infinite, and overwrites b where the op works in place."""
+    return {n.inputs[0] for n in node.attrs["nodes"]
+            if n.op == "Where" or _family(n.op) == "binary" and n.op not in SWAPPED and n.op != "Sub"}
 
 
 def _reach(node: Node, frame: Frame) -> np.ndarray | None:
@@ -205,10 +214,6 @@ def _binary(em, l, n, out, arg, rows, cols):
         em.emit(BY_MNEMONIC["vsub"](l, out, b, a, rows, cols))
         em.emit(BY_MNEMONIC["vneg"](l, out, out, rows, cols))
         return
-    elif isinstance(a, float):                             # fill with a first
-        em.emit(BY_MNEMONIC["vmul"](l, out, b, 0.0, rows, cols))
-        em.emit(BY_MNEMONIC["vadd"](l, out, out, a, rows, cols))
-        a = out
     em.emit(BY_MNEMONIC[BINARY[op]](l, out, a, b, rows, cols))
 
 

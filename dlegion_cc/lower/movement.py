@@ -16,10 +16,13 @@ from dlegion_cc.lower.rowwise import Arg, rowwise
 
 
 def nd_copy(em: Emitter, dst: Operand, src: Operand, shape: tuple[int, ...], where: str = "") -> None:
-    """dst[idx] = src[idx] for every idx of ``shape`` (dst contiguous along its last axis)."""
+    """dst[idx] = src[idx] for every idx of ``shape``."""
     if math.prod(shape) == 0:
         return
     shape2, (s2, d2) = coalesce(shape, [src, dst])
+    if d2.strides[-1] not in (0, 1):    # parts interleaved along the last axis (a Concat of [..., 1]s)
+        _element_rows(em, shape2, s2, d2, where)
+        return
     if s2.strides[-1] in (0, 1):
         body = lambda e, l, v, r, c: e.emit(BY_MNEMONIC["vmov"](l, v["out"], v["src"], r, c))
         rowwise(em, shape, [Arg("src", src), Arg("out", dst, out=True)], body, where=where)
