@@ -13,7 +13,8 @@ MatMul (array Na x Na = ``arch.array``, ``t`` tiles a window by mode, ``C`` core
   passes_max * (M + pass_overhead), plus a weight-window load per pass when the weight
   registers are single-buffered. Double-buffered, only the first window's load can show: it is
   the instruction's ``lead`` (see ``Cost``), hidden behind the queue's previous work when the
-  operands were in the Legion early enough.
+  operands were in the Legion early enough. With ``pass_overlap`` the passes of one instruction
+  pipeline: (passes_max - 1) * max(M, weight load) + M + pass_overhead.
   Psum traffic per column block with nk nonzero K-slices: ceil(nk / C) accumulator updates
   when split=k and the parallel accumulators sum the cores' outputs, else nk; each update
   reads and writes M x width int32s, except that the first update of a `set` only writes.
@@ -160,8 +161,18 @@ def block_stats(K: int, N: int, na: int, tiles: int, cores: int, split: str, kre
 
 def pass_cycles(arch: Arch, M: int, passes_max: int) -> int:
     """The busiest core's passes, with the weight loads no double buffer hides."""
+    if arch.pass_overlap and passes_max:
+        return overlapped_pass_cycles(arch, M, passes_max)
     loads = 0 if arch.double_buffered_weights else passes_max
     return passes_max * (M + arch.derived.pass_overhead) + loads * arch.derived.weight_load_cycles
+
+
+def overlapped_pass_cycles(arch: Arch, M: int, passes: int) -> int:
+    """Pipelined passes: a pass's first row enters the array the cycle after the previous pass's
+    last row, so only the last pass's fill and drain show. The next window loads into the shadow
+    weight registers while a pass streams, so passes start at most every weight load apart."""
+    interval = max(M, arch.derived.weight_load_cycles)
+    return (passes - 1) * interval + M + arch.derived.pass_overhead
 
 
 def weight_lead(arch: Arch, passes_max: int) -> int:
