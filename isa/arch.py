@@ -55,6 +55,7 @@ class Arch:
     # Legion
     cores: int
     parallel_accumulators: bool
+    acc_port_words: int           # int32 psum words a cycle the accumulator scratchpad reads or writes
     act_kib: int
     wgt_kib: int
     acc_kib: int
@@ -167,7 +168,7 @@ def area(a: Arch) -> dict:
 # Counts and sizes are positive integers; the clock and bandwidths divide other figures, so they
 # are positive; a latency or an energy may be 0. TOML's integers are numbers too.
 
-POSITIVE = {"legions", "cores", "array", "vector_lanes", "vector_transcendental_cycles", "act_kib", "wgt_kib",
+POSITIVE = {"legions", "cores", "array", "acc_port_words", "vector_lanes", "vector_transcendental_cycles", "act_kib", "wgt_kib",
             "acc_kib", "vec_kib", "clock_ghz", "dram_gbps", "noc_link_gbps", "area_node_nm",
             "um2_per_pe_w8", "um2_per_pe_w4", "um2_per_pe_w2"}
 NOT_NEGATIVE = {"dram_latency_cycles", *ENERGY, *AREA}

@@ -18,6 +18,8 @@ MatMul (array Na x Na = ``arch.array``, ``t`` tiles a window by mode, ``C`` core
   Psum traffic per column block with nk nonzero K-slices: ceil(nk / C) accumulator updates
   when split=k and the parallel accumulators sum the cores' outputs, else nk; each update
   reads and writes M x width int32s, except that the first update of a `set` only writes.
+  The accumulator port moves ``acc_port_words`` of them a cycle, while the passes stream: the
+  instruction takes max(pass cycles, ceil(psum words / acc_port_words)).
   MACs: ``macs`` are the useful ones, M x (rows x columns of each nonzero block, an edge block
   as narrow as K and N leave it). A pass occupies the whole array for each of its ``t`` tiles:
   M x Na x Na x t MAC slots, and ``padded_macs`` are the slots of all passes that carry no
@@ -175,6 +177,12 @@ def overlapped_pass_cycles(arch: Arch, M: int, passes: int) -> int:
     return (passes - 1) * interval + M + arch.derived.pass_overhead
 
 
+def psum_cycles(arch: Arch, words: int) -> int:
+    """Cycles the accumulator scratchpad's port needs for ``words`` int32 psum reads and writes;
+    it works while the array streams, so a MatMul takes the longer of this and its passes."""
+    return -(-words // arch.acc_port_words)
+
+
 def weight_lead(arch: Arch, passes_max: int) -> int:
     """The first window's load, before a double-buffered instruction's first pass."""
     return arch.derived.weight_load_cycles if passes_max and arch.double_buffered_weights else 0
@@ -198,18 +206,21 @@ def matmul(i: Instr, arch: Arch, env: Env) -> Cost:
     shape = (i.K, i.N, arch.array, MODE_TILES[i.mode], arch.cores, i.split, kreduce)
     s = block_stats(*shape, _mask_blocks(i, arch, env))
     d = block_stats(*shape, None)
-    cycles, dense_cycles = pass_cycles(arch, i.M, s.passes_max), pass_cycles(arch, i.M, d.passes_max)
     first = s.psum_first if i.accumulate == "set" else 0
+    dense_first = d.psum_first if i.accumulate == "set" else 0
+    psum_words = i.M * (s.psum_rmw - first)
+    cycles = max(pass_cycles(arch, i.M, s.passes_max), psum_cycles(arch, psum_words))
+    dense_cycles = max(pass_cycles(arch, i.M, d.passes_max), psum_cycles(arch, i.M * (d.psum_rmw - dense_first)))
     macs = i.M * s.block_macs
     counters = {"macs": macs, "dense_macs": i.M * i.K * i.N,
                 "padded_macs": s.passes * i.M * arch.array * arch.array * MODE_TILES[i.mode] - macs,
                 "passes": s.passes, "dense_passes": d.passes,
                 "windows_skipped": d.passes - s.passes,
                 "sparsity_cycles_saved": dense_cycles - cycles,
-                "psum_bytes": ACC_BYTES * i.M * (s.psum_rmw - first),
+                "psum_bytes": ACC_BYTES * psum_words,
                 "spad_bytes": s.passes * (i.M * arch.array + arch.array * arch.array)}
     detail = {"mode": i.mode, "split": i.split, "M": i.M, "K": i.K, "N": i.N,
-              "passes_max": s.passes_max, "cycles": cycles, "dense_cycles": dense_cycles,
+              "passes_max": s.passes_max, "psum_cycles": psum_cycles(arch, psum_words), "cycles": cycles, "dense_cycles": dense_cycles,
               **counters}
     return Cost(cycles=cycles, lead=weight_lead(arch, s.passes_max), counters=counters, detail=detail)
 

@@ -480,3 +480,14 @@ def test_overlapped_passes_pay_one_fill_and_drain():
 def test_pass_overlap_needs_double_buffered_weights():
     with pytest.raises(ValueError, match="pass_overlap needs double_buffered_weights"):
         dataclasses.replace(ONE_CORE, pass_overlap=True, double_buffered_weights=False)
+
+
+def test_psum_port_bounds_a_matmul_when_narrower_than_its_updates():
+    """4 passes of 16 rows x 8 columns: 16 x 8 x (2 x 4 - 1) = 896 psum words (the first update
+    of a `set` only writes). A port of 8 words a cycle needs 112 cycles, more than the passes' 96."""
+    narrow = dataclasses.replace(ONE_CORE, parallel_accumulators=False, acc_port_words=8)
+    t = simulate(prog([mm(16, 32, 8)]), narrow)
+    assert t.counters["psum_bytes"] == 4 * 896
+    assert t.cycles == 8 + 112
+    wide = dataclasses.replace(narrow, acc_port_words=16)
+    assert cycles(wide, mm(16, 32, 8)) == 8 + 4 * 24      # 56 cycles of port work hide in the passes
