@@ -1,7 +1,8 @@
 """D-Legion against its baselines on BitNet attention workloads: the paper's kind of table.
 
     python bench/bench_compare.py [--seq 128,512] [--shape 2b4t --shape large]
-                                  [--workload projections --workload products] [--jobs N] [--json FILE]
+                                  [--workload projections --workload products] [--jobs N]
+                                  [--pipelined] [--json FILE]
 
 A workload is one attention layer of a BitNet shape at one sequence length: its Q, K, V and O
 projections (BitLinear: per-token absmax 8-bit activations x ternary weights), or its QK^T and
@@ -23,9 +24,12 @@ at D-Legion's PE count (as many of its arrays as it takes) and at D-Legion's pea
 machine clocked to match); a machine two footings share runs once. Baselines pay their psum
 read-modify-writes in cycles (``acc_port_words``, docs/MACHINE.md). Last, the papers' headline
 figures beside ours (the largest ratio over the workloads, on each footing), with why they differ.
+With --pipelined every machine overlaps consecutive passes (``pass_overlap``, off in the presets):
+the ratios that fall are the part of the gap that was per-pass fill and drain.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -115,19 +119,23 @@ WORKLOADS = {"projections": (attention_projections, "attention Q/K/V/O projectio
              "products": (attention_products, "attention QK^T and PV, int8")}
 
 
-def machines() -> list[tuple[str, str, str, object, dict]]:
-    """(row name, its D-Legion, footing, Arch, compiler switches) of every machine to run."""
+def machines(pipelined: bool = False) -> list[tuple[str, str, str, object, dict]]:
+    """(row name, its D-Legion, footing, Arch, compiler switches) of every machine to run;
+    ``pipelined``: every one with its passes overlapped (``pass_overlap``)."""
+    def load(name: str):
+        a = arch_mod.load(name)
+        return dataclasses.replace(a, pass_overlap=True) if pipelined else a
     out = []
     for ref_name, bases in PAIRS.items():
-        ref = arch_mod.load(ref_name)
+        ref = load(ref_name)
         out.append((ref_name, ref_name, "reference", ref, {}))
         for base in bases:
-            out += [(m.name, ref_name, label, m, {}) for m, label in footings(arch_mod.load(base), ref)]
+            out += [(m.name, ref_name, label, m, {}) for m, label in footings(load(base), ref)]
         out += [(f"{ref_name} no-{off}", ref_name, "ablation", ref, {off: False}) for off in ABLATIONS]
     return out
 
 
-def run_all(workloads: list[tuple[str, int, str]], jobs: int, console: Console) -> list[dict]:
+def run_all(workloads: list[tuple[str, int, str]], jobs: int, console: Console, pipelined: bool) -> list[dict]:
     """Every workload on every machine, ``jobs`` compilations at a time."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp, ProcessPoolExecutor(max_workers=jobs) as pool:
@@ -135,7 +143,7 @@ def run_all(workloads: list[tuple[str, int, str]], jobs: int, console: Console) 
         for shape, seq, kind in workloads:
             path = Path(tmp) / f"{shape}-{seq}-{kind}.onnx"
             save(WORKLOADS[kind][0](PRESETS[shape], seq), path, external_data=True)
-            for name, ref, footing, m, switches in machines():
+            for name, ref, footing, m, switches in machines(pipelined):
                 tag = {"shape": shape, "seq": seq, "kind": kind, "name": name, "ref": ref, "footing": footing}
                 pending.append((tag, pool.submit(evaluate, path, config_of(m), {}, switches)))
         for i, (tag, future) in enumerate(pending, 1):
@@ -234,12 +242,14 @@ def _geomean(values: list[float]) -> float | None:
 @click.option("--workload", "kinds", multiple=True, type=click.Choice(list(WORKLOADS)),
               help="Workloads (repeatable; default all).")
 @click.option("--jobs", type=click.IntRange(min=1), default=os.cpu_count() or 1, show_default="CPU count")
+@click.option("--pipelined", is_flag=True,
+              help="Every machine, baselines included, with its passes overlapped (pass_overlap).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write every row as JSON.")
-def main(seqs, shapes, kinds, jobs, json_path):
+def main(seqs, shapes, kinds, jobs, pipelined, json_path):
     console = table_console(TABLE_WIDTH)
     workloads = [(shape, seq, kind) for kind in kinds or WORKLOADS for shape in (shapes or ("2b4t", "large"))
                  for seq in seqs]
-    rows = run_all(workloads, jobs, Console(stderr=True))
+    rows = run_all(workloads, jobs, Console(stderr=True), pipelined)
     add_ratios(rows)
     for shape, seq, kind in workloads:
         print_workload([r for r in rows if (r["shape"], r["seq"], r["kind"]) == (shape, seq, kind)],
