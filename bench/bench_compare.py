@@ -184,7 +184,8 @@ def print_workload(rows: list[dict], shape: str, seq: int, kind: str, console: C
         if r["status"] != "ok":
             t.add_row(r["name"], r["footing"], *[""] * 8, "[red]failed[/red]", r["reason"][:60], "", "", "")
             continue
-        t.add_row(r["name"] + ("*" if r["warning"] else ""), r["footing"], f"{r['cycles']:,}", f"{r['time_us']:,.1f}", _mib(r["dram_bytes"]),
+        t.add_row(r["name"] + ("*" if r["warning"] else ""), r["footing"],
+                  f"{r['cycles']:,}", f"{r['time_us']:,.1f}", _mib(r["dram_bytes"]),
                   _mib(r["psum_bytes"]), f"{r['area_mm2']:,.1f}", f"{r['compute_cycles']:,}", f"{r['dram_cycles']:,}",
                   f"{r['vector_cycles']:,}", r["bound"], _x(r["latency_x"]), _x(r["dram_x"]), _x(r["psum_x"]),
                   _x(r["per_mm2_x"]))

@@ -168,8 +168,8 @@ def area(a: Arch) -> dict:
 # Counts and sizes are positive integers; the clock and bandwidths divide other figures, so they
 # are positive; a latency or an energy may be 0. TOML's integers are numbers too.
 
-POSITIVE = {"legions", "cores", "array", "acc_port_words", "vector_lanes", "vector_transcendental_cycles", "act_kib", "wgt_kib",
-            "acc_kib", "vec_kib", "clock_ghz", "dram_gbps", "noc_link_gbps", "area_node_nm",
+POSITIVE = {"legions", "cores", "array", "vector_lanes", "vector_transcendental_cycles", "act_kib", "wgt_kib",
+            "acc_port_words", "acc_kib", "vec_kib", "clock_ghz", "dram_gbps", "noc_link_gbps", "area_node_nm",
             "um2_per_pe_w8", "um2_per_pe_w4", "um2_per_pe_w2"}
 NOT_NEGATIVE = {"dram_latency_cycles", *ENERGY, *AREA}
 # The timing and energy models divide and multiply by these numbers: a subnormal clock or

@@ -220,7 +220,8 @@ def matmul(i: Instr, arch: Arch, env: Env) -> Cost:
                 "psum_bytes": ACC_BYTES * psum_words,
                 "spad_bytes": s.passes * (i.M * arch.array + arch.array * arch.array)}
     detail = {"mode": i.mode, "split": i.split, "M": i.M, "K": i.K, "N": i.N,
-              "passes_max": s.passes_max, "psum_cycles": psum_cycles(arch, psum_words), "cycles": cycles, "dense_cycles": dense_cycles,
+              "passes_max": s.passes_max, "psum_cycles": psum_cycles(arch, psum_words), "cycles": cycles,
+              "dense_cycles": dense_cycles,
               **counters}
     return Cost(cycles=cycles, lead=weight_lead(arch, s.passes_max), counters=counters, detail=detail)
 
