@@ -55,6 +55,7 @@ class Arch:
     # Legion
     cores: int
     parallel_accumulators: bool
+    acc_port_words: int           # int32 psum words a cycle the accumulator scratchpad reads or writes
     act_kib: int
     wgt_kib: int
     acc_kib: int
@@ -66,6 +67,7 @@ class Arch:
     modes: tuple[str, ...]
     dataflow: str
     double_buffered_weights: bool
+    pass_overlap: bool            # consecutive passes of one MatMul pipeline their fill and drain
     # energy (picojoules per operation or per byte moved; see the presets for their sources).
     # Every description gives all three MAC figures; a mode the machine lacks never uses its own.
     pj_per_mac_w8: float
@@ -167,7 +169,7 @@ def area(a: Arch) -> dict:
 # are positive; a latency or an energy may be 0. TOML's integers are numbers too.
 
 POSITIVE = {"legions", "cores", "array", "vector_lanes", "vector_transcendental_cycles", "act_kib", "wgt_kib",
-            "acc_kib", "vec_kib", "clock_ghz", "dram_gbps", "noc_link_gbps", "area_node_nm",
+            "acc_port_words", "acc_kib", "vec_kib", "clock_ghz", "dram_gbps", "noc_link_gbps", "area_node_nm",
             "um2_per_pe_w8", "um2_per_pe_w4", "um2_per_pe_w2"}
 NOT_NEGATIVE = {"dram_latency_cycles", *ENERGY, *AREA}
 # The timing and energy models divide and multiply by these numbers: a subnormal clock or
@@ -246,6 +248,9 @@ def problem(values: dict) -> str | None:
         return f"modes must be a non-empty subset of {MODES}, got {modes}"
     if dataflow not in DATAFLOWS:
         return f"dataflow must be one of {DATAFLOWS}, got {dataflow!r}"
+    # A pass can only start while the previous one drains if its weights are already resident.
+    if values["pass_overlap"] and not values["double_buffered_weights"]:
+        return "pass_overlap needs double_buffered_weights = true (the next window loads during a pass)"
     # The weights of a mode pack a row of the array into whole bytes: the packed weight layout,
     # the DMA and the verifier all address them by the byte, so a part-byte row cannot be stored.
     for m in modes:
@@ -336,7 +341,8 @@ def summary(a: Arch) -> str:
              f"{a.clock_ghz:g} GHz",
              f"  DRAM {d.dram_bytes_per_cycle:g} B/cycle, latency {a.dram_latency_cycles} cycles; "
              f"link {d.link_bytes_per_cycle:g} B/cycle; multicast {'on' if a.multicast else 'off'}; "
-             f"parallel accumulators {'on' if a.parallel_accumulators else 'off'}"]
+             f"parallel accumulators {'on' if a.parallel_accumulators else 'off'}; "
+             f"pass overlap {'on' if a.pass_overlap else 'off'}"]
     lines.append(f"  energy: DRAM {a.pj_per_dram_byte:g} pJ/B, SRAM {a.pj_per_sram_byte:g} pJ/B, "
                  f"vector {a.pj_per_vector_op:g} pJ/lane-op, static {a.static_watts:g} W")
     parts = ", ".join(f"{k} {v:.2f}" for k, v in d.area_mm2.items())

@@ -13,10 +13,13 @@ MatMul (array Na x Na = ``arch.array``, ``t`` tiles a window by mode, ``C`` core
   passes_max * (M + pass_overhead), plus a weight-window load per pass when the weight
   registers are single-buffered. Double-buffered, only the first window's load can show: it is
   the instruction's ``lead`` (see ``Cost``), hidden behind the queue's previous work when the
-  operands were in the Legion early enough.
+  operands were in the Legion early enough. With ``pass_overlap`` the passes of one instruction
+  pipeline: (passes_max - 1) * max(M, weight load) + M + pass_overhead.
   Psum traffic per column block with nk nonzero K-slices: ceil(nk / C) accumulator updates
   when split=k and the parallel accumulators sum the cores' outputs, else nk; each update
   reads and writes M x width int32s, except that the first update of a `set` only writes.
+  The accumulator port moves ``acc_port_words`` of them a cycle, while the passes stream: the
+  instruction takes max(pass cycles, ceil(psum words / acc_port_words)).
   MACs: ``macs`` are the useful ones, M x (rows x columns of each nonzero block, an edge block
   as narrow as K and N leave it). A pass occupies the whole array for each of its ``t`` tiles:
   M x Na x Na x t MAC slots, and ``padded_macs`` are the slots of all passes that carry no
@@ -160,8 +163,24 @@ def block_stats(K: int, N: int, na: int, tiles: int, cores: int, split: str, kre
 
 def pass_cycles(arch: Arch, M: int, passes_max: int) -> int:
     """The busiest core's passes, with the weight loads no double buffer hides."""
+    if arch.pass_overlap and passes_max:
+        return overlapped_pass_cycles(arch, M, passes_max)
     loads = 0 if arch.double_buffered_weights else passes_max
     return passes_max * (M + arch.derived.pass_overhead) + loads * arch.derived.weight_load_cycles
+
+
+def overlapped_pass_cycles(arch: Arch, M: int, passes: int) -> int:
+    """Pipelined passes: a pass's first row enters the array the cycle after the previous pass's
+    last row, so only the last pass's fill and drain show. The next window loads into the shadow
+    weight registers while a pass streams, so passes start at most every weight load apart."""
+    interval = max(M, arch.derived.weight_load_cycles)
+    return (passes - 1) * interval + M + arch.derived.pass_overhead
+
+
+def psum_cycles(arch: Arch, words: int) -> int:
+    """Cycles the accumulator scratchpad's port needs for ``words`` int32 psum reads and writes;
+    it works while the array streams, so a MatMul takes the longer of this and its passes."""
+    return -(-words // arch.acc_port_words)
 
 
 def weight_lead(arch: Arch, passes_max: int) -> int:
@@ -187,18 +206,22 @@ def matmul(i: Instr, arch: Arch, env: Env) -> Cost:
     shape = (i.K, i.N, arch.array, MODE_TILES[i.mode], arch.cores, i.split, kreduce)
     s = block_stats(*shape, _mask_blocks(i, arch, env))
     d = block_stats(*shape, None)
-    cycles, dense_cycles = pass_cycles(arch, i.M, s.passes_max), pass_cycles(arch, i.M, d.passes_max)
     first = s.psum_first if i.accumulate == "set" else 0
+    dense_first = d.psum_first if i.accumulate == "set" else 0
+    psum_words = i.M * (s.psum_rmw - first)
+    cycles = max(pass_cycles(arch, i.M, s.passes_max), psum_cycles(arch, psum_words))
+    dense_cycles = max(pass_cycles(arch, i.M, d.passes_max), psum_cycles(arch, i.M * (d.psum_rmw - dense_first)))
     macs = i.M * s.block_macs
     counters = {"macs": macs, "dense_macs": i.M * i.K * i.N,
                 "padded_macs": s.passes * i.M * arch.array * arch.array * MODE_TILES[i.mode] - macs,
                 "passes": s.passes, "dense_passes": d.passes,
                 "windows_skipped": d.passes - s.passes,
                 "sparsity_cycles_saved": dense_cycles - cycles,
-                "psum_bytes": ACC_BYTES * i.M * (s.psum_rmw - first),
+                "psum_bytes": ACC_BYTES * psum_words,
                 "spad_bytes": s.passes * (i.M * arch.array + arch.array * arch.array)}
     detail = {"mode": i.mode, "split": i.split, "M": i.M, "K": i.K, "N": i.N,
-              "passes_max": s.passes_max, "cycles": cycles, "dense_cycles": dense_cycles,
+              "passes_max": s.passes_max, "psum_cycles": psum_cycles(arch, psum_words), "cycles": cycles,
+              "dense_cycles": dense_cycles,
               **counters}
     return Cost(cycles=cycles, lead=weight_lead(arch, s.passes_max), counters=counters, detail=detail)
 

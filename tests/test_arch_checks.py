@@ -43,3 +43,16 @@ def test_only_the_modes_a_machine_has_count():
 def test_a_machine_made_in_code_is_checked_alike():
     with pytest.raises(arch.ArchError, match="a row of 2 w2 weights is 4 bits"):
         dataclasses.replace(arch.load("dlegion-tiny"), array=2)
+
+
+def test_pass_overlap_without_double_buffered_weights_is_refused():
+    # The next window loads during a pass; single-buffered registers cannot hold both.
+    text = (TINY.replace("double_buffered_weights = true", "double_buffered_weights = false")
+            .replace("pass_overlap = false", "pass_overlap = true"))
+    with pytest.raises(arch.ArchError, match=r"^p\.toml: pass_overlap needs double_buffered_weights"):
+        arch.from_toml_text(text, "p.toml")
+
+
+def test_a_psum_port_of_no_words_is_refused():
+    with pytest.raises(arch.ArchError, match="acc_port_words must be a positive integer, not 0"):
+        arch.from_toml_text(TINY.replace("acc_port_words = 128", "acc_port_words = 0"), "p.toml")

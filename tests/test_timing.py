@@ -461,3 +461,33 @@ def test_every_instruction_starts_as_soon_as_its_queue_and_condition_allow(p):
         ready = max(t.free[items[key][at - 1]] if at else 0.0,
                     prefix_done((cond.legion, cond.queue), cond.count) if cond else 0.0)
         assert t.start[k] == ready, k
+
+
+def test_overlapped_passes_pay_one_fill_and_drain():
+    """K=32 -> 4 passes on one 8x8 core; lead: the first window's 8-cycle load. Pipelined, a pass
+    starts every max(M, 8) cycles and only the last pass's fill and drain (8, or 16 for WS) show."""
+    piped = dataclasses.replace(ONE_CORE, pass_overlap=True)
+    assert cycles(ONE_CORE, mm(16, 32, 8)) == 8 + 4 * (16 + 8)
+    assert cycles(piped, mm(16, 32, 8)) == 8 + 3 * 16 + (16 + 8)
+    # fewer rows than a weight load: the next window's load paces the passes
+    assert cycles(piped, mm(4, 32, 8)) == 8 + 3 * 8 + (4 + 8)
+    ws = dataclasses.replace(piped, dataflow="ws")
+    assert cycles(ws, mm(16, 32, 8)) == 8 + 3 * 16 + (16 + 16)
+    # one pass has nothing to overlap with
+    assert cycles(piped, mm(16, 8, 8)) == cycles(ONE_CORE, mm(16, 8, 8))
+
+
+def test_pass_overlap_needs_double_buffered_weights():
+    with pytest.raises(ValueError, match="pass_overlap needs double_buffered_weights"):
+        dataclasses.replace(ONE_CORE, pass_overlap=True, double_buffered_weights=False)
+
+
+def test_psum_port_bounds_a_matmul_when_narrower_than_its_updates():
+    """4 passes of 16 rows x 8 columns: 16 x 8 x (2 x 4 - 1) = 896 psum words (the first update
+    of a `set` only writes). A port of 8 words a cycle needs 112 cycles, more than the passes' 96."""
+    narrow = dataclasses.replace(ONE_CORE, parallel_accumulators=False, acc_port_words=8)
+    t = simulate(prog([mm(16, 32, 8)]), narrow)
+    assert t.counters["psum_bytes"] == 4 * 896
+    assert t.cycles == 8 + 112
+    wide = dataclasses.replace(narrow, acc_port_words=16)
+    assert cycles(wide, mm(16, 32, 8)) == 8 + 4 * 24      # 56 cycles of port work hide in the passes
