@@ -11,11 +11,10 @@ from onnx import helper, numpy_helper
 
 from isa import arch
 from isa.asm import format_program, parse
-from isa.instructions import MatMul
 from isa.encoding import decode_program, encode_program
 from dlegion_cc.pipeline import Options, compile_model, graph_of
 from runtime.check import approximation_tolerance, judge
-from runtime.emulator import run
+from runtime.emulator import random_inputs, run
 
 ROOT = Path(__file__).parent.parent
 WIDE = arch.load("dlegion-8x8")
@@ -164,19 +163,30 @@ def test_smoothing_k_removes_its_shared_bias(tmp_path, monkeypatch):
 
 
 def test_causal_skipping_keeps_the_same_bits(tmp_path):
-    """P's quantized rows are computed only as far as the causal mask lets them reach, and the
-    PV product leaves out the rows of V past a row block's reach (neither loaded nor passed);
-    the program computes the same as with nothing skipped."""
+    """P's quantized rows are computed only as far as the causal mask lets them reach; the
+    program computes the same as with nothing skipped."""
     path = attention(tmp_path / "attn.onnx", 2, 256)
     x = _inputs(2, 256)
     _, sparse = compile_model(path, Options(WIDE, attention="int8"))
     _, dense = compile_model(path, Options(WIDE, attention="int8", sparsity=False))
     a, b = run(sparse, WIDE, x), run(dense, WIDE, x)
     np.testing.assert_array_equal(a.outputs["o"], b.outputs["o"])
-    assert sparse.skipped["causal_skipped_vector_ops"] > 0 and sparse.skipped["causal_skipped_macs"] > 0
+    assert sparse.skipped["causal_skipped_vector_ops"] > 0
     assert not dense.skipped
-    assert any(isinstance(i, MatMul) and i.mask is not None for i in sparse.instrs)
-    assert a.timeline.counters["macs"] < b.timeline.counters["macs"]
+
+
+def test_a_layer_of_many_heads_computes_the_same_with_causal_skipping(tmp_path):
+    """Ten heads at sequence 128 (2B4T's head width): skipping PV's rows past a row block's
+    reach once let other values into the products (logits 0.36 from the dense program's)."""
+    from models.bitnet import build_bitnet, preset, save
+    path = tmp_path / "layer.onnx"
+    config = preset("2b4t", layers=1, seq=128, vocab=256, hidden=1280, heads=10, kv_heads=5, ffn=256)
+    save(build_bitnet(config), path, external_data=True)
+    machine = WIDE
+    _, sparse = compile_model(path, Options(machine, attention="int8"))
+    _, dense = compile_model(path, Options(machine, attention="int8", sparsity=False))
+    x = random_inputs(sparse, 0)
+    np.testing.assert_array_equal(run(sparse, machine, x).outputs["logits"], run(dense, machine, x).outputs["logits"])
 
 
 @pytest.mark.parametrize("name", ["bitnet_tiny_relu2", "bitnet_tiny_gqa", "llama_tiny_dynamic_int8",
