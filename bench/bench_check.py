@@ -61,7 +61,8 @@ def main(seq, vocab, arch_name):
         data, which = flip_one_weight(program.data, program)
         start = time.perf_counter()
         wrong = run(dataclasses.replace(program, data=data), machine, inputs, keep=False).outputs
-        _verdict(f"{which} flipped", judge(path, inputs, wrong, program_approximations=program.approximations), False, time.perf_counter() - start)
+        _verdict(f"{which} flipped", judge(path, inputs, wrong, program_approximations=program.approximations), False,
+                 time.perf_counter() - start)
 
 
 if __name__ == "__main__":

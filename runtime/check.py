@@ -363,7 +363,9 @@ def _float64(model, inputs, approx: list[str], int8_attention: bool):
     """The graph's outputs in float64, and those of the graph as the compiler computes it."""
     from runtime.reference64 import float64_outputs
     plain = float64_outputs(model, inputs)
-    return plain, float64_outputs(model, inputs, approximations=True, int8_attention=int8_attention) if approx else plain
+    if not approx:
+        return plain, plain
+    return plain, float64_outputs(model, inputs, approximations=True, int8_attention=int8_attention)
 
 
 def positions_rel_l2(x: np.ndarray, ref: np.ndarray) -> np.ndarray:

@@ -73,7 +73,8 @@ def approximations(path: str | Path, int8_attention: bool = False) -> list[str]:
     import onnx
     m = onnx.load(str(path), load_external_data=False)
     kinds = {(n.domain, n.op_type) for n in m.graph.node} & set(APPROXIMATIONS)
-    return [f"{op}: {APPROXIMATIONS[(d, op)]}" for d, op in sorted(kinds)] + ([INT8_ATTENTION] if int8_attention else [])
+    phrases = [f"{op}: {APPROXIMATIONS[(d, op)]}" for d, op in sorted(kinds)]
+    return phrases + ([INT8_ATTENTION] if int8_attention else [])
 
 
 def _absmax_rows(node, floats: set[str], model) -> list:
