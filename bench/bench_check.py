@@ -55,12 +55,14 @@ def main(seq, vocab, arch_name):
         inputs = random_inputs(program, 0)
         print(f"2B4T layer, full widths, sequence {seq}, vocabulary {vocab}, {machine.name}")
         start = time.perf_counter()
-        verdict = judge(path, inputs, run(program, machine, inputs, keep=False).outputs)
+        verdict = judge(path, inputs, run(program, machine, inputs, keep=False).outputs,
+                        program_approximations=program.approximations)
         _verdict("correct program", verdict, True, time.perf_counter() - start)
         data, which = flip_one_weight(program.data, program)
         start = time.perf_counter()
         wrong = run(dataclasses.replace(program, data=data), machine, inputs, keep=False).outputs
-        _verdict(f"{which} flipped", judge(path, inputs, wrong), False, time.perf_counter() - start)
+        _verdict(f"{which} flipped", judge(path, inputs, wrong, program_approximations=program.approximations), False,
+                 time.perf_counter() - start)
 
 
 if __name__ == "__main__":

@@ -35,9 +35,16 @@ PROGRAM_APPROXIMATIONS = {
 }
 
 
-def approximation_tolerance(names: list[str], tol: float = REL_L2_TOLERANCE) -> float:
-    """The tolerance ``--check`` applies by default to a program recording ``names``."""
-    return max(tol, sum(PROGRAM_APPROXIMATIONS[n][1] for n in names if n in PROGRAM_APPROXIMATIONS))
+# The program approximations the float64 evaluation applies too (reference64.float64_model): a
+# program recording only these is measured from fp64 with them, at the tolerance as given.
+MODELLED = frozenset({"int8_activations", "int8_attention"})
+
+
+def approximation_tolerance(names: list[str], tol: float = REL_L2_TOLERANCE, fp64: bool = False) -> float:
+    """The tolerance ``--check`` applies by default to a program recording ``names``: with
+    ``fp64`` (the graph is evaluated in float64), loosened only for those it does not model."""
+    loose = [n for n in names if n in PROGRAM_APPROXIMATIONS and not (fp64 and n in MODELLED)]
+    return max(tol, sum(PROGRAM_APPROXIMATIONS[n][1] for n in loose))
 
 
 def describe_approximations(names: list[str]) -> list[str]:
@@ -57,6 +64,7 @@ class Fp64:
     positions: int
     approximation: float | None     # the compiler's approximations' distance from fp64, if any
     ok: bool
+    bound: float = APPROXIMATION_BOUND     # the most ``approximation`` may be
 
 
 @dataclass
@@ -92,7 +100,8 @@ class Comparison:
             f = self.fp64
             out["fp64"] = {"rel_l2_dlegion": f.ours, "rel_l2_onnxruntime": f.reference,
                            "positions_off_dlegion": f.off_ours, "positions_off_onnxruntime": f.off_reference,
-                           "positions": f.positions, "approximation_rel_l2": f.approximation, "ok": f.ok}
+                           "positions": f.positions, "approximation_rel_l2": f.approximation,
+                           "approximation_bound": f.bound, "ok": f.ok}
         if self.top1:
             out["top1"] = {"agree": self.top1.agree, "positions": self.top1.positions,
                            "differing": self.top1.differing}
@@ -276,6 +285,7 @@ class Verdict:
     reference: str                  # the fp32 run compared with: "onnxruntime" or "exact"
     fp64: str                       # "evaluated", or why not
     approximations: list[str]       # what the compiler computes instead of some operators
+    approximation_bound: float = APPROXIMATION_BOUND    # the most they may move an output from fp64
 
     @property
     def ok(self) -> bool:
@@ -284,17 +294,19 @@ class Verdict:
     def as_json(self, tol: float) -> dict:
         return {"reference": self.reference, "tolerance": tol, "fp64": self.fp64,
                 "fp64_multiple": FP64_MULTIPLE, "approximations": self.approximations,
-                "approximation_bound": APPROXIMATION_BOUND, "ok": self.ok,
+                "approximation_bound": self.approximation_bound, "ok": self.ok,
                 "outputs": [r.as_json() for r in self.rows]}
 
 
 def judge(model: str | Path, inputs: dict[str, np.ndarray], ours: dict[str, np.ndarray],
-          reference: str | None = None, tol: float = REL_L2_TOLERANCE) -> Verdict:
+          reference: str | None = None, tol: float = REL_L2_TOLERANCE, program_approximations=()) -> Verdict:
     """``ours`` against onnxruntime's fp32 run of ``model`` and, unless ``reference`` names an
     fp32 run alone or the model is too large (FP64_MAX_PARAMETER_BYTES, unless ``reference`` is
     "fp64"), against the graph evaluated in float64. Graphs with integer operators are compared
     with the "exact" run unless ``reference`` says "onnxruntime": the float64 evaluation computes
-    the operators' definition, as that run does."""
+    the operators' definition, as that run does. ``program_approximations``: those the program
+    records (Program.approximations); the float64 evaluation applies the ones it models
+    (MODELLED), and ``ours`` is measured from it."""
     from runtime.reference64 import approximations
     fp32 = reference if reference in ("onnxruntime", "exact") else "exact" if integer_ops(model) else "onnxruntime"
     ref = onnx_reference(model, inputs, fp32)
@@ -305,19 +317,34 @@ def judge(model: str | Path, inputs: dict[str, np.ndarray], ours: dict[str, np.n
     why = _fp64_skipped(model, reference)
     if why:
         return Verdict(rows, fp32, why, [])
-    approx = approximations(model)
+    attention = "int8_attention" in program_approximations
+    approx = approximations(model, attention)
+    bound = approximation_bound(len(approx) - attention, attention)
     try:
-        f64, f64a = _float64(model, inputs, approx)
+        f64, f64a = _float64(model, inputs, approx, attention)
     except Exception as e:  # onnxruntime raises its own exception types
         if reference == "fp64":
             raise
-        return Verdict(rows, fp32, f"failed ({str(e).splitlines()[0]}); judged at the tolerance alone", approx)
+        return Verdict(rows, fp32, f"failed ({str(e).splitlines()[0]}); judged at the tolerance alone", approx, bound)
     for r in rows:
         if r.exact or r.name not in f64 or not np.issubdtype(ref[r.name].dtype, np.floating):
             continue
-        r.fp64 = fp64_distances(ours[r.name], ref[r.name], f64[r.name], f64a[r.name], tol)
+        r.fp64 = fp64_distances(ours[r.name], ref[r.name], f64[r.name], f64a[r.name], tol, bound)
         r.ok = r.within_tolerance or (r.fp64.ok and r.nonfinite == 0)
-    return Verdict(rows, fp32, "evaluated", approx)
+    return Verdict(rows, fp32, "evaluated", approx, bound)
+
+
+def approximation_bound(operator_kinds: int, int8_attention: bool) -> float:
+    """The most the modelled approximations may move an output from fp64: APPROXIMATION_BOUND
+    for operators the compiler approximates (reference64.APPROXIMATIONS), int8_attention's own
+    documented bound for the attention products (distances add at most)."""
+    return (APPROXIMATION_BOUND if operator_kinds or not int8_attention else 0.0) + \
+        (PROGRAM_APPROXIMATIONS["int8_attention"][1] if int8_attention else 0.0)
+
+
+def fp64_evaluated(model, reference: str | None) -> bool:
+    """Whether ``judge`` evaluates ``model`` in float64 given ``reference``."""
+    return _fp64_skipped(model, reference) is None
 
 
 def _fp64_skipped(model, reference: str | None) -> str | None:
@@ -332,11 +359,13 @@ def _fp64_skipped(model, reference: str | None) -> str | None:
     return None
 
 
-def _float64(model, inputs, approx: list[str]):
+def _float64(model, inputs, approx: list[str], int8_attention: bool):
     """The graph's outputs in float64, and those of the graph as the compiler computes it."""
     from runtime.reference64 import float64_outputs
     plain = float64_outputs(model, inputs)
-    return plain, float64_outputs(model, inputs, approximations=True) if approx else plain
+    if not approx:
+        return plain, plain
+    return plain, float64_outputs(model, inputs, approximations=True, int8_attention=int8_attention)
 
 
 def positions_rel_l2(x: np.ndarray, ref: np.ndarray) -> np.ndarray:
@@ -349,7 +378,7 @@ def positions_rel_l2(x: np.ndarray, ref: np.ndarray) -> np.ndarray:
 
 
 def fp64_distances(ours: np.ndarray, fp32: np.ndarray, f64: np.ndarray, f64_approx: np.ndarray,
-                   tol: float) -> Fp64:
+                   tol: float, bound: float = APPROXIMATION_BOUND) -> Fp64:
     """dlegion's distance from the float64 evaluation of the graph as the compiler computes it
     (``f64_approx``, ``f64`` when it makes no approximation) beside onnxruntime's from ``f64``."""
     from runtime.reference64 import rel_l2
@@ -358,9 +387,9 @@ def fp64_distances(ours: np.ndarray, fp32: np.ndarray, f64: np.ndarray, f64_appr
     off_ref = int(np.count_nonzero(~(positions_rel_l2(fp32, f64) <= tol)))
     approx = None if f64_approx is f64 else rel_l2(f64_approx, f64)
     ok = (ours_d <= FP64_MULTIPLE * ref_d and off_ours <= FP64_MULTIPLE * max(off_ref, 1)
-          and (approx is None or approx <= APPROXIMATION_BOUND))
+          and (approx is None or approx <= bound))
     positions = ours.size // ours.shape[-1] if ours.ndim and ours.shape[-1] else 1
-    return Fp64(ours_d, ref_d, off_ours, off_ref, positions, approx, bool(ok))
+    return Fp64(ours_d, ref_d, off_ours, off_ref, positions, approx, bool(ok), bound)
 
 
 def vocabulary(model: str | Path) -> int | None:

@@ -80,12 +80,13 @@ def _warn_unwritten(program) -> None:
                    f"tensor(s) {', '.join(parts)}; they stay zero", err=True)
 
 
-def _check(model: str, inputs, result, tol: float, check_all: bool = False, reference: str | None = None):
-    """The verdict of --check (runtime.check.judge), printed."""
+def _check(model: str, inputs, result, tol: float, check_all: bool = False, reference: str | None = None,
+           approximations=()):
+    """The verdict of --check (runtime.check.judge), printed; ``approximations``: the program's."""
     from runtime.check import integer_ops, judge
     from runtime.report import print_verdict
     try:
-        verdict = judge(model, inputs, result.outputs, reference, tol)
+        verdict = judge(model, inputs, result.outputs, reference, tol, approximations)
     except OSError as e:
         raise Failure(f"{model}: cannot read ({e.strerror or e})") from None
     except ValueError as e:
@@ -123,13 +124,19 @@ def _time_only(program, arch, progress):
     return time_only(program, arch_mod.load(arch) if arch else arch_of(program), progress)
 
 
-def _approximated(program, tolerance: float) -> float:
-    """The tolerance for a program that records approximations, said with them."""
-    from runtime.check import approximation_tolerance, describe_approximations
-    tol = approximation_tolerance(program.approximations, tolerance)
+def _approximated(program, tolerance: float, model: str, reference: str | None) -> float:
+    """The tolerance for a program that records approximations, said with them: the float64
+    evaluation applies those it models, so only the others loosen it."""
+    from runtime.check import approximation_tolerance, describe_approximations, fp64_evaluated
+    try:
+        fp64 = fp64_evaluated(model, reference)
+    except OSError as e:
+        raise Failure(f"{model}: cannot read ({e.strerror or e})") from None
+    tol = approximation_tolerance(program.approximations, tolerance, fp64)
+    how = (f"float outputs are judged at relative L2 <= {tol:g} (--tolerance to choose another)" if tol != tolerance
+           else "float outputs are measured from the float64 evaluation with them applied")
     print(f"{program.source}: the compiler approximated the model's semantics: "
-          f"{'; '.join(describe_approximations(program.approximations))}; float outputs are judged at relative "
-          f"L2 <= {tol:g} (--tolerance to choose another)")
+          f"{'; '.join(describe_approximations(program.approximations))}; {how}")
     return tol
 
 
@@ -236,8 +243,9 @@ def run_command(ctx, program, arch, inputs_path, seed, out_path, check_model, ch
         if report:
             rep.print_report(numbers)
     if check_model and prog.approximations and not _given(ctx, "tolerance"):
-        tolerance = _approximated(prog, tolerance)
-    verdict = _check(check_model, inputs, result, tolerance, check_all, reference) if check_model else None
+        tolerance = _approximated(prog, tolerance, check_model, reference)
+    verdict = (_check(check_model, inputs, result, tolerance, check_all, reference, prog.approximations)
+               if check_model else None)
     if verdict:
         numbers["check"] = verdict.as_json(tolerance) | {"program_approximations": list(prog.approximations)}
     files = []

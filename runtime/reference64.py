@@ -24,9 +24,12 @@ _F32, _F64 = 1, 11          # onnx.TensorProto.FLOAT, DOUBLE
 FLOAT32_ONLY = {"DequantizeLinear", "QuantizeLinear", "DynamicQuantizeLinear", "MatMulNBits", "QLinearMatMul"}
 
 
-def float64_model(path: str | Path, approximations: bool = False):
+def float64_model(path: str | Path, approximations: bool = False, int8_attention: bool = False,
+                  input_shapes: dict[str, tuple] | None = None):
     """The model at ``path`` (external data loaded) with its float32 tensors made float64;
-    with ``approximations``, also the ones the compiler makes (see APPROXIMATIONS)."""
+    with ``approximations``, also the ones the compiler makes (see APPROXIMATIONS), and with
+    ``int8_attention`` too, its float x float products quantized as the program's were
+    (``_int8_product``), the shapes they see being those of ``input_shapes`` (the inputs')."""
     import onnx
     from onnx import numpy_helper
     from runtime.check import unsigned_integer_weights
@@ -34,6 +37,7 @@ def float64_model(path: str | Path, approximations: bool = False):
     unsigned_integer_weights(model)
     g = model.graph
     floats = _float32_values(model)
+    products = _float_products(model, floats, input_shapes or {}) if approximations and int8_attention else {}
     for i, t in enumerate(g.initializer):
         if t.data_type == _F32:
             g.initializer[i].CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float64), t.name))
@@ -46,6 +50,8 @@ def float64_model(path: str | Path, approximations: bool = False):
     for node in g.node:
         if approximations and (node.domain, node.op_type) in APPROXIMATIONS:
             nodes.extend(_absmax_rows(node, floats, model))
+        if node.name in products:
+            nodes.extend(_int8_product(node, products[node.name], floats, model))
         nodes.extend(_kept_float32(node, floats) if node.op_type in FLOAT32_ONLY else [node])
     del g.node[:]
     g.node.extend(nodes)
@@ -58,52 +64,221 @@ APPROXIMATIONS = {("com.microsoft", "MatMulNBits"): "float activations quantized
 ABSMAX_FLOOR = 1e-30        # as the compiler's: an all-zero row stays zero
 
 
-def approximations(path: str | Path) -> list[str]:
-    """What the compiler computes instead of ``path``'s operators, one phrase per kind."""
+INT8_ATTENTION = "MatMul of two computed float operands: int8 per row of a and per column of b (K smoothed)"
+
+
+def approximations(path: str | Path, int8_attention: bool = False) -> list[str]:
+    """What the compiler computes instead of ``path``'s operators, one phrase per kind; with
+    ``int8_attention``, the program's quantized attention products too."""
     import onnx
     m = onnx.load(str(path), load_external_data=False)
     kinds = {(n.domain, n.op_type) for n in m.graph.node} & set(APPROXIMATIONS)
-    return [f"{op}: {APPROXIMATIONS[(d, op)]}" for d, op in sorted(kinds)]
+    phrases = [f"{op}: {APPROXIMATIONS[(d, op)]}" for d, op in sorted(kinds)]
+    return phrases + ([INT8_ATTENTION] if int8_attention else [])
 
 
 def _absmax_rows(node, floats: set[str], model) -> list:
     """Nodes making ``node``'s first input what the compiler feeds it: ``q * r`` with
     ``q = round(x / r)`` (half to even) and ``r = max(max|x|, floor) / 127`` per row; rewires
     ``node`` to it."""
-    from onnx import helper, numpy_helper
     x = node.input[0]
     p = f"{x}/absmax_rows/{node.name}"
-    consts = {f"{p}/floor": ABSMAX_FLOOR, f"{p}/127": 127.0, f"{p}/axes": None}
-    for name, v in consts.items():
-        value = np.array([-1], np.int64) if v is None else np.array(v, np.float64)
-        model.graph.initializer.append(numpy_helper.from_array(value, name))
-    nodes = [helper.make_node("Abs", [x], [f"{p}/abs"]),
-             helper.make_node("ReduceMax", [f"{p}/abs", f"{p}/axes"], [f"{p}/max"], keepdims=1),
-             helper.make_node("Max", [f"{p}/max", f"{p}/floor"], [f"{p}/floored"]),
-             helper.make_node("Div", [f"{p}/floored", f"{p}/127"], [f"{p}/r"]),
-             helper.make_node("Div", [x, f"{p}/r"], [f"{p}/scaled"]),
-             helper.make_node("Round", [f"{p}/scaled"], [f"{p}/q"]),
-             helper.make_node("Mul", [f"{p}/q", f"{p}/r"], [p])]
-    if _opset(model) < 18:          # ReduceMax takes its axes as an attribute before opset 18
-        del nodes[1].input[1:]
-        nodes[1].attribute.append(helper.make_attribute("axes", [-1]))
     node.input[0] = p
     floats.add(p)
+    return _absmax(x, -1, p, model)
+
+
+def _absmax(x: str, axis: int, out: str, model, in_float32: bool = False) -> list:
+    """Nodes making ``out = q * r`` from ``x``: ``r = max(max|x|, floor) / 127`` along ``axis``
+    (-1: per row, -2: per column), ``q = clip(round(x / r), -127, 127)``, round half to even;
+    in float64, so only the int8 rounding differs from ``x``, unless ``in_float32``: then ``r`` and
+    ``q`` are computed in float32 as the program computes them (see _int8_product)."""
+    from onnx import helper, numpy_helper
+    p = out
+    t = np.float32 if in_float32 else np.float64
+    consts = {f"{p}/floor": ABSMAX_FLOOR, f"{p}/127": 127.0, f"{p}/-127": -127.0, f"{p}/axes": axis}
+    for name, v in consts.items():
+        value = np.array([v], np.int64) if name.endswith("/axes") else np.array(v, t)
+        model.graph.initializer.append(numpy_helper.from_array(value, name))
+    src = f"{p}/x32" if in_float32 else x
+    nodes = [helper.make_node("Cast", [x], [src], to=_F32)] if in_float32 else []
+    nodes += [helper.make_node("Abs", [src], [f"{p}/abs"]),
+              _reduce("ReduceMax", f"{p}/abs", f"{p}/max", axis, f"{p}/axes", model),
+              helper.make_node("Max", [f"{p}/max", f"{p}/floor"], [f"{p}/floored"]),
+              helper.make_node("Div", [f"{p}/floored", f"{p}/127"], [f"{p}/r"]),
+              helper.make_node("Div", [src, f"{p}/r"], [f"{p}/scaled"]),
+              helper.make_node("Round", [f"{p}/scaled"], [f"{p}/round"]),
+              helper.make_node("Clip", [f"{p}/round", f"{p}/-127", f"{p}/127"], [f"{p}/q"])]
+    if in_float32:      # q and r are exact in float64: their product is taken there
+        nodes += [helper.make_node("Cast", [f"{p}/q"], [f"{p}/q64"], to=_F64),
+                  helper.make_node("Cast", [f"{p}/r"], [f"{p}/r64"], to=_F64),
+                  helper.make_node("Mul", [f"{p}/q64", f"{p}/r64"], [p])]
+    else:
+        nodes.append(helper.make_node("Mul", [f"{p}/q", f"{p}/r"], [p]))
     return nodes
+
+
+def _reduce(op: str, x: str, out: str, axis: int, axes: str, model):
+    """``op`` over ``axis`` keeping it; the axes an attribute before opset 18, an input after."""
+    from onnx import helper
+    if _opset(model) < 18:
+        return helper.make_node(op, [x], [out], keepdims=1, axes=[axis])
+    return helper.make_node(op, [x, axes], [out], keepdims=1)
+
+
+# --- attention's float products in int8 (dlegion_cc/passes/attention.py) ----------------------
+
+def _int8_product(node, smoothed: bool, floats: set[str], model) -> list:
+    """Nodes feeding MatMul ``node`` (a @ b, both computed at run time) what the compiler's
+    AttnMatMul multiplies: a quantized per row (a token of Q, a row of P), b per column (a token
+    of K, a channel of V), K first smoothed by its mean over the tokens when the scores reach a
+    softmax alone. A softmax's P quantized per row is ``round(127 exp(x - max x))`` with scale
+    ``1 / (127 sum)``: the same as its absmax (max P = 1 / sum), so absmax serves. The scales
+    and the rounding are computed in float32, as the program computes them: a model whose values
+    lie on a grid (V dequantized by a static QDQ pair: k * s) puts x / r on exact ties of the
+    rounding (127 k / m = n + 1/2), which float64's and float32's divisions break each their own
+    way; the products and everything else stay float64."""
+    from onnx import helper
+    a, b = node.input
+    p = f"{node.output[0]}/int8_attention"
+    nodes = _absmax(a, -1, f"{p}/a", model, in_float32=True)
+    if smoothed:
+        mean, smooth = f"{p}/b_mean", f"{p}/b_smooth"
+        axes = f"{p}/b_mean_axes"
+        _constant(model, axes, np.array([-1], np.int64))
+        # b is K^T: its tokens run along the last axis
+        nodes += [_reduce("ReduceMean", b, mean, -1, axes, model), helper.make_node("Sub", [b, mean], [smooth])]
+        b = smooth
+    nodes += _absmax(b, -2, f"{p}/b", model, in_float32=True)
+    node.input[0], node.input[1] = f"{p}/a", f"{p}/b"
+    floats.update(node.input)
+    return nodes
+
+
+def _constant(model, name: str, value: np.ndarray) -> None:
+    from onnx import numpy_helper
+    model.graph.initializer.append(numpy_helper.from_array(value, name))
+
+
+def _float_products(model, floats: set[str], input_shapes: dict[str, tuple]) -> dict[str, bool]:
+    """The MatMuls the compiler quantizes under int8_attention, by node name: both operands
+    float, neither a constant (an initializer or computed from constants alone); each with
+    whether its b is smoothed. Every product of an LLM graph has the same rows (the step's
+    positions), so a program that records int8_attention quantized them all (passes/attention.py
+    keeps a product fp32 only when it has fewer rows than an array, or a non-finite operand)."""
+    shapes = _shapes(model, input_shapes)
+    const = _constants(model, shapes)
+    users: dict[str, list] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            users.setdefault(i, []).append(n)
+    outputs = {o.name for o in model.graph.output}
+    only = lambda name: users[name][0] if len(users.get(name, [])) == 1 and name not in outputs else None  # noqa: E731
+    return {n.name: _feeds_softmax(n.output[0], only, const, shapes) for n in model.graph.node
+            if n.op_type == "MatMul" and n.domain in ("", "ai.onnx") and len(n.input) == 2
+            and all(i in floats and i not in const for i in n.input)}
+
+
+def _feeds_softmax(scores: str, only, const: dict, shapes: dict) -> bool:
+    """Whether ``scores`` reach nothing but a softmax over their last axis, through at most one
+    each of a Reshape keeping the last axis, a Mul by a scalar constant and an Add of a constant
+    keeping the shape: the compiler's condition for smoothing K (passes/attention.py)."""
+    node, name, seen = only(scores), scores, set()
+    while node is not None and node.op_type in ("Mul", "Add", "Reshape") and node.op_type not in seen:
+        out = node.output[0]
+        if node.op_type == "Reshape":
+            if not _same(shapes, out, name, last=True):
+                return False
+        else:
+            other = node.input[1] if node.input[0] == name else node.input[0]
+            c = const.get(other)
+            if c is None or (node.op_type == "Mul" and c.size != 1) or not _same(shapes, out, name):
+                return False
+        seen.add(node.op_type)
+        name, node = out, only(out)
+    if node is None or node.op_type != "Softmax":
+        return False
+    axis, rank = next((a.i for a in node.attribute if a.name == "axis"), -1), len(shapes.get(name, ()))
+    return axis == -1 or (rank > 0 and axis % rank == rank - 1)
+
+
+def _same(shapes: dict, x: str, y: str, last: bool = False) -> bool:
+    """Whether values ``x`` and ``y`` have the same shape (the same last dimension, ``last``),
+    as shape inference knows them (symbolic dimensions by name)."""
+    a, b = shapes.get(x), shapes.get(y)
+    if a is None or b is None:
+        return False
+    return a[-1:] == b[-1:] if last else a == b
+
+
+def _constants(model, shapes: dict[str, tuple]) -> dict[str, np.ndarray]:
+    """Values the graph computes from constants alone (initializers, Constant nodes, the
+    Shape of a value whose dimensions are bound, and what only they feed), by name, as the
+    compiler folds them once it has bound the inputs' dimensions (a causal mask made from the
+    sequence length): onnx's reference evaluator computes the non-initializers."""
+    from onnx import numpy_helper
+    values = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    inputs = {i.name for i in model.graph.input}
+    for n in model.graph.node:
+        if n.op_type == "Shape" and all(isinstance(d, int) and d > 0 for d in shapes.get(n.input[0], ("?",))):
+            attrs = {a.name: a.i for a in n.attribute}
+            dims = shapes[n.input[0]][attrs.get("start", 0):attrs.get("end", None)]
+            values[n.output[0]] = np.array(dims, np.int64)
+        elif n.op_type == "Constant" or (n.input and all(i == "" or (i in values and i not in inputs) for i in n.input)
+                                       and n.domain in ("", "ai.onnx")):
+            try:
+                values.update(zip(n.output, _evaluate_node(n, values, model)))
+            except Exception:           # an operator the evaluator lacks: not a constant then
+                continue
+    return values
+
+
+def _evaluate_node(node, values: dict, model) -> list:
+    from onnx import helper
+    from onnx.reference import ReferenceEvaluator
+    g = helper.make_graph([node], "c", [], [helper.make_empty_tensor_value_info(o) for o in node.output],
+                          [_tensor(i, values[i]) for i in node.input if i])
+    m = helper.make_model(g, opset_imports=list(model.opset_import))
+    return ReferenceEvaluator(m).run(None, {})
+
+
+def _tensor(name: str, value: np.ndarray):
+    from onnx import numpy_helper
+    return numpy_helper.from_array(np.asarray(value), name)
+
+
+def _shapes(model, input_shapes: dict[str, tuple]) -> dict[str, tuple]:
+    """Each value's dimensions as shape inference gives them with the graph inputs' bound to
+    ``input_shapes``, as the compiler binds them (a symbolic one left by its name)."""
+    import onnx
+    bound = onnx.ModelProto()
+    bound.CopyFrom(model)
+    for vi in bound.graph.input:
+        if vi.name in input_shapes:
+            for d, n in zip(vi.type.tensor_type.shape.dim, input_shapes[vi.name]):
+                d.dim_value = int(n)
+    graph = _inferred(bound)
+    dims = lambda vi: tuple(d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim)  # noqa: E731
+    return {vi.name: dims(vi) for vi in [*graph.input, *graph.output, *graph.value_info]
+            if vi.type.tensor_type.HasField("shape")}
 
 
 def _opset(model) -> int:
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
 
 
-def _float32_values(model) -> set[str]:
-    """The names of the graph's float32 values, intermediates included (by shape inference)."""
+def _inferred(model):
+    """``model``'s graph with the types and shapes of its intermediates inferred."""
     import onnx
     if any(n.domain not in ("", "ai.onnx") for n in model.graph.node):
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-        inferred = SymbolicShapeInference.infer_shapes(model, auto_merge=True).graph
-    else:
-        inferred = onnx.shape_inference.infer_shapes(model).graph
+        return SymbolicShapeInference.infer_shapes(model, auto_merge=True).graph
+    return onnx.shape_inference.infer_shapes(model, data_prop=True).graph
+
+
+def _float32_values(model) -> set[str]:
+    """The names of the graph's float32 values, intermediates included (by shape inference)."""
+    inferred = _inferred(model)
     typed = [*inferred.input, *inferred.output, *inferred.value_info]
     return ({vi.name for vi in typed if vi.type.tensor_type.elem_type == _F32}
             | {t.name for t in model.graph.initializer if t.data_type == _F32})
@@ -134,7 +309,7 @@ def _widen_node(node) -> None:
 
 
 def float64_outputs(path: str | Path, inputs: dict[str, np.ndarray], threads: int | None = None,
-                    approximations: bool = False) -> dict[str, np.ndarray]:
+                    approximations: bool = False, int8_attention: bool = False) -> dict[str, np.ndarray]:
     """The graph's outputs evaluated in float64 on ``inputs`` (float inputs widened); with
     ``approximations``, those of the graph as the compiler computes it (see APPROXIMATIONS)."""
     import onnxruntime as ort
@@ -144,7 +319,7 @@ def float64_outputs(path: str | Path, inputs: dict[str, np.ndarray], threads: in
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if threads is not None:
         opts.intra_op_num_threads = opts.inter_op_num_threads = threads
-    model = float64_model(path, approximations)
+    model = float64_model(path, approximations, int8_attention, {k: v.shape for k, v in inputs.items()})
     feed = {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in inputs.items()}
     try:
         sess = _session(model, opts)

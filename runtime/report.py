@@ -440,7 +440,7 @@ def print_comparisons(rows, tol: float, console: Console | None = None) -> None:
 def print_verdict(verdict, tol: float, console: Console | None = None) -> None:
     """The table of ``dlegion-run --check`` (runtime.check.judge), with the float64 figures when
     they were evaluated, and what else a user needs to read it."""
-    from runtime.check import APPROXIMATION_BOUND, FP64_MULTIPLE
+    from runtime.check import FP64_MULTIPLE
     console = console or report_console()
     fp64 = verdict.fp64 == "evaluated"
     against = "onnxruntime" + (" (exact integer kernels)" if verdict.reference == "exact" else "")
@@ -464,7 +464,7 @@ def print_verdict(verdict, tol: float, console: Console | None = None) -> None:
     for r in verdict.rows:
         if r.fp64 and r.fp64.approximation is not None:
             console.print(f"{r.name}: the compiler's approximations ({'; '.join(verdict.approximations)}) are "
-                          f"{r.fp64.approximation:.3e} from fp64 (bound {APPROXIMATION_BOUND:g}); dlegion is measured "
+                          f"{r.fp64.approximation:.3e} from fp64 (bound {r.fp64.bound:g}); dlegion is measured "
                           f"from fp64 with them")
         if r.top1:
             where = f" (differs at {', '.join(map(str, r.top1.differing[:10]))}" \

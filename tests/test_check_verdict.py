@@ -52,6 +52,29 @@ def test_the_compilers_approximation_is_measured_with_its_own_bound():
     assert 1e-3 < row.fp64.approximation < 3e-2 and row.fp64.ours < 1e-6 and row.ok
 
 
+BITNET = ["bitnet_tiny_relu2", "bitnet_tiny_gqa", "bitnet_tiny_silu_mha"]
+
+
+@pytest.mark.parametrize("name", BITNET)
+def test_int8_attention_is_measured_from_fp64_with_the_same_quantization(name):
+    """With the default (int8) attention, the float64 evaluation quantizes QK^T and PV as the
+    compiler does: a correct program is at fp32's distance from it, though int8 attention puts
+    it past 1e-2 from plain fp64; one flipped weight fails."""
+    path = ROOT / "models" / f"{name}.onnx"
+    _, program = compile_model(path, Options(TINY, DIMS.get(name, {})))
+    assert program.approximations == ["int8_attention"]
+    inputs = random_inputs(program, 0)
+    ours = run(program, TINY, inputs).outputs
+    [row] = judge(path, inputs, ours, program_approximations=program.approximations).rows
+    [plain] = judge(path, inputs, ours).rows
+    assert row.ok and not row.within_tolerance, row
+    assert row.fp64.ours < 1e-6 and plain.fp64.ours > 1e-2 and 1e-2 < row.fp64.approximation <= row.fp64.bound
+    data, which = flip_one_weight(program.data, program)
+    wrong = run(dataclasses.replace(program, data=data), TINY, inputs).outputs
+    [bad] = judge(path, inputs, wrong, program_approximations=program.approximations).rows
+    assert not bad.ok and bad.fp64.ours > 1e-3, f"{which}: {bad}"
+
+
 @pytest.fixture(scope="module")
 def wide_layer(tmp_path_factory):
     """One BitNet-2B4T layer at a fifth of its widths (head dim 128, GQA 4:1), sequence 32."""
