@@ -52,17 +52,22 @@ def test_the_compilers_approximation_is_measured_with_its_own_bound():
     assert 1e-3 < row.fp64.approximation < 3e-2 and row.fp64.ours < 1e-6 and row.ok
 
 
-BITNET = ["bitnet_tiny_relu2", "bitnet_tiny_gqa", "bitnet_tiny_silu_mha"]
+# Every committed model whose default program quantizes attention (the decode step's few query
+# rows keep fp32 by default; the test above covers it).
+INT8_ATTENTION = [pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=(
+    "the yardstick quantizes this QDQ-int4 model's products otherwise than the compiler: a correct "
+    "program is 3.6e-2 from it"))) if m == "llama_tiny_qdq_int4" else m
+    for m in MODELS if m != "bitnet_tiny_decode"]
 
 
-@pytest.mark.parametrize("name", BITNET)
+@pytest.mark.parametrize("name", INT8_ATTENTION)
 def test_int8_attention_is_measured_from_fp64_with_the_same_quantization(name):
     """With the default (int8) attention, the float64 evaluation quantizes QK^T and PV as the
     compiler does: a correct program is at fp32's distance from it, though int8 attention puts
     it past 1e-2 from plain fp64; one flipped weight fails."""
     path = ROOT / "models" / f"{name}.onnx"
     _, program = compile_model(path, Options(TINY, DIMS.get(name, {})))
-    assert program.approximations == ["int8_attention"]
+    assert "int8_attention" in program.approximations
     inputs = random_inputs(program, 0)
     ours = run(program, TINY, inputs).outputs
     [row] = judge(path, inputs, ours, program_approximations=program.approximations).rows
