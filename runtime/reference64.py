@@ -211,7 +211,7 @@ def _same(shapes: dict, x: str, y: str, last: bool = False) -> bool:
     return a[-1:] == b[-1:] if last else a == b
 
 
-def _constants(model, shapes: dict[str, tuple]) -> dict[str, np.ndarray]:
+def _constants(model, shapes: dict[str, tuple]) -> dict[str, np.ndarray | None]:
     """Values the graph computes from constants alone (initializers, Constant nodes, the
     Shape of a value whose dimensions are bound, and what only they feed), by name, as the
     compiler folds them once it has bound the inputs' dimensions (a causal mask made from the
@@ -224,12 +224,15 @@ def _constants(model, shapes: dict[str, tuple]) -> dict[str, np.ndarray]:
             attrs = {a.name: a.i for a in n.attribute}
             dims = shapes[n.input[0]][attrs.get("start", 0):attrs.get("end", None)]
             values[n.output[0]] = np.array(dims, np.int64)
-        elif n.op_type == "Constant" or (n.input and all(i == "" or (i in values and i not in inputs) for i in n.input)
-                                       and n.domain in ("", "ai.onnx")):
+        elif n.op_type == "Constant" or (n.input and all(i == "" or (i in values and i not in inputs) for i in n.input)):
             try:
+                if n.domain not in ("", "ai.onnx"):
+                    raise NotImplementedError(n.domain)
                 values.update(zip(n.output, _evaluate_node(n, values, model)))
-            except Exception:           # an operator the evaluator lacks: not a constant then
-                continue
+            except Exception:
+                # An operator (a contrib one, or a dtype: int4) the evaluator lacks: still a
+                # constant, as the compiler folds it, though of no known value (None).
+                values.update({o: None for o in n.output})
     return values
 
 
