@@ -240,3 +240,16 @@ def absolute(cond: Cond, legion: int, issued) -> Cond:
     target = legion if cond.legion is None else cond.legion
     count = cond.count if cond.count is not None else max(0, issued[(target, cond.queue)] - cond.back)
     return Cond(target, cond.queue, count)
+
+
+def in_program_order(tasks: Tasks, legions: int) -> bool:
+    """Whether every condition waits only for instructions before its own: program order is
+    then an order to compute in (compiled programs are; a hand-written one may wait ahead)."""
+    waits = np.flatnonzero(tasks.cond[:, 2] > 0)
+    if not len(waits):
+        return True
+    barrier = np.zeros(len(tasks.source), np.bool_)
+    barrier[tasks.origin[tasks.legion == NONE]] = True
+    cond = tasks.cond[waits]
+    given = Queues(tasks, barrier, legions).before(cond[:, 0], cond[:, 1], tasks.origin[waits])
+    return bool(np.all(cond[:, 2] <= given))

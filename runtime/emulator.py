@@ -9,7 +9,7 @@ import numpy as np
 
 from isa.arch import Arch
 from isa.bulk import no_cycle_collection
-from isa.expand import NONE, Queues, Tasks
+from isa.expand import in_program_order
 from isa.instructions import Barrier, Wait
 from isa.program import Program, ProgramError, Tensor
 from isa.progress import SILENT, Progress
@@ -66,7 +66,7 @@ def _by_instruction(machine: Machine, program: Program, keep: bool, advance) -> 
     source, first = tasks.source, tasks.first.tolist()
     live = None if keep else Liveness(program, source)
     watch, checked = machine.watch, set()
-    count = 0
+    ran = _Blocks(advance)
     for o, ins in enumerate(source):
         if watch is not None and (o == 0 or isinstance(ins, Barrier)):
             machine.watch = _segment_watch(watch, checked, source, o, program)
@@ -74,12 +74,9 @@ def _by_instruction(machine: Machine, program: Program, keep: bool, advance) -> 
             continue
         span = getattr(ins, "span", None) or 1
         _execute(machine, program, ins, first[o], span, live.ran(o) if live is not None else (), watch)
-        count += span
-        if count >= PROGRESS_BLOCK:
-            advance(count)
-            count = 0
+        ran.add(span)
     machine.watch = watch
-    advance(count)
+    ran.flush()
 
 
 def _segment_watch(watch: RaceCheck, checked: set, source: list, o: int, program: Program):
@@ -97,17 +94,29 @@ def _by_task(machine: Machine, program: Program, keep: bool, advance):
     """``execute(k)`` for the timing model to call on each task in completion order (a program
     with a condition on a later instruction)."""
     live = None if keep else Liveness(program)
-    count = 0
+    ran = _Blocks(advance)
 
     def execute(k: int) -> None:
-        nonlocal count
         _execute(machine, program, program.instrs[k], k, 1, live.ran(k) if live is not None else (),
                  machine.watch)
-        count += 1
-        if count == PROGRESS_BLOCK:
-            advance(count)
-            count = 0
+        ran.add(1)
     return execute
+
+
+class _Blocks:
+    """Tasks run, told to ``advance`` once per PROGRESS_BLOCK of them (and the rest at ``flush``)."""
+
+    def __init__(self, advance):
+        self.advance, self.count = advance, 0
+
+    def add(self, n: int) -> None:
+        self.count += n
+        if self.count >= PROGRESS_BLOCK:
+            self.flush()
+
+    def flush(self) -> None:
+        self.advance(self.count)
+        self.count = 0
 
 
 def _execute(machine: Machine, program: Program, ins, k: int, span: int, dead, watch) -> None:
@@ -123,19 +132,6 @@ def _execute(machine: Machine, program: Program, ins, k: int, span: int, dead, w
         machine.free(n)
         if watch is not None:
             watch.forget(n)
-
-
-def in_program_order(tasks: Tasks, legions: int) -> bool:
-    """Whether every condition waits only for instructions before its own: program order is
-    then an order to compute in (compiled programs are; a hand-written one may wait ahead)."""
-    waits = np.flatnonzero(tasks.cond[:, 2] > 0)
-    if not len(waits):
-        return True
-    barrier = np.zeros(len(tasks.source), np.bool_)
-    barrier[tasks.origin[tasks.legion == NONE]] = True
-    cond = tasks.cond[waits]
-    given = Queues(tasks, barrier, legions).before(cond[:, 0], cond[:, 1], tasks.origin[waits])
-    return bool(np.all(cond[:, 2] <= given))
 
 
 def time_only(program: Program, arch: Arch, progress: Progress = SILENT) -> RunResult:

@@ -33,7 +33,8 @@ def _rounded(a64: np.ndarray, b64: np.ndarray) -> np.ndarray:
         return out                       # one product is exact in fp64: nothing to round twice
     # Twice gamma_K: room for the rounding of the bound itself.
     err = (np.abs(a64) @ np.abs(b64)) * (2.0 * a64.shape[-1] * _UNIT)
-    a64, b64 = np.broadcast_to(a64, out.shape[:-2] + a64.shape[-2:]), np.broadcast_to(b64, out.shape[:-2] + b64.shape[-2:])
+    batch = out.shape[:-2]
+    a64, b64 = np.broadcast_to(a64, batch + a64.shape[-2:]), np.broadcast_to(b64, batch + b64.shape[-2:])
     for *batch, m, n in zip(*np.nonzero(~_rounds_alike(s, err, out))):
         out[(*batch, m, n)] = _exact_dot(a64[(*batch, m)], b64[(*batch, slice(None), n)])
     return out

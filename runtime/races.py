@@ -28,9 +28,8 @@ from bisect import bisect_left, bisect_right
 import numpy as np
 
 from isa.arch import Arch
-from isa.expand import NONE, Tasks
+from isa.expand import DRAM_FIELD, NONE, Tasks, in_program_order
 from isa.fields import QUEUES, View
-from isa.instructions import DmaLoad, DmaStore, Gather
 from isa.program import Program
 from runtime.state import Trap
 
@@ -49,7 +48,7 @@ class Order:
         self.queue = np.where(barrier, NONE, tasks.legion * len(QUEUES) + tasks.queue)
         self._items(np.flatnonzero(~barrier), np.flatnonzero(barrier))
         self._dependencies(tasks)
-        self.known = self._knowledge(tasks)
+        self.known = self._knowledge(tasks, arch.legions)
 
     def qid(self, legion: int, queue: str) -> int:
         return legion * len(QUEUES) + QUEUES.index(queue)
@@ -99,7 +98,7 @@ class Order:
         deps = [] if self.prev[k] == NONE else [(int(self.prev[k]), bool(self.prev_done[k]))]
         return deps + ([] if self.target[k] == NONE else [(int(self.target[k]), True)])
 
-    def _knowledge(self, tasks: Tasks) -> np.ndarray:
+    def _knowledge(self, tasks: Tasks, legions: int) -> np.ndarray:
         """``known``, computed in a table of 2n + 1 rows: what each task knows done when it
         starts (rows 0..n-1), once it is done (rows n..2n-1: its queue(s) up to it as well),
         and nothing (row 2n, for an absent dependency)."""
@@ -111,7 +110,7 @@ class Order:
         # A compiled program waits only for earlier instructions: program order is an order
         # to compute in, an instruction's tasks at once. A hand-written one may wait for a
         # later one: task by task, depth first then.
-        if np.any(self.target >= tasks.first[tasks.origin]):
+        if not in_program_order(tasks, legions):
             deps = [self._deps(k) for k in range(n)]
             spans = [(k, k + 1) for k in _depth_first(deps)]
         else:
@@ -538,9 +537,6 @@ def _replaces(win: tuple, write: bool, q: int, old: Access, lo: int, hi: int) ->
 
 # --- segments checked once -------------------------------------------------------------------
 
-TENSOR_FIELDS = {DmaLoad: "src", DmaStore: "dst", Gather: "table"}
-
-
 def segment_key(instrs: list, tensors: list) -> tuple:
     """What the race check of the instructions between two barriers depends on: the
     instructions, each DRAM tensor renamed by its first use in the segment (and marked tracked
@@ -555,7 +551,7 @@ def segment_key(instrs: list, tensors: list) -> tuple:
 
     out = []
     for ins in instrs:
-        field = TENSOR_FIELDS.get(type(ins))
+        field = DRAM_FIELD.get(type(ins))
         mask = getattr(ins, "mask", None)
         if field is None and mask is None:
             out.append(ins)

@@ -1,4 +1,6 @@
-"""Test-suite wide settings."""
+"""Test-suite wide settings and fixtures."""
+import sys
+
 import pytest
 
 # Modules whose results pass through fp32 arithmetic that a BLAS kernel could change (the vector
@@ -12,3 +14,21 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.module.__name__.rpartition(".")[2] in FP32_MODULES:
             item.add_marker(pytest.mark.fp32)
+
+
+@pytest.fixture
+def cc(monkeypatch, capsys):
+    """Run dlegion-cc in this process: (exit status, stderr lines). An uncaught exception (a
+    traceback) fails the test by itself."""
+    from dlegion_cc import cli
+
+    def run(*args):
+        monkeypatch.setattr(sys, "argv", ["dlegion-cc", *map(str, args)])
+        capsys.readouterr()
+        try:
+            cli.main()
+            status = 0
+        except SystemExit as e:
+            status = e.code
+        return status, capsys.readouterr().err.splitlines()
+    return run

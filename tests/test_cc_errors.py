@@ -20,22 +20,6 @@ ROOT = Path(__file__).parent.parent
 TINY_MODEL = ROOT / "models" / "bitnet_tiny_relu2.onnx"
 
 
-@pytest.fixture
-def cc(monkeypatch, capsys):
-    """Run dlegion-cc in this process: (exit status, stderr lines). An uncaught exception (a
-    traceback) fails the test by itself."""
-    def run(*args):
-        monkeypatch.setattr(sys, "argv", ["dlegion-cc", *map(str, args)])
-        capsys.readouterr()
-        try:
-            cli.main()
-            status = 0
-        except SystemExit as e:
-            status = e.code
-        return status, capsys.readouterr().err.splitlines()
-    return run
-
-
 def _error(result, *names):
     """The single error line of a failed run, checked to name each of ``names``."""
     status, lines = result

@@ -2,8 +2,6 @@
 and the command line's errors about the cache's dims."""
 from __future__ import annotations
 
-import importlib
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -64,21 +62,6 @@ def test_without_past_the_graph_has_no_cache():
 
 
 # --- the command line ----------------------------------------------------------------------------------
-
-@pytest.fixture
-def cc(monkeypatch, capsys):
-    """dlegion-cc in this process: (exit status, stderr lines)."""
-    def go(*args):
-        monkeypatch.setattr(sys, "argv", ["dlegion-cc", *map(str, args)])
-        capsys.readouterr()
-        try:
-            importlib.import_module("dlegion_cc.cli").main()
-            status = 0
-        except SystemExit as e:
-            status = e.code
-        return status, capsys.readouterr().err.splitlines()
-    return go
-
 
 def _refused(result, *parts):
     status, lines = result

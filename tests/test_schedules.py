@@ -1,7 +1,6 @@
 """Quantized matmuls' schedules: written by --emit schedule, pinned by --schedule FILE, checked."""
 import copy
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +9,6 @@ import pytest
 from onnx import TensorProto as TP
 from onnx import helper, numpy_helper
 
-from dlegion_cc import cli
 from dlegion_cc.lower import schedules
 from dlegion_cc.pipeline import Options, compile_model
 from isa import arch as arch_mod
@@ -98,21 +96,6 @@ def test_a_pinned_deal_cuts_the_rows_and_the_results_stay_exact(tmp_path):
     assert format_program(pinned) != format_program(searched)
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
-
-
-@pytest.fixture
-def cc(monkeypatch, capsys):
-    """Run dlegion-cc in this process: (exit status, stderr lines)."""
-    def run(*args):
-        monkeypatch.setattr(sys, "argv", ["dlegion-cc", *map(str, args)])
-        capsys.readouterr()
-        try:
-            cli.main()
-            status = 0
-        except SystemExit as e:
-            status = e.code
-        return status, capsys.readouterr().err.splitlines()
-    return run
 
 
 def test_emit_schedule_and_pin_it_on_the_command_line(tmp_path, cc):

@@ -86,9 +86,9 @@ def test_a_spanned_matmul_is_exact_on_each_legion(shared, M):
     acc, act, wgt = View("acc", 0, N), View("act", 0, K), View("wgt", 0, N // 4)
     b.add(MatMul(L0, acc, act, wgt, M, K, N, "w2", "k", "set", None, span=2))
     m = b.machine()
-    refs = []
+    refs, first = [], rng.integers(-128, 128, size=(M, K))
     for legion in (0, 1):
-        a = rng.integers(-128, 128, size=(M, K)) if legion == 0 or not shared else a
+        a = first if legion == 0 or shared else rng.integers(-128, 128, size=(M, K))
         w = random_weights(rng, "w2", (K, N))
         put(m, legion, "act", 0, K, a.astype(np.int8))
         put(m, legion, "wgt", 0, N // 4, np.stack([pack_row(r, "w2") for r in w]))
