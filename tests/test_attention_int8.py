@@ -12,6 +12,8 @@ from onnx import helper, numpy_helper
 from isa import arch
 from isa.asm import format_program, load, parse
 from isa.encoding import decode_program, encode_program
+from isa.instructions import MatMul
+from dlegion_cc.lower.schedules import Schedules
 from dlegion_cc.pipeline import Options, compile_model, graph_of
 from runtime.check import approximation_tolerance, flip_one_weight, judge
 from runtime.emulator import random_inputs, run
@@ -163,21 +165,25 @@ def test_smoothing_k_removes_its_shared_bias(tmp_path, monkeypatch):
 
 
 def test_causal_skipping_keeps_the_same_bits(tmp_path):
-    """P's quantized rows are computed only as far as the causal mask lets them reach; the
-    program computes the same as with nothing skipped."""
+    """P's quantized rows are computed only as far as the causal mask lets them reach, and the
+    PV product leaves out the rows of V past a row block's reach (neither loaded nor passed);
+    the program computes the same as with nothing skipped."""
     path = attention(tmp_path / "attn.onnx", 2, 256)
     x = _inputs(2, 256)
     _, sparse = compile_model(path, Options(WIDE, attention="int8"))
     _, dense = compile_model(path, Options(WIDE, attention="int8", sparsity=False))
     a, b = run(sparse, WIDE, x), run(dense, WIDE, x)
     np.testing.assert_array_equal(a.outputs["o"], b.outputs["o"])
-    assert sparse.skipped["causal_skipped_vector_ops"] > 0
+    assert sparse.skipped["causal_skipped_vector_ops"] > 0 and sparse.skipped["causal_skipped_macs"] > 0
     assert not dense.skipped
+    assert any(isinstance(i, MatMul) and i.mask is not None for i in sparse.instrs)
+    assert a.timeline.counters["macs"] < b.timeline.counters["macs"]
 
 
 def test_a_layer_of_many_heads_computes_the_same_with_causal_skipping(tmp_path):
-    """Ten heads at sequence 128 (2B4T's head width): skipping PV's rows past a row block's
-    reach once let other values into the products (logits 0.36 from the dense program's)."""
+    """Ten heads at sequence 128 (2B4T's head width): PV's weight slots once served a row block
+    the chunk loaded for an earlier one of a shorter reach, whose rows past that reach were
+    never loaded (logits 0.36 from the dense program's); a slot's key now holds its reach."""
     from models.bitnet import build_bitnet, preset, save
     path = tmp_path / "layer.onnx"
     config = preset("2b4t", layers=1, seq=128, vocab=256, hidden=1280, heads=10, kv_heads=5, ffn=256)
@@ -187,6 +193,27 @@ def test_a_layer_of_many_heads_computes_the_same_with_causal_skipping(tmp_path):
     _, dense = compile_model(path, Options(machine, attention="int8", sparsity=False))
     x = random_inputs(sparse, 0)
     np.testing.assert_array_equal(run(sparse, machine, x).outputs["logits"], run(dense, machine, x).outputs["logits"])
+
+
+def test_a_weight_slot_loaded_for_a_shorter_reach_is_not_reused_for_a_longer_one(tmp_path):
+    """PV pinned to row blocks of 32 rows, the whole of K one chunk, two weight slots: in a
+    part's row block 0, which reaches 32 of V's rows, a head whose slot an earlier head wrote
+    loads only those rows; row block 1 reaches all 64 and must not take that slot for the
+    whole chunk (it once did, and read the earlier head's V). Same bits as the dense program,
+    and MACs skipped."""
+    path = attention(tmp_path / "attn.onnx", 4, 128)
+    x = _inputs(4, 128)
+    searched = Schedules()
+    compile_model(path, Options(WIDE, attention="int8", schedules=searched))
+    pv = [e for e in searched.chosen if e["shape"]["K"] == 128]
+    assert pv and all(e["tile"]["rows"] > 32 and e["chunk"]["depth"] == 128 for e in pv)
+    for e in pv:
+        e["tile"]["rows"], e["slots"]["wgt"] = 32, 2
+    pinned = lambda: Schedules("pinned", {pv[0]["node"]: pv})  # noqa: E731
+    _, sparse = compile_model(path, Options(WIDE, attention="int8", schedules=pinned()))
+    _, dense = compile_model(path, Options(WIDE, attention="int8", schedules=pinned(), sparsity=False))
+    np.testing.assert_array_equal(run(sparse, WIDE, x).outputs["o"], run(dense, WIDE, x).outputs["o"])
+    assert sparse.skipped["causal_skipped_macs"] > 0
 
 
 @pytest.mark.parametrize("name", ["bitnet_tiny_relu2", "bitnet_tiny_gqa", "llama_tiny_dynamic_int8",

@@ -36,6 +36,7 @@ from dlegion_cc.lower.movement import nd_copy
 from dlegion_cc.lower.rowwise import Arg, rowwise
 from dlegion_cc.lower.qparts import part_widths, pick_width, row_parts, split_rows
 from dlegion_cc.lower.qtiles import Problem, RowScale, Segment, emit_tiles
+from dlegion_cc.passes.causal import reach
 
 WEIGHT_DTYPE = {"w2": "w2", "w4": "w4", "w8": "i8"}
 
@@ -317,11 +318,9 @@ def lower_run_time_weights(low: Lowering, a: str, b: str, out: str, ra: str | No
     if exact and em.tensors[dst.tensor].dtype != "i32":
         raise ValueError(f"output '{out}' is not stored as int32")
     per = M // batches
-    # PV's rows past a row block's causal reach are not skipped (Problem.k_reach stays None):
-    # with ten or more heads the skip let values past the reach into the products (2B4T widths:
-    # logits 0.46 from onnxruntime at sequence 128; tests/test_attention_int8.py). Until that is
-    # understood, the products run dense, exact against the sparse softmax's zeros.
     k_reach = None
+    if zero_a is not None and low.switches.sparsity and zero_a.shape == (per, K):
+        k_reach = np.tile(reach(~zero_a), batches)
     width, parts = low.schedules.deal(arch, per, lambda: row_parts(arch, per, n_pad))
     plans: dict = {}            # by the rows of a part: parts alike have one plan
     for j, rows in enumerate(split_rows(range(per), parts)):

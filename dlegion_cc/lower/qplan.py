@@ -272,6 +272,20 @@ def reach_blocks(arch: Arch, p: Problem, m0: int, mb: int, c: Chunk, nb: int) ->
     return None if live.all() else np.repeat(live[:, None], -(-nb // na), axis=1)
 
 
+def weight_key(piece: int, c: Chunk, n0: int, reached: np.ndarray | None) -> tuple:
+    """What a weight slot holds: a chunk of one piece and, under a causal reach
+    (``reach_blocks``), how many of its rows of blocks were loaded. A slot loaded for a row
+    block of a shorter reach lacks the rows past it, so it does not serve one of a longer reach
+    (their bytes would be whatever the slot held before)."""
+    return piece, c.k0, n0, None if reached is None else int(reached[:, 0].sum())
+
+
+def find_weights(slots: "Slots", key: tuple) -> int | None:
+    """The slot holding weight chunk ``key``, or the whole chunk (which serves any reach)."""
+    s = slots.find(key)
+    return s if s is not None or key[3] is None else slots.find((*key[:3], None))
+
+
 def act_key(plan: Plan, block: int, c: Chunk) -> tuple:
     return (block, 0) if plan.whole_rows else (block, c.k0)
 
@@ -417,6 +431,12 @@ def columns_per_legion(arch: Arch, p: Problem) -> int:
     return math.ceil(p.n_pad / arch.array / len(legion_range(arch, p))) * arch.array
 
 
+def skips(p: Problem, switches: Switches) -> bool:
+    """Whether a plan of ``p`` leaves out blocks: zero weight blocks, or weight rows past a
+    causal reach."""
+    return switches.sparsity and (bool(p.nonzero) or p.k_reach is not None)
+
+
 def candidates(arch: Arch, p: Problem, switches: Switches) -> list[Plan]:
     na, cap = arch.array, arch.derived.spad_elems
     window = na * max(MODE_TILES[m] for _, m in p.weights)
@@ -438,8 +458,7 @@ def candidates(arch: Arch, p: Problem, switches: Switches) -> list[Plan]:
                 for order in ORDERS[:1] if one else ORDERS:
                     for whole in (True,) if depth >= p.K else (True, False):
                         plan = Plan(order, rows, cols, depth, whole, per_legion, 0, 0, 0, 0, split,
-                                    switches.multicast,
-                                    switches.sparsity and (bool(p.nonzero) or p.k_reach is not None))
+                                    switches.multicast, skips(p, switches))
                         plan = with_slots(arch, p, plan)
                         if plan is not None and fits(arch, p, plan):
                             out.append(plan)
@@ -765,8 +784,8 @@ def _model_chunk(m: _Model, st: _State, b: int, t: int, c: Chunk, here: list, ti
                 nz = reached if nz is None else nz & reached
             if nz is not None and not nz.any():
                 continue
-            key_w = (i, c.k0, n0)
-            s = st.w[l].find(key_w)
+            key_w = weight_key(i, c, n0, reached)
+            s = find_weights(st.w[l], key_w)
             if s is None:
                 first = not st.w[l].held
                 s = st.w[l].take(key_w)

@@ -31,9 +31,9 @@ from isa.fields import DramRef, View
 from isa.instructions import BY_MNEMONIC, DmaLoad, DmaStore, Drain, MatMul
 from dlegion_cc.lower.emitter import Emitter
 from dlegion_cc.lower.qplan import (CV_SLOTS, RS_SLOTS, Chunk, Group, Plan, Problem, RowScale, Segment, Slots,
-                                    Switches, act_key, act_slot_elems, choose, chunk_blocks, groups, in_order,
-                                    last_visit, legion_tiles, owners, reach_blocks, row_blocks, stores, tail_pieces,
-                                    tile_order, units, weights_wait, wgt_slot_bytes)
+                                    Switches, act_key, act_slot_elems, choose, chunk_blocks, find_weights, groups,
+                                    in_order, last_visit, legion_tiles, owners, reach_blocks, row_blocks, stores,
+                                    tail_pieces, tile_order, units, weight_key, weights_wait, wgt_slot_bytes)
 
 __all__ = ["Plan", "Problem", "RowScale", "Segment", "emit_tiles", "plan_tiles"]
 
@@ -254,15 +254,16 @@ class _Tiles:
                 out[g] = (owner, s, s * self.addr["act"] + c.k0 - k0a, width)
         return out
 
-    def weights(self, g: Group, piece: int, c: Chunk, n0: int, nb: int, nz, act: Mark) -> int:
-        """wgt address of a weight chunk of ``g``, loading its nonzero rows of blocks.
+    def weights(self, g: Group, piece: int, c: Chunk, n0: int, nb: int, nz, act: Mark, reached=None) -> int:
+        """wgt address of a weight chunk of ``g``, loading its nonzero rows of blocks (of those
+        a causal reach leaves, ``reached``: part of what the slot holds, ``qplan.weight_key``).
 
         The load may wait for the chunk's activations (``act``, their load's mark; see
         ``qplan.weights_wait``): then a pass that waits for its weights needs no second
         condition for its activations, and the load needs none for its slot's readers when the
         activation load waited for later ones (weight slots outnumber activation slots)."""
-        key = (piece, c.k0, n0)
-        s = self.w[g].find(key)
+        key = weight_key(piece, c, n0, reached)
+        s = find_weights(self.w[g], key)
         if s is not None:
             return s
         first = not self.w[g].held
@@ -471,13 +472,14 @@ def _chunk(st: _Tiles, b: int, t: int, c: Chunk, here: list, acc: dict, first: d
         n0, nb = st.tiles[g][t]
         for i, (_, mode) in enumerate(p.weights):
             nz = chunk_blocks(st.arch, p, i, c, n0, nb) if plan.sparse else None
-            nz = _reached(st, nz, reach_blocks(st.arch, p, m0, mb, c, nb) if plan.sparse else None, g, mb, c, nb)
+            reached = reach_blocks(st.arch, p, m0, mb, c, nb) if plan.sparse else None
+            nz = _reached(st, nz, reached, g, mb, c, nb)
             if nz is not None and not nz.any():
                 continue                    # a fully-sparse chunk: no load, no pass
             if act is None:
                 act = st.activations(b, c, here)
             owner, a_slot, a_addr, width = act[g]
-            s = st.weights(g, i, c, n0, nb, nz, st.loaded[("act", owner, a_slot)])
+            s = st.weights(g, i, c, n0, nb, nz, st.loaded[("act", owner, a_slot)], reached)
             needs = [st.loaded[("act", owner, a_slot)], st.loaded[("wgt", g, s)]]
             if first[g]:
                 needs += st.acc_readers(g, acc[g])
