@@ -12,11 +12,12 @@ from onnx import helper, numpy_helper
 from isa import arch
 from isa.asm import format_program, load, parse
 from isa.encoding import decode_program, encode_program
-from isa.instructions import MatMul
+from isa.instructions import DmaLoad, Drain, MatMul
 from dlegion_cc.lower.schedules import Schedules
 from dlegion_cc.pipeline import Options, compile_model, graph_of
 from runtime.check import approximation_tolerance, flip_one_weight, judge
 from runtime.emulator import random_inputs, run
+from runtime.report import regions_by_name
 
 ROOT = Path(__file__).parent.parent
 WIDE = arch.load("dlegion-8x8")
@@ -214,6 +215,38 @@ def test_a_weight_slot_loaded_for_a_shorter_reach_is_not_reused_for_a_longer_one
     _, dense = compile_model(path, Options(WIDE, attention="int8", schedules=pinned(), sparsity=False))
     np.testing.assert_array_equal(run(sparse, WIDE, x).outputs["o"], run(dense, WIDE, x).outputs["o"])
     assert sparse.skipped["causal_skipped_macs"] > 0
+
+
+def test_qk_tiles_above_the_diagonal_are_neither_loaded_nor_passed(tmp_path):
+    """QK^T of a causal mask: a row block's output tiles past its last row are dead (nothing
+    looks at them); they are neither loaded, passed, drained nor stored. Counted on one pinned
+    schedule (each Legion's columns in tiles of an array's width, fewer weight slots than
+    tiles, so the dense program loads every tile again for each row block), with and without
+    skipping: one pass per live (head, row block, tile), fewer weight bytes loaded."""
+    heads, seq = 1, 512
+    path = attention(tmp_path / "attn.onnx", heads, seq)
+    x = _inputs(heads, seq)
+    searched = Schedules()
+    compile_model(path, Options(WIDE, attention="int8", schedules=searched))
+    [qk] = [e for e in searched.chosen if e["shape"]["K"] == D]
+    rows, cols = 128, WIDE.array
+    assert qk["chunk"]["depth"] == D and qk["deal"]["columns_per_legion"] > 2 * cols
+    qk["tile"], qk["slots"]["wgt"], qk["loop_order"] = {"rows": rows, "cols": cols}, 2, "rows"
+    counts, out = {}, {}
+    for sparsity in (True, False):
+        _, program = compile_model(path, Options(WIDE, attention="int8", sparsity=sparsity,
+                                                 schedules=Schedules("pinned", {qk["node"]: [qk]})))
+        ins = [program.instrs[k] for k in regions_by_name(program)[qk["node"]]]
+        spans = lambda kind: sum(i.span or 1 for i in ins if isinstance(i, kind))  # noqa: E731
+        loads = sum(i.rows * i.cols * (i.span or 1) for i in ins if isinstance(i, DmaLoad) and i.dst.space == "wgt")
+        counts[sparsity] = spans(MatMul), spans(Drain), loads
+        out[sparsity] = run(program, WIDE, x).outputs["o"]
+    np.testing.assert_array_equal(out[True], out[False])
+    tiles = seq // cols
+    live = heads * sum(n0 < m0 + rows for m0 in range(0, seq, rows) for n0 in range(0, seq, cols))
+    assert counts[False][0] == heads * (seq // rows) * tiles
+    assert counts[True][0] == live < counts[False][0]
+    assert counts[True][1] < counts[False][1] and counts[True][2] < counts[False][2]
 
 
 @pytest.mark.parametrize("name", ["bitnet_tiny_relu2", "bitnet_tiny_gqa", "llama_tiny_dynamic_int8",
