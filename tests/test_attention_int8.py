@@ -95,16 +95,19 @@ def test_float_models_keep_fp32_and_quantized_models_default_to_int8(tmp_path):
 
 
 def test_the_program_records_its_approximations_through_both_formats(tmp_path):
+    """Each with the model's values it is made in: int8_attention names the outputs of the
+    products it quantized (QK^T's "s", PV's "o")."""
     path = attention(tmp_path / "attn.onnx", seq=16)
     _, exact = compile_model(path, Options(TINY))
     _, approx = compile_model(path, Options(TINY, attention="int8"))
-    assert exact.approximations == [] and approx.approximations == ["int8_attention"]
+    assert exact.approximations == {} and approx.approximations == {"int8_attention": ["s", "o"]}
     text = format_program(approx)
-    assert ".approximation int8_attention" in text
-    assert parse(text).approximations == ["int8_attention"]
-    assert decode_program(encode_program(approx)).approximations == ["int8_attention"]
+    assert '.approximation int8_attention "s" "o"\n' in text
+    assert parse(text).approximations == {"int8_attention": ["s", "o"]}
+    assert decode_program(encode_program(approx)).approximations == {"int8_attention": ["s", "o"]}
     _, nbits = compile_model(ROOT / "models" / "llama_tiny_nbits4.onnx", Options(TINY))
-    assert nbits.approximations == ["int8_activations", "int8_attention"]
+    assert list(nbits.approximations) == ["int8_activations", "int8_attention"]
+    assert nbits.approximations["int8_activations"] == [] and len(nbits.approximations["int8_attention"]) == 4
     assert approximation_tolerance(nbits.approximations) > approximation_tolerance(approx.approximations) > 1e-4
 
 
@@ -259,7 +262,7 @@ def test_committed_models_pass_check_with_int8_attention(name):
     model = ROOT / "models" / f"{name}.onnx"
     # (bitnet_tiny_gqa's golden has fewer positions than an array has rows: int8 asked for)
     _, program = compile_model(model, Options(TINY, dims, attention="int8"))
-    assert program.approximations == ["int8_attention"]
+    assert list(program.approximations) == ["int8_attention"]
     outputs = run(program, TINY, inputs).outputs
     verdict = judge(model, inputs, outputs, program_approximations=program.approximations)
     [row] = verdict.rows
