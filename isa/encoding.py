@@ -503,7 +503,8 @@ def header(p: Program) -> dict:
                 "range": None if t.range is None else list(t.range)} for t in p.tensors]
     regions = [[at, name] for at, name in p.regions]
     return {"arch": p.arch, "data_file": p.data_file, "tensors": tensors, "regions": regions,
-            "skipped": dict(sorted(p.skipped.items())), "approximations": {k: list(v) for k, v in p.approximations.items()},
+            "skipped": dict(sorted(p.skipped.items())),
+            "approximations": {k: list(v) for k, v in p.approximations.items()},
             "instructions": len(p.instrs)}
 
 

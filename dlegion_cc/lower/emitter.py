@@ -205,6 +205,7 @@ class Emitter:
 
     def program(self, data_file: str | None) -> Program:
         return Program(self.arch.name, list(self.tensors), list(self.instrs),
-                       data_file if self.data else None, skipped=dict(self.skipped), approximations=dict(sorted(self.approximations.items())),
+                       data_file if self.data else None, skipped=dict(self.skipped),
+                       approximations=dict(sorted(self.approximations.items())),
                        source=self.source,
                        data=self.data.bytes())

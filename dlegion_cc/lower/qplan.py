@@ -731,7 +731,8 @@ def _model_batch(m: _Model, st: _State, tiles: dict, order: list, last: dict, fi
     blocks = row_blocks(p, plan)
     for k, (b, t, backwards) in enumerate(order):
         m0, mb = blocks[b]
-        here = [l for l in m.legions if t < len(tiles[l]) and not (plan.sparse and dead_tile(p, m0, mb, tiles[l][t][0]))]
+        here = [l for l in m.legions
+                if t < len(tiles[l]) and not (plan.sparse and dead_tile(p, m0, mb, tiles[l][t][0]))]
         for u, unit in enumerate(units(p, plan)):
             acc = {l: st.next("acc", l) for l in here}
             begin = {l: st.acc_free[(l, acc[l])] for l in here}
