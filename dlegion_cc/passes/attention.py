@@ -21,10 +21,11 @@ constant ``q_i . mean``, which the softmax cancels; it removes the bias K's chan
 the per-token scales resolve what differs between tokens. It is applied only where the scores
 reach a softmax over the keys through nothing but a scalar Mul and an added mask.
 
-This is an approximation of ONNX's fp32 semantics, recorded in the program
-(``int8_attention``, with the output of every product quantized) for ``dlegion-run --check``. ``--attention fp32`` keeps the products in fp32
-on the vector lanes; the default quantizes them where the model's projections are quantized. A
-product with fewer rows than the machine's arrays (a decode step's) stays fp32 by default.
+This is an approximation of ONNX's fp32 semantics, recorded in the program (``int8_attention``,
+with the output of every product quantized) for ``dlegion-run --check``. ``--attention fp32``
+keeps the products in fp32 on the vector lanes; the default quantizes them where the model's
+projections are quantized. A product with fewer rows than the machine's arrays (a decode step's)
+stays fp32 by default.
 """
 from __future__ import annotations
 
