@@ -525,7 +525,8 @@ def _to_graph(model: onnx.ModelProto, lazy: dict[str, Lazy], source: str) -> Gra
              for k, n in enumerate(g.node)]
     _check_static(nodes, values, source)
     inputs = [i.name for i in g.input if i.name not in values or values[i.name].const is None]
-    return Graph(g.name or "main", source, values, nodes, inputs, [o.name for o in g.output])
+    origins = {n.name: n.outputs[0] for n in nodes if n.outputs}
+    return Graph(g.name or "main", source, values, nodes, inputs, [o.name for o in g.output], origins)
 
 
 def _check_static(nodes: list[Node], values: dict[str, Value], source: str) -> None:

@@ -176,6 +176,9 @@ class Graph:
     nodes: list[Node]
     inputs: list[str]
     outputs: list[str]
+    # Each imported node's first output as the model names it, by node name: passes may give a
+    # node new outputs, but what the program records of it names the model's value.
+    origins: dict[str, str] = field(default_factory=dict)
 
     def const(self, name: str) -> np.ndarray | None:
         v = self.values.get(name)

@@ -78,11 +78,15 @@ class _Builder:
             raise self.error(tok, f"a second .skipped {tok}")
         self.p.skipped[str(tok)] = int(count)
 
-    def add_approximation(self, tok) -> None:
+    def add_approximation(self, tok, values: list) -> None:
         self._directive_first(tok, ".approximation")
         if str(tok) in self.p.approximations:
             raise self.error(tok, f"a second .approximation {tok}")
-        self.p.approximations.append(str(tok))
+        names = [_string(self, v) for v in values]
+        for v, name in zip(values, names):
+            if names.count(name) > 1:
+                raise self.error(v, f".approximation {tok} names {_quoted(name)} twice")
+        self.p.approximations[str(tok)] = names
 
     def add_region(self, tok) -> None:
         """A ``.region`` may come anywhere: it names the instructions that follow it."""
@@ -193,7 +197,7 @@ class _Callbacks:
         self.b.add_skipped(ch[0], ch[1])
 
     def approximation(self, ch):
-        self.b.add_approximation(ch[0])
+        self.b.add_approximation(ch[0], ch[1:])
 
     def region(self, ch):
         self.b.add_region(ch[0])
@@ -671,7 +675,8 @@ def format_program(p: Program) -> str:
         lines.append(f".data {encoding.json_text(p.data_file)}")
     lines += [format_tensor(t) for t in p.tensors]
     lines += [f".skipped {kind} {count}" for kind, count in sorted(p.skipped.items())]
-    lines += [f".approximation {name}" for name in p.approximations]
+    lines += [" ".join([".approximation", name, *map(encoding.json_text, values)])
+              for name, values in p.approximations.items()]
     names, marks = p.names(), _region_lines(p)
     for n, i in enumerate(p.instrs):
         why = encoding.ref_error(i, len(names))

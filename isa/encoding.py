@@ -25,9 +25,10 @@ from isa.instructions import BY_OPCODE, INSTRUCTIONS, OPCODE_BITS, WORD_BITS, In
 from isa.program import DTYPES, KINDS, Program, ProgramError, Tensor
 
 MAGIC = b"DLGN"
-VERSION = 8          # 2: 320-bit words and progress-counter synchronization; 3: regions; 4: spans,
+VERSION = 9          # 2: 320-bit words and progress-counter synchronization; 3: regions; 4: spans,
                      # relative waits; 5: skipped work; 6: 26-bit scratchpad addresses;
-                     # 7: the number of instructions in the header; 8: approximations
+                     # 7: the number of instructions in the header; 8: approximations;
+                     # 9: approximations name the model's values they are made in
 WORD_BYTES = WORD_BITS // 8
 PREFIX = struct.Struct("<4sHHI")
 NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -249,12 +250,17 @@ def skipped_error(p: Program) -> str | None:
 
 
 def approximations_error(p: Program) -> str | None:
-    """Why ``p.approximations`` is malformed, or None: distinct names."""
-    for name in p.approximations:
+    """Why ``p.approximations`` is malformed, or None: names, each with a list of distinct
+    value names (strings)."""
+    if not isinstance(p.approximations, dict):
+        return "approximations are not a table of names"
+    for name, values in p.approximations.items():
         if not (isinstance(name, str) and NAME_RE.fullmatch(name)):
             return f"approximation {name!r} is not a name"
-    if len(set(p.approximations)) != len(p.approximations):
-        return "an approximation named twice"
+        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+            return f"approximation {name}: {values!r} is not a list of value names"
+        if len(set(values)) != len(values):
+            return f"approximation {name}: a value named twice"
     return None
 
 
@@ -497,7 +503,8 @@ def header(p: Program) -> dict:
                 "range": None if t.range is None else list(t.range)} for t in p.tensors]
     regions = [[at, name] for at, name in p.regions]
     return {"arch": p.arch, "data_file": p.data_file, "tensors": tensors, "regions": regions,
-            "skipped": dict(sorted(p.skipped.items())), "approximations": list(p.approximations),
+            "skipped": dict(sorted(p.skipped.items())),
+            "approximations": {k: list(v) for k, v in p.approximations.items()},
             "instructions": len(p.instrs)}
 
 
@@ -593,7 +600,7 @@ def _read_prefix(b: bytes, source: str) -> tuple[int, dict]:
 
 # Header keys and the Python types their values may have.
 _HEAD_KEYS = {"arch": (str,), "data_file": (str, type(None)), "tensors": (list,), "regions": (list,),
-              "skipped": (dict,), "approximations": (list,), "instructions": (int,)}
+              "skipped": (dict,), "approximations": (dict,), "instructions": (int,)}
 _TENSOR_KEYS = {"name": (str,), "dtype": (str,), "shape": (list,), "kind": (str,),
                 "io_name": (str, type(None)), "offset": (int, type(None)), "range": (list, type(None))}
 

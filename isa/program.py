@@ -75,9 +75,11 @@ class Program:
     skipped: dict[str, int] = field(default_factory=dict)
     # What the compiler computes instead of the model's own semantics, by name (``int8_attention``:
     # attention's float products quantized to int8; ``int8_activations``: a weight-only quantized
-    # matmul's float activations quantized per row): ``dlegion-run --check`` judges the outputs
-    # with each one's documented tolerance (runtime/check.py).
-    approximations: list[str] = field(default_factory=list)
+    # matmul's float activations quantized per row), each with the model's values it computes so,
+    # where it is made per operator (``int8_attention``: the output of every product quantized; a
+    # product not named kept fp32): ``dlegion-run --check`` judges the outputs with each one's
+    # documented tolerance, and its float64 yardstick makes the same ones (runtime/check.py).
+    approximations: dict[str, list[str]] = field(default_factory=dict)
     # Where each instruction came from, for messages; not part of a program's identity.
     lines: list[int] = field(default_factory=list, compare=False, repr=False)
     source: str = field(default="<program>", compare=False, repr=False)

@@ -299,14 +299,16 @@ class Verdict:
 
 
 def judge(model: str | Path, inputs: dict[str, np.ndarray], ours: dict[str, np.ndarray],
-          reference: str | None = None, tol: float = REL_L2_TOLERANCE, program_approximations=()) -> Verdict:
+          reference: str | None = None, tol: float = REL_L2_TOLERANCE,
+          program_approximations: dict[str, list[str]] | None = None) -> Verdict:
     """``ours`` against onnxruntime's fp32 run of ``model`` and, unless ``reference`` names an
     fp32 run alone or the model is too large (FP64_MAX_PARAMETER_BYTES, unless ``reference`` is
     "fp64"), against the graph evaluated in float64. Graphs with integer operators are compared
     with the "exact" run unless ``reference`` says "onnxruntime": the float64 evaluation computes
     the operators' definition, as that run does. ``program_approximations``: those the program
     records (Program.approximations); the float64 evaluation applies the ones it models
-    (MODELLED), and ``ours`` is measured from it."""
+    (MODELLED), int8_attention to exactly the products the program names, and ``ours`` is
+    measured from it."""
     from runtime.reference64 import approximations
     fp32 = reference if reference in ("onnxruntime", "exact") else "exact" if integer_ops(model) else "onnxruntime"
     ref = onnx_reference(model, inputs, fp32)
@@ -317,11 +319,12 @@ def judge(model: str | Path, inputs: dict[str, np.ndarray], ours: dict[str, np.n
     why = _fp64_skipped(model, reference)
     if why:
         return Verdict(rows, fp32, why, [])
-    attention = "int8_attention" in program_approximations
+    products = (program_approximations or {}).get("int8_attention")
+    attention = products is not None
     approx = approximations(model, attention)
     bound = approximation_bound(len(approx) - attention, attention)
     try:
-        f64, f64a = _float64(model, inputs, approx, attention)
+        f64, f64a = _float64(model, inputs, approx, products or [])
     except Exception as e:  # onnxruntime raises its own exception types
         if reference == "fp64":
             raise
@@ -359,8 +362,9 @@ def _fp64_skipped(model, reference: str | None) -> str | None:
     return None
 
 
-def _float64(model, inputs, approx: list[str], int8_attention: bool):
-    """The graph's outputs in float64, and those of the graph as the compiler computes it."""
+def _float64(model, inputs, approx: list[str], int8_attention: list[str]):
+    """The graph's outputs in float64, and those of the graph as the compiler computes it
+    (``int8_attention``: the products it quantized)."""
     from runtime.reference64 import float64_outputs
     plain = float64_outputs(model, inputs)
     if not approx:

@@ -81,7 +81,7 @@ def _warn_unwritten(program) -> None:
 
 
 def _check(model: str, inputs, result, tol: float, check_all: bool = False, reference: str | None = None,
-           approximations=()):
+           approximations=None):
     """The verdict of --check (runtime.check.judge), printed; ``approximations``: the program's."""
     from runtime.check import integer_ops, judge
     from runtime.report import print_verdict

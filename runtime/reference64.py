@@ -15,6 +15,7 @@ measure.
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
@@ -24,12 +25,13 @@ _F32, _F64 = 1, 11          # onnx.TensorProto.FLOAT, DOUBLE
 FLOAT32_ONLY = {"DequantizeLinear", "QuantizeLinear", "DynamicQuantizeLinear", "MatMulNBits", "QLinearMatMul"}
 
 
-def float64_model(path: str | Path, approximations: bool = False, int8_attention: bool = False,
+def float64_model(path: str | Path, approximations: bool = False, int8_attention: Collection[str] = (),
                   input_shapes: dict[str, tuple] | None = None):
     """The model at ``path`` (external data loaded) with its float32 tensors made float64;
-    with ``approximations``, also the ones the compiler makes (see APPROXIMATIONS), and with
-    ``int8_attention`` too, its float x float products quantized as the program's were
-    (``_int8_product``), the shapes they see being those of ``input_shapes`` (the inputs')."""
+    with ``approximations``, also the ones the compiler makes (see APPROXIMATIONS), and the
+    MatMuls whose outputs ``int8_attention`` names (those the program records it quantized)
+    quantized as the program's were (``_int8_product``), the shapes they see being those of
+    ``input_shapes`` (the inputs')."""
     import onnx
     from onnx import numpy_helper
     from runtime.check import unsigned_integer_weights
@@ -37,7 +39,7 @@ def float64_model(path: str | Path, approximations: bool = False, int8_attention
     unsigned_integer_weights(model)
     g = model.graph
     floats = _float32_values(model)
-    products = _float_products(model, floats, input_shapes or {}) if approximations and int8_attention else {}
+    products = _recorded_products(model, set(int8_attention), input_shapes or {}) if approximations else {}
     for i, t in enumerate(g.initializer):
         if t.data_type == _F32:
             g.initializer[i].CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float64), t.name))
@@ -50,8 +52,8 @@ def float64_model(path: str | Path, approximations: bool = False, int8_attention
     for node in g.node:
         if approximations and (node.domain, node.op_type) in APPROXIMATIONS:
             nodes.extend(_absmax_rows(node, floats, model))
-        if node.name in products:
-            nodes.extend(_int8_product(node, products[node.name], floats, model))
+        if node.op_type == "MatMul" and node.output[0] in products:
+            nodes.extend(_int8_product(node, products[node.output[0]], floats, model))
         nodes.extend(_kept_float32(node, floats) if node.op_type in FLOAT32_ONLY else [node])
     del g.node[:]
     g.node.extend(nodes)
@@ -64,7 +66,7 @@ APPROXIMATIONS = {("com.microsoft", "MatMulNBits"): "float activations quantized
 ABSMAX_FLOOR = 1e-30        # as the compiler's: an all-zero row stays zero
 
 
-INT8_ATTENTION = "MatMul of two computed float operands: int8 per row of a and per column of b (K smoothed)"
+INT8_ATTENTION = "the MatMuls the program names: int8 per row of a and per column of b (K smoothed)"
 
 
 def approximations(path: str | Path, int8_attention: bool = False) -> list[str]:
@@ -160,12 +162,16 @@ def _constant(model, name: str, value: np.ndarray) -> None:
     model.graph.initializer.append(numpy_helper.from_array(value, name))
 
 
-def _float_products(model, floats: set[str], input_shapes: dict[str, tuple]) -> dict[str, bool]:
-    """The MatMuls the compiler quantizes under int8_attention, by node name: both operands
-    float, neither a constant (an initializer or computed from constants alone); each with
-    whether its b is smoothed. Every product of an LLM graph has the same rows (the step's
-    positions), so a program that records int8_attention quantized them all (passes/attention.py
-    keeps a product fp32 only when it has fewer rows than an array, or a non-finite operand)."""
+def _recorded_products(model, recorded: set[str], input_shapes: dict[str, tuple]) -> dict[str, bool]:
+    """The MatMuls the program records it quantized (``recorded``: their outputs, as
+    passes/attention.py names them; it keeps fp32 a product of fewer rows than an array, or one
+    a NaN or an infinity may reach, and does not name it), by output, each with whether its b
+    is smoothed. A recorded product the model holds no MatMul for (one inside an operator the
+    compiler rewrote, such as a contrib attention) is evaluated as the model's operator."""
+    wanted = [n for n in model.graph.node if n.op_type == "MatMul" and n.domain in ("", "ai.onnx")
+              and len(n.input) == 2 and n.output[0] in recorded]
+    if not wanted:
+        return {}
     shapes = _shapes(model, input_shapes)
     const = _constants(model, shapes)
     users: dict[str, list] = {}
@@ -174,9 +180,7 @@ def _float_products(model, floats: set[str], input_shapes: dict[str, tuple]) -> 
             users.setdefault(i, []).append(n)
     outputs = {o.name for o in model.graph.output}
     only = lambda name: users[name][0] if len(users.get(name, [])) == 1 and name not in outputs else None  # noqa: E731
-    return {n.name: _feeds_softmax(n.output[0], only, const, shapes) for n in model.graph.node
-            if n.op_type == "MatMul" and n.domain in ("", "ai.onnx") and len(n.input) == 2
-            and all(i in floats and i not in const for i in n.input)}
+    return {n.output[0]: _feeds_softmax(n.output[0], only, const, shapes) for n in wanted}
 
 
 def _feeds_softmax(scores: str, only, const: dict, shapes: dict) -> bool:
@@ -312,9 +316,10 @@ def _widen_node(node) -> None:
 
 
 def float64_outputs(path: str | Path, inputs: dict[str, np.ndarray], threads: int | None = None,
-                    approximations: bool = False, int8_attention: bool = False) -> dict[str, np.ndarray]:
+                    approximations: bool = False, int8_attention: Collection[str] = ()) -> dict[str, np.ndarray]:
     """The graph's outputs evaluated in float64 on ``inputs`` (float inputs widened); with
-    ``approximations``, those of the graph as the compiler computes it (see APPROXIMATIONS)."""
+    ``approximations``, those of the graph as the compiler computes it (see APPROXIMATIONS and
+    ``float64_model``)."""
     import onnxruntime as ort
     opts = ort.SessionOptions()
     opts.log_severity_level = 3

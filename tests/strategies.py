@@ -115,13 +115,14 @@ def regions(n_instrs: int) -> st.SearchStrategy[list[tuple[int, str]]]:
 
 @st.composite
 def programs(draw, max_tensors: int = 5, max_instrs: int = 12) -> Program:
-    """Valid programs: a unique-named tensor table, instructions that index it, regions, and
-    counts of skipped work."""
+    """Valid programs: a unique-named tensor table, instructions that index it, regions, counts
+    of skipped work, and approximations with the values they are made in."""
     table = draw(st.lists(names, min_size=1, max_size=max_tensors, unique=True))
     ts = [draw(tensors(n)) for n in table]
     instrs = draw(st.lists(instructions(len(ts)), max_size=max_instrs))
     skipped = draw(st.dictionaries(names, st.integers(0, 2**40), max_size=2))
+    approximations = draw(st.dictionaries(names, st.lists(graph_names, max_size=3, unique=True), max_size=2))
     return Program(arch=draw(arch_names), tensors=ts, instrs=instrs, data_file=draw(data_files),
-                   regions=draw(regions(len(instrs))), skipped=skipped)
+                   regions=draw(regions(len(instrs))), skipped=skipped, approximations=approximations)
 
 

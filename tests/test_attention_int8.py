@@ -12,9 +12,12 @@ from onnx import helper, numpy_helper
 from isa import arch
 from isa.asm import format_program, load, parse
 from isa.encoding import decode_program, encode_program
+from isa.instructions import DmaLoad, Drain, MatMul
+from dlegion_cc.lower.schedules import Schedules
 from dlegion_cc.pipeline import Options, compile_model, graph_of
 from runtime.check import approximation_tolerance, flip_one_weight, judge
 from runtime.emulator import random_inputs, run
+from runtime.report import regions_by_name
 
 ROOT = Path(__file__).parent.parent
 WIDE = arch.load("dlegion-8x8")
@@ -92,16 +95,19 @@ def test_float_models_keep_fp32_and_quantized_models_default_to_int8(tmp_path):
 
 
 def test_the_program_records_its_approximations_through_both_formats(tmp_path):
+    """Each with the model's values it is made in: int8_attention names the outputs of the
+    products it quantized (QK^T's "s", PV's "o")."""
     path = attention(tmp_path / "attn.onnx", seq=16)
     _, exact = compile_model(path, Options(TINY))
     _, approx = compile_model(path, Options(TINY, attention="int8"))
-    assert exact.approximations == [] and approx.approximations == ["int8_attention"]
+    assert exact.approximations == {} and approx.approximations == {"int8_attention": ["s", "o"]}
     text = format_program(approx)
-    assert ".approximation int8_attention" in text
-    assert parse(text).approximations == ["int8_attention"]
-    assert decode_program(encode_program(approx)).approximations == ["int8_attention"]
+    assert '.approximation int8_attention "s" "o"\n' in text
+    assert parse(text).approximations == {"int8_attention": ["s", "o"]}
+    assert decode_program(encode_program(approx)).approximations == {"int8_attention": ["s", "o"]}
     _, nbits = compile_model(ROOT / "models" / "llama_tiny_nbits4.onnx", Options(TINY))
-    assert nbits.approximations == ["int8_activations", "int8_attention"]
+    assert list(nbits.approximations) == ["int8_activations", "int8_attention"]
+    assert nbits.approximations["int8_activations"] == [] and len(nbits.approximations["int8_attention"]) == 4
     assert approximation_tolerance(nbits.approximations) > approximation_tolerance(approx.approximations) > 1e-4
 
 
@@ -163,21 +169,25 @@ def test_smoothing_k_removes_its_shared_bias(tmp_path, monkeypatch):
 
 
 def test_causal_skipping_keeps_the_same_bits(tmp_path):
-    """P's quantized rows are computed only as far as the causal mask lets them reach; the
-    program computes the same as with nothing skipped."""
+    """P's quantized rows are computed only as far as the causal mask lets them reach, and the
+    PV product leaves out the rows of V past a row block's reach (neither loaded nor passed);
+    the program computes the same as with nothing skipped."""
     path = attention(tmp_path / "attn.onnx", 2, 256)
     x = _inputs(2, 256)
     _, sparse = compile_model(path, Options(WIDE, attention="int8"))
     _, dense = compile_model(path, Options(WIDE, attention="int8", sparsity=False))
     a, b = run(sparse, WIDE, x), run(dense, WIDE, x)
     np.testing.assert_array_equal(a.outputs["o"], b.outputs["o"])
-    assert sparse.skipped["causal_skipped_vector_ops"] > 0
+    assert sparse.skipped["causal_skipped_vector_ops"] > 0 and sparse.skipped["causal_skipped_macs"] > 0
     assert not dense.skipped
+    assert any(isinstance(i, MatMul) and i.mask is not None for i in sparse.instrs)
+    assert a.timeline.counters["macs"] < b.timeline.counters["macs"]
 
 
 def test_a_layer_of_many_heads_computes_the_same_with_causal_skipping(tmp_path):
-    """Ten heads at sequence 128 (2B4T's head width): skipping PV's rows past a row block's
-    reach once let other values into the products (logits 0.36 from the dense program's)."""
+    """Ten heads at sequence 128 (2B4T's head width): PV's weight slots once served a row block
+    the chunk loaded for an earlier one of a shorter reach, whose rows past that reach were
+    never loaded (logits 0.36 from the dense program's); a slot's key now holds its reach."""
     from models.bitnet import build_bitnet, preset, save
     path = tmp_path / "layer.onnx"
     config = preset("2b4t", layers=1, seq=128, vocab=256, hidden=1280, heads=10, kv_heads=5, ffn=256)
@@ -187,6 +197,59 @@ def test_a_layer_of_many_heads_computes_the_same_with_causal_skipping(tmp_path):
     _, dense = compile_model(path, Options(machine, attention="int8", sparsity=False))
     x = random_inputs(sparse, 0)
     np.testing.assert_array_equal(run(sparse, machine, x).outputs["logits"], run(dense, machine, x).outputs["logits"])
+
+
+def test_a_weight_slot_loaded_for_a_shorter_reach_is_not_reused_for_a_longer_one(tmp_path):
+    """PV pinned to row blocks of 32 rows, the whole of K one chunk, two weight slots: in a
+    part's row block 0, which reaches 32 of V's rows, a head whose slot an earlier head wrote
+    loads only those rows; row block 1 reaches all 64 and must not take that slot for the
+    whole chunk (it once did, and read the earlier head's V). Same bits as the dense program,
+    and MACs skipped."""
+    path = attention(tmp_path / "attn.onnx", 4, 128)
+    x = _inputs(4, 128)
+    searched = Schedules()
+    compile_model(path, Options(WIDE, attention="int8", schedules=searched))
+    pv = [e for e in searched.chosen if e["shape"]["K"] == 128]
+    assert pv and all(e["tile"]["rows"] > 32 and e["chunk"]["depth"] == 128 for e in pv)
+    for e in pv:
+        e["tile"]["rows"], e["slots"]["wgt"] = 32, 2
+    pinned = lambda: Schedules("pinned", {pv[0]["node"]: pv})  # noqa: E731
+    _, sparse = compile_model(path, Options(WIDE, attention="int8", schedules=pinned()))
+    _, dense = compile_model(path, Options(WIDE, attention="int8", schedules=pinned(), sparsity=False))
+    np.testing.assert_array_equal(run(sparse, WIDE, x).outputs["o"], run(dense, WIDE, x).outputs["o"])
+    assert sparse.skipped["causal_skipped_macs"] > 0
+
+
+def test_qk_tiles_above_the_diagonal_are_neither_loaded_nor_passed(tmp_path):
+    """QK^T of a causal mask: a row block's output tiles past its last row are dead (nothing
+    looks at them); they are neither loaded, passed, drained nor stored. Counted on one pinned
+    schedule (each Legion's columns in tiles of an array's width, fewer weight slots than
+    tiles, so the dense program loads every tile again for each row block), with and without
+    skipping: one pass per live (head, row block, tile), fewer weight bytes loaded."""
+    heads, seq = 1, 512
+    path = attention(tmp_path / "attn.onnx", heads, seq)
+    x = _inputs(heads, seq)
+    searched = Schedules()
+    compile_model(path, Options(WIDE, attention="int8", schedules=searched))
+    [qk] = [e for e in searched.chosen if e["shape"]["K"] == D]
+    rows, cols = 128, WIDE.array
+    assert qk["chunk"]["depth"] == D and qk["deal"]["columns_per_legion"] > 2 * cols
+    qk["tile"], qk["slots"]["wgt"], qk["loop_order"] = {"rows": rows, "cols": cols}, 2, "rows"
+    counts, out = {}, {}
+    for sparsity in (True, False):
+        _, program = compile_model(path, Options(WIDE, attention="int8", sparsity=sparsity,
+                                                 schedules=Schedules("pinned", {qk["node"]: [qk]})))
+        ins = [program.instrs[k] for k in regions_by_name(program)[qk["node"]]]
+        spans = lambda kind: sum(i.span or 1 for i in ins if isinstance(i, kind))  # noqa: E731
+        loads = sum(i.rows * i.cols * (i.span or 1) for i in ins if isinstance(i, DmaLoad) and i.dst.space == "wgt")
+        counts[sparsity] = spans(MatMul), spans(Drain), loads
+        out[sparsity] = run(program, WIDE, x).outputs["o"]
+    np.testing.assert_array_equal(out[True], out[False])
+    tiles = seq // cols
+    live = heads * sum(n0 < m0 + rows for m0 in range(0, seq, rows) for n0 in range(0, seq, cols))
+    assert counts[False][0] == heads * (seq // rows) * tiles
+    assert counts[True][0] == live < counts[False][0]
+    assert counts[True][1] < counts[False][1] and counts[True][2] < counts[False][2]
 
 
 @pytest.mark.parametrize("name", ["bitnet_tiny_relu2", "bitnet_tiny_gqa", "llama_tiny_dynamic_int8",
@@ -199,7 +262,7 @@ def test_committed_models_pass_check_with_int8_attention(name):
     model = ROOT / "models" / f"{name}.onnx"
     # (bitnet_tiny_gqa's golden has fewer positions than an array has rows: int8 asked for)
     _, program = compile_model(model, Options(TINY, dims, attention="int8"))
-    assert program.approximations == ["int8_attention"]
+    assert list(program.approximations) == ["int8_attention"]
     outputs = run(program, TINY, inputs).outputs
     verdict = judge(model, inputs, outputs, program_approximations=program.approximations)
     [row] = verdict.rows

@@ -77,6 +77,36 @@ def test_int8_attention_is_measured_from_fp64_with_the_same_quantization(name):
     assert not bad.ok and bad.fp64.ours > 1e-3, f"{which}: {bad}"
 
 
+def test_the_yardstick_quantizes_only_the_products_the_program_names(tmp_path):
+    """bitnet_tiny_relu2 with one more float x float product: two positions of the residual
+    stream against all eight, fewer rows than an array has, which the compiler keeps fp32 by
+    default. The program names only the attention products it quantized; the float64
+    yardstick follows it, so the extra output is fp32-close to it (the yardstick once
+    quantized every such product) and the logits stay judged with int8 attention."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    model = onnx.load(ROOT / "models" / "bitnet_tiny_relu2.onnx")
+    g = model.graph
+    hidden = next(n for n in g.node if n.name.startswith("model.norm/")).input[0]
+    g.initializer.extend(numpy_helper.from_array(np.array(v, np.int64), name) for name, v in
+                         (("two_starts", [0]), ("two_ends", [2]), ("two_axes", [1])))
+    g.node.extend([helper.make_node("Slice", [hidden, "two_starts", "two_ends", "two_axes"], ["two"], name="two"),
+                   helper.make_node("Transpose", [hidden], ["hidden_t"], name="hidden_t", perm=[0, 2, 1]),
+                   helper.make_node("MatMul", ["two", "hidden_t"], ["extra"], name="extra")])
+    g.output.append(helper.make_tensor_value_info("extra", TensorProto.FLOAT, [1, 2, 8]))
+    path = tmp_path / "extra.onnx"
+    onnx.save(model, path)
+    _, program = compile_model(path, Options(TINY))
+    products = program.approximations["int8_attention"]
+    assert products and "extra" not in products and len(products) % 2 == 0
+    inputs = random_inputs(program, 0)
+    verdict = judge(path, inputs, run(program, TINY, inputs).outputs, program_approximations=program.approximations)
+    rows = {r.name: r for r in verdict.rows}
+    assert verdict.ok, verdict.rows
+    assert rows["extra"].fp64.ours < 1e-6 and rows["logits"].fp64.ours < 1e-6
+    assert rows["logits"].fp64.approximation > 1e-2            # the attention products, quantized
+
+
 @pytest.fixture(scope="module")
 def wide_layer(tmp_path_factory):
     """One BitNet-2B4T layer at a fifth of its widths (head dim 128, GQA 4:1), sequence 32."""

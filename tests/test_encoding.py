@@ -185,7 +185,7 @@ def test_file_layout():
     p = Program(arch="dlegion-tiny", tensors=[Tensor("x", "f32", (2, 3), "input", "x")],
                 instrs=[Wait(0, "dma", Cond(1, "vec", 1)), Barrier()], data_file="d.bin",
                 regions=[(0, "MatMul_1"), (2, "after")], skipped={"causal_skipped_macs": 12},
-                approximations=["int8_attention"])
+                approximations={"int8_attention": ["s", "o"], "int8_activations": []})
     b = encoding.encode_program(p)
     magic, version, reserved, n = struct.unpack_from("<4sHHI", b)
     assert (magic, version, reserved) == (b"DLGN", encoding.VERSION, 0)
@@ -193,7 +193,7 @@ def test_file_layout():
     assert head == {"arch": "dlegion-tiny", "data_file": "d.bin", "tensors": [
         {"name": "x", "dtype": "f32", "shape": [2, 3], "kind": "input", "io_name": "x", "offset": None,
          "range": None}], "regions": [[0, "MatMul_1"], [2, "after"]], "skipped": {"causal_skipped_macs": 12},
-        "approximations": ["int8_attention"], "instructions": 2}
+        "approximations": {"int8_attention": ["s", "o"], "int8_activations": []}, "instructions": 2}
     start = -(-(12 + n) // WORD) * WORD
     assert b[12 + n:start] == bytes(start - 12 - n)
     assert len(b) == start + 2 * WORD and b[start:start + WORD] == encoding.encode_instr(p.instrs[0])
@@ -216,16 +216,16 @@ def test_every_truncation_fails_cleanly_or_is_a_shorter_program():
 @pytest.mark.parametrize("head, match", [
     (b"{", "corrupt header"),
     (b"[]", "corrupt header: header needs exactly the keys"),
-    (b'{"arch": 1, "data_file": null, "tensors": [], "regions": [], "skipped": {}, "approximations": [], "instructions": 0}', "corrupt header: header arch 1"),
-    (b'{"arch": "a", "data_file": null, "tensors": [{"name": "x"}], "regions": [], "skipped": {}, "approximations": [], "instructions": 0}',
+    (b'{"arch": 1, "data_file": null, "tensors": [], "regions": [], "skipped": {}, "approximations": {}, "instructions": 0}', "corrupt header: header arch 1"),
+    (b'{"arch": "a", "data_file": null, "tensors": [{"name": "x"}], "regions": [], "skipped": {}, "approximations": {}, "instructions": 0}',
      "tensor needs exactly the keys"),
     (b'{"arch": "a", "data_file": null, "tensors": [{"name": "x", "dtype": "f16", "shape": [1], '
-     b'"kind": "input", "io_name": null, "offset": null, "range": null}], "regions": [], "skipped": {}, "approximations": [], "instructions": 0}',
+     b'"kind": "input", "io_name": null, "offset": null, "range": null}], "regions": [], "skipped": {}, "approximations": {}, "instructions": 0}',
      "unknown dtype 'f16'"),
     (b'{"arch": "a", "data_file": null, "tensors": [{"name": "x", "dtype": "f32", "shape": [1.5], '
-     b'"kind": "input", "io_name": null, "offset": null, "range": null}], "regions": [], "skipped": {}, "approximations": [], "instructions": 0}', "bad shape"),
-    (b'{"arch": "a", "data_file": null, "tensors": [], "regions": [], "skipped": {"x y": 1}, "approximations": [], "instructions": 0}', "is not a name"),
-    (b'{"arch": "a", "data_file": null, "tensors": [], "regions": [], "skipped": {"x": -1}, "approximations": [], "instructions": 0}', "is not a count"),
+     b'"kind": "input", "io_name": null, "offset": null, "range": null}], "regions": [], "skipped": {}, "approximations": {}, "instructions": 0}', "bad shape"),
+    (b'{"arch": "a", "data_file": null, "tensors": [], "regions": [], "skipped": {"x y": 1}, "approximations": {}, "instructions": 0}', "is not a name"),
+    (b'{"arch": "a", "data_file": null, "tensors": [], "regions": [], "skipped": {"x": -1}, "approximations": {}, "instructions": 0}', "is not a count"),
 ])
 def test_corrupt_headers_are_errors(head, match):
     b = struct.pack("<4sHHI", b"DLGN", encoding.VERSION, 0, len(head)) + head
@@ -251,7 +251,7 @@ REGIONLESS = b'"arch": "a", "data_file": null, "tensors": [], "instructions": 1'
     (b'["x"]', "region 0: expected"),
 ])
 def test_corrupt_regions_are_errors(regions, match):
-    head = b"{" + REGIONLESS + b', "skipped": {}, "approximations": [], "regions": ' + regions + b"}"
+    head = b"{" + REGIONLESS + b', "skipped": {}, "approximations": {}, "regions": ' + regions + b"}"
     with pytest.raises(ProgramError, match="x.bin: corrupt header: " + match):
         encoding.decode_program(_with_header(head, words=1), "x.bin")
 

@@ -75,7 +75,9 @@ class Emitter:
     turn: int = 0                                       # round-robin position over Legions
     span: tuple[int, int] = (0, 1)                      # (base Legion, Legions) of what is emitted
     skipped: Counter = field(default_factory=Counter)   # work left out, by kind (Program.skipped)
-    approximations: set = field(default_factory=set)    # what is computed instead of ONNX's semantics
+    # What is computed instead of ONNX's semantics, each with the model's values it is made in
+    # (Program.approximations).
+    approximations: dict = field(default_factory=dict)
 
     # --- DRAM -----------------------------------------------------------------------------
     def tensor(self, name: str, dtype: str, shape, kind: str, io_name: str | None = None,
@@ -203,6 +205,7 @@ class Emitter:
 
     def program(self, data_file: str | None) -> Program:
         return Program(self.arch.name, list(self.tensors), list(self.instrs),
-                       data_file if self.data else None, skipped=dict(self.skipped), approximations=sorted(self.approximations),
+                       data_file if self.data else None, skipped=dict(self.skipped),
+                       approximations=dict(sorted(self.approximations.items())),
                        source=self.source,
                        data=self.data.bytes())

@@ -58,16 +58,22 @@ def _lower_node(low: Lowering, node: Node, problems: list, regions: list) -> Non
     except (ValueError, MemoryError) as e:
         problems.append((node.name, node.op, str(e)))
         return
-    em.approximations.update(_approximations(node))
+    for name, value in _approximations(node):
+        made = em.approximations.setdefault(name, [])
+        if value is not None and value not in made:
+            made.append(value)
     if len(em.instrs) > before:
         em.barrier()
         regions.append((before, region_name(node)))
 
 
-def _approximations(node: Node) -> set[str]:
-    """What a node (or the members of a fused kernel) computes instead of ONNX's semantics."""
+def _approximations(node: Node) -> list[tuple[str, str | None]]:
+    """What a node (or the members of a fused kernel) computes instead of ONNX's semantics, each
+    with the model's value it is made in when it names one (``approximated``: an attention
+    product's output)."""
     members = node.attrs.get("nodes", []) if node.domain == DLEGION and node.op == "RowKernel" else []
-    return {n.attrs["approximation"] for n in (node, *members) if "approximation" in n.attrs}
+    return [(n.attrs["approximation"], n.attrs.get("approximated")) for n in (node, *members)
+            if "approximation" in n.attrs]
 
 
 NAMED_IN_FULL = 3       # a longer fused run is named by its first and last nodes

@@ -36,6 +36,7 @@ from dlegion_cc.lower.movement import nd_copy
 from dlegion_cc.lower.rowwise import Arg, rowwise
 from dlegion_cc.lower.qparts import part_widths, pick_width, row_parts, split_rows
 from dlegion_cc.lower.qtiles import Problem, RowScale, Segment, emit_tiles
+from dlegion_cc.passes.causal import reach
 
 WEIGHT_DTYPE = {"w2": "w2", "w4": "w4", "w8": "i8"}
 
@@ -283,7 +284,8 @@ class _Shapes:
 
 
 def lower_run_time_weights(low: Lowering, a: str, b: str, out: str, ra: str | None = None,
-                           rb: str | None = None, zero_a: np.ndarray | None = None) -> None:
+                           rb: str | None = None, zero_a: np.ndarray | None = None,
+                           dead: np.ndarray | None = None) -> None:
     """``out = a . b`` in int32 for int8 operands both computed at run time (a graph that
     quantizes attention's QK^T or PV): b's rows, as they are in DRAM, are the weight rows the
     arrays load in mode w8. Each batch of b multiplies its slice of a's rows; the weights'
@@ -291,7 +293,9 @@ def lower_run_time_weights(low: Lowering, a: str, b: str, out: str, ra: str | No
     (fp32 [.., M, 1] and [.., N, 1]: attention quantized by the compiler), the drain multiplies
     row i by ``ra[i]`` and column j of each batch by ``rb[j]`` into an fp32 ``out``. ``zero_a``
     [M / batches, K]: entries of each batch's a that are exact zeros (a causal P); the weight
-    rows past a row block's last nonzero are neither loaded nor passed."""
+    rows past a row block's last nonzero are neither loaded nor passed. ``dead`` [M / batches,
+    N]: outputs nothing looks at (a causal QK^T); the weight columns past a row block's last
+    live output are neither loaded nor passed, nor its all-dead tiles drained or stored."""
     em, arch = low.em, low.em.arch
     shape, bshape = low.shape(a), low.shape(b)
     if len(bshape) < 2 or not shape or shape[-1] != bshape[-2]:
@@ -317,20 +321,24 @@ def lower_run_time_weights(low: Lowering, a: str, b: str, out: str, ra: str | No
     if exact and em.tensors[dst.tensor].dtype != "i32":
         raise ValueError(f"output '{out}' is not stored as int32")
     per = M // batches
-    # PV's rows past a row block's causal reach are not skipped (Problem.k_reach stays None):
-    # with ten or more heads the skip let values past the reach into the products (2B4T widths:
-    # logits 0.46 from onnxruntime at sequence 128; tests/test_attention_int8.py). Until that is
-    # understood, the products run dense, exact against the sparse softmax's zeros.
-    k_reach = None
+    k_reach = _reach_of(zero_a, (per, K), batches, low.switches.sparsity)
+    n_reach = _reach_of(dead, (per, N), batches, low.switches.sparsity)
     width, parts = low.schedules.deal(arch, per, lambda: row_parts(arch, per, n_pad))
     plans: dict = {}            # by the rows of a part: parts alike have one plan
     for j, rows in enumerate(split_rows(range(per), parts)):
         batch = [Problem(a8, rscale, ((w, "w8"),), scales, 1, K, None, None, None, 0, "w8", None, exact, dst.tensor,
                          range(i * per + rows.start, i * per + rows.stop), K, N, n_pad, w_offset=w_offsets[i],
-                         s_offset=s_offsets[i], legions=range(j * width, (j + 1) * width), k_reach=k_reach)
+                         s_offset=s_offsets[i], legions=range(j * width, (j + 1) * width), k_reach=k_reach,
+                         n_reach=n_reach)
                  for i in range(batches)]
         if len(rows) not in plans:
-            plans[len(rows)] = low.schedules.plan(arch, replace(batch[0], batches=batches), low.switches)
+            # The schedule searched for the product without its causal skips, which then skips
+            # what it can: the cost model does not see what splitting the Legions' spans costs,
+            # and the schedules it chose for the skips made the 2B4T layer slower (281,395 ->
+            # 283,267 cycles at sequence 128; 1,197,565 -> 1,199,963 at 512).
+            dense = replace(batch[0], batches=batches, k_reach=None, n_reach=None)
+            plans[len(rows)] = replace(low.schedules.plan(arch, dense, low.switches),
+                                       sparse=k_reach is not None or n_reach is not None)
         emit_tiles(em, batch[0], plans[len(rows)], low.written, more=tuple(batch[1:]))
 
 
@@ -362,7 +370,15 @@ def _distinct(low: Lowering, name: str, op: Operand, shape: tuple, width: int, d
 def attn_matmul(low: Lowering, node) -> None:
     """``a8 . b8`` scaled per row by ``ra`` and per column by ``rb`` (``passes/attention.py``)."""
     a8, ra, b8, rb = node.inputs
-    lower_run_time_weights(low, a8, b8, node.outputs[0], ra, rb, node.attrs.get("zero_a"))
+    lower_run_time_weights(low, a8, b8, node.outputs[0], ra, rb, node.attrs.get("zero_a"), node.attrs.get("dead"))
+
+
+def _reach_of(mask: np.ndarray | None, shape: tuple, batches: int, sparsity: bool) -> np.ndarray | None:
+    """Per row of every batch, 1 + the last entry of ``mask`` [rows, n] (the same for every
+    batch) that is false: the leading columns the row needs. None when nothing is skipped."""
+    if mask is None or not sparsity or np.shape(mask) != shape:
+        return None
+    return np.tile(reach(~np.asarray(mask)), batches)
 
 
 def _run_time_row_scale(low: Lowering, ra: str, M: int) -> RowScale:

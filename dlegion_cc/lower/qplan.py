@@ -67,6 +67,10 @@ class Problem:
     # Per activation row (over every batch's rows): how many leading weight rows it needs, the
     # rest of its activations being exact zeros (a causal P: ``passes/causal.py``); None: all.
     k_reach: np.ndarray | None = None
+    # Per activation row (likewise): how many leading output columns anything looks at, the
+    # rest being dead (a causal QK^T: ``passes/causal.py``); None: all. A tile of dead columns
+    # only is neither loaded, passed, drained nor stored.
+    n_reach: np.ndarray | None = None
 
 
 def legion_range(arch: Arch, p: Problem) -> range:
@@ -195,9 +199,18 @@ def _same_work(arch: Arch, p: Problem, plan: Plan, a: int, b: int) -> bool:
         return False
     if not plan.sparse:
         return True
+    if p.n_reach is not None and any(_reached_columns(p, m0, mb, ta) != _reached_columns(p, m0, mb, tb)
+                                     for m0, mb in row_blocks(p, plan)):
+        return False
     na, width = arch.array, sum(nb for _, nb in ta)
     cols = lambda tiles: slice(tiles[0][0] // na, (tiles[0][0] + width) // na)
     return all(np.array_equal(nz[:, cols(ta)], nz[:, cols(tb)]) for nz in p.nonzero)
+
+
+def _reached_columns(p: Problem, m0: int, mb: int, tiles: list) -> list[int]:
+    """How many of each tile's columns rows ``m0`` .. ``m0 + mb - 1`` look at."""
+    need = int(p.n_reach[m0:m0 + mb].max(initial=0))
+    return [min(max(need - n0, 0), nb) for n0, nb in tiles]
 
 
 # A Legion's last tile is drained and stored in this many row pieces: the first piece's store
@@ -259,17 +272,42 @@ def units(p: Problem, plan: Plan) -> list[list[Chunk]]:
     return [[c for u in out for c in u]] if p.exact else out
 
 
-def reach_blocks(arch: Arch, p: Problem, m0: int, mb: int, c: Chunk, nb: int) -> np.ndarray | None:
-    """Which ``array`` x ``array`` blocks of a weight chunk the activation rows ``m0`` ..
-    ``m0 + mb - 1`` reach (``Problem.k_reach``): the rows of blocks past the last row any of
-    them needs multiply exact zeros. None when they reach all."""
-    if p.k_reach is None:
-        return None
+def reach_blocks(arch: Arch, p: Problem, m0: int, mb: int, c: Chunk, nb: int, n0: int = 0) -> np.ndarray | None:
+    """Which ``array`` x ``array`` blocks of the weight chunk of columns ``n0`` .. ``n0 + nb - 1``
+    the activation rows ``m0`` .. ``m0 + mb - 1`` reach: the rows of blocks past the last
+    weight row any of them needs multiply exact zeros (``Problem.k_reach``), the columns of
+    blocks past the last output column any of them needs are dead (``Problem.n_reach``).
+    None when they reach all."""
     na = arch.array
-    need = int(p.k_reach[m0:m0 + mb].max(initial=0)) - c.k0
-    blocks = -(-c.kc // na)
-    live = np.arange(blocks) * na < need
-    return None if live.all() else np.repeat(live[:, None], -(-nb // na), axis=1)
+    rows = _live(p.k_reach, m0, mb, c.k0, -(-c.kc // na), na)
+    cols = _live(p.n_reach, m0, mb, n0, -(-nb // na), na)
+    return None if rows.all() and cols.all() else rows[:, None] & cols[None, :]
+
+
+def _live(reach: np.ndarray | None, m0: int, mb: int, start: int, blocks: int, na: int) -> np.ndarray:
+    """Which of ``blocks`` blocks from ``start`` on rows ``m0`` .. ``m0 + mb - 1`` reach."""
+    if reach is None:
+        return np.ones(blocks, bool)
+    return np.arange(blocks) * na < int(reach[m0:m0 + mb].max(initial=0)) - start
+
+
+def dead_tile(p: Problem, m0: int, mb: int, n0: int) -> bool:
+    """Whether the output tile from column ``n0`` of rows ``m0`` .. ``m0 + mb - 1`` is all dead."""
+    return p.n_reach is not None and int(p.n_reach[m0:m0 + mb].max(initial=0)) <= n0
+
+
+def weight_key(piece: int, c: Chunk, n0: int, reached: np.ndarray | None) -> tuple:
+    """What a weight slot holds: a chunk of one piece and, under a causal reach
+    (``reach_blocks``), how many of its rows of blocks were loaded. A slot loaded for a row
+    block of a shorter reach lacks the rows past it, so it does not serve one of a longer reach
+    (their bytes would be whatever the slot held before)."""
+    return piece, c.k0, n0, None if reached is None else (int(reached.any(1).sum()), int(reached.any(0).sum()))
+
+
+def find_weights(slots: "Slots", key: tuple) -> int | None:
+    """The slot holding weight chunk ``key``, or the whole chunk (which serves any reach)."""
+    s = slots.find(key)
+    return s if s is not None or key[3] is None else slots.find((*key[:3], None))
 
 
 def act_key(plan: Plan, block: int, c: Chunk) -> tuple:
@@ -417,6 +455,12 @@ def columns_per_legion(arch: Arch, p: Problem) -> int:
     return math.ceil(p.n_pad / arch.array / len(legion_range(arch, p))) * arch.array
 
 
+def skips(p: Problem, switches: Switches) -> bool:
+    """Whether a plan of ``p`` leaves out blocks: zero weight blocks, or weight rows past a
+    causal reach."""
+    return switches.sparsity and (bool(p.nonzero) or p.k_reach is not None or p.n_reach is not None)
+
+
 def candidates(arch: Arch, p: Problem, switches: Switches) -> list[Plan]:
     na, cap = arch.array, arch.derived.spad_elems
     window = na * max(MODE_TILES[m] for _, m in p.weights)
@@ -438,8 +482,7 @@ def candidates(arch: Arch, p: Problem, switches: Switches) -> list[Plan]:
                 for order in ORDERS[:1] if one else ORDERS:
                     for whole in (True,) if depth >= p.K else (True, False):
                         plan = Plan(order, rows, cols, depth, whole, per_legion, 0, 0, 0, 0, split,
-                                    switches.multicast,
-                                    switches.sparsity and (bool(p.nonzero) or p.k_reach is not None))
+                                    switches.multicast, skips(p, switches))
                         plan = with_slots(arch, p, plan)
                         if plan is not None and fits(arch, p, plan):
                             out.append(plan)
@@ -566,7 +609,8 @@ def _nonzero_share(p: Problem) -> float:
     """The share of weight blocks that hold a nonzero, times the share of the weight rows the
     activation rows reach (no more is skipped: a bound on what the passes take)."""
     share = sum(float(nz.mean()) for nz in p.nonzero) / len(p.nonzero) if p.nonzero else 1.0
-    return share * (1.0 if p.k_reach is None else float(np.mean(p.k_reach)) / p.K)
+    share *= 1.0 if p.k_reach is None else float(np.mean(p.k_reach)) / p.K
+    return share * (1.0 if p.n_reach is None else float(np.mean(p.n_reach)) / p.N)
 
 
 def compute_bound(arch: Arch, p: Problem, plan: Plan) -> float:
@@ -686,8 +730,9 @@ def _model_batch(m: _Model, st: _State, tiles: dict, order: list, last: dict, fi
     p, plan = m.p, m.plan
     blocks = row_blocks(p, plan)
     for k, (b, t, backwards) in enumerate(order):
-        here = [l for l in m.legions if t < len(tiles[l])]
-        mb = blocks[b][1]
+        m0, mb = blocks[b]
+        here = [l for l in m.legions
+                if t < len(tiles[l]) and not (plan.sparse and dead_tile(p, m0, mb, tiles[l][t][0]))]
         for u, unit in enumerate(units(p, plan)):
             acc = {l: st.next("acc", l) for l in here}
             begin = {l: st.acc_free[(l, acc[l])] for l in here}
@@ -760,13 +805,13 @@ def _model_chunk(m: _Model, st: _State, b: int, t: int, c: Chunk, here: list, ti
         n0, nb = tiles[l][t]
         for i, (_, mode) in enumerate(p.weights):
             nz = chunk_blocks(m.arch, p, i, c, n0, nb) if plan.sparse else None
-            reached = reach_blocks(m.arch, p, m0, mb, c, nb) if plan.sparse else None
+            reached = reach_blocks(m.arch, p, m0, mb, c, nb, n0) if plan.sparse else None
             if reached is not None:
                 nz = reached if nz is None else nz & reached
             if nz is not None and not nz.any():
                 continue
-            key_w = (i, c.k0, n0)
-            s = st.w[l].find(key_w)
+            key_w = weight_key(i, c, n0, reached)
+            s = find_weights(st.w[l], key_w)
             if s is None:
                 first = not st.w[l].held
                 s = st.w[l].take(key_w)

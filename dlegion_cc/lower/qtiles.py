@@ -31,9 +31,9 @@ from isa.fields import DramRef, View
 from isa.instructions import BY_MNEMONIC, DmaLoad, DmaStore, Drain, MatMul
 from dlegion_cc.lower.emitter import Emitter
 from dlegion_cc.lower.qplan import (CV_SLOTS, RS_SLOTS, Chunk, Group, Plan, Problem, RowScale, Segment, Slots,
-                                    Switches, act_key, act_slot_elems, choose, chunk_blocks, groups, in_order,
-                                    last_visit, legion_tiles, owners, reach_blocks, row_blocks, stores, tail_pieces,
-                                    tile_order, units, weights_wait, wgt_slot_bytes)
+                                    Switches, act_key, act_slot_elems, choose, chunk_blocks, dead_tile, find_weights,
+                                    groups, in_order, last_visit, legion_tiles, owners, reach_blocks, row_blocks,
+                                    stores, tail_pieces, tile_order, units, weight_key, weights_wait, wgt_slot_bytes)
 
 __all__ = ["Plan", "Problem", "RowScale", "Segment", "emit_tiles", "plan_tiles"]
 
@@ -254,15 +254,16 @@ class _Tiles:
                 out[g] = (owner, s, s * self.addr["act"] + c.k0 - k0a, width)
         return out
 
-    def weights(self, g: Group, piece: int, c: Chunk, n0: int, nb: int, nz, act: Mark) -> int:
-        """wgt address of a weight chunk of ``g``, loading its nonzero rows of blocks.
+    def weights(self, g: Group, piece: int, c: Chunk, n0: int, nb: int, nz, act: Mark, reached=None) -> int:
+        """wgt address of a weight chunk of ``g``, loading its nonzero rows of blocks (of those
+        a causal reach leaves, ``reached``: part of what the slot holds, ``qplan.weight_key``).
 
         The load may wait for the chunk's activations (``act``, their load's mark; see
         ``qplan.weights_wait``): then a pass that waits for its weights needs no second
         condition for its activations, and the load needs none for its slot's readers when the
         activation load waited for later ones (weight slots outnumber activation slots)."""
-        key = (piece, c.k0, n0)
-        s = self.w[g].find(key)
+        key = weight_key(piece, c, n0, reached)
+        s = find_weights(self.w[g], key)
         if s is not None:
             return s
         first = not self.w[g].held
@@ -423,7 +424,9 @@ def _emit_problem(st: _Tiles) -> None:
     order = tile_order(p, plan, count)
     last = {g: last_visit(order, len(st.tiles[g])) for g in st.groups}
     for k, (b, t, backwards) in enumerate(order):
-        here = [g for g in st.groups if t < len(st.tiles[g])]
+        here = [g for g in st.groups if t < len(st.tiles[g]) and not _dead(st, b, g, t)]
+        if not here:
+            continue
         st.row_scales(b)
         for g in here:
             _column_vectors(st, g, t)
@@ -471,13 +474,14 @@ def _chunk(st: _Tiles, b: int, t: int, c: Chunk, here: list, acc: dict, first: d
         n0, nb = st.tiles[g][t]
         for i, (_, mode) in enumerate(p.weights):
             nz = chunk_blocks(st.arch, p, i, c, n0, nb) if plan.sparse else None
-            nz = _reached(st, nz, reach_blocks(st.arch, p, m0, mb, c, nb) if plan.sparse else None, g, mb, c, nb)
+            reached = reach_blocks(st.arch, p, m0, mb, c, nb, n0) if plan.sparse else None
+            nz = _reached(st, nz, reached, g, mb, c, nb)
             if nz is not None and not nz.any():
                 continue                    # a fully-sparse chunk: no load, no pass
             if act is None:
                 act = st.activations(b, c, here)
             owner, a_slot, a_addr, width = act[g]
-            s = st.weights(g, i, c, n0, nb, nz, st.loaded[("act", owner, a_slot)])
+            s = st.weights(g, i, c, n0, nb, nz, st.loaded[("act", owner, a_slot)], reached)
             needs = [st.loaded[("act", owner, a_slot)], st.loaded[("wgt", g, s)]]
             if first[g]:
                 needs += st.acc_readers(g, acc[g])
@@ -489,13 +493,24 @@ def _chunk(st: _Tiles, b: int, t: int, c: Chunk, here: list, acc: dict, first: d
             st.read_by(("wgt", g, s), done)
 
 
+def _dead(st: _Tiles, b: int, g: Group, t: int) -> bool:
+    """Whether ``g``'s tile ``t`` of row block ``b`` is all dead outputs (a causal QK^T's above
+    the diagonal): its MACs are counted for the report, as the vector lanes' causal skips are."""
+    (m0, mb), (n0, nb) = st.blocks[b], st.tiles[g][t]
+    if not (st.plan.sparse and dead_tile(st.p, m0, mb, n0)):
+        return False
+    st.em.skipped["causal_skipped_macs"] += g.count * mb * nb * st.p.K * len(st.p.weights)
+    return True
+
+
 def _reached(st: _Tiles, nz, reach, g: Group, mb: int, c: Chunk, nb: int):
     """A chunk's block map with the blocks past its rows' causal reach left out (and counted
     for the report, as the vector lanes' causal skips are)."""
     if reach is None:
         return nz
-    live = min(c.kc, int(reach[:, 0].sum()) * st.arch.array)
-    st.em.skipped["causal_skipped_macs"] += g.count * mb * nb * (c.kc - live)
+    na = st.arch.array
+    live = min(c.kc, int(reach.any(1).sum()) * na) * min(nb, int(reach.any(0).sum()) * na)
+    st.em.skipped["causal_skipped_macs"] += g.count * mb * (c.kc * nb - live)
     return reach if nz is None else nz & reach
 
 

@@ -21,7 +21,7 @@ from isa.files import check_readable
 from dlegion_cc.errors import CompileError
 from dlegion_cc.lower.context import Switches
 from dlegion_cc.lower.qplan import (ORDERS, Plan, Problem, columns_per_legion, correction_depth, estimate, needs,
-                                    search, split_for)
+                                    search, skips, split_for)
 
 FORMAT = 1
 SLOTS = {"wgt": "w_slots", "act": "a_slots", "acc": "acc_slots", "vec": "res_slots"}
@@ -151,7 +151,7 @@ def plan_of(arch: Arch, p: Problem, switches: Switches, e: dict) -> Plan:
     order, split = _str(e, "loop_order"), _str(e, "split")
     plan = Plan(order, _int(tile, "rows"), _int(tile, "cols"), _int(chunk, "depth"), _bool(chunk, "whole_rows"),
                 columns_per_legion(arch, p), *(_int(slots, space) for space in SLOTS), split,
-                switches.multicast, switches.sparsity and bool(p.nonzero))
+                switches.multicast, skips(p, switches))
     given = _int(_table(e, "deal"), "columns_per_legion")
     why = (_shape_problem(arch, p, plan, given) or _order_problem(arch, switches, plan)
            or _space_problem(arch, p, plan))

@@ -21,10 +21,11 @@ constant ``q_i . mean``, which the softmax cancels; it removes the bias K's chan
 the per-token scales resolve what differs between tokens. It is applied only where the scores
 reach a softmax over the keys through nothing but a scalar Mul and an added mask.
 
-This is an approximation of ONNX's fp32 semantics, recorded in the program
-(``int8_attention``) for ``dlegion-run --check``. ``--attention fp32`` keeps the products in fp32
-on the vector lanes; the default quantizes them where the model's projections are quantized. A
-product with fewer rows than the machine's arrays (a decode step's) stays fp32 by default.
+This is an approximation of ONNX's fp32 semantics, recorded in the program (``int8_attention``,
+with the output of every product quantized) for ``dlegion-run --check``. ``--attention fp32``
+keeps the products in fp32 on the vector lanes; the default quantizes them where the model's
+projections are quantized. A product with fewer rows than the machine's arrays (a decode step's)
+stays fp32 by default.
 """
 from __future__ import annotations
 
@@ -95,7 +96,9 @@ def _rewrite(graph: Graph, mm: Node, quantized: dict) -> None:
     if expand is not None:          # each query head of a group reads its K/V head in place
         b8, rb = (_expand(graph, v, shape, graph.nodes.index(mm)) for v, shape in zip((b8, rb), expand))
     attrs = {k: v for k, v in mm.attrs.items() if k in ("dead", "zero_a")}
-    attrs["approximation"] = APPROXIMATION
+    # The program names the product by its output in the model, which --check's yardstick
+    # quantizes (runtime/reference64.py): the products this pass leaves fp32 are not named.
+    attrs["approximation"], attrs["approximated"] = APPROXIMATION, graph.origins.get(mm.name, mm.outputs[0])
     graph.nodes[graph.nodes.index(mm)] = Node("AttnMatMul", mm.name, [a8, ra, b8, rb], list(mm.outputs), attrs,
                                               DLEGION)
 

@@ -1,0 +1,136 @@
+"""Where int8 attention's error on the 2B4T layer comes from, and how far it is from 1e-2.
+
+    python bench/bench_attention_error.py [--seq 512]
+
+The generated 2B4T layer runs in onnxruntime (fp32) with its attention's operands as extra
+outputs: Q, K^T and V as the products read them, and the scores' chain up to the softmax. The
+attention output is then made again in float64 from those operands, with the compiler's int8
+scheme (passes/attention.py: Q per row, K smoothed over the tokens and per token, P as
+``round(127 exp(s - max)) / (127 sum)``, V per channel) or with some operands kept exact or
+quantized to 15 bits instead of 8, and fed to the rest of the layer (the graph cut at PV's
+output): the layer output's relative L2 distance from the same cut fed the exact attention is
+printed per variant (``bench_layer.py --error`` emulates the compiled programs; the first line
+here is its model, within a few percent). The layer's int8 activations after the attention (the
+o_proj's absmax quantization, the MLP's) turn every perturbed value that crosses a rounding
+boundary into a whole step: the layer error grows about as the fifth root of the attention's, so
+even near-exact attention leaves several 1e-3.
+"""
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+
+import numpy as np                                            # noqa: E402
+import onnx                                                   # noqa: E402
+import onnxruntime as ort                                     # noqa: E402
+from onnx import numpy_helper                                 # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_layer import _layer_model                          # noqa: E402
+from models.bitnet import save                                # noqa: E402
+
+WIDE = 127 * 258        # 15 bits: a second int8 piece of each value
+
+# (label, bits of Q, K, P, V): 127 is int8, WIDE two int8 pieces, 0 exact
+VARIANTS = (("int8 (the compiler's scheme)", 127, 127, 127, 127), ("Q and K exact", 0, 0, 127, 127),
+            ("P exact", 127, 127, 0, 127), ("V exact", 127, 127, 127, 0), ("P and V exact", 127, 127, 0, 0),
+            ("every operand in 15 bits", WIDE, WIDE, WIDE, WIDE))
+
+
+def _absmax(x: np.ndarray, axis: int, levels: int) -> np.ndarray:
+    if not levels:
+        return x
+    r = np.maximum(np.abs(x).max(axis=axis, keepdims=True), 1e-30) / levels
+    return np.round(x / r) * r
+
+
+class Attention:
+    """The layer's attention operands (onnxruntime's fp32 values) and the rest of the layer."""
+
+    def __init__(self, path: Path, tmp: Path, seq: int):
+        model = onnx.load(str(path))
+        nodes = {o: n for n in model.graph.node for o in n.output}
+        consts = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+        softmax = next(n for n in model.graph.node if n.op_type == "Softmax")
+        pv = next(n for n in model.graph.node if n.op_type == "MatMul" and n.input[0] == softmax.output[0])
+        chain, x = [], softmax.input[0]         # the scale and the mask between QK^T and the softmax
+        while nodes[x].op_type != "MatMul":
+            chain.insert(0, nodes[x])
+            x = next(i for i in nodes[x].input if i not in consts)
+        qk = nodes[x]
+        self.chain = [(n.op_type, next(consts[i] for i in n.input if i in consts)) for n in chain]
+        wanted = [*qk.input, pv.input[1], pv.output[0], _output_of(model)]
+        values = self._run(model, wanted, tmp / "probe.onnx")
+        self.q, self.kt, self.v, self.o, self.y = (v.astype(np.float64) for v in values)
+        self.cut = self._cut(model, pv, tmp / "cut.onnx")
+
+    def _run(self, model, names: list[str], path: Path) -> list[np.ndarray]:
+        probe = onnx.ModelProto()
+        probe.CopyFrom(model)
+        probe.graph.output.extend(onnx.helper.make_empty_tensor_value_info(n) for n in names)
+        save(probe, path, external_data=True)
+        self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        self.ids = np.random.default_rng(0).integers(0, 512, self.session.get_inputs()[0].shape).astype(np.int64)
+        return self.session.run(names, {self.session.get_inputs()[0].name: self.ids})
+
+    def _cut(self, model, pv, path: Path):
+        """The layer from PV's output on, that output a graph input."""
+        cut = onnx.ModelProto()
+        cut.CopyFrom(model)
+        keep = [n for n in cut.graph.node if n.name != pv.name]
+        del cut.graph.node[:]
+        cut.graph.node.extend(keep)
+        cut.graph.input.append(onnx.helper.make_tensor_value_info(pv.output[0], onnx.TensorProto.FLOAT, self.o.shape))
+        cut.graph.output.append(onnx.helper.make_empty_tensor_value_info(_output_of(model)))
+        save(cut, path, external_data=True)
+        self.pv_output = pv.output[0]
+        return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+    def layer(self, o: np.ndarray) -> np.ndarray:
+        feed = {self.session.get_inputs()[0].name: self.ids, self.pv_output: o.astype(np.float32)}
+        return self.cut.run(None, feed)[-1].astype(np.float64)
+
+    def output(self, bq: int, bk: int, bp: int, bv: int) -> np.ndarray:
+        """The attention output with each operand quantized to that many levels (0: exact)."""
+        kt = self.kt - self.kt.mean(axis=-1, keepdims=True) if bk else self.kt      # smoothed
+        s = _absmax(self.q, -1, bq) @ _absmax(kt, -2, bk)
+        for op, c in self.chain:
+            s = s * c if op == "Mul" else s + c
+        e = np.exp(s - s.max(axis=-1, keepdims=True))
+        p = (np.round(bp * e) / bp if bp else e) / e.sum(axis=-1, keepdims=True)
+        return p @ _absmax(self.v, -2, bv)
+
+
+def _output_of(model) -> str:
+    """The layer's output: what the final norm reads."""
+    return next(n for n in model.graph.node if n.name.startswith("model.norm/")).input[0]
+
+
+def _rel(x: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+@click.command()
+@click.option("--seq", default=512, show_default=True)
+def main(seq: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "layer.onnx"
+        _layer_model(seq, path)
+        att = Attention(path, Path(tmp), seq)
+        exact = att.layer(att.output(0, 0, 0, 0))
+        print(f"2B4T layer, sequence {seq}: layer output relative L2 from exact attention's (target <= 1e-2)")
+        print(f"  onnxruntime's own fp32 attention: attention {_rel(att.o, att.output(0, 0, 0, 0)):.2e}, "
+              f"layer {_rel(att.y, exact):.2e}")
+        for label, *bits in VARIANTS:
+            o = att.output(*bits)
+            print(f"  {label}: attention output {_rel(o, att.output(0, 0, 0, 0)):.2e}, "
+                  f"layer {_rel(att.layer(o), exact):.2e}")
+
+
+if __name__ == "__main__":
+    main()
