@@ -155,7 +155,7 @@ def _loop(rounds: int) -> str:
 def test_the_ledgers_stay_short_on_a_long_ordered_program():
     result = emulate(_loop(200) + "dma.st L0 @y[0,8] vec[32,8,1] rows=4 cols=8 wait=L0.dma>=400\n")
     watch = result.machine.watch
-    ledgers = [ledger for spads in watch.spads for ledger in spads.values()] + list(watch.dram.values())
+    ledgers = list(watch.spads.values()) + list(watch.dram.values())
     assert max(len(ledger) for ledger in ledgers) <= 4       # 1,000 accesses made
 
 
