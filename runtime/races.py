@@ -224,9 +224,9 @@ class SpanAccess:
         self.write, self.win, self.rect = write, win, rect
 
 
-# Columns of WideLedger's table: an access's bounds, rectangle (row stride -1: none), queue and
-# the queue's count once it is done.
-LO, HI, RS, R0, R1, C0, C1, Q, COUNT = range(9)
+# Columns of WideLedger's table: an access's bounds, rectangle (row stride -1: none), queue,
+# the queue's count once it is done, whether it writes, and its task.
+LO, HI, RS, R0, R1, C0, C1, Q, COUNT, WRITE, TASK = range(11)
 NO_RECT = (-2, 0, 0, 0, 0)      # a probe without a rectangle: a row stride no kept access has
 
 
@@ -239,7 +239,7 @@ class WideLedger:
 
     def __init__(self):
         self.items: list[Access] = []
-        self.table = np.zeros((9, 16), np.int64)        # a column per access: LO, HI, ... COUNT
+        self.table = np.zeros((11, 16), np.int64)       # a column per access: LO, HI, ... TASK
         self.live = np.zeros(16, np.bool_)
         self.n = 0
 
@@ -254,25 +254,30 @@ class WideLedger:
     def meeting_many(self, shapes: list) -> list[tuple[int, int]]:
         """:meth:`meeting` for several accesses (the ranks of a span) in one vector operation:
         (access, index) pairs, by access, then as :meth:`meeting` orders them."""
+        which, found = self.near(np.array([(lo, hi, *(rect or NO_RECT)) for lo, hi, rect in shapes]))
+        return list(zip(*self.in_order(which, found))) if len(found) else []
+
+    def near(self, probes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(probe, index) arrays of the kept accesses that may share an element with each of
+        ``probes`` (rows: LO, HI and rectangle, as the table's columns), by probe."""
         n, t = self.n, self.table
-        if not n:
-            return []
-        lo, hi, rs, r0, r1, c0, c1 = np.array([(lo, hi, *(rect or NO_RECT)) for lo, hi, rect in shapes]).T[:, :, None]
+        lo, hi, rs, r0, r1, c0, c1 = probes.T[:, :, None]
         near = self.live[:n] & (t[HI, :n] >= lo) & (t[LO, :n] <= hi)
         apart = (t[R1, :n] <= r0) | (t[R0, :n] >= r1) | (t[C1, :n] <= c0) | (t[C0, :n] >= c1)
         near &= ~(apart & (t[RS, :n] == rs))
-        which, found = np.nonzero(near)
-        if len(found) > 1:
-            by = np.lexsort((found, t[LO, found], which))
-            which, found = which[by], found[by]
-        return list(zip(which.tolist(), found.tolist()))
+        return np.nonzero(near)
+
+    def in_order(self, which: np.ndarray, found: np.ndarray) -> tuple[list, list]:
+        """The pairs by probe, then by lowest element (ties: the older first)."""
+        by = np.lexsort((found, self.table[LO, found], which))
+        return which[by].tolist(), found[by].tolist()
 
     def add(self, access: Access) -> None:
         if self.n == len(self.live):
             self.table = np.concatenate([self.table, np.zeros_like(self.table)], axis=1)
             self.live = np.concatenate([self.live, np.zeros_like(self.live)])
         rect = access[7] or (-1, 0, 0, 0, 0)
-        self.table[:, self.n] = (access[0], access[1], *rect, access[3], access[4])
+        self.table[:, self.n] = (access[0], access[1], *rect, access[3], access[4], access[5], access[2])
         self.live[self.n] = True
         self.items.append(access)
         self.n += 1
@@ -413,19 +418,38 @@ class RaceCheck:
         shapes = [self._shape(win) for win in wins]
         made = [(lo, hi, k + r, self._queue[k + r], self._place[k + r] + 1, write, win, rect)
                 for r, ((lo, hi, rect), win) in enumerate(zip(shapes, wins))]
-        replaced = []
-        for r, n in ledger.meeting_many(shapes):
-            old = ledger.items[n]
-            if (write or old[5]) and not self._access_ordered(r, old, write):
-                self._raise_if_shared(wins[r], old, tensor)
-            if _replaces(wins[r], write, made[r][3], old, shapes[r][0], shapes[r][1]):
-                replaced.append(n)
+        if ledger.n:
+            self._check_table(ledger, made, write, tensor)
         if write and span > 1 and abs(lstride) <= shapes[0][1] - shapes[0][0]:
             self._check_ranks(made, tensor)
-        if replaced:
-            ledger.drop(replaced)
         for access in made:
             ledger.add(access)
+
+    def _check_table(self, ledger: "WideLedger", made: list, write: bool, tensor: int) -> None:
+        """Each rank's access (``made``) against the kept ones it meets, as vectors: a race on
+        the first (rank, then lowest element) unordered one sharing an element; the kept ones
+        a rank's access replaces (see :func:`_replaces`) are dropped."""
+        probes = np.array([(a[0], a[1], *(a[7] or NO_RECT)) for a in made])
+        which, found = ledger.near(probes)
+        if not len(found):
+            return
+        t, order, k = ledger.table, self.order, self._now
+        oq, count, owrite, task = t[Q, found], t[COUNT, found], t[WRITE, found] != 0, t[TASK, found]
+        kn = k + which
+        q, place = order.queue[kn], order.place[kn]
+        ordered = (order.known[kn, oq] >= count) | (task == kn) | (
+            (oq == q) & (q % len(QUEUES) == DMA) & (~owrite | write) & (count <= place))
+        bad = ~ordered & (owrite | write)
+        if bad.any():
+            for r, n in zip(*ledger.in_order(which[bad], found[bad])):
+                self._raise_if_shared(made[r][6], ledger.items[n], tensor)
+        lo, hi = probes[which, 0], probes[which, 1]
+        same = (probes[which, 2] >= 0) & (t[RS:C1 + 1, found] == probes[which, 2:].T).all(axis=0)
+        unit = np.array([_contiguous(a[6]) for a in made])[which]
+        covers = same | ((lo <= t[LO, found]) & (t[HI, found] <= hi) & unit)
+        replaced = covers & (write | (~owrite & (oq == q)))
+        if replaced.any():
+            ledger.drop(np.unique(found[replaced]).tolist())
 
     def _access_ordered(self, r: int, old: Access, write: bool) -> bool:
         """Whether rank ``r`` of the tasks started is ordered after the kept access ``old``."""
