@@ -302,9 +302,10 @@ class WideLedger:
 class RaceCheck:
     """The machine's accesses, checked against :class:`Order` as the emulator performs them.
 
-    Per space (a Legion's scratchpad, a DRAM tensor the program writes) it keeps a ledger of
-    accesses, one per instruction and operand: a window of rows x cols elements, not an entry
-    per element. A new access is compared with each kept one whose bounds it meets; only a
+    Per space (a scratchpad space of every Legion, a DRAM tensor the program writes) it keeps a
+    ledger of accesses, one per instruction and operand (for all the Legions of its span in a
+    scratchpad, per rank in DRAM, where ranks move by the Legion stride): a window of rows x
+    cols elements, not an entry per element. A new access is compared with each kept one whose bounds it meets; only a
     conflicting pair that is not ordered is compared element by element, to tell a race from
     interleaved windows. An access leaves the ledger once a later one of the same elements
     replaces it (a write covering it, which was checked against it, or a read of the same queue
@@ -393,6 +394,7 @@ class RaceCheck:
                                      for at in range(old.first, old.end))
 
     def _raise_if_span_shared(self, win: tuple, old: SpanAccess, legion: int, r: int, space: str) -> None:
+        """A race when the windows share an element, on rank ``r``'s Legion (``old``'s rank there)."""
         e = _first_shared(win, old.win)
         if e is not None:
             at = legion + r
