@@ -115,18 +115,23 @@ def _checked_tasks(tasks: Tasks) -> np.ndarray:
 def _end_problems(tasks: Tasks, ctx: Context, bad: np.ndarray) -> list:
     """The family checks (which assume well-formed fields). A first task that moves nothing
     with its rank is checked once per distinct instruction (the layers of a model repeat them)."""
-    out, alike = [], tasks.alike()
+    out, alike, first = [], tasks.alike(), tasks.first.tolist()
     for k in _checked_tasks(tasks).tolist():
         o = int(tasks.origin[k])
         if bad[o]:
             continue
+        # A first task is its instruction but for span, Legion stride and absolute condition,
+        # which no family check reads (spans and conditions are checked apart): the
+        # instruction is checked, and no task object made for it.
         ins = tasks.source[o]
         if isinstance(ins, Wait):        # its family's check is its condition's, made per task
-            found = list(legion(ins.legion, ctx.arch)) if k == tasks.first[o] else []
-        elif type(ins) in DMA_CLASSES or k != tasks.first[o]:
+            found = list(legion(ins.legion, ctx.arch)) if k == first[o] else []
+        elif k != first[o]:
             found = list(family_problems(tasks[k], ctx))
+        elif type(ins) in DMA_CLASSES:
+            found = list(family_problems(ins, ctx))
         else:
-            found = alike.get("family", o, lambda: list(family_problems(tasks[k], ctx)))
+            found = alike.get("family", o, lambda: list(family_problems(ins, ctx)))
         out += [(k, 0, what) for what in found]
     return out
 

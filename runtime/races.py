@@ -170,51 +170,64 @@ PRUNE_EVERY = 256       # tasks between two sweeps that drop accesses every late
 
 
 class Ledger:
-    """The kept accesses of one space, by lowest element: those an access's bounds can meet
-    are found by bisection, the widest access bounding how far back to look."""
+    """The kept accesses of one scratchpad space of every Legion, by lowest element: those an
+    access's bounds can meet are found by bisection, the widest access bounding how far back
+    to look. An access is one per instruction and operand, for all the Legions of its span
+    (a :class:`SpanAccess`): its ranks touch the same window, each in its own Legion."""
 
     __slots__ = ("items", "los", "span")
 
     def __init__(self):
-        self.items: list[Access] = []
+        self.items: list[SpanAccess] = []
         self.los: list[int] = []
         self.span = 0
 
     def __len__(self) -> int:
         return len(self.items)
 
-    def meeting(self, lo: int, hi: int, rect) -> list[int]:
+    def meeting(self, lo: int, hi: int, rect, first: int, end: int) -> list[int]:
         """Indices, by lowest element, of the kept accesses that may share an element with an
-        access of bounds [lo, hi] and rectangle ``rect``."""
+        access of bounds [lo, hi] and rectangle ``rect`` on Legions first..end-1."""
         items, out = self.items, []
         for n in range(bisect_left(self.los, lo - self.span), bisect_right(self.los, hi)):
             old = items[n]
-            if old[1] >= lo and not _apart(rect, old[7]):
+            if old.hi >= lo and old.first < end and first < old.end and not _apart(rect, old.rect):
                 out.append(n)
         return out
 
-    def add(self, access: Access) -> None:
-        n = bisect_right(self.los, access[0])
-        self.los.insert(n, access[0])
+    def add(self, access: "SpanAccess") -> None:
+        n = bisect_right(self.los, access.lo)
+        self.los.insert(n, access.lo)
         self.items.insert(n, access)
-        if access[1] - access[0] > self.span:
-            self.span = access[1] - access[0]
+        if access.hi - access.lo > self.span:
+            self.span = access.hi - access.lo
 
     def drop(self, indices: list[int]) -> None:
         for n in reversed(indices):
             del self.items[n], self.los[n]
 
-    def keep(self, floor: list[int]) -> None:
-        """Keep the accesses some task of the space may not know done (``floor``: per queue,
-        the count they all know)."""
-        self.items = [old for old in self.items if floor[old[3]] < old[4]]
-        self.los = [old[0] for old in self.items]
-        self.span = max((old[1] - old[0] for old in self.items), default=0)
+    def keep(self, pending) -> None:
+        """Keep the accesses some task of the space may not know done (``pending(access)``)."""
+        self.items = [old for old in self.items if pending(old)]
+        self.los = [old.lo for old in self.items]
+        self.span = max((old.hi - old.lo for old in self.items), default=0)
 
 
-# Columns of WideLedger's table: an access's bounds, rectangle (row stride -1: none), queue and
-# the queue's count once it is done.
-LO, HI, RS, R0, R1, C0, C1, Q, COUNT = range(9)
+class SpanAccess:
+    """One instruction's access to a scratchpad window on Legions first..end-1: rank r (task
+    k + r) touches it on Legion first + r."""
+
+    __slots__ = ("lo", "hi", "k", "first", "end", "write", "win", "rect")
+
+    def __init__(self, lo, hi, k, first, end, write, win, rect):
+        self.lo, self.hi, self.k, self.first, self.end = lo, hi, k, first, end
+        self.write, self.win, self.rect = write, win, rect
+
+
+# Columns of WideLedger's table: an access's bounds, rectangle (row stride -1: none), queue,
+# the queue's count once it is done, whether it writes, and its task.
+LO, HI, RS, R0, R1, C0, C1, Q, COUNT, WRITE, TASK = range(11)
+NO_RECT = (-2, 0, 0, 0, 0)      # a probe without a rectangle: a row stride no kept access has
 
 
 class WideLedger:
@@ -226,7 +239,7 @@ class WideLedger:
 
     def __init__(self):
         self.items: list[Access] = []
-        self.table = np.zeros((9, 16), np.int64)        # a column per access: LO, HI, ... COUNT
+        self.table = np.zeros((11, 16), np.int64)       # a column per access: LO, HI, ... TASK
         self.live = np.zeros(16, np.bool_)
         self.n = 0
 
@@ -236,24 +249,35 @@ class WideLedger:
     def meeting(self, lo: int, hi: int, rect) -> list[int]:
         """Indices, by lowest element (ties: the older first), of the kept accesses that may
         share an element with an access of bounds [lo, hi] and rectangle ``rect``."""
-        n = self.n
-        t = self.table
+        return [n for _, n in self.meeting_many([(lo, hi, rect)])]
+
+    def meeting_many(self, shapes: list) -> list[tuple[int, int]]:
+        """:meth:`meeting` for several accesses (the ranks of a span) in one vector operation:
+        (access, index) pairs, by access, then as :meth:`meeting` orders them."""
+        which, found = self.near(np.array([(lo, hi, *(rect or NO_RECT)) for lo, hi, rect in shapes]))
+        return list(zip(*self.in_order(which, found))) if len(found) else []
+
+    def near(self, probes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(probe, index) arrays of the kept accesses that may share an element with each of
+        ``probes`` (rows: LO, HI and rectangle, as the table's columns), by probe."""
+        n, t = self.n, self.table
+        lo, hi, rs, r0, r1, c0, c1 = probes.T[:, :, None]
         near = self.live[:n] & (t[HI, :n] >= lo) & (t[LO, :n] <= hi)
-        if rect is not None:
-            apart = ((t[R1, :n] <= rect[1]) | (t[R0, :n] >= rect[2])
-                     | (t[C1, :n] <= rect[3]) | (t[C0, :n] >= rect[4]))
-            near &= ~(apart & (t[RS, :n] == rect[0]))
-        found = np.flatnonzero(near)
-        if len(found) > 1:
-            found = found[np.argsort(t[LO, found], kind="stable")]
-        return found.tolist()
+        apart = (t[R1, :n] <= r0) | (t[R0, :n] >= r1) | (t[C1, :n] <= c0) | (t[C0, :n] >= c1)
+        near &= ~(apart & (t[RS, :n] == rs))
+        return np.nonzero(near)
+
+    def in_order(self, which: np.ndarray, found: np.ndarray) -> tuple[list, list]:
+        """The pairs by probe, then by lowest element (ties: the older first)."""
+        by = np.lexsort((found, self.table[LO, found], which))
+        return which[by].tolist(), found[by].tolist()
 
     def add(self, access: Access) -> None:
         if self.n == len(self.live):
             self.table = np.concatenate([self.table, np.zeros_like(self.table)], axis=1)
             self.live = np.concatenate([self.live, np.zeros_like(self.live)])
         rect = access[7] or (-1, 0, 0, 0, 0)
-        self.table[:, self.n] = (access[0], access[1], *rect, access[3], access[4])
+        self.table[:, self.n] = (access[0], access[1], *rect, access[3], access[4], access[5], access[2])
         self.live[self.n] = True
         self.items.append(access)
         self.n += 1
@@ -278,9 +302,10 @@ class WideLedger:
 class RaceCheck:
     """The machine's accesses, checked against :class:`Order` as the emulator performs them.
 
-    Per space (a Legion's scratchpad, a DRAM tensor the program writes) it keeps a ledger of
-    accesses, one per instruction and operand: a window of rows x cols elements, not an entry
-    per element. A new access is compared with each kept one whose bounds it meets; only a
+    Per space (a scratchpad space of every Legion, a DRAM tensor the program writes) it keeps a
+    ledger of accesses, one per instruction and operand (for all the Legions of its span in a
+    scratchpad, per rank in DRAM, where ranks move by the Legion stride): a window of rows x
+    cols elements, not an entry per element. A new access is compared with each kept one whose bounds it meets; only a
     conflicting pair that is not ordered is compared element by element, to tell a race from
     interleaved windows. An access leaves the ledger once a later one of the same elements
     replaces it (a write covering it, which was checked against it, or a read of the same queue
@@ -289,7 +314,7 @@ class RaceCheck:
 
     def __init__(self, program: Program, arch: Arch):
         self.program, self.order = program, Order(program, arch)
-        self.spads = [{s: Ledger() for s in arch.derived.spad_elems} for _ in range(arch.legions)]
+        self.spads = {s: Ledger() for s in arch.derived.spad_elems}
         self.dram = {i: WideLedger() for i, t in enumerate(program.tensors) if t.kind not in ("const", "input")}
         self.spad_queues, self.dram_queues = _accessors(program, arch, self.order)
         self.head = np.zeros(self.order.nq, np.int64)   # per queue: its first task that may not have run
@@ -313,39 +338,134 @@ class RaceCheck:
 
     # The machine calls these for every access of the tasks started, rank r on Legion legion + r.
     def spad(self, legion: int, span: int, view: View, rows: int, cols: int, write: bool) -> None:
+        """The tasks' access to one window, rank r's on Legion legion + r: checked against each
+        kept access it meets once, rank by rank only where both touch a Legion."""
+        if rows == 0 or cols == 0:
+            return
         win = (view.addr, rows, cols, view.rs, view.cs)
-        for r in range(span):
-            where = (legion + r, view.space)
-            self._access(self.spads[where[0]][view.space], win, write, where, r)
+        lo, hi, rect = self._shape(win)
+        ledger, end = self.spads[view.space], legion + span
+        replaced, unordered, items = [], [], ledger.items
+        for n in ledger.meeting(lo, hi, rect, legion, end):
+            old = items[n]
+            if write or old.write:
+                r = self._first_unordered(old, write, legion, end)
+                if r is not None:
+                    unordered.append((r, n))
+            if self._replaces_span(win, write, old, lo, hi, legion, end):
+                replaced.append(n)
+        if unordered:
+            self._raise_first_shared(win, sorted(unordered), items, legion, view.space)
+        if replaced:
+            ledger.drop(replaced)
+        ledger.add(SpanAccess(lo, hi, self._now, legion, end, write, win, rect))
 
-    def dram_access(self, tensor: int, offset: int, rs: int, rows: int, cols: int, write: bool,
-                    span: int = 1, lstride: int = 0) -> None:
-        ledger = self.dram.get(tensor)
-        if ledger is None:
-            return
-        for r in range(span):
-            self._access(ledger, (offset + r * lstride, rows, cols, rs, 1), write, tensor, r)
-
-    def _access(self, ledger: "Ledger", win: tuple, write: bool, where: tuple | int, r: int) -> None:
-        """Rank ``r``'s access; ``where``: the space, (Legion, scratchpad) or a DRAM tensor's index."""
-        if win[1] == 0 or win[2] == 0:
-            return
+    def _shape(self, win: tuple) -> tuple:
+        """A window's bounds and rectangle, computed once per window."""
         shape = self._shapes.get(win)
         if shape is None:
             shape = self._shapes[win] = (*_bounds(win), _rectangle(win))
-        lo, hi, rect = shape
+        return shape
+
+    def _first_unordered(self, old: SpanAccess, write: bool, legion: int, end: int) -> int | None:
+        """The first rank of the tasks started (on Legions legion..end-1) that shares a Legion
+        with ``old`` and is not ordered after its access there; None when all are."""
+        known, queue, place, k = self._known, self._queue, self._place, self._now
+        for at in range(max(legion, old.first), min(end, old.end)):
+            kn, ko = k + at - legion, old.k + at - old.first
+            if known[at - legion][queue[ko]] > place[ko] or ko == kn:
+                continue                     # known done (the common case, tested first)
+            if not _ordered(known[at - legion], queue[ko], place[ko] + 1, old.write, write, queue[kn], place[kn]):
+                return at - legion
+        return None
+
+    def _replaces_span(self, win: tuple, write: bool, old: SpanAccess, lo: int, hi: int,
+                       legion: int, end: int) -> bool:
+        """Whether the new access makes ``old`` redundant on all of its Legions (see
+        :func:`_replaces`); one that does on some only is kept, which changes no verdict."""
+        if legion > old.first or end < old.end:
+            return False
+        if not (old.win == win or (lo <= old.lo and old.hi <= hi and _contiguous(win))):
+            return False
+        if write:
+            return True
+        queue, k = self._queue, self._now
+        return not old.write and all(queue[k + at - legion] == queue[old.k + at - old.first]
+                                     for at in range(old.first, old.end))
+
+    def _raise_if_span_shared(self, win: tuple, old: SpanAccess, legion: int, r: int, space: str) -> None:
+        """A race when the windows share an element, on rank ``r``'s Legion (``old``'s rank there)."""
+        e = _first_shared(win, old.win)
+        if e is not None:
+            at = legion + r
+            verb = "wrote" if old.write else "read"
+            raise Trap(f"race on {self._space_name((at, space))}[{e}]: {self._name(old.k + at - old.first)} "
+                       f"{verb} it, and this instruction is not ordered after it")
+
+    def _raise_first_shared(self, win: tuple, unordered: list, items: list, legion: int, space: str) -> None:
+        """A race on the first (rank, then lowest element) unordered access sharing an element."""
+        for r, n in unordered:
+            self._raise_if_span_shared(win, items[n], legion, r, space)
+
+    def dram_access(self, tensor: int, offset: int, rs: int, rows: int, cols: int, write: bool,
+                    span: int = 1, lstride: int = 0) -> None:
+        """The tasks' accesses to a DRAM tensor, rank r's window ``r * lstride`` further: the
+        kept accesses each meets are found for all ranks at once, and each rank is checked
+        against them and against the ranks before it (two ranks of one store may race)."""
+        ledger = self.dram.get(tensor)
+        if ledger is None or rows == 0 or cols == 0:
+            return
+        k = self._now
+        wins = [(offset + r * lstride, rows, cols, rs, 1) for r in range(span)]
+        shapes = [self._shape(win) for win in wins]
+        made = [(lo, hi, k + r, self._queue[k + r], self._place[k + r] + 1, write, win, rect)
+                for r, ((lo, hi, rect), win) in enumerate(zip(shapes, wins))]
+        if ledger.n:
+            self._check_table(ledger, made, write, tensor)
+        if write and span > 1 and abs(lstride) <= shapes[0][1] - shapes[0][0]:
+            self._check_ranks(made, tensor)
+        for access in made:
+            ledger.add(access)
+
+    def _check_table(self, ledger: "WideLedger", made: list, write: bool, tensor: int) -> None:
+        """Each rank's access (``made``) against the kept ones it meets, as vectors: a race on
+        the first (rank, then lowest element) unordered one sharing an element; the kept ones
+        a rank's access replaces (see :func:`_replaces`) are dropped."""
+        probes = np.array([(a[0], a[1], *(a[7] or NO_RECT)) for a in made])
+        which, found = ledger.near(probes)
+        if not len(found):
+            return
+        t, order, k = ledger.table, self.order, self._now
+        oq, count, owrite, task = t[Q, found], t[COUNT, found], t[WRITE, found] != 0, t[TASK, found]
+        kn = k + which
+        q, place = order.queue[kn], order.place[kn]
+        ordered = (order.known[kn, oq] >= count) | (task == kn) | (
+            (oq == q) & (q % len(QUEUES) == DMA) & (~owrite | write) & (count <= place))
+        bad = ~ordered & (owrite | write)
+        if bad.any():
+            for r, n in zip(*ledger.in_order(which[bad], found[bad])):
+                self._raise_if_shared(made[r][6], ledger.items[n], tensor)
+        lo, hi = probes[which, 0], probes[which, 1]
+        same = (probes[which, 2] >= 0) & (t[RS:C1 + 1, found] == probes[which, 2:].T).all(axis=0)
+        unit = np.array([_contiguous(a[6]) for a in made])[which]
+        covers = same | ((lo <= t[LO, found]) & (t[HI, found] <= hi) & unit)
+        replaced = covers & (write | (~owrite & (oq == q)))
+        if replaced.any():
+            ledger.drop(np.unique(found[replaced]).tolist())
+
+    def _access_ordered(self, r: int, old: Access, write: bool) -> bool:
+        """Whether rank ``r`` of the tasks started is ordered after the kept access ``old``."""
         k = self._now + r
-        q, place, known = self._queue[k], self._place[k], self._known[r]
-        replaced, items = [], ledger.items
-        for n in ledger.meeting(lo, hi, rect):
-            old = items[n]
-            if (write or old[5]) and old[2] != k and not _ordered(known, old, write, q, place):
-                self._raise_if_shared(win, old, where)
-            if _replaces(win, write, q, old, lo, hi):
-                replaced.append(n)
-        if replaced:
-            ledger.drop(replaced)
-        ledger.add((lo, hi, k, q, place + 1, write, win, rect))
+        return old[2] == k or _ordered(self._known[r], old[3], old[4], old[5], write, self._queue[k], self._place[k])
+
+    def _check_ranks(self, made: list, tensor: int) -> None:
+        """The ranks of one DMA store whose windows meet: a race unless ordered (they are not:
+        each rank is its own Legion's task)."""
+        for r, access in enumerate(made):
+            for old in made[:r]:
+                if old[1] >= access[0] and old[0] <= access[1] and not _apart(access[7], old[7]) \
+                        and not self._access_ordered(r, old, True):
+                    self._raise_if_shared(access[6], old, tensor)
 
     def _raise_if_shared(self, win: tuple, old: Access, where: tuple | int) -> None:
         """A race when the two windows share an element; the first of ``win``'s is named."""
@@ -361,13 +481,21 @@ class RaceCheck:
         queue's tasks know only grows along it)."""
         self._advance_heads()
         floors: dict = {}
-        for legion, spads in enumerate(self.spads):
-            for space, ledger in spads.items():
-                if ledger.items:
-                    ledger.keep(self._floor(self.spad_queues[legion][space], floors))
+        for space, ledger in self.spads.items():
+            if ledger.items:
+                ledger.keep(lambda old: self._pending(old, space, floors))
         for tensor, ledger in self.dram.items():
             if ledger.items:
                 ledger.keep(self._floor(self.dram_queues.get(tensor, ()), floors))
+
+    def _pending(self, old: SpanAccess, space: str, floors: dict) -> bool:
+        """Whether some rank's access may not be known done by every next task of its space."""
+        queue, place = self._queue, self._place
+        for r in range(old.end - old.first):
+            floor = self._floor(self.spad_queues[old.first + r][space], floors)
+            if floor[queue[old.k + r]] < place[old.k + r] + 1:
+                return True
+        return False
 
     def _advance_heads(self) -> None:
         """The tasks that ran are done, and so is everything they knew done."""
@@ -425,12 +553,12 @@ def _accessors(program: Program, arch: Arch, order: Order) -> tuple[list, dict]:
             {t: tuple(sorted(qs)) for t, qs in dram.items()})
 
 
-def _ordered(known: list, old: Access, write: bool, q: int, place: int) -> bool:
+def _ordered(known: list, oq: int, ocount: int, owrite: bool, write: bool, q: int, place: int) -> bool:
     """Whether a task (on queue ``q``, at ``place`` there, knowing ``known`` done) is ordered
-    after the earlier access ``old``: it knows it done, or comes later on the same DMA queue
-    (ordered after its reads, done when it left, and after its writes when writing too:
-    transfers land in order; not when reading what it wrote)."""
-    _, _, _, oq, ocount, owrite = old[:6]
+    after an earlier access (by a task on queue ``oq`` whose count once done is ``ocount``,
+    writing or not): it knows it done, or comes later on the same DMA queue (ordered after its
+    reads, done when it left, and after its writes when writing too: transfers land in order;
+    not when reading what it wrote)."""
     if known[oq] >= ocount:
         return True
     return oq == q and q % len(QUEUES) == DMA and (not owrite or write) and ocount <= place

@@ -350,11 +350,12 @@ class Costed:
 
 def _costs(program: Program, arch: Arch) -> Costed:
     """The tasks of one span differ only by Legion, DRAM offset and destinations, which no
-    cost depends on: each instruction is costed once, on its first task."""
+    cost depends on: each instruction is costed once, as written (its first task but for the
+    span and condition, which no cost reads either)."""
     env = Env(tuple(program.tensors), _masks(program))
     tasks = program.instrs
     first, alike = tasks.first.tolist(), tasks.alike()     # alike instructions (each layer's) cost alike
-    costs = [alike.get("cost", o, lambda: _cost(program, k, tasks[k], arch, env)) for o, k in enumerate(first)]
+    costs = [alike.get("cost", o, lambda: _cost(program, k, tasks.source[o], arch, env)) for o, k in enumerate(first)]
     return Costed(costs, tasks.origin, first)
 
 

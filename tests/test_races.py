@@ -155,7 +155,7 @@ def _loop(rounds: int) -> str:
 def test_the_ledgers_stay_short_on_a_long_ordered_program():
     result = emulate(_loop(200) + "dma.st L0 @y[0,8] vec[32,8,1] rows=4 cols=8 wait=L0.dma>=400\n")
     watch = result.machine.watch
-    ledgers = [ledger for spads in watch.spads for ledger in spads.values()] + list(watch.dram.values())
+    ledgers = list(watch.spads.values()) + list(watch.dram.values())
     assert max(len(ledger) for ledger in ledgers) <= 4       # 1,000 accesses made
 
 
@@ -167,3 +167,69 @@ vadd L0 vec[64,8,1] vec[0,8,1] #1 rows=4 cols=8
 """
     with pytest.raises(Trap, match=r"306: vadd: race on L0 vec\[0\]: line 305 \(dma.ld\) wrote it"):
         emulate(body)
+
+
+# --- spans: one ledger access per instruction, ranks compared Legion by Legion ----------------
+
+L8 = load("dlegion-8x8")
+HEAD8 = """.arch dlegion-8x8
+.tensor x f32[8,64] input "x"
+.tensor y f32[8,64] output "y"
+.tensor t f32[8,64] scratch
+"""
+X8 = {"x": np.arange(512, dtype=np.float32).reshape(8, 64)}
+
+
+def emulate8(body: str):
+    return run(parse(HEAD8 + body), L8, X8)
+
+
+def test_a_span_on_some_legions_of_an_earlier_span_races_on_its_first_shared_legion():
+    """The second load (Legions 5-7) lands where the vmul of Legions 0-7 still reads: its rank 0
+    meets the vmul's rank 5."""
+    with pytest.raises(Trap, match=r"7: dma.ld: race on L5 vec\[0\]: line 6 \(vmul\) read it"):
+        emulate8("""dma.ld L0 {0} vec[0,64,1] @x[0,64] rows=1 cols=64 span=8 lstride=64
+vmul L0 vec[64,64,1] vec[0,64,1] #2 rows=1 cols=64 span=8 wait=dma
+dma.ld L5 {5} vec[0,64,1] @x[0,64] rows=1 cols=64 span=3 lstride=64
+dma.st L0 @y[0,64] vec[64,64,1] rows=1 cols=64 span=8 lstride=64 wait=vec""")
+
+
+def test_a_span_waiting_on_its_own_legions_is_ordered():
+    out = emulate8("""dma.ld L0 {0} vec[0,64,1] @x[0,64] rows=1 cols=64 span=8 lstride=64
+vmul L0 vec[64,64,1] vec[0,64,1] #2 rows=1 cols=64 span=8 wait=dma
+dma.ld L5 {5} vec[0,64,1] @x[0,64] rows=1 cols=64 span=3 lstride=64 wait=vec
+dma.st L0 @y[0,64] vec[64,64,1] rows=1 cols=64 span=8 lstride=64 wait=vec""")
+    np.testing.assert_array_equal(out.outputs["y"], 2 * X8["x"])
+
+
+def test_the_ranks_of_one_store_that_overlap_race():
+    with pytest.raises(Trap, match=r"6: dma.st: race on @t\[32\]: line 6 \(dma.st\) wrote it"):
+        emulate8("""dma.ld L0 {0} vec[0,64,1] @x[0,64] rows=1 cols=64 span=8 lstride=64
+dma.st L0 @t[0,64] vec[0,64,1] rows=1 cols=64 span=2 lstride=32 wait=dma
+dma.st L0 @y[0,64] vec[0,64,1] rows=1 cols=64 span=8 lstride=64 wait=dma""")
+
+
+@pytest.fixture(scope="module")
+def compiled8():
+    from pathlib import Path
+    from dlegion_cc.pipeline import Options, compile_model
+    root = Path(__file__).parent.parent
+    _, program = compile_model(root / "models" / "bitnet_tiny_gqa.onnx", Options(L8, {"sequence": 8}),
+                               "prog.s.data")
+    return program
+
+
+@pytest.mark.parametrize("mnemonic", ["mm", "drain", "vmul", "dma.st"])
+def test_a_removed_wait_in_a_compiled_program_is_reported(compiled8, mnemonic):
+    """The first instruction of a kind that waits for a DMA queue, its wait removed: it no
+    longer waits for the data it reads (or for its readers to be done), which is a race."""
+    from dataclasses import replace
+    from runtime.emulator import random_inputs
+    instrs = list(compiled8.instrs)
+    o = next(o for o, ins in enumerate(instrs) if ins.MNEMONIC == mnemonic and getattr(ins, "wait", None) is not None)
+    instrs[o] = replace(instrs[o], wait=None)
+    racy = replace(compiled8, instrs=instrs)
+    inputs = random_inputs(compiled8, 0)
+    run(compiled8, L8, inputs)                       # the program as compiled has no race
+    with pytest.raises(Trap, match="race on"):
+        run(racy, L8, inputs)
