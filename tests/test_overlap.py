@@ -85,3 +85,32 @@ def test_interleaved_windows_do_not_meet():
     both = _window(0, 20, 192, 16384, 1)
     assert not _meet(a, b)
     assert _meet(both, a) and _meet(both, b) and _meet(a, a)
+
+
+def _wide_kernel(path: Path, rows: int, cols: int) -> None:
+    """relu(x) * y - max(x) over rows of ``cols``: one fused row kernel, two inputs, one output;
+    the row maximum keeps each row whole in a block."""
+    import onnx
+    from onnx import TensorProto, helper
+    info = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [rows, cols]) for n in ("x", "y", "z")]
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Mul", ["r", "y"], ["m"]),
+             helper.make_node("ReduceMax", ["x"], ["top"], axes=[-1], keepdims=1),
+             helper.make_node("Sub", ["m", "top"], ["z"])]
+    model = helper.make_model(helper.make_graph(nodes, "wide", info[:2], info[2:]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(model, path)
+
+
+def test_a_wide_kernel_computes_its_output_in_place_and_double_buffers(tmp_path):
+    """Rows of 5,000 columns: x, y, relu(x) and a block of its own for z (20,000 elements) do
+    not fit half the vector scratchpad (16,384); z in the block of a value that died does, so
+    consecutive blocks of x load into the two halves, each while the other computes."""
+    path = tmp_path / "wide.onnx"
+    _wide_kernel(path, 64, 5000)
+    program = compile_model(path, Options(EIGHT))[1]
+    x_loads = {i.dst.addr for i in program.instrs if isinstance(i, DmaLoad) and program.tensors[i.src.tensor].name == "x"}
+    assert len(x_loads) == 2
+    rng = np.random.default_rng(0)
+    x, y = (rng.standard_normal((64, 5000), dtype=np.float32) for _ in range(2))
+    got = run(program, EIGHT, {"x": x, "y": y}).outputs["z"]
+    assert np.array_equal(got, np.maximum(x, 0) * y - x.max(axis=-1, keepdims=True))
