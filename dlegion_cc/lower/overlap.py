@@ -23,6 +23,7 @@ an element of the same scratchpad or DRAM tensor, one of the two writing (``foot
 """
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import replace
 
@@ -40,12 +41,32 @@ UNTRACKED = ("const", "input")      # never written: no ordering to keep
 
 
 def overlap(program: Program, arch: Arch) -> Program:
-    """``program`` with its barriers replaced by the waits that keep it ordered."""
+    """``program`` with its barriers replaced by the waits that keep it ordered, but those
+    between the layers of a model (``layer_ends``)."""
     if not any(isinstance(i, Barrier) for i in program.instrs):
         return program
-    instrs, starts = _Rewrite(program, arch).run()
+    instrs, starts = _Rewrite(program, arch, layer_ends(program)).run()
     regions = [(starts[at] if at < len(starts) else len(instrs), name) for at, name in program.regions]
     return replace(program, instrs=instrs, regions=regions)
+
+
+LAYER = re.compile(r"(?:^|[./_])layers?[._](\d+)[./_]")
+
+
+def layer_ends(program: Program) -> set[int]:
+    """The barriers where the regions move on to the next layer of the model (by the layer
+    index in the ONNX node names, ``model.layers.3.mlp/...``; a region named otherwise is of
+    the layer before it). They stay: the timing model and the race check take each stretch
+    between barriers that repeats an earlier one (a decoder's layers) once, and what a node
+    could overlap across a layer's end is one node's worth in a layer's dozens."""
+    keep, layer = set(), None
+    for at, name in program.regions:
+        m = LAYER.search(name)
+        now = m.group(1) if m else layer
+        if layer is not None and now != layer and at > 0 and isinstance(program.instrs[at - 1], Barrier):
+            keep.add(at - 1)
+        layer = now
+    return keep
 
 
 # --- footprints -------------------------------------------------------------------------------
@@ -160,22 +181,24 @@ class _Ledger:
     """One space's accesses a later one may conflict with: (first, end, queue, count, write,
     instruction, rectangle), count being the queue's completed count that has the access done."""
 
-    PRUNE_AT = 96
+    PRUNE_AT = 32
 
     def __init__(self):
         self.items: list[tuple] = []
 
     def conflicts(self, win: tuple, write: bool, k: int):
+        lo, end = win[0], win[1]
         for e in self.items:
-            if (write or e[4]) and e[5] != k and _meet(win, e):
+            if e[0] < end and lo < e[1] and (write or e[4]) and e[5] != k and _meet(win, e):
                 yield e
 
     def add(self, win: tuple, q: int, count: int, write: bool, k: int, whole: bool) -> None:
         if whole:
             # Whatever is ordered after this access is ordered after the ones it covers:
             # a write covers every access, a read the reads of its own queue.
+            lo, end = win[0], win[1]
             self.items = [e for e in self.items
-                          if not ((write or (not e[4] and e[2] == q)) and _covers(win, e))]
+                          if e[1] <= lo or e[0] >= end or not ((write or (not e[4] and e[2] == q)) and _covers(win, e))]
         self.items.append((win[0], win[1], q, count, write, k, win[3]))
 
     def prune(self, floor: np.ndarray) -> None:
@@ -184,8 +207,8 @@ class _Ledger:
 
 
 class _Rewrite:
-    def __init__(self, program: Program, arch: Arch):
-        self.program, self.arch = program, arch
+    def __init__(self, program: Program, arch: Arch, keep: set[int] = frozenset()):
+        self.program, self.arch, self.keep = program, arch, keep
         self.nq = arch.legions * len(QUEUES)
         self.issued: Counter = Counter()            # new order: (Legion, queue) -> items
         self.old_issued: Counter = Counter()        # old order, barriers counted everywhere
@@ -214,13 +237,29 @@ class _Rewrite:
         starts = []
         for k, i in enumerate(self.program.instrs):
             starts.append(len(self.out))
-            if isinstance(i, Barrier):
+            if isinstance(i, Barrier) and k in self.keep:
+                self._barrier()
+            elif isinstance(i, Barrier):
                 self._count_old_barrier()
             else:
                 self._place(k, i)
             if k % 64 == 63:
                 self._prune()
         return self.out, starts
+
+    def _barrier(self) -> None:
+        """A barrier kept: every queue knows done all that came before it, and it."""
+        self.out.append(Barrier())
+        keys = [(legion, q) for legion in range(self.arch.legions) for q in QUEUES]
+        for key in keys:
+            self.issued[key] += 1
+            self.old_issued[key] += 1
+            self.renumber.setdefault(key, []).append(self.issued[key])
+        known = np.array([self.issued[key] for key in keys], np.int64)
+        for key in keys:
+            self.done.setdefault(self.qid(*key), []).append(known)
+        self.start[:] = known
+        self.ledgers.clear()
 
     def _count_old_barrier(self) -> None:
         for legion in range(self.arch.legions):

@@ -80,7 +80,10 @@ def rowwise(em: Emitter, shape: tuple[int, ...], args: list[Arg], body: Body,
     shape2, bound, strides = _coalesced(shape, args, keep_last)
     reach = _Reach(reach.reshape(shape2[:-1]) if reach is not None and keep_last else None, shape2[-1])
     rows, cols = shape2[-2], shape2[-1]
-    width = cols if keep_last else _cols_per_block(em, args, strides, cols)
+    # Sized as if every output had a block of its own, but for the one choice an output in
+    # place changes for the better: blocks that fit half the scratchpad only so.
+    sized = [replace(a, alias=None) for a in args]
+    width = cols if keep_last else _cols_per_block(em, sized, strides, cols)
     if width > em.extent():
         raise CompileError(f"{where}rows of {cols} elements are longer than one instruction can name "
                            f"({em.extent()})")
@@ -88,12 +91,15 @@ def rowwise(em: Emitter, shape: tuple[int, ...], args: list[Arg], body: Body,
         _folded(em, args, shape2, bound, width, body, where)
         return
     resident = _Resident(args, bound, cols)
-    block = _rows_per_block(em, args, strides, rows, width, where, resident)
+    block = _rows_per_block(em, sized, strides, rows, width, where, resident)
     if block >= rows and len(shape2) > 2:
         _whole_frames(em, args, shape2, bound, strides, body, resident, reach)
         return
     half = resident.half(em)
-    in_half = _rows_per_block(em, args, strides, rows, cols, where, resident, half, strict=False)
+    in_half = _rows_per_block(em, sized, strides, rows, cols, where, resident, half, strict=False)
+    if not 0 < in_half < rows:
+        shared = _rows_per_block(em, args, strides, rows, cols, where, resident, half, strict=False)
+        in_half = shared if 0 < shared < rows else in_half
     overlap = 0 < in_half < rows                 # several blocks, each fitting half the scratchpad
     blocks = _InFlight(em, half if overlap else 0, resident)
     block = _balanced(rows, in_half if overlap else block, em.arch.legions)
@@ -153,7 +159,8 @@ def _broadcast_rows(em: Emitter, shape: tuple[int, ...], args: list[Arg], keep_l
     new = tuple(shape[k] for k in order)
     shape2, bound, strides = _coalesced(new, moved, keep_last)
     resident = _Resident(moved, bound, shape2[-1])
-    fits = _rows_per_block(em, moved, strides, shape2[-2], shape2[-1], "", resident, resident.half(em), strict=False)
+    sized = [replace(a, alias=None) for a in moved]
+    fits = _rows_per_block(em, sized, strides, shape2[-2], shape2[-1], "", resident, resident.half(em), strict=False)
     if fits < shape2[-2]:
         return shape, args, reach
     return new, moved, (None if reach is None else reach.transpose(order[:-1]))
@@ -196,7 +203,8 @@ def _whole_frames(em, args, shape, bound, strides, body, resident, reach: _Reach
     spans of Legions."""
     rows, cols = shape[-2:]
     half = resident.half(em)
-    fits = _rows_per_block(em, args, strides, rows, cols, "", resident, half, strict=False) >= rows
+    sized = [replace(a, alias=None) for a in args]
+    fits = _rows_per_block(em, sized, strides, rows, cols, "", resident, half, strict=False) >= rows
     blocks = _InFlight(em, half if fits else 0, resident)
     for outer in outer_indices(shape[:-1]):
         for i0, _, count in _groups(shape[-3], 1, em.arch.legions):
