@@ -2,7 +2,7 @@
 how fast the compiler and the timing model handle it.
 
     python bench/bench_layer.py [--seq 512] [--arch dlegion-8x8] [--no-prefetch] [--attention int8|fp32]
-                                [--error]
+                                [--no-overlap] [--error] [--stack]
 
 Prints the instruction count by family (budget: 20,000 at sequence 512), the simulated
 cycles and where they go (the regions of quantized matmuls, of fp32 matmuls on the vector
@@ -11,9 +11,15 @@ timing the program (median of 3). Then the layer against its bound, max(matmul c
 cycles): every BitLinear matmul in w2 and every attention product in w8 (only the causal
 lower triangle) at the arrays' peak, the ternary weights and the layer's fp32 input and
 output at the DRAM rate (target: at most 1.25x); and the other attention mode beside it
-(the ablation). ``--error`` also emulates both programs on the same inputs and prints the
+(the ablation), and the layer with a barrier after every node (``dlegion-cc --no-overlap``, the
+overlap ablation). ``--stack`` times the BitLinear stack instead (below). ``--error`` also emulates both programs on the same inputs and prints the
 relative L2 distance of the layer's output (the residual stream before the final norm) with
 int8 attention from the fp32-attention program's (target: at most 1e-2).
+
+``--stack`` (default sequence 256): the layer's six BitLinear projections without attention,
+Q/K/V on the quantized input, gate/up on the quantized Q, down on the quantized
+ReLU(gate)^2 * up, against the roofline of their matmuls in w2 (target: at most 1.12x), with
+and without overlap.
 """
 from __future__ import annotations
 
@@ -35,12 +41,15 @@ from isa import arch as arch_mod                               # noqa: E402
 from isa.arch import MODE_TILES                               # noqa: E402
 from isa.instructions import family                           # noqa: E402
 from dlegion_cc.pipeline import Options, compile_model        # noqa: E402
-from models.bitnet import build_bitnet, preset, save          # noqa: E402
+from models.bitnet import BitLinear, build_bitnet, preset, save  # noqa: E402
+from models.decoder import relu2                              # noqa: E402
+from models.graph import FLOAT, GraphBuilder, tensor_info      # noqa: E402
 from runtime.emulator import run                              # noqa: E402
 from runtime.report import regions_by_name                    # noqa: E402
 from runtime.timing import simulate                           # noqa: E402
 
 BUDGET = 20_000
+STACK_TARGET = 1.12
 
 
 def _median_time(fn, runs: int = 3):
@@ -108,23 +117,63 @@ def _bound_cycles(graph, machine, seq: int) -> tuple[float, float]:
     return b["matmul"], dram
 
 
+def _stack_model(seq: int, path: Path) -> None:
+    """Q, K, V, gate, up and down of one 2B4T layer, each after absmax quantization, ReLU^2
+    between gate and up; no attention (Q feeds the MLP)."""
+    config = preset("2b4t", layers=1, seq=seq)
+    spec, b = config.spec(), GraphBuilder()
+    proj = BitLinear(config, np.random.default_rng(config.seed))
+    h, kv = spec.hidden, spec.kv_heads * spec.head_dim
+    xq = proj.prepare(b, "x")
+    q, k, v = (proj.project(b, xq, name, h, n) for name, n in (("q_proj", h), ("k_proj", kv), ("v_proj", kv)))
+    qq = proj.prepare(b, q)
+    up = proj.project(b, qq, "up_proj", h, spec.ffn)
+    hidden = b.op("Mul", relu2(b, proj.project(b, qq, "gate_proj", h, spec.ffn)), up)
+    down = proj.project(b, proj.prepare(b, hidden), "down_proj", spec.ffn, h)
+    outs = [tensor_info(name, FLOAT, [1, seq, n]) for name, n in ((k, kv), (v, kv), (down, h))]
+    save(b.model([tensor_info("x", FLOAT, [1, seq, h])], outs), path, external_data=True)
+
+
+def _stack(seq: int, machine, prefetch: bool) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "stack.onnx"
+        _stack_model(seq, path)
+        runs = {ov: compile_model(path, Options(machine, prefetch=prefetch, overlap=ov)) for ov in (True, False)}
+    roofline = bound(runs[True][0], machine)["matmul"]
+    cycles = {ov: simulate(program, machine).cycles for ov, (_, program) in runs.items()}
+    print(f"2B4T BitLinear stack (Q, K, V, gate, up, down with absmax quantization, ReLU^2), sequence {seq}, "
+          f"{machine.name}: {cycles[True]:,} cycles, {cycles[True] / roofline:.2f}x its matmul roofline of "
+          f"{roofline:,.0f} (target <= {STACK_TARGET}x); no overlap (ablation): {cycles[False]:,} cycles, "
+          f"{cycles[False] / roofline:.2f}x")
+
+
 @click.command()
-@click.option("--seq", default=512, show_default=True)
+@click.option("--seq", default=None, type=int, help="sequence length [default: 512; 256 with --stack]")
 @click.option("--arch", "arch_name", default="dlegion-8x8", show_default=True)
 @click.option("--prefetch/--no-prefetch", default=True, show_default=True,
               help="Weights load during the row kernel before each matmul (dlegion-cc --no-prefetch turns it off).")
 @click.option("--attention", type=click.Choice(("int8", "fp32")), default="int8", show_default=True,
               help="Attention's products on the arrays in int8 (the default for BitNet) or on the vector lanes.")
+@click.option("--overlap/--no-overlap", default=True, show_default=True,
+              help="Nodes end in waits for what the next ones share, not barriers (dlegion-cc --no-overlap).")
 @click.option("--error", is_flag=True, help="Emulate both attention modes and print the int8 one's error.")
-def main(seq: int, arch_name: str, prefetch: bool, attention: str, error: bool) -> None:
+@click.option("--stack", is_flag=True, help="Time the BitLinear stack without attention instead of the layer.")
+def main(seq: int | None, arch_name: str, prefetch: bool, attention: str, overlap: bool, error: bool,
+         stack: bool) -> None:
     machine = arch_mod.load(arch_name)
+    if stack:
+        _stack(seq or 256, machine, prefetch)
+        return
+    seq = seq or 512
     other = "fp32" if attention == "int8" else "int8"
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "layer.onnx"
         layer_out = _layer_model(seq, path)
         t_compile, (graph, program) = _median_time(
-            lambda: compile_model(path, Options(machine, prefetch=prefetch, attention=attention)), runs=1)
-        other_graph, other_program = compile_model(path, Options(machine, prefetch=prefetch, attention=other))
+            lambda: compile_model(path, Options(machine, prefetch=prefetch, attention=attention, overlap=overlap)), runs=1)
+        other_graph, other_program = compile_model(path, Options(machine, prefetch=prefetch, attention=other,
+                                                                 overlap=overlap))
+        _, barriers = compile_model(path, Options(machine, prefetch=prefetch, attention=attention, overlap=not overlap))
     t_time, timeline = _median_time(lambda: simulate(program, machine))
     counts = Counter(family(type(i)) for i in program.instrs)
     n = len(program.instrs)
@@ -138,9 +187,11 @@ def main(seq: int, arch_name: str, prefetch: bool, attention: str, error: bool) 
     matmul, dram = _bound_cycles(graph, machine, seq)
     limit = max(matmul, dram)
     layer, other_layer = _layer_cycles(timeline), _layer_cycles(simulate(other_program, machine))
+    flipped = _layer_cycles(simulate(barriers, machine))
     print(f"  the layer alone (without the embedding and the fp32 lm head): {layer:,} cycles, {layer / limit:.2f}x its "
           f"bound of {limit:,.0f} (matmuls {matmul:,.0f}, DRAM {dram:,.0f}; target <= 1.25x); attention {other} "
-          f"(ablation): {other_layer:,} cycles, {other_layer / limit:.2f}x")
+          f"(ablation): {other_layer:,} cycles, {other_layer / limit:.2f}x; {'no ' if overlap else ''}overlap "
+          f"(ablation): {flipped:,} cycles, {flipped / limit:.2f}x")
     if error:
         _print_error(machine, program if attention == "int8" else other_program,
                      other_program if attention == "int8" else program, layer_out)

@@ -166,6 +166,8 @@ def _compile_program(model: str, options: Options, output: str, arch: str, emit:
 @click.option("--no-prefetch", is_flag=True,
               help="Ablation: a quantized matmul's first weights do not load during the row kernel before it "
                    "(at decode, while the kernel runs on one Legion).")
+@click.option("--no-overlap", is_flag=True,
+              help="Ablation: every node ends in a barrier, so no node's work overlaps the next one's.")
 @click.option("--objective", type=click.Choice(OBJECTIVES), default="latency", show_default=True,
               help="What each quantized matmul's schedule is chosen for: the fewest cycles, the fewest joules "
                    "by the architecture's energy table (mostly DRAM traffic), or the least energy x delay.")
@@ -175,14 +177,14 @@ def _compile_program(model: str, options: Options, output: str, arch: str, emit:
                    "Default: int8 where the model's projections are quantized, else fp32.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars (shown only when stderr is a terminal).")
 def compile_command(model, output, arch, dims, inputs_path, emit, schedule_path, print_after, no_multicast,
-                    no_accumulators, no_sparsity, no_fusion, no_prefetch, objective, attention, quiet):
+                    no_accumulators, no_sparsity, no_fusion, no_prefetch, no_overlap, objective, attention, quiet):
     """Compile MODEL (ONNX) into a D-Legion program for ``dlegion-run``."""
     machine = arch_mod.load(arch)
     shapes, data_files = peek(model)
     bound = _bound_dims(model, shapes, inputs_path, _parse_dims(dims))
     _check_outputs(model, data_files, output, emit, schedule_path)
     options = Options(machine, bound, multicast=not no_multicast, accumulators=not no_accumulators,
-                      sparsity=not no_sparsity, fusion=not no_fusion, prefetch=not no_prefetch,
+                      sparsity=not no_sparsity, fusion=not no_fusion, prefetch=not no_prefetch, overlap=not no_overlap,
                       objective=objective, attention=attention,
                       schedules=schedules.read(schedule_path) if schedule_path else schedules.Schedules())
     hook, progress = _print_after(print_after), Progress.for_terminal(quiet)

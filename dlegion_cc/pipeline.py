@@ -52,6 +52,7 @@ class Options:
     sparsity: bool = True         # off: dense schedule, no block masks
     fusion: bool = True           # off: no FuseSiblings (multi-matrix fusion) and no FuseRowwise
     prefetch: bool = True         # off: a matmul's first weights wait for the row kernel before it
+    overlap: bool = True          # off: every node ends in a barrier
     # What quantized-matmul schedules are chosen for: "latency", "energy" or "edp" (qplan.OBJECTIVES).
     objective: str = "latency"
     # Quantized matmuls' schedules: pinned ones in, those given out (None: all searched).
@@ -61,7 +62,8 @@ class Options:
     attention: str | None = None
 
     def switches(self) -> Switches:
-        return Switches(self.multicast, self.accumulators, self.sparsity, self.prefetch, self.objective)
+        return Switches(self.multicast, self.accumulators, self.sparsity, self.prefetch,
+                        overlap=self.overlap, objective=self.objective)
 
 
 Hook = Callable[[str, Graph], None]

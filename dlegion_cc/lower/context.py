@@ -26,6 +26,7 @@ class Switches:
     accumulators: bool = True     # the parallel accumulators sum a pass's K-slices across cores
     sparsity: bool = True         # all-zero weight blocks are neither loaded nor multiplied
     prefetch: bool = True         # a matmul's first weights load while the node before it runs
+    overlap: bool = True          # nodes end in waits for what the next ones share, not barriers
     objective: str = "latency"    # fewest cycles; or fewest joules ("energy"), or their product ("edp")
 
 

@@ -54,12 +54,18 @@ class _Slots:
         self.temps.append(Arg(name, col=(kind == "col")))
         return name
 
+    def reuse(self, value: str) -> str:
+        """A free full-width slot (of an input or temp that died: a block of full rows, laid out
+        as the output's), else ``value``'s own."""
+        return self.free["full"].pop() if self.free["full"] else value
+
     def give(self, kind: str, slot: str) -> None:
         self.free[kind].append(slot)
 
 
 def _plan(node: Node, kinds: dict, scalars: dict, inputs: set, outputs: set) -> tuple[dict, list[Arg]]:
-    """Slot of every value: inputs and outputs have their own; the rest share temps."""
+    """Slot of every value: inputs have their own; the rest share temps, and a full-width
+    output takes the temp of a value that died making it, when there is one (``in_place``)."""
     subs = node.attrs["nodes"]
     last = {}
     for k, n in enumerate(subs):
@@ -76,6 +82,8 @@ def _plan(node: Node, kinds: dict, scalars: dict, inputs: set, outputs: set) -> 
         for o in n.outputs:
             if o not in outputs:
                 slot[o] = slots.take(kinds[o])
+            elif n.op not in NO_IN_PLACE and kinds.get(o) == "full":
+                slot[o] = slots.reuse(o)
         if n.op in NO_IN_PLACE:
             for i in dying:
                 slots.give(kinds[i], slot[i])
@@ -94,8 +102,8 @@ def row_kernel(low: Lowering, node) -> None:
     ins = [n for n in node.inputs if n not in scalars]
     slot, temps = _plan(node, kinds, scalars, set(ins), set(node.outputs))
     args = [Arg(n, _frame_operand(low.operand(n), values[n].shape, kinds[n], frame)) for n in ins]
-    args += [Arg(n, _frame_operand(low.result(n), values[n].shape, kinds[n], frame), out=True)
-             for n in node.outputs]
+    args += [Arg(n, _frame_operand(low.result(n), values[n].shape, kinds[n], frame), out=True,
+                 alias=slot[n] if slot.get(n, n) != n else None) for n in node.outputs]
     args += temps
     widths = {n: (frame.cols if kinds.get(n) in ("full", "row") else 1) for n in values}
 

@@ -16,6 +16,7 @@ from dlegion_cc.lower import elementwise, fmatmul, fused, movement, qmatmul, qua
 from dlegion_cc.lower.context import LOWERINGS, Lowering, Switches
 from dlegion_cc.lower.emitter import ConstData, Emitter
 from dlegion_cc.lower.movement import nd_copy
+from dlegion_cc.lower.overlap import overlap
 from dlegion_cc.lower.prefetch import prefetch_weights
 
 
@@ -38,7 +39,8 @@ def lower_graph(graph: Graph, arch: Arch, data_file: str | None, switches: Switc
     _materialize_outputs(low, regions)
     program = em.program(data_file)
     program.regions = regions
-    return prefetch_weights(program, arch) if switches.prefetch else program
+    program = prefetch_weights(program, arch) if switches.prefetch else program
+    return overlap(program, arch) if switches.overlap else program
 
 
 def _lower_node(low: Lowering, node: Node, problems: list, regions: list) -> None:

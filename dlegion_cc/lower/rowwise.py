@@ -34,13 +34,17 @@ from runtime.costs import cost
 class Arg:
     """A kernel operand: a DRAM view (input or output), or a scratch temp when ``operand`` is None.
 
-    Temps are a full block (``col=False``) or one value per row (``col=True``).
+    Temps are a full block (``col=False``) or one value per row (``col=True``). An output with
+    an ``alias`` is computed in the block of that argument (an input or temp of the same shape
+    that died making it) and stored from there: it takes no block of its own, so the blocks of
+    a wide kernel may fit half the scratchpad, the next one loading while one computes.
     """
 
     name: str
     operand: Operand | None = None
     out: bool = False
     col: bool = False
+    alias: str | None = None
 
 
 Body = Callable[[Emitter, int, dict, int, int], None]   # (em, legion, views, rows, cols)
@@ -76,7 +80,10 @@ def rowwise(em: Emitter, shape: tuple[int, ...], args: list[Arg], body: Body,
     shape2, bound, strides = _coalesced(shape, args, keep_last)
     reach = _Reach(reach.reshape(shape2[:-1]) if reach is not None and keep_last else None, shape2[-1])
     rows, cols = shape2[-2], shape2[-1]
-    width = cols if keep_last else _cols_per_block(em, args, strides, cols)
+    # Sized as if every output had a block of its own, but for the one choice an output in
+    # place changes for the better: blocks that fit half the scratchpad only so.
+    sized = [replace(a, alias=None) for a in args]
+    width = cols if keep_last else _cols_per_block(em, sized, strides, cols)
     if width > em.extent():
         raise CompileError(f"{where}rows of {cols} elements are longer than one instruction can name "
                            f"({em.extent()})")
@@ -84,12 +91,15 @@ def rowwise(em: Emitter, shape: tuple[int, ...], args: list[Arg], body: Body,
         _folded(em, args, shape2, bound, width, body, where)
         return
     resident = _Resident(args, bound, cols)
-    block = _rows_per_block(em, args, strides, rows, width, where, resident)
+    block = _rows_per_block(em, sized, strides, rows, width, where, resident)
     if block >= rows and len(shape2) > 2:
         _whole_frames(em, args, shape2, bound, strides, body, resident, reach)
         return
     half = resident.half(em)
-    in_half = _rows_per_block(em, args, strides, rows, cols, where, resident, half, strict=False)
+    in_half = _rows_per_block(em, sized, strides, rows, cols, where, resident, half, strict=False)
+    if not 0 < in_half < rows:
+        shared = _rows_per_block(em, args, strides, rows, cols, where, resident, half, strict=False)
+        in_half = shared if 0 < shared < rows else in_half
     overlap = 0 < in_half < rows                 # several blocks, each fitting half the scratchpad
     blocks = _InFlight(em, half if overlap else 0, resident)
     block = _balanced(rows, in_half if overlap else block, em.arch.legions)
@@ -149,7 +159,8 @@ def _broadcast_rows(em: Emitter, shape: tuple[int, ...], args: list[Arg], keep_l
     new = tuple(shape[k] for k in order)
     shape2, bound, strides = _coalesced(new, moved, keep_last)
     resident = _Resident(moved, bound, shape2[-1])
-    fits = _rows_per_block(em, moved, strides, shape2[-2], shape2[-1], "", resident, resident.half(em), strict=False)
+    sized = [replace(a, alias=None) for a in moved]
+    fits = _rows_per_block(em, sized, strides, shape2[-2], shape2[-1], "", resident, resident.half(em), strict=False)
     if fits < shape2[-2]:
         return shape, args, reach
     return new, moved, (None if reach is None else reach.transpose(order[:-1]))
@@ -162,8 +173,10 @@ class _Resident:
 
     def __init__(self, args: list[Arg], bound: dict, cols: int):
         self.views, addr = {}, 0
+        written = {a.alias for a in args}       # an output overwrites it: loaded with every block
         for a in args:
-            if a.operand is not None and not a.out and not any(bound[a.name].strides[:-1]):
+            if (a.operand is not None and not a.out and not any(bound[a.name].strides[:-1])
+                    and a.name not in written):
                 self.views[a.name] = _view(addr, 0, bound[a.name].strides[-1], cols, False)
                 addr += cols if bound[a.name].strides[-1] else 1
         self.size = addr
@@ -190,7 +203,8 @@ def _whole_frames(em, args, shape, bound, strides, body, resident, reach: _Reach
     spans of Legions."""
     rows, cols = shape[-2:]
     half = resident.half(em)
-    fits = _rows_per_block(em, args, strides, rows, cols, "", resident, half, strict=False) >= rows
+    sized = [replace(a, alias=None) for a in args]
+    fits = _rows_per_block(em, sized, strides, rows, cols, "", resident, half, strict=False) >= rows
     blocks = _InFlight(em, half if fits else 0, resident)
     for outer in outer_indices(shape[:-1]):
         for i0, _, count in _groups(shape[-3], 1, em.arch.legions):
@@ -230,7 +244,7 @@ def _fold_width(cols: int, width: int) -> int:
 
 def _call(em, args, shape, ops, body, where) -> None:
     it = iter(ops)
-    bound_args = [Arg(a.name, next(it), a.out, a.col) if a.operand is not None else a for a in args]
+    bound_args = [replace(a, operand=next(it)) if a.operand is not None else a for a in args]
     rowwise(em, shape, bound_args, body, keep_last=True, where=where)
 
 
@@ -260,8 +274,9 @@ def _groups(rows: int, block: int, legions: int):
 def _cols_per_block(em, args, strides, cols) -> int:
     """Columns one block may hold: a row longer than the scratchpad is cut into chunks."""
     cap = em.capacity("vec")
-    full = sum(1 for a in args if _shape_of(*strides[a.name], a.operand is None and a.col)[1])
-    narrow = len(args) - full
+    own = [a for a in args if a.alias is None]
+    full = sum(1 for a in own if _shape_of(*strides[a.name], a.operand is None and a.col)[1])
+    narrow = len(own) - full
     return max(1, min(cols, (cap - narrow) // max(full, 1), em.extent()))
 
 
@@ -270,7 +285,7 @@ def _rows_per_block(em, args, strides, rows, cols, where, resident: _Resident, c
     """Rows a block of ``cap`` vector elements (default: all of them but the resident inputs')
     holds; 0 when not one row fits and not ``strict`` (else an error)."""
     cap = em.capacity("vec") - resident.size if cap is None else cap
-    streamed = [a for a in args if a.name not in resident.views]
+    streamed = [a for a in args if a.name not in resident.views and a.alias is None]
     fixed = sum(_footprint(a, *strides[a.name], 0, cols) for a in streamed)
     per_row = sum(_footprint(a, *strides[a.name], 1, cols) for a in streamed) - fixed
     if fixed + per_row > cap:
@@ -321,10 +336,11 @@ def _emit_group(em, span, base, args, at, strides, r0, n, cols, width, body, ste
     steps = {name: (step if count > 1 else None) for name, step in steps.items()}
     views, addr = dict(resident.views), base
     for a in args:
-        if a.name not in resident.views:
+        if a.name not in resident.views and a.alias is None:
             rs, cs = strides[a.name]
             views[a.name] = _view(addr, rs, cs, cols, a.operand is None and a.col)
             addr += _footprint(a, rs, cs, n, cols)
+    views.update({a.name: views[a.alias] for a in args if a.alias is not None})
     with em.spanning(legion, count):
         for a in args:
             if (a.operand is not None and not a.out
