@@ -32,12 +32,17 @@ PROGRAM_APPROXIMATIONS = {
                        "quantized per row, V per channel", 5e-2),
     "int8_activations": ("float activations of weight-only quantized matmuls quantized to int8 per row",
                          APPROXIMATION_BOUND),
+    # dlegion-cc --quantize (runtime/quantized64.py; README, "Float models onto the arrays").
+    **{f"quantized_{mode}": (f"float MatMul/Gemm weights quantized to {what}, their activations to int8 per token",
+                             bound) for mode, what, bound in (
+        ("w8", "int8 per output channel", 5e-2), ("w4", "int4 per block of 32 rows", 3e-1),
+        ("w2", "ternary (absmean)", 1.0))},
 }
 
 
 # The program approximations the float64 evaluation applies too (reference64.float64_model): a
 # program recording only these is measured from fp64 with them, at the tolerance as given.
-MODELLED = frozenset({"int8_activations", "int8_attention"})
+MODELLED = frozenset({"int8_activations", "int8_attention", "quantized_w8", "quantized_w4", "quantized_w2"})
 
 
 def approximation_tolerance(names: list[str], tol: float = REL_L2_TOLERANCE, fp64: bool = False) -> float:
@@ -49,8 +54,9 @@ def approximation_tolerance(names: list[str], tol: float = REL_L2_TOLERANCE, fp6
 
 def describe_approximations(names: list[str]) -> list[str]:
     """One phrase per approximation a program records."""
+    from runtime.quantized64 import describe
     return [f"{n}: {PROGRAM_APPROXIMATIONS[n][0]} (tolerance {PROGRAM_APPROXIMATIONS[n][1]:g})"
-            if n in PROGRAM_APPROXIMATIONS else f"{n}: not known to this version" for n in names]
+            if n in PROGRAM_APPROXIMATIONS else describe(n) or f"{n}: not known to this version" for n in names]
 
 
 @dataclass
@@ -317,11 +323,14 @@ def judge(model: str | Path, inputs: dict[str, np.ndarray], ours: dict[str, np.n
     why = _fp64_skipped(model, reference)
     if why:
         return Verdict(rows, fp32, why, [])
+    from runtime.quantized64 import quantization
     attention = "int8_attention" in program_approximations
+    quant = quantization(program_approximations)        # --quantize: its own yardstick
     approx = approximations(model, attention)
-    bound = approximation_bound(len(approx) - attention, attention)
+    bound = approximation_bound(len(approx) - attention, attention) + (quant.bound if quant else 0.0)
+    approx += [quant.phrase] if quant else []
     try:
-        f64, f64a = _float64(model, inputs, approx, attention)
+        f64, f64a = _float64(model, inputs, approx, attention, quant)
     except Exception as e:  # onnxruntime raises its own exception types
         if reference == "fp64":
             raise
@@ -359,13 +368,18 @@ def _fp64_skipped(model, reference: str | None) -> str | None:
     return None
 
 
-def _float64(model, inputs, approx: list[str], int8_attention: bool):
-    """The graph's outputs in float64, and those of the graph as the compiler computes it."""
+def _float64(model, inputs, approx: list[str], int8_attention: bool, quant=None):
+    """The graph's outputs in float64, and those of the graph as the compiler computes it
+    (``quant``: the model quantized as ``--quantize`` does, runtime/quantized64.py)."""
     from runtime.reference64 import float64_outputs
     plain = float64_outputs(model, inputs)
     if not approx:
         return plain, plain
-    return plain, float64_outputs(model, inputs, approximations=True, int8_attention=int8_attention)
+    if quant is None:
+        return plain, float64_outputs(model, inputs, approximations=True, int8_attention=int8_attention)
+    from runtime.quantized64 import quantized_file
+    with quantized_file(model, quant) as path:
+        return plain, float64_outputs(path, inputs, approximations=True, int8_attention=int8_attention)
 
 
 def positions_rel_l2(x: np.ndarray, ref: np.ndarray) -> np.ndarray:

@@ -20,6 +20,7 @@ MATMULS = {("", "MatMul"), ("", "Gemm"), ("com.microsoft", "MatMulNBits"), ("", 
            ("com.microsoft", "MatMulInteger"), ("", "QLinearMatMul")}
 INTEGER = {"MatMulInteger", "QLinearMatMul"}    # lowered on the arrays as they are, in w8
 NAMED = 3                                       # fp32 matmuls named in the line, then "and N more"
+PRODUCT = "activation x activation"
 
 
 @dataclass
@@ -60,7 +61,9 @@ class Census:
         text = f"{len(self.arrays)} of {total} matmuls on the arrays" + (f" ({how})" if how else "")
         if not self.fp32:
             return text
-        named = [f"{n} ({why})" for n, why in list(self.fp32.items())[:NAMED]]
+        # the ones a user can act on first: float weights (--quantize), then products of activations
+        first = sorted(self.fp32.items(), key=lambda item: item[1] == PRODUCT)
+        named = [f"{n} ({why})" for n, why in first[:NAMED]]
         more = len(self.fp32) - NAMED
         return f"{text}; {len(self.fp32)} in fp32 on the vector unit: {', '.join(named)}" + \
             (f", and {more} more" if more > 0 else "")
@@ -84,5 +87,5 @@ def _why_fp32(graph: Graph, node: Node) -> str:
     if any(np.dtype(v.dtype) != np.float32 for v in values):
         return f"{np.dtype(values[0].dtype).name} operands"
     if all(v.stored is None for v in values):
-        return "activation x activation"
+        return PRODUCT
     return "float weights"

@@ -43,6 +43,12 @@ def approximation(mode: str) -> str:
     return f"quantized_{mode}"
 
 
+def kept(node: str) -> str:
+    """The name the program records for a matmul ``--quantize-skip`` kept in float (its name in
+    hex: a record is a plain identifier), so ``--check`` knows not to quantize it."""
+    return "quantize_kept_" + node.encode().hex()
+
+
 def _row_chunks(w):
     """``w`` [K, N] a few thousand rows at a time, as arrays (a lazy weight is read piecewise)."""
     arr = np.asarray(w)        # a mapped weight: only the pages of the rows at hand are read
@@ -100,7 +106,9 @@ class QuantizeWeights:
         skip = set(getattr(options, "quantize_skip", ()))
         quantized: dict[str, tuple[str, str]] = {}
         for node in list(graph.nodes):
-            if node.name not in skip and quantizable(graph, node):
+            if node.name in skip:
+                node.attrs["approximation"] = kept(node.name)
+            elif quantizable(graph, node):
                 _rewrite(graph, node, mode, quantized)
 
 
