@@ -330,7 +330,7 @@ def judge(model: str | Path, inputs: dict[str, np.ndarray], ours: dict[str, np.n
     bound = approximation_bound(len(approx) - attention, attention) + (quant.bound if quant else 0.0)
     approx += [quant.phrase] if quant else []
     try:
-        f64, f64a = _float64(model, inputs, approx, attention, quant)
+        f64, f64a, spread = _float64(model, inputs, approx, attention, quant)
     except Exception as e:  # onnxruntime raises its own exception types
         if reference == "fp64":
             raise
@@ -338,7 +338,8 @@ def judge(model: str | Path, inputs: dict[str, np.ndarray], ours: dict[str, np.n
     for r in rows:
         if r.exact or r.name not in f64 or not np.issubdtype(ref[r.name].dtype, np.floating):
             continue
-        r.fp64 = fp64_distances(ours[r.name], ref[r.name], f64[r.name], f64a[r.name], tol, bound)
+        r.fp64 = fp64_distances(ours[r.name], ref[r.name], f64[r.name], f64a[r.name], tol, bound,
+                                None if spread is None else tuple(x[r.name] for x in spread))
         r.ok = r.within_tolerance or (r.fp64.ok and r.nonfinite == 0)
     return Verdict(rows, fp32, "evaluated", approx, bound)
 
@@ -374,12 +375,16 @@ def _float64(model, inputs, approx: list[str], int8_attention: bool, quant=None)
     from runtime.reference64 import float64_outputs
     plain = float64_outputs(model, inputs)
     if not approx:
-        return plain, plain
+        return plain, plain, None
     if quant is None:
-        return plain, float64_outputs(model, inputs, approximations=True, int8_attention=int8_attention)
+        return plain, float64_outputs(model, inputs, approximations=True, int8_attention=int8_attention), None
     from runtime.quantized64 import quantized_file
     with quantized_file(model, quant) as path:
-        return plain, float64_outputs(path, inputs, approximations=True, int8_attention=int8_attention)
+        # The quantized graph's own fp32 spread (onnxruntime's run of it from its float64 values):
+        # its per-token rounding flips as any fp32 program's do, which onnxruntime's run of the float
+        # model cannot show.
+        spread = onnx_reference(path, inputs), float64_outputs(path, inputs)
+        return plain, float64_outputs(path, inputs, approximations=True, int8_attention=int8_attention), spread
 
 
 def positions_rel_l2(x: np.ndarray, ref: np.ndarray) -> np.ndarray:
@@ -392,13 +397,17 @@ def positions_rel_l2(x: np.ndarray, ref: np.ndarray) -> np.ndarray:
 
 
 def fp64_distances(ours: np.ndarray, fp32: np.ndarray, f64: np.ndarray, f64_approx: np.ndarray,
-                   tol: float, bound: float = APPROXIMATION_BOUND) -> Fp64:
+                   tol: float, bound: float = APPROXIMATION_BOUND, spread=None) -> Fp64:
     """dlegion's distance from the float64 evaluation of the graph as the compiler computes it
-    (``f64_approx``, ``f64`` when it makes no approximation) beside onnxruntime's from ``f64``."""
+    (``f64_approx``, ``f64`` when it makes no approximation) beside onnxruntime's from ``f64``
+    (or, where larger, ``spread``'s fp32 output from its float64 one: a --quantize program's)."""
     from runtime.reference64 import rel_l2
     ours_d, ref_d = rel_l2(ours, f64_approx), rel_l2(fp32, f64)
     off_ours = int(np.count_nonzero(~(positions_rel_l2(ours, f64_approx) <= tol)))     # NaN counts as off
     off_ref = int(np.count_nonzero(~(positions_rel_l2(fp32, f64) <= tol)))
+    if spread is not None:
+        ref_d = max(ref_d, rel_l2(*spread))
+        off_ref = max(off_ref, int(np.count_nonzero(~(positions_rel_l2(*spread) <= tol))))
     approx = None if f64_approx is f64 else rel_l2(f64_approx, f64)
     ok = (ours_d <= FP64_MULTIPLE * ref_d and off_ours <= FP64_MULTIPLE * max(off_ref, 1)
           and (approx is None or approx <= bound))
