@@ -1,7 +1,7 @@
 """``dlegion-cc --quantize``: the error each mode puts on a float model, as ``--check`` measures it.
 
     python bench/bench_quantize.py [--seq 32] [--vocab 1000] [--arch dlegion-8x8] [--modes w8,w4,w2]
-                                   [--models committed,llama,2b4t-float,2b4t-bitnet]
+                                   [--models committed,llama,2b4t-float,2b4t-bitnet] [--attention fp32]
 
 Models: the committed ones (models/*.onnx, on dlegion-tiny with their golden sizes), the float
 Llama of the models' helpers (``llama``), and two generated at BitNet-2B4T widths, one layer,
@@ -59,8 +59,8 @@ def _models(which: list[str], tmp: Path, seq: int, vocab: int, arch: str):
         yield f"bitnet generator, 2B4T widths, 1 layer, seq {seq}", path, {}, big
 
 
-def _measure(label: str, path: Path, dims: dict, machine, mode: str) -> None:
-    options = Options(machine, dims, quantize=mode)
+def _measure(label: str, path: Path, dims: dict, machine, mode: str, attention: str | None) -> None:
+    options = Options(machine, dims, quantize=mode, attention=attention)
     _, program = compile_model(path, options)
     inputs = random_inputs(program, 0)
     good = judge(path, inputs, run(program, machine, inputs, keep=False).outputs,
@@ -86,11 +86,13 @@ def _measure(label: str, path: Path, dims: dict, machine, mode: str) -> None:
 @click.option("--arch", "arch_name", default="dlegion-8x8", show_default=True)
 @click.option("--modes", default="w8,w4,w2", show_default=True)
 @click.option("--models", "which", default="committed,llama,2b4t-float,2b4t-bitnet", show_default=True)
-def main(seq, vocab, arch_name, modes, which):
+@click.option("--attention", type=click.Choice(["int8", "fp32"]), default=None,
+              help="As dlegion-cc's (default: int8, the projections being quantized).")
+def main(seq, vocab, arch_name, modes, which, attention):
     with tempfile.TemporaryDirectory() as tmp:
         for label, path, dims, machine in _models(which.split(","), Path(tmp), seq, vocab, arch_name):
             for mode in modes.split(","):
-                _measure(label, path, dims, machine, mode)
+                _measure(label, path, dims, machine, mode, attention)
 
 
 if __name__ == "__main__":

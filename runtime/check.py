@@ -6,6 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.quantized64 import BOUNDS as QUANTIZE_BOUNDS
+
 REL_L2_TOLERANCE = 1e-4
 
 
@@ -34,9 +36,8 @@ PROGRAM_APPROXIMATIONS = {
                          APPROXIMATION_BOUND),
     # dlegion-cc --quantize (runtime/quantized64.py; README, "Float models onto the arrays").
     **{f"quantized_{mode}": (f"float MatMul/Gemm weights quantized to {what}, their activations to int8 per token",
-                             bound) for mode, what, bound in (
-        ("w8", "int8 per output channel", 5e-2), ("w4", "int4 per block of 32 rows", 3e-1),
-        ("w2", "ternary (absmean)", 1.0))},
+                             QUANTIZE_BOUNDS[mode]) for mode, what in (
+        ("w8", "int8 per output channel"), ("w4", "int4 per block of 32 rows"), ("w2", "ternary (absmean)"))},
 }
 
 

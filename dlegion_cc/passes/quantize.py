@@ -29,12 +29,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dlegion_cc.ir import DLEGION, Derived, Graph, Lazy, Node, Value
+from dlegion_cc.ir import DLEGION, Derived, Graph, Lazy, Mapped, Node, Value
 
 MODES = ("w8", "w4", "w2")
 BLOCK = 32                  # w4: rows of K per scale
 TOP = {"w8": 127, "w4": 7}  # the largest code of the symmetric modes
-ROWS = 1 << 12              # rows of a weight read at a time: a 1.3 GB lm_head is never resident whole
+PIECE = 1 << 26             # bytes of a weight read at a time: a 1.3 GB lm_head is never resident whole
 FLOOR = np.float32(1e-30)   # the scale of an all-zero channel or block: its codes are 0
 
 
@@ -51,9 +51,20 @@ def kept(node: str) -> str:
 
 def _row_chunks(w):
     """``w`` [K, N] a few thousand rows at a time, as arrays (a lazy weight is read piecewise)."""
-    arr = np.asarray(w)        # a mapped weight: only the pages of the rows at hand are read
-    for start in range(0, w.shape[0], ROWS):
-        yield np.asarray(arr[start:start + ROWS], np.float32)
+    rows, (K, N) = _rows(w.shape[1]), w.shape
+    arr = None if isinstance(w, Mapped) else np.asarray(w)
+    for start in range(0, K, rows):
+        n = min(rows, K - start)
+        if arr is None:         # a mapped weight: each piece mapped alone, unmapped when dropped
+            item = np.dtype(w.dtype).itemsize
+            yield start, np.asarray(Mapped(w.file, w.offset + start * N * item, (n, N), w.dtype).load(), np.float32)
+        else:
+            yield start, np.asarray(arr[start:start + n], np.float32)
+
+
+def _rows(n: int) -> int:
+    """Rows of ``n`` fp32 columns in a piece: whole blocks of BLOCK rows (w4's scales)."""
+    return max(1, PIECE // (4 * max(1, n)) // BLOCK) * BLOCK
 
 
 def weight_scales(w, mode: str) -> np.ndarray:
@@ -61,13 +72,14 @@ def weight_scales(w, mode: str) -> np.ndarray:
     K, N = w.shape
     if mode == "w8":
         top = np.zeros(N, np.float32)
-        for rows in _row_chunks(w):
+        for _, rows in _row_chunks(w):
             top = np.maximum(top, np.abs(rows).max(axis=0))
         return np.maximum(top / np.float32(TOP[mode]), FLOOR).astype(np.float32)[None, :]
     if mode == "w4":
-        blocks = [np.abs(rows[i:i + BLOCK]).max(axis=0) for rows in _row_chunks(w) for i in range(0, len(rows), BLOCK)]
+        blocks = [np.abs(rows[i:i + BLOCK]).max(axis=0) for _, rows in _row_chunks(w)
+                  for i in range(0, len(rows), BLOCK)]
         return np.maximum(np.stack(blocks) / np.float32(TOP[mode]), FLOOR).astype(np.float32)
-    total = sum(float(np.abs(rows).astype(np.float64).sum()) for rows in _row_chunks(w))
+    total = sum(float(np.abs(rows).sum(dtype=np.float64)) for _, rows in _row_chunks(w))
     mean = np.float32(total / max(1, K * N))
     return np.full((1, N), max(mean, FLOOR), np.float32)
 
@@ -77,7 +89,7 @@ def weight_codes(w, scales: np.ndarray, mode: str) -> np.ndarray:
     top = TOP.get(mode, 1)
     block = BLOCK if mode == "w4" else w.shape[0]
     out = np.empty(w.shape, np.int8)
-    for start, rows in zip(range(0, w.shape[0], ROWS), _row_chunks(w)):
+    for start, rows in _row_chunks(w):
         groups = (start + np.arange(len(rows))) // block
         out[start:start + len(rows)] = np.clip(np.rint(rows / scales[groups]), -top, top).astype(np.int8)
     return out
