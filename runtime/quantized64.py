@@ -83,15 +83,17 @@ def quantize_model(m, q: Quantization) -> None:
     nodes, quantized = [], {}
     for node in g.node:
         w = _weight(node, inits, q)
+        b = None
         if w is not None and not _bitlinear(node, numpy_helper.to_array(w), producers):
+            b = _codes_times_scales(node, numpy_helper.to_array(w), q.mode, m)
+        if b is not None:
             x = node.input[0]
             if x not in quantized:
                 quantized[x] = f"{x}/quantized_rows"
                 nodes.extend(_absmax_rows(x, quantized[x], m))
             node.input[0] = quantized[x]
-            b, mul = _codes_times_scales(node, numpy_helper.to_array(w), q.mode, m)
+            node.input[1], mul = b
             nodes.append(mul)
-            node.input[1] = b
             _drop_attr(node, "transB")
         nodes.append(node)
     del g.node[:]
@@ -120,12 +122,16 @@ def _bitlinear(node, w: np.ndarray, producers: dict) -> bool:
 
 
 def _codes_times_scales(node, w: np.ndarray, mode: str, m) -> tuple:
-    """Initializers of the compiler's codes and scales of ``w``, and a Mul of them: (its output, it)."""
+    """Initializers of the compiler's codes and scales of ``w``, and a Mul of them: (its output, it);
+    None where the compiler keeps ``w`` in float."""
     from onnx import helper, numpy_helper
     from dlegion_cc.passes.quantize import BLOCK, quantized_weight
     if node.op_type == "Gemm" and any(a.name == "transB" and a.i for a in node.attribute):
         w = w.T
-    codes, scales, block = quantized_weight(np.ascontiguousarray(w, np.float32), mode)
+    quantized = quantized_weight(np.ascontiguousarray(w, np.float32), mode)
+    if quantized is None:
+        return None                 # non-finite: the compiler keeps it in float
+    codes, scales, block = quantized
     per_row = np.repeat(scales, block or BLOCK, axis=0)[:w.shape[0]] if block else scales
     p = f"{node.name}/quantized_{mode}"
     m.graph.initializer.extend([numpy_helper.from_array(np.asarray(codes, np.float32), f"{p}/codes"),

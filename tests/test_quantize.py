@@ -173,3 +173,17 @@ def test_bad_quantize_options_are_refused(cc, tmp_path, args, says):
     status, lines = cc(BITNET, "-o", tmp_path / "a.s", "--arch", "dlegion-tiny", *args)
     assert status == 2 and any(says in line for line in lines), lines
     assert not (tmp_path / "a.s").exists()
+
+
+def test_a_weight_holding_an_infinity_stays_fp32(tmp_path):
+    """ONNX spreads an infinity; codes would lose it."""
+    w = np.ones((8, 4), np.float32)
+    w[3, 1] = np.inf
+    node = helper.make_node("MatMul", ["x", "w"], ["y"], "proj")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+                              [numpy_helper.from_array(w, "w")])
+    path = tmp_path / "inf.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    program, census, _ = compiled(path, "w8")
+    assert census.fp32 == {"proj": "float weights"} and "quantized_w8" not in program.approximations

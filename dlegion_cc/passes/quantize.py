@@ -50,7 +50,7 @@ def kept(node: str) -> str:
 
 
 def _row_chunks(w):
-    """``w`` [K, N] a few thousand rows at a time, as arrays (a lazy weight is read piecewise)."""
+    """(first row, rows) of ``w`` [K, N], PIECE bytes at a time, as fp32 arrays."""
     rows, (K, N) = _rows(w.shape[1]), w.shape
     arr = None if isinstance(w, Mapped) else np.asarray(w)
     for start in range(0, K, rows):
@@ -97,8 +97,11 @@ def weight_codes(w, scales: np.ndarray, mode: str) -> np.ndarray:
 
 def quantized_weight(w, mode: str) -> tuple:
     """(codes, scales [groups, N], block) of float weight ``w``; the codes lazy for a lazy ``w``
-    (made when the lowering packs them), the scales now."""
+    (made when the lowering packs them), the scales now. None when ``w`` holds a NaN or an
+    infinity, which ONNX spreads and codes would lose."""
     scales = weight_scales(w, mode)
+    if not np.isfinite(scales).all():
+        return None
     block = BLOCK if mode == "w4" and w.shape[0] > BLOCK else 0
     if mode == "w4" and not block:
         scales = scales[:1]
@@ -163,16 +166,19 @@ def _gemm_weight(graph: Graph, node: Node):
     return w, np.float32(node.attrs.get("alpha", 1.0)), bias
 
 
-def _rewrite(graph: Graph, node: Node, mode: str, quantized: dict) -> None:
+def _rewrite(graph: Graph, node: Node, mode: str, shared: dict) -> None:
     if node.op == "Gemm":
         w, alpha, bias = _gemm_weight(graph, node)
     else:
         w, alpha, bias = graph.stored(node.inputs[1]), np.float32(1.0), None
-    codes, scales, block = quantized_weight(w, mode)
+    quantized = quantized_weight(w, mode)
+    if quantized is None:
+        return          # the matmul stays fp32
+    codes, scales, block = quantized
     x = node.inputs[0]
-    if x not in quantized:
-        quantized[x] = _absmax_node(graph, x, graph.nodes.index(node), approximation(mode))
-    q, r = quantized[x]
+    if x not in shared:
+        shared[x] = _absmax_node(graph, x, graph.nodes.index(node), approximation(mode))
+    q, r = shared[x]
     attrs = {"weight": codes, "mode": mode, "scales": (scales * alpha).astype(np.float32), "block": block,
              "approximation": approximation(mode)}
     if bias is not None:
