@@ -15,6 +15,7 @@ from dlegion_cc.importer import peek
 from dlegion_cc.lower import schedules
 from dlegion_cc.lower.qplan import OBJECTIVES
 from dlegion_cc.passes.attention import MODES as ATTENTION_MODES
+from dlegion_cc.passes.quantize import BLOCK as QUANTIZE_BLOCK, MODES as QUANTIZE_MODES
 from dlegion_cc.pipeline import PASS_NAMES, Options, compile_model
 
 EMITS = ("asm", "bin", "ir", "schedule")
@@ -175,17 +176,32 @@ def _compile_program(model: str, options: Options, output: str, arch: str, emit:
               help="Attention's float products (QK^T, PV): int8 on the systolic arrays (operands quantized by the "
                    "compiler, an approximation --check allows for) or fp32 on the vector lanes (ONNX's semantics). "
                    "Default: int8 where the model's projections are quantized, else fp32.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bars (shown only when stderr is a terminal).")
+@click.option("--quantize", type=click.Choice(QUANTIZE_MODES), default=None,
+              help="Quantize float MatMul and Gemm weights so they run on the arrays (activations: int8 per token, "
+                   "absmax): w8 per output channel, w4 per block of "
+                   f"{QUANTIZE_BLOCK} rows, w2 BitNet's absmean ternary. An approximation the program records "
+                   "and --check allows for.")
+@click.option("--quantize-skip", "quantize_skip", multiple=True, metavar="NODE",
+              help="Keep this MatMul or Gemm (by node name) in float under --quantize. Repeatable.")
+@click.option("-q", "--quiet", is_flag=True,
+              help="No progress bars (shown only when stderr is a terminal), and no line on where the matmuls run.")
 def compile_command(model, output, arch, dims, inputs_path, emit, schedule_path, print_after, no_multicast,
-                    no_accumulators, no_sparsity, no_fusion, no_prefetch, no_overlap, objective, attention, quiet):
-    """Compile MODEL (ONNX) into a D-Legion program for ``dlegion-run``."""
+                    no_accumulators, no_sparsity, no_fusion, no_prefetch, no_overlap, objective, attention,
+                    quantize, quantize_skip, quiet):
+    """Compile MODEL (ONNX) into a D-Legion program for ``dlegion-run``.
+
+    Ends with a line saying how many of the model's matmuls run on the systolic arrays, in which
+    mode, and which run in fp32 on the vector unit, and why."""
+    if quantize_skip and not quantize:
+        raise click.UsageError("--quantize-skip needs --quantize")
     machine = arch_mod.load(arch)
     shapes, data_files = peek(model)
     bound = _bound_dims(model, shapes, inputs_path, _parse_dims(dims))
     _check_outputs(model, data_files, output, emit, schedule_path)
     options = Options(machine, bound, multicast=not no_multicast, accumulators=not no_accumulators,
-                      sparsity=not no_sparsity, fusion=not no_fusion, prefetch=not no_prefetch, overlap=not no_overlap,
-                      objective=objective, attention=attention,
+                      sparsity=not no_sparsity, fusion=not no_fusion, prefetch=not no_prefetch,
+                      overlap=not no_overlap, objective=objective, attention=attention, quantize=quantize,
+                      quantize_skip=tuple(quantize_skip),
                       schedules=schedules.read(schedule_path) if schedule_path else schedules.Schedules())
     hook, progress = _print_after(print_after), Progress.for_terminal(quiet)
     program = (_compile_ir(model, options, output, hook, progress) if emit == "ir"
@@ -194,6 +210,8 @@ def compile_command(model, output, arch, dims, inputs_path, emit, schedule_path,
     made = (f"{len(options.schedules.chosen)} quantized-matmul schedules" if emit == "schedule"
             else f"{len(program.instrs)} instructions")
     click.echo(printable(f"{output}: {made} for {machine.name}"), err=True)
+    if not quiet:
+        click.echo(printable(options.census.line()), err=True)
 
 
 def main() -> None:

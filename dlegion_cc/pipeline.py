@@ -8,6 +8,7 @@ from typing import IO, Callable
 from isa.arch import Arch
 from isa.program import Program
 from isa.progress import SILENT, Progress
+from dlegion_cc.errors import CompileError
 from dlegion_cc.importer import import_model
 from dlegion_cc.ir import Graph
 from dlegion_cc.lower.context import Switches
@@ -24,6 +25,8 @@ from dlegion_cc.passes.legalize import Legalize
 from dlegion_cc.passes.matmul_nbits import RecognizeMatMulNBits
 from dlegion_cc.passes.siblings import FuseSiblings
 from dlegion_cc.passes.qdq import RecognizeQDQMatMul
+from dlegion_cc.passes.census import Census
+from dlegion_cc.passes.quantize import QuantizeWeights
 
 # Graph passes in order; each has a ``name`` (for --print-ir-after) and ``run(graph, options)``.
 PASSES = (
@@ -31,6 +34,7 @@ PASSES = (
     RecognizeDynamicInt8(),     # MatMulInteger + Cast + Mul(scale) -> one w8 matmul
     RecognizeMatMulNBits(),     # blockwise 4-bit weights -> per-row int8 x w4, drained per block
     RecognizeQDQMatMul(),       # DQ(int activations) x DQ(int weights) MatMul -> one w8/w4 matmul
+    QuantizeWeights(),          # --quantize: float-weight MatMul/Gemm -> per-token int8 x w8/w4/w2
     FuseSiblings(),             # matmuls sharing their input -> one, each Legion a slice of each
     CausalSkip(),               # attention blocks a constant causal mask wipes out are not computed
     SplitGroupedHeads(),        # query heads read their group's key/value head, not a copy of it
@@ -60,6 +64,12 @@ class Options:
     # Attention's float products: "int8" on the arrays, "fp32" on the vector lanes (ONNX's
     # semantics), None: int8 where the model's projections are quantized (passes/attention.py).
     attention: str | None = None
+    # --quantize: float MatMul/Gemm weights quantized to "w8", "w4" or "w2" (passes/quantize.py),
+    # except the nodes named in ``quantize_skip``; None: they stay fp32.
+    quantize: str | None = None
+    quantize_skip: tuple[str, ...] = ()
+    # Filled by the compile: where each of the model's matmuls runs (passes/census.py).
+    census: Census = field(default_factory=Census, compare=False)
 
     def switches(self) -> Switches:
         return Switches(self.multicast, self.accumulators, self.sparsity, self.prefetch,
@@ -87,6 +97,8 @@ def graph_of(model: str | Path, options: Options, after_pass: Hook | None = None
     switches (what fails here fails on every machine)."""
     graph = import_model(model, options.dims, progress)  # load, check, infer shapes, fold constants
     _hook(after_pass, "import", graph)
+    _check_skips(graph, options)
+    options.census.start(graph)
     chosen = passes(options)
     with progress.task("passes", len(chosen)) as advance:
         for p in chosen:                                # recognize patterns, then legalize
@@ -94,7 +106,18 @@ def graph_of(model: str | Path, options: Options, after_pass: Hook | None = None
             graph.remove_dead()
             _hook(after_pass, p.name, graph)
             advance()
+    options.census.take(graph, options.arch, options.quantize_skip)
     return graph
+
+
+def _check_skips(graph: Graph, options: Options) -> None:
+    """Every node ``--quantize-skip`` names is a MatMul or Gemm of the model."""
+    names = {n.name for n in graph.nodes if not n.domain and n.op in ("MatMul", "Gemm")}
+    for name in options.quantize_skip:
+        if name not in names:
+            shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+            raise CompileError(f"{graph.source}: --quantize-skip {name!r}: no MatMul or Gemm of that name "
+                               f"(its MatMul and Gemm nodes: {shown or 'none'})")
 
 
 FUSIONS = (FuseSiblings, FuseRowwise)

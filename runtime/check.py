@@ -6,6 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.quantized64 import BOUNDS as QUANTIZE_BOUNDS
+
 REL_L2_TOLERANCE = 1e-4
 
 
@@ -32,12 +34,16 @@ PROGRAM_APPROXIMATIONS = {
                        "quantized per row, V per channel", 5e-2),
     "int8_activations": ("float activations of weight-only quantized matmuls quantized to int8 per row",
                          APPROXIMATION_BOUND),
+    # dlegion-cc --quantize (runtime/quantized64.py; README, "Float models onto the arrays").
+    **{f"quantized_{mode}": (f"float MatMul/Gemm weights quantized to {what}, their activations to int8 per token",
+                             QUANTIZE_BOUNDS[mode]) for mode, what in (
+        ("w8", "int8 per output channel"), ("w4", "int4 per block of 32 rows"), ("w2", "ternary (absmean)"))},
 }
 
 
 # The program approximations the float64 evaluation applies too (reference64.float64_model): a
 # program recording only these is measured from fp64 with them, at the tolerance as given.
-MODELLED = frozenset({"int8_activations", "int8_attention"})
+MODELLED = frozenset({"int8_activations", "int8_attention", "quantized_w8", "quantized_w4", "quantized_w2"})
 
 
 def approximation_tolerance(names: list[str], tol: float = REL_L2_TOLERANCE, fp64: bool = False) -> float:
@@ -49,8 +55,9 @@ def approximation_tolerance(names: list[str], tol: float = REL_L2_TOLERANCE, fp6
 
 def describe_approximations(names: list[str]) -> list[str]:
     """One phrase per approximation a program records."""
+    from runtime.quantized64 import describe
     return [f"{n}: {PROGRAM_APPROXIMATIONS[n][0]} (tolerance {PROGRAM_APPROXIMATIONS[n][1]:g})"
-            if n in PROGRAM_APPROXIMATIONS else f"{n}: not known to this version" for n in names]
+            if n in PROGRAM_APPROXIMATIONS else describe(n) or f"{n}: not known to this version" for n in names]
 
 
 @dataclass
@@ -319,12 +326,15 @@ def judge(model: str | Path, inputs: dict[str, np.ndarray], ours: dict[str, np.n
     why = _fp64_skipped(model, reference)
     if why:
         return Verdict(rows, fp32, why, [])
+    from runtime.quantized64 import quantization
     products = (program_approximations or {}).get("int8_attention")
     attention = products is not None
+    quant = quantization(program_approximations or {})  # --quantize: its own yardstick
     approx = approximations(model, attention)
-    bound = approximation_bound(len(approx) - attention, attention)
+    bound = approximation_bound(len(approx) - attention, attention) + (quant.bound if quant else 0.0)
+    approx += [quant.phrase] if quant else []
     try:
-        f64, f64a = _float64(model, inputs, approx, products or [])
+        f64, f64a, spread = _float64(model, inputs, approx, products or [], quant)
     except Exception as e:  # onnxruntime raises its own exception types
         if reference == "fp64":
             raise
@@ -332,7 +342,8 @@ def judge(model: str | Path, inputs: dict[str, np.ndarray], ours: dict[str, np.n
     for r in rows:
         if r.exact or r.name not in f64 or not np.issubdtype(ref[r.name].dtype, np.floating):
             continue
-        r.fp64 = fp64_distances(ours[r.name], ref[r.name], f64[r.name], f64a[r.name], tol, bound)
+        r.fp64 = fp64_distances(ours[r.name], ref[r.name], f64[r.name], f64a[r.name], tol, bound,
+                                None if spread is None else tuple(x[r.name] for x in spread))
         r.ok = r.within_tolerance or (r.fp64.ok and r.nonfinite == 0)
     return Verdict(rows, fp32, "evaluated", approx, bound)
 
@@ -362,14 +373,23 @@ def _fp64_skipped(model, reference: str | None) -> str | None:
     return None
 
 
-def _float64(model, inputs, approx: list[str], int8_attention: list[str]):
+def _float64(model, inputs, approx: list[str], int8_attention: list[str], quant=None):
     """The graph's outputs in float64, and those of the graph as the compiler computes it
-    (``int8_attention``: the products it quantized)."""
+    (``int8_attention``: the products it quantized; ``quant``: the model quantized as
+    ``--quantize`` does, runtime/quantized64.py)."""
     from runtime.reference64 import float64_outputs
     plain = float64_outputs(model, inputs)
     if not approx:
-        return plain, plain
-    return plain, float64_outputs(model, inputs, approximations=True, int8_attention=int8_attention)
+        return plain, plain, None
+    if quant is None:
+        return plain, float64_outputs(model, inputs, approximations=True, int8_attention=int8_attention), None
+    from runtime.quantized64 import quantized_file
+    with quantized_file(model, quant) as path:
+        # The quantized graph's own fp32 spread (onnxruntime's run of it from its float64 values):
+        # its per-token rounding flips as any fp32 program's do, which onnxruntime's run of the float
+        # model cannot show.
+        spread = onnx_reference(path, inputs), float64_outputs(path, inputs)
+        return plain, float64_outputs(path, inputs, approximations=True, int8_attention=int8_attention), spread
 
 
 def positions_rel_l2(x: np.ndarray, ref: np.ndarray) -> np.ndarray:
@@ -382,13 +402,17 @@ def positions_rel_l2(x: np.ndarray, ref: np.ndarray) -> np.ndarray:
 
 
 def fp64_distances(ours: np.ndarray, fp32: np.ndarray, f64: np.ndarray, f64_approx: np.ndarray,
-                   tol: float, bound: float = APPROXIMATION_BOUND) -> Fp64:
+                   tol: float, bound: float = APPROXIMATION_BOUND, spread=None) -> Fp64:
     """dlegion's distance from the float64 evaluation of the graph as the compiler computes it
-    (``f64_approx``, ``f64`` when it makes no approximation) beside onnxruntime's from ``f64``."""
+    (``f64_approx``, ``f64`` when it makes no approximation) beside onnxruntime's from ``f64``
+    (or, where larger, ``spread``'s fp32 output from its float64 one: a --quantize program's)."""
     from runtime.reference64 import rel_l2
     ours_d, ref_d = rel_l2(ours, f64_approx), rel_l2(fp32, f64)
     off_ours = int(np.count_nonzero(~(positions_rel_l2(ours, f64_approx) <= tol)))     # NaN counts as off
     off_ref = int(np.count_nonzero(~(positions_rel_l2(fp32, f64) <= tol)))
+    if spread is not None:
+        ref_d = max(ref_d, rel_l2(*spread))
+        off_ref = max(off_ref, int(np.count_nonzero(~(positions_rel_l2(*spread) <= tol))))
     approx = None if f64_approx is f64 else rel_l2(f64_approx, f64)
     ok = (ours_d <= FP64_MULTIPLE * ref_d and off_ours <= FP64_MULTIPLE * max(off_ref, 1)
           and (approx is None or approx <= bound))
