@@ -132,6 +132,9 @@ class Ray:
         # Ray's own INFO and WARNING lines would bury the sweep's progress.
         ray.init(address=self.address, num_cpus=None if self.address else self.jobs, include_dashboard=False,
                  logging_level=logging.ERROR, log_to_driver=False)
+        cpus = int(ray.cluster_resources().get("CPU", 0))
+        where = f"the Ray cluster at {self.address}" if self.address else "a local Ray instance"
+        click.echo(f"running on {where} ({cpus} CPUs)", err=True)
         self.task = ray.remote(_evaluate_shipped)
         self.shipped = {}
         return self
@@ -147,7 +150,6 @@ class Ray:
         return self.shipped[job.model]
 
     def run(self, job: Job, configs: list[Config]) -> Iterator[tuple[Config, dict]]:
-        import ray
         files = self._files_ref(job)
         pending = {self.task.remote(files, job.model, c, job.dims, job.switches): c for c in configs}
         return self._results(pending)

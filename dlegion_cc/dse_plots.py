@@ -98,8 +98,11 @@ def _pareto_panel(ax, ok: list[dict], flag: str, x: str) -> None:
     ax.scatter([r[x] for r in front], [r["time_us"] for r in front], color="tab:red", s=32, zorder=4,
                label=f"Pareto front ({len(front)})")
     step = -(-len(front) // FRONT_LABELS)
-    for r in front[::step]:
-        ax.annotate(r["name"], (r[x], r["time_us"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    for k, r in enumerate(front[::step]):
+        # Neighbours on a front are close: names alternate above right and below left of their points.
+        above = k % 2 == 0
+        ax.annotate(r["name"], (r[x], r["time_us"]), fontsize=7, xytext=(5, 5) if above else (-5, -9),
+                    textcoords="offset points", ha="left" if above else "right")
     ax.legend(fontsize=8, loc="upper right")
 
 

@@ -73,7 +73,8 @@ def search(sweep, base: arch_mod.Arch, trials: int, seed: int, sampler: str, bat
     while len(study.trials) < trials:
         asked = [study.ask() for _ in range(min(batch, trials - len(study.trials)))]
         configs = [config_for(base, {k: 2 ** t.suggest_int(k, *r) for k, r in ranges.items()}) for t in asked]
-        for row in sweep.measure(list(dict.fromkeys(configs)), "optuna", say_known=False):
+        fresh = [c for c in dict.fromkeys(configs) if c.name not in rows]     # a machine asked again is told again
+        for row in sweep.measure(fresh, "optuna", say_known=False):
             rows[row["name"]] = row
         for t, c in zip(asked, configs):
             _tell(study, t, rows[c.name])
