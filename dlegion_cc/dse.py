@@ -7,6 +7,7 @@ cross product of Legions x cores per Legion x array size applied to the ``dlegio
 from __future__ import annotations
 
 import csv
+import importlib.util
 import io
 import json
 import os
@@ -27,6 +28,7 @@ from dlegion_cc.dse_search import SAMPLERS, search as search_optuna
 from dlegion_cc.lower.qplan import OBJECTIVES
 
 BASE = "dlegion-8x8"
+DSE_EXTRA = "pip install 'dlegion[dse]'"
 TABLE_WIDTH = 170
 OUTPUTS = ("dse.json", "dse.csv", "latency.png", "roofline.png", "pareto.png", "heatmap.png")
 
@@ -246,6 +248,8 @@ def dse_command(ctx, model, dims, legions, cores, arrays, presets, search, trial
     from dlegion_cc.importer import peek
     from isa.files import check_writable
     _check_search_options(ctx, search, db, export)
+    if search == "optuna":
+        _need("optuna", "--search optuna")
     base = arch_mod.load(BASE)
     grid = sweep_configs(base, legions, cores, arrays) if search == "grid" else []
     configs = unique(grid + _presets(presets))
@@ -299,12 +303,23 @@ def _executor(name: str | None, jobs: int | None, address: str | None):
         raise click.BadParameter("joins a Ray cluster; not with --executor pool", param_hint="--address")
     if name == "pool" or (name is None and jobs is not None and not address):
         return Pool(jobs or os.cpu_count() or 1)
+    if importlib.util.find_spec("ray") is None:
+        if name or address:
+            raise click.ClickException(f"{'--address' if address else '--executor ray'} needs Ray: {DSE_EXTRA}")
+        click.echo(f"Ray is not installed ({DSE_EXTRA}): running on a process pool", err=True)
+        return Pool(jobs or os.cpu_count() or 1)
     return Ray(jobs, address)
+
+
+def _need(module: str, option: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise click.ClickException(f"{option} needs {module}: {DSE_EXTRA}")
 
 
 def _store(db: str | None, model: str, data_files, dims: dict, switches: dict):
     if db is None:
         return None
+    _need("duckdb", "--db")
     from dlegion_cc.dse_store import Store, model_hash, options_key, program_version
     return Store(db, model, model_hash(model, data_files), program_version(), options_key(dims, switches))
 

@@ -19,7 +19,8 @@ from runtime.timing import simulate
 COLUMNS = ("name", "status", "reason", "warning", "legions", "cores", "array", "dataflow", "clock_ghz",
            "cycles", "time_us", "macs", "achieved_tops", "peak_tops", "peak_mode", "peak_fraction",
            "dram_read_bytes", "dram_write_bytes", "dram_bytes", "dram_gbps", "intensity", "roof_tops",
-           "psum_bytes", "energy_uj", "area_mm2", "tops_per_mm2", "pareto", "pareto_energy", "instructions", "compute_cycles", "dram_cycles", "vector_cycles", "bound")
+           "psum_bytes", "energy_uj", "area_mm2", "tops_per_mm2", "pareto", "pareto_energy", "instructions",
+           "compute_cycles", "dram_cycles", "vector_cycles", "bound")
 # The lower bounds on a run's cycles, each from one resource; the largest says what bounds it.
 BOUNDS = ("compute", "DRAM", "vector")
 

@@ -110,14 +110,8 @@ def heatmap_png(rows: list[dict], title: str) -> bytes:
     """Latency (us) of each Legions x cores per Legion pair, each cell the fastest configuration
     with that pair (over array sizes and scratchpads) and printed in it; a pair none ran is blank."""
     ok = _ok(rows)
-    legions = sorted({r["legions"] for r in ok})
-    cores = sorted({r["cores"] for r in ok})
-    grid = np.full((len(legions), len(cores)), np.nan)
-    count = np.zeros_like(grid, dtype=int)
-    for r in ok:
-        i, j = legions.index(r["legions"]), cores.index(r["cores"])
-        grid[i, j] = np.fmin(grid[i, j], r["time_us"])
-        count[i, j] += 1
+    legions, cores, cells = latency_grid(ok)
+    grid = np.array(cells, dtype=float)        # None: nan, drawn blank
     fig = Figure(figsize=(max(5.0, 1.1 * len(cores) + 2.5), max(4.0, 0.7 * len(legions) + 2)))
     ax = fig.add_subplot()
     if ok:
@@ -130,9 +124,22 @@ def heatmap_png(rows: list[dict], title: str) -> bytes:
     ax.set_yticks(range(len(legions)), [str(n) for n in legions])
     ax.set_xlabel("cores per Legion")
     ax.set_ylabel("Legions")
-    fastest = " (fastest of each cell's configurations)" if count.max(initial=0) > 1 else ""
+    fastest = " (fastest of each cell's configurations)" if len(ok) > np.count_nonzero(~np.isnan(grid)) else ""
     ax.set_title(title + fastest, fontsize=10)
     return _png(fig)
+
+
+def latency_grid(rows: list[dict]) -> tuple[list[int], list[int], np.ndarray]:
+    """The Legion counts and core counts the rows that ran have, and the least latency (us) of
+    each pair (None where no row has it)."""
+    ok = _ok(rows)
+    legions = sorted({r["legions"] for r in ok})
+    cores = sorted({r["cores"] for r in ok})
+    grid = np.full((len(legions), len(cores)), None, dtype=object)
+    for r in ok:
+        i, j = legions.index(r["legions"]), cores.index(r["cores"])
+        grid[i, j] = r["time_us"] if grid[i, j] is None else min(grid[i, j], r["time_us"])
+    return legions, cores, grid
 
 
 def _rooflines(ax, rows: list[dict]) -> None:

@@ -60,6 +60,7 @@ def test_the_model_is_shipped_with_its_data_files(tmp_path):
     from dlegion_cc.dse_exec import Job, _files, _materialized
     model = onnx.load(MODEL)
     path = tmp_path / "m.onnx"
+    (tmp_path / "w").mkdir()
     onnx.save(model, path, save_as_external_data=True, location="w/m.data", size_threshold=0)
     files = _files(Job(str(path), (str(tmp_path / "w" / "m.data"),), {}, {}))
     assert sorted(files) == ["m.onnx", "w/m.data"]

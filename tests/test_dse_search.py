@@ -10,7 +10,7 @@ import pytest
 
 from isa import arch
 from dlegion_cc.dse import mark_pareto, pareto_front
-from dlegion_cc.dse_plots import heatmap_png, pareto_png
+from dlegion_cc.dse_plots import heatmap_png, latency_grid, pareto_png
 from dlegion_cc.dse_search import config_for, name_of, space
 
 MODEL = Path(__file__).parent.parent / "models" / "bitnet_tiny_relu2.onnx"
@@ -102,4 +102,8 @@ def test_plots_are_written_and_not_trivial(searched):
     assert [r["pareto_energy"] for r in rows] == [False, True, True, False]
     width, height = png_size(pareto_png(rows, "t"))
     assert width > 1.8 * height                                 # two panels side by side
-    assert len(heatmap_png(rows, "t")) > len(heatmap_png(rows[:1], "t"))   # three cells drawn, not one
+    legions, cores, grid = latency_grid(rows + [_row("L2-c1-a8", 2, 1, 4.2, 3.0, 5.0)])
+    assert (legions, cores) == ([1, 2, 4], [1, 2])
+    # each cell the fastest of its machines; the pair no machine has is blank
+    assert grid[0].tolist() == [9.0, None] and grid[1].tolist() == [4.2, 4.0] and grid[2].tolist() == [None, 4.5]
+    assert png_size(heatmap_png(rows, "t"))[0] > 400
