@@ -130,8 +130,13 @@ class Ray:
         if self.address:
             check_address(self.address)
         # Ray's own INFO and WARNING lines would bury the sweep's progress.
-        ray.init(address=self.address, num_cpus=None if self.address else self.jobs, include_dashboard=False,
-                 logging_level=logging.ERROR, log_to_driver=False)
+        try:
+            ray.init(address=self.address, num_cpus=None if self.address else self.jobs, include_dashboard=False,
+                     logging_level=logging.ERROR, log_to_driver=False)
+        except (ConnectionError, RuntimeError, ValueError) as e:     # e.g. "auto" with no cluster here
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise click.ClickException(f"--address {self.address}: {first}" if self.address
+                                       else f"cannot start a local Ray instance: {first}") from None
         cpus = int(ray.cluster_resources().get("CPU", 0))
         where = f"the Ray cluster at {self.address}" if self.address else "a local Ray instance"
         click.echo(f"running on {where} ({cpus} CPUs)", err=True)

@@ -66,7 +66,8 @@ def roofline_png(rows: list[dict], title: str) -> bytes:
 
 # (row flag, x column, x label) of each Pareto panel: latency against area, against energy.
 PARETO_PANELS = (("pareto", "area_mm2", "area (mm$^2$)"), ("pareto_energy", "energy_uj", "energy (uJ)"))
-FRONT_LABELS = 12       # front points named on a panel; a longer front names every n-th
+FRONT_LABELS = 12       # front points named on a panel at most
+LABEL_GAP = 0.08        # fraction of a panel's width or height between two named points
 
 
 def pareto_png(rows: list[dict], title: str) -> bytes:
@@ -97,13 +98,26 @@ def _pareto_panel(ax, ok: list[dict], flag: str, x: str) -> None:
     ax.step([r[x] for r in front], [r["time_us"] for r in front], where="post", color="tab:red", lw=1.2, zorder=3)
     ax.scatter([r[x] for r in front], [r["time_us"] for r in front], color="tab:red", s=32, zorder=4,
                label=f"Pareto front ({len(front)})")
-    step = -(-len(front) // FRONT_LABELS)
-    for k, r in enumerate(front[::step]):
-        # Neighbours on a front are close: names alternate above right and below left of their points.
-        above = k % 2 == 0
-        ax.annotate(r["name"], (r[x], r["time_us"]), fontsize=7, xytext=(5, 5) if above else (-5, -9),
-                    textcoords="offset points", ha="left" if above else "right")
-    ax.legend(fontsize=8, loc="upper right")
+    for k, r in enumerate(_named(front, ok, x)):
+        # Neighbours on a front are close: names alternate above and below their points.
+        ax.annotate(r["name"], (r[x], r["time_us"]), fontsize=7, xytext=(5, 5) if k % 2 == 0 else (5, -10),
+                    textcoords="offset points")
+    ax.legend(fontsize=8, loc="best")
+
+
+def _named(front: list[dict], ok: list[dict], x: str) -> list[dict]:
+    """The front's points that get a name: at most FRONT_LABELS, none closer to a named one than
+    LABEL_GAP of the plot's width or height (the legend counts them all)."""
+    def span(key):
+        lo, hi = min(r[key] for r in ok), max(r[key] for r in ok)
+        return lo, (hi - lo) or 1.0
+    (x0, dx), (y0, dy) = span(x), span("time_us")
+    named: list[tuple[float, float, dict]] = []
+    for r in front:
+        u, v = (r[x] - x0) / dx, (r["time_us"] - y0) / dy
+        if len(named) < FRONT_LABELS and all(max(abs(u - a), abs(v - b)) >= LABEL_GAP for a, b, _ in named):
+            named.append((u, v, r))
+    return [r for _, _, r in named]
 
 
 def heatmap_png(rows: list[dict], title: str) -> bytes:
