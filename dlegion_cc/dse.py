@@ -2,7 +2,10 @@
 
 Every configuration is compiled and timed with the timing model only; the configurations are the
 cross product of Legions x cores per Legion x array size applied to the ``dlegion-8x8`` preset
-(scratchpads and everything else unchanged), plus any presets named.
+(scratchpads and everything else unchanged), plus any presets named, or machines an Optuna
+search chooses. The parts: where configurations run (``dse_exec``: a process pool or Ray), the
+result store (``dse_store``: DuckDB), the search (``dse_search``), what is measured
+(``dse_measure``), the plots (``dse_plots``); this file holds the command and its outputs.
 """
 from __future__ import annotations
 

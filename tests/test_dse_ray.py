@@ -43,7 +43,6 @@ def test_a_sweep_on_a_local_ray_instance(ray_sweep):
 @pytest.mark.parametrize("address, message", [
     ("127.0.0.1:1", "no Ray cluster answers at 127.0.0.1:1"),
     ("nocolon", "is not HOST:PORT"),
-    ("auto", "--address auto: Could not find any running Ray instance"),     # none started on this host
 ])
 def test_an_address_no_cluster_answers_at_exits_2(tmp_path, address, message):
     r = dlegion_dse(MODEL, "--legions", "1", "--cores", "1", "--array", "4", "--address", address,

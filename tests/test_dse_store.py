@@ -114,25 +114,22 @@ def test_a_dead_worker_is_not_stored(tmp_path):
     store.close()
 
 
-@pytest.mark.parametrize("suffix", ["csv", "parquet"])
-def test_export_writes_every_stored_row(tmp_path, suffix):
-    db, out = tmp_path / "s.duckdb", tmp_path / f"rows.{suffix}"
+def test_export_and_the_readme_query(tmp_path):
+    """A sweep exported to Parquet, then the store to CSV; the query the README shows runs on it."""
+    db, parquet = tmp_path / "sweeps.duckdb", tmp_path / "rows.parquet"
     r = dlegion_dse(MODEL, "--legions", "1,2", "--cores", "1", "--array", "4", "--jobs", "2", "--db", db,
-                    "--export", out, "--out", tmp_path / "o")
+                    "--export", parquet, "--out", tmp_path / "o")
     assert r.returncode == 0, r.stderr
-    reader = "read_parquet" if suffix == "parquet" else "read_csv_auto"
-    with duckdb.connect() as con:
-        rows = con.execute(f"SELECT name, cycles, area_mm2, energy_uj, version FROM {reader}('{out}') "
-                           "ORDER BY name").fetchall()
-    assert [r[0] for r in rows] == ["L1-c1-a4", "L2-c1-a4"] and all(r[1] > 0 and r[2] > 0 and r[3] > 0 for r in rows)
-    assert "+format" in rows[0][4] and not list(tmp_path.glob(".*tmp"))
-
-
-def test_the_readme_query_runs(tmp_path):
-    """The query the README shows, on a store a sweep made."""
-    db = tmp_path / "sweeps.duckdb"
-    assert dlegion_dse(MODEL, "--legions", "1,2", "--cores", "1", "--array", "4", "--jobs", "2", "--db", db,
-                       "--out", tmp_path / "o").returncode == 0
+    store = Store(db, str(MODEL), "h", "v", "o")
+    store.export(tmp_path / "rows.csv")
+    store.close()
+    for reader, path in (("read_parquet", parquet), ("read_csv_auto", tmp_path / "rows.csv")):
+        with duckdb.connect() as con:
+            rows = con.execute(f"SELECT name, cycles, area_mm2, energy_uj, version FROM {reader}('{path}') "
+                               "ORDER BY name").fetchall()
+        assert [r[0] for r in rows] == ["L1-c1-a4", "L2-c1-a4"] and all(r[1] > 0 and r[2] > 0 and r[3] > 0 for r in rows)
+        assert "+format" in rows[0][4]
+    assert not list(tmp_path.glob(".*tmp"))
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     query = readme.split("```sql\n", 1)[1].split("```", 1)[0]
     with duckdb.connect(str(db), read_only=True) as con:
