@@ -2,32 +2,38 @@
 
 Every configuration is compiled and timed with the timing model only; the configurations are the
 cross product of Legions x cores per Legion x array size applied to the ``dlegion-8x8`` preset
-(scratchpads and everything else unchanged), plus any presets named.
+(scratchpads and everything else unchanged), plus any presets named, or machines an Optuna
+search chooses. The parts: where configurations run (``dse_exec``: a process pool or Ray), the
+result store (``dse_store``: DuckDB), the search (``dse_search``), what is measured
+(``dse_measure``), the plots (``dse_plots``); this file holds the command and its outputs.
 """
 from __future__ import annotations
 
 import csv
+import importlib.util
 import io
 import json
 import os
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import replace
 from itertools import product
 from pathlib import Path
 
 import click
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from isa import arch as arch_mod
 from isa.console import check_not_inputs, no_empty_path, positive_int, printable, table_console, version_option
-from dlegion_cc.dse_measure import COLUMNS, Config, config_of, evaluate, failed_row
+from dlegion_cc.dse_exec import Job
+from dlegion_cc.dse_measure import COLUMNS, Config, config_of
+from dlegion_cc.dse_run import Sweep
+from dlegion_cc.dse_search import SAMPLERS, search as search_optuna
 from dlegion_cc.lower.qplan import OBJECTIVES
 
 BASE = "dlegion-8x8"
+DSE_EXTRA = "pip install 'dlegion[dse]'"
 TABLE_WIDTH = 170
-OUTPUTS = ("dse.json", "dse.csv", "latency.png", "roofline.png", "pareto.png")
+OUTPUTS = ("dse.json", "dse.csv", "latency.png", "roofline.png", "pareto.png", "heatmap.png")
 
 
 # --- configurations --------------------------------------------------------------------------
@@ -48,47 +54,25 @@ def sweep_configs(base: arch_mod.Arch, legions, cores, arrays) -> list[Config]:
     return out
 
 
-def run_sweep(model: str, configs: list[Config], dims: dict, jobs: int, console: Console,
-              switches: dict | None = None) -> list[dict]:
-    """Evaluate every configuration in ``jobs`` worker processes, with a progress bar on ``console``
-    (``switches``: Options fields for every compile, such as ``objective``)."""
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        # Submit (and so start the workers) before the progress bar starts its refresh thread.
-        futures = {pool.submit(evaluate, model, c, dims, switches): c for c in configs}
-        with Progress(*columns, console=console) as progress:
-            rows = _collect(futures, progress, progress.add_task("compiling and timing", total=len(configs)))
-    return sort_rows(rows)
-
-
-def _collect(futures: dict, progress: Progress, task) -> list[dict]:
-    rows = []
-    for done in as_completed(futures):
-        rows.append(_row_of(done, futures[done]))
-        progress.update(task, advance=1, description=f"done {futures[done].name}")
-    return rows
-
-
-def _row_of(future, config: Config) -> dict:
-    try:
-        return future.result()
-    except Exception as e:  # noqa: BLE001 - a worker that died (e.g. out of memory) is one failed row
-        return failed_row(config, f"worker failed: {type(e).__name__}: {e}")
-
-
 def sort_rows(rows: list[dict]) -> list[dict]:
     """By latency (time, since clocks differ), failed configurations last, ties by name; each
     row that ran marked whether it is on the latency-area Pareto front."""
     return mark_pareto(sorted(rows, key=lambda r: (r["status"] != "ok", r["time_us"] or 0.0, r["name"])))
 
 
+def pareto_front(points: list[tuple[float, ...]]) -> list[bool]:
+    """Whether each point is on the Pareto front of the points, every coordinate minimized: no
+    other point is at least as good in every coordinate and better in one."""
+    return [not any(o != p and all(a <= b for a, b in zip(o, p)) for o in points) for p in points]
+
+
 def mark_pareto(rows: list[dict]) -> list[dict]:
-    """Set ``pareto`` on the rows that ran and that no other row beats on latency and area at
-    once (no other is at least as fast and as small, and better in one)."""
+    """Set ``pareto`` (latency against area) and ``pareto_energy`` (latency against energy) on
+    the rows that ran and that no other row beats on both at once."""
     ok = [r for r in rows if r["status"] == "ok"]
-    for r in ok:
-        r["pareto"] = not any(o["time_us"] <= r["time_us"] and o["area_mm2"] <= r["area_mm2"]
-                              and (o["time_us"], o["area_mm2"]) != (r["time_us"], r["area_mm2"]) for o in ok)
+    for flag, other in (("pareto", "area_mm2"), ("pareto_energy", "energy_uj")):
+        for r, on in zip(ok, pareto_front([(r["time_us"], r[other]) for r in ok])):
+            r[flag] = on
     return rows
 
 
@@ -131,16 +115,18 @@ def _csv_text(rows: list[dict]) -> str:
     return buf.getvalue()
 
 
-def write_outputs(out: Path, rows: list[dict], model: str, dims: dict, objective: str = "latency") -> list[Path]:
-    """All the files, or none (each written to a temporary first, then renamed)."""
+def write_outputs(out: Path, rows: list[dict], model: str, dims: dict, objective: str = "latency",
+                  meta: dict | None = None) -> list[Path]:
+    """All the files, or none (each written to a temporary first, then renamed); ``meta`` says
+    how the configurations were chosen."""
     from isa.files import atomic_write_all
-    from dlegion_cc.dse_plots import latency_png, pareto_png, roofline_png
+    from dlegion_cc.dse_plots import heatmap_png, latency_png, pareto_png, roofline_png
     title = Path(model).name + "".join(f" {k}={v}" for k, v in sorted(dims.items()))
-    doc = {"model": str(model), "dims": dims, "base": BASE, "objective": objective, "columns": list(COLUMNS),
-           "rows": rows}
+    doc = {"model": str(model), "dims": dims, "base": BASE, "objective": objective, **(meta or {}),
+           "columns": list(COLUMNS), "rows": rows}
     bodies = (json.dumps(doc, indent=2) + "\n", _csv_text(rows),
               latency_png(rows, f"latency: {title}"), roofline_png(rows, f"roofline: {title}"),
-              pareto_png(rows, f"latency against area: {title}"))
+              pareto_png(rows, title), heatmap_png(rows, f"latency by Legions x cores: {title}"))
     files = [(out / name, body.encode() if isinstance(body, str) else body)
              for name, body in zip(OUTPUTS, bodies)]
     atomic_write_all(files)     # makes the folder
@@ -203,6 +189,12 @@ def _none_compiled(model: str, rows: list[dict]) -> str:
     return f"{model}: all {len(rows)} configuration(s) failed; the first, {named}"
 
 
+SEARCH_HELP = ("grid: the cross product of --legions, --cores and --array. optuna: --trials machines chosen "
+               "by a multi-objective sampler (latency, energy, area) over Legions, cores, array and the "
+               "four scratchpads, powers of two from a quarter (a single one for counts) to twice the "
+               "dlegion-8x8 preset's.")
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @version_option()
 @click.argument("model", type=click.Path(dir_okay=False), callback=no_empty_path)
@@ -216,45 +208,123 @@ def _none_compiled(model: str, rows: list[dict]) -> str:
               help="Systolic array sizes (N for N x N PEs) to sweep.")
 @click.option("--preset", "presets", multiple=True, metavar="NAME|FILE.toml", callback=no_empty_paths,
               help="Also evaluate this machine as it is. Repeatable. Presets: " + ", ".join(arch_mod.preset_names()))
-@click.option("--jobs", type=click.IntRange(min=1), default=os.cpu_count() or 1, show_default="CPU count",
-              help="Worker processes.")
+@click.option("--search", type=click.Choice(("grid", "optuna")), default="grid", show_default=True, help=SEARCH_HELP)
+@click.option("--trials", type=click.IntRange(min=1), default=50, show_default=True,
+              help="Machines --search optuna measures.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="The sampler's seed: the same seed asks the same machines.")
+@click.option("--sampler", type=click.Choice(SAMPLERS), default="tpe", show_default=True,
+              help="Optuna's multi-objective TPE or NSGA-II.")
+@click.option("--executor", type=click.Choice(("ray", "pool")), default=None,
+              help="Where configurations run: Ray tasks (a local Ray instance, or --address's cluster) or "
+                   "a process pool.  [default: pool when --jobs is given, else ray]")
+@click.option("--jobs", type=click.IntRange(min=1), default=None, show_default="CPU count",
+              help="Worker processes (or the local Ray instance's CPUs).")
+@click.option("--address", default=None, metavar="HOST:PORT",
+              help="Join the Ray cluster there (ray://HOST:PORT for Ray Client, auto for the one on this host) "
+                   "instead of starting a local instance.")
+@click.option("--db", default=None, metavar="FILE.duckdb", callback=no_empty_path,
+              help="DuckDB file (created if missing) storing every row; a machine it holds for this model, "
+                   "program version and options is not measured again.")
+@click.option("--export", default=None, metavar="FILE.csv|FILE.parquet", callback=no_empty_path,
+              help="Write every row of --db (all models) to CSV, or Parquet for a .parquet name.")
 @click.option("--out", "out_dir", default="dse", show_default=True, type=click.Path(file_okay=False),
               callback=no_empty_path,
-              help="Folder (created if missing) to write dse.json, dse.csv, latency.png, roofline.png "
-                   "and pareto.png to; all five are replaced, or none.")
+              help="Folder (created if missing) to write " + ", ".join(OUTPUTS[:-1]) + " and " + OUTPUTS[-1]
+                   + " to; all are replaced, or none.")
 @click.option("--objective", type=click.Choice(OBJECTIVES), default="latency", show_default=True,
               help="What each quantized matmul's schedule is chosen for (as dlegion-cc --objective).")
-def dse_command(model, dims, legions, cores, arrays, presets, jobs, out_dir, objective):
+@click.pass_context
+def dse_command(ctx, model, dims, legions, cores, arrays, presets, search, trials, seed, sampler, executor, jobs,
+                address, db, export, out_dir, objective):
     """Compile MODEL (ONNX) for many machine configurations, time each with the timing model,
     print them by latency and write JSON, CSV and plots.
 
     The swept configurations replace the Legions, cores per Legion and array size of the
-    dlegion-8x8 preset and keep everything else (scratchpads, DRAM, clock). A configuration
-    that cannot compile is a row with the reason. Exit status: 0, or 2 for bad input: a
-    configuration no machine can have, a model that cannot compile at all, or for none of the
-    configurations (then nothing is written).
+    dlegion-8x8 preset and keep everything else (scratchpads, DRAM, clock); --search optuna
+    varies the scratchpads too. A configuration that cannot compile is a row with the reason.
+    Exit status: 0, or 2 for bad input: a configuration no machine can have, a model that
+    cannot compile at all, a --db that is not a DuckDB file, an --address no cluster answers
+    at, or for none of the configurations (then nothing is written).
     """
     from dlegion_cc.cli import _bound_dims, _parse_dims, model_files
     from dlegion_cc.importer import peek
     from isa.files import check_writable
-    given = _parse_dims(dims)
-    configs = unique(sweep_configs(arch_mod.load(BASE), legions, cores, arrays) + _presets(presets))
+    _check_search_options(ctx, search, db, export)
+    if search == "optuna":
+        _need("optuna", "--search optuna")
+    base = arch_mod.load(BASE)
+    grid = sweep_configs(base, legions, cores, arrays) if search == "grid" else []
+    configs = unique(grid + _presets(presets))
     _check_machines(configs)
     shapes, data_files = peek(model)
-    bound = _bound_dims(model, shapes, None, given)        # as dlegion-cc: only dims the model has
+    bound = _bound_dims(model, shapes, None, _parse_dims(dims))      # as dlegion-cc: only dims the model has
     out = Path(out_dir)
-    check_not_inputs({f"--out's {name}": out / name for name in OUTPUTS}, model_files(model, data_files))
+    check_not_inputs({f"--out's {name}": out / name for name in OUTPUTS} | {"--db": db, "--export": export},
+                     model_files(model, data_files))
     switches = {"objective": objective}
     _check_model(model, bound, switches)
-    for name in OUTPUTS:            # an unwritable output is found before the sweep, not after it
-        check_writable(out / name)
-    rows = run_sweep(model, configs, bound, jobs, Console(stderr=True), switches)
-    if all(r["status"] != "ok" for r in rows):
-        raise click.ClickException(_none_compiled(model, rows))
-    print_table(rows, _stdout())
-    paths = write_outputs(out, rows, model, bound, objective)
+    for path in [out / name for name in OUTPUTS] + [p for p in (db, export) if p]:
+        check_writable(path)        # an unwritable output is found before the sweep, not after it
+    job = Job(model, tuple(map(str, data_files)), bound, switches)
+    store = _store(db, model, data_files, bound, switches)
+    with Sweep(job, _executor(executor, jobs, address), store, Console(stderr=True)) as sweep:
+        rows = sweep.measure(configs, "grid") if configs else []
+        if search == "optuna":
+            rows += search_optuna(sweep, base, trials, seed, sampler, jobs or os.cpu_count() or 1)
+            sweep.say_known()
+        rows = sort_rows(rows)
+        if all(r["status"] != "ok" for r in rows):
+            raise click.ClickException(_none_compiled(model, rows))
+        print_table(rows, _stdout())
+        meta = {"search": search} | ({"trials": trials, "seed": seed, "sampler": sampler} if search == "optuna" else {})
+        paths = write_outputs(out, rows, model, bound, objective, meta)
+        if export:
+            store.export(export)
+            paths.append(Path(export))
     failed = sum(r["status"] != "ok" for r in rows)
     click.echo(printable(f"{len(rows)} configuration(s), {failed} failed; wrote {', '.join(map(str, paths))}"), err=True)
+
+
+def _check_search_options(ctx, search: str, db: str | None, export: str | None) -> None:
+    """Options that mean nothing with the others given are refused, not ignored."""
+    given = {p: ctx.get_parameter_source(p) == click.core.ParameterSource.COMMANDLINE
+             for p in ("legions", "cores", "arrays", "trials", "seed", "sampler")}
+    wrong = [p for p in (("legions", "cores", "arrays") if search == "optuna" else ("trials", "seed", "sampler"))
+             if given[p]]
+    if wrong:
+        option = "--array" if wrong[0] == "arrays" else f"--{wrong[0]}"
+        raise click.BadParameter(f"not used by --search {search}", param_hint=option)
+    if export and not db:
+        raise click.BadParameter("exports the rows of a --db; give one", param_hint="--export")
+
+
+def _executor(name: str | None, jobs: int | None, address: str | None):
+    """Ray unless a process pool is asked for (or implied by --jobs without --executor ray)."""
+    from dlegion_cc.dse_exec import Pool, Ray
+    if address and name == "pool":
+        raise click.BadParameter("joins a Ray cluster; not with --executor pool", param_hint="--address")
+    if name == "pool" or (name is None and jobs is not None and not address):
+        return Pool(jobs or os.cpu_count() or 1)
+    if importlib.util.find_spec("ray") is None:
+        if name or address:
+            raise click.ClickException(f"{'--address' if address else '--executor ray'} needs Ray: {DSE_EXTRA}")
+        click.echo(f"Ray is not installed ({DSE_EXTRA}): running on a process pool", err=True)
+        return Pool(jobs or os.cpu_count() or 1)
+    return Ray(jobs, address)
+
+
+def _need(module: str, option: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise click.ClickException(f"{option} needs {module}: {DSE_EXTRA}")
+
+
+def _store(db: str | None, model: str, data_files, dims: dict, switches: dict):
+    if db is None:
+        return None
+    _need("duckdb", "--db")
+    from dlegion_cc.dse_store import Store, model_hash, options_key, program_version
+    return Store(db, model, model_hash(model, data_files), program_version(), options_key(dims, switches))
 
 
 def main() -> None:

@@ -19,7 +19,8 @@ from runtime.timing import simulate
 COLUMNS = ("name", "status", "reason", "warning", "legions", "cores", "array", "dataflow", "clock_ghz",
            "cycles", "time_us", "macs", "achieved_tops", "peak_tops", "peak_mode", "peak_fraction",
            "dram_read_bytes", "dram_write_bytes", "dram_bytes", "dram_gbps", "intensity", "roof_tops",
-           "psum_bytes", "energy_uj", "area_mm2", "tops_per_mm2", "pareto", "instructions", "compute_cycles", "dram_cycles", "vector_cycles", "bound")
+           "psum_bytes", "energy_uj", "area_mm2", "tops_per_mm2", "pareto", "pareto_energy", "instructions",
+           "compute_cycles", "dram_cycles", "vector_cycles", "bound")
 # The lower bounds on a run's cycles, each from one resource; the largest says what bounds it.
 BOUNDS = ("compute", "DRAM", "vector")
 
@@ -93,7 +94,7 @@ def measure(program: Program, arch: Arch) -> dict:
         "roof_tops": roof(peak, arch.dram_gbps, intensity),
         "psum_bytes": n["psum_bytes"], "energy_uj": n["energy_joules"] * 1e6,
         "area_mm2": n["area_mm2"], "tops_per_mm2": n["achieved_tops_per_mm2"],
-        "pareto": False,            # set over the whole sweep (dse.mark_pareto)
+        "pareto": False, "pareto_energy": False,     # set over the whole sweep (dse.mark_pareto)
         "instructions": len(program.instrs),
         "compute_cycles": terms["compute"], "dram_cycles": terms["DRAM"], "vector_cycles": terms["vector"],
         "bound": max(BOUNDS, key=lambda b: terms[b]),

@@ -130,12 +130,15 @@ def test_roof_and_sorting():
     assert roof(10.0, 614.0, 1.0) == pytest.approx(0.614)
     assert roof(10.0, 614.0, 1000.0) == 10.0
     assert roof(10.0, 614.0, None) == 10.0
-    rows = [{"name": "b", "status": "failed", "time_us": None}, {"name": "c", "status": "ok", "time_us": 2.0,
-             "area_mm2": 5.0}, {"name": "a", "status": "ok", "time_us": 3.0, "area_mm2": 4.0},
-            {"name": "d", "status": "ok", "time_us": 3.0, "area_mm2": 6.0}]
+    rows = [{"name": "b", "status": "failed", "time_us": None},
+            {"name": "c", "status": "ok", "time_us": 2.0, "area_mm2": 5.0, "energy_uj": 1.0},
+            {"name": "a", "status": "ok", "time_us": 3.0, "area_mm2": 4.0, "energy_uj": 1.0},
+            {"name": "d", "status": "ok", "time_us": 3.0, "area_mm2": 6.0, "energy_uj": 0.5}]
     assert [r["name"] for r in sort_rows(rows)] == ["c", "a", "d", "b"]
     # slower and larger than "a": off the latency-area front; "b" never ran
     assert {r["name"]: r.get("pareto") for r in rows} == {"a": True, "b": None, "c": True, "d": False}
+    # against energy, "a" is slower than "c" for the same energy; "d" is the least energy
+    assert {r["name"]: r.get("pareto_energy") for r in rows} == {"a": False, "b": None, "c": True, "d": True}
 
 
 @pytest.mark.parametrize("args, message", [
