@@ -86,11 +86,13 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 @click.option("--every", default=32, show_default=True, help="time a decode step every this many positions")
 @click.option("--attention", type=click.Choice(("int8", "fp32")), default=None,
               help="attention's products (default: the compiler's, int8 for BitNet)")
-@click.option("--dir", "keep", type=click.Path(file_okay=False), help="Work here and keep the model and programs.")
+@click.option("--dir", "keep", type=click.Path(file_okay=False), help="Work here and keep the model.")
+@click.option("--keep-programs", is_flag=True,
+              help="Keep the compiled programs in DIR/build (at full size, gigabytes of weights each).")
 @click.option("--json", "json_path", default="bench_llm.json", show_default=True, type=click.Path(dir_okay=False))
 @click.option("--plot", "png_path", default="bench_llm.png", show_default=True, type=click.Path(dir_okay=False))
 @click.option("-q", "--quiet", is_flag=True)
-def main(layers, vocab, prompt, new_tokens, arches, every, attention, keep, json_path, png_path, quiet):
+def main(layers, vocab, prompt, new_tokens, arches, every, attention, keep, keep_programs, json_path, png_path, quiet):
     from rich.console import Console
     progress = Progress.for_terminal(quiet)
     with tempfile.TemporaryDirectory() as tmp:
@@ -101,7 +103,7 @@ def main(layers, vocab, prompt, new_tokens, arches, every, attention, keep, json
         for name in arches:
             t0 = time.perf_counter()
             build = Build(graph, arch_mod.load(name), name, work / "build", attention, progress)
-            rows.append(serve(build, prompt, new_tokens, every) | {"wall_s": time.perf_counter() - t0,
+            rows.append(serve(build, prompt, new_tokens, every, keep_programs) | {"wall_s": time.perf_counter() - t0,
                                                                    "compiled": len(build.compiled)})
     what = f"BitNet 2B4T shape ({layers} layers, vocabulary {vocab:,}), prompt {prompt}, {new_tokens} tokens"
     r = rows[0]

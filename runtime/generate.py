@@ -153,6 +153,12 @@ class Build:
         from isa.asm import load
         return load(self.ensure(seq, past))
 
+    def discard(self, seq: int, past: int) -> None:
+        """Remove a program and its data file (at full model size each holds gigabytes of weights)."""
+        path = self.path(seq, past)
+        for f in (path, Path(str(path) + ".data")):
+            f.unlink(missing_ok=True)
+
     def _compile(self, seq: int, past: int, path: Path) -> None:
         from isa.asm import save
         from isa.files import Staged

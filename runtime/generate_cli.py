@@ -64,7 +64,12 @@ class Judge:
         tol = self.tolerance
         if approx and not self.given:
             tol = approximation_tolerance(approx, tol, fp64_evaluated(self.model, self.reference))
-        verdict = judge(self.model, inputs, result.outputs, self.reference, tol, approx)
+        try:
+            verdict = judge(self.model, inputs, result.outputs, self.reference, tol, approx)
+        except ValueError as e:     # the model and the program disagree on an output
+            raise GenerateError(f"{self.model}: {e}") from None
+        except Exception as e:      # onnxruntime raises its own exception types
+            raise GenerateError(f"{self.model}: onnxruntime failed: {str(e).splitlines()[0]}") from None
         self.verdicts.append((verdict, tol))
 
 

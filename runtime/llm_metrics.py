@@ -26,13 +26,16 @@ class Timed:
     joules: float
 
 
-def time_step(build: Build, seq: int, past: int) -> Timed:
+def time_step(build: Build, seq: int, past: int, keep: bool = True) -> Timed:
+    """The program of a step, timed; without ``keep`` its files are removed after."""
     from isa.bulk import no_cycle_collection
     from runtime.emulator import time_only
     from runtime.report import summarize
     result = time_only(build.program(seq, past), build.arch, build.progress)
     with no_cycle_collection():
         n = summarize(result)
+    if not keep:
+        build.discard(seq, past)
     return Timed(seq, past, n["cycles"], n["time_s"], n["energy_joules"])
 
 
@@ -51,11 +54,11 @@ def interpolated(samples: list[Timed], pasts: list[int], key: str) -> np.ndarray
     return np.interp(pasts, xs, [getattr(t, key) for t in samples])
 
 
-def serve(build: Build, prompt: int, new_tokens: int, every: int = 1) -> dict:
+def serve(build: Build, prompt: int, new_tokens: int, every: int = 1, keep: bool = True) -> dict:
     """The MLPerf-style numbers of generating ``new_tokens`` after a ``prompt``-token prompt, batch
-    1, on ``build``'s machine."""
-    prefill = time_step(build, prompt, 0)
-    samples = [time_step(build, 1, p) for p in sampled_pasts(prompt, new_tokens, every)]
+    1, on ``build``'s machine; without ``keep`` each program is removed once timed."""
+    prefill = time_step(build, prompt, 0, keep)
+    samples = [time_step(build, 1, p, keep) for p in sampled_pasts(prompt, new_tokens, every)]
     pasts = [p for _, p in steps(prompt, new_tokens)[1:]]
     decode_s = interpolated(samples, pasts, "seconds") if samples else np.zeros(0)
     decode_j = interpolated(samples, pasts, "joules") if samples else np.zeros(0)
