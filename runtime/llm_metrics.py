@@ -24,6 +24,7 @@ class Timed:
     cycles: int
     seconds: float
     joules: float
+    approximations: tuple = ()      # the program's (int8 attention, ...)
 
 
 def time_step(build: Build, seq: int, past: int, keep: bool = True) -> Timed:
@@ -31,12 +32,13 @@ def time_step(build: Build, seq: int, past: int, keep: bool = True) -> Timed:
     from isa.bulk import no_cycle_collection
     from runtime.emulator import time_only
     from runtime.report import summarize
-    result = time_only(build.program(seq, past), build.arch, build.progress)
+    program = build.program(seq, past)
+    result = time_only(program, build.arch, build.progress)
     with no_cycle_collection():
         n = summarize(result)
     if not keep:
         build.discard(seq, past)
-    return Timed(seq, past, n["cycles"], n["time_s"], n["energy_joules"])
+    return Timed(seq, past, n["cycles"], n["time_s"], n["energy_joules"], tuple(program.approximations))
 
 
 def sampled_pasts(prompt: int, new_tokens: int, every: int) -> list[int]:
