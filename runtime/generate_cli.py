@@ -152,8 +152,8 @@ def generate_command(ctx, model, arch, prompt_ids, prompt_len, seed, new_tokens,
     console.print(f"{build.arch.name}: prefill {steps[0].cycles:,} cycles; "
                   + (f"decode steps {sum(s.cycles for s in decode) / len(decode):,.0f} cycles on average; " if decode else "")
                   + f"{sum(s.cycles for s in steps):,} cycles in all "
-                  f"({sum(s.seconds for s in steps) * 1e3:.4g} ms); {len(build.compiled)} of {len(steps)} programs compiled, "
-                  f"the others found in {build_dir}",
+                  f"({sum(s.seconds for s in steps) * 1e3:.4g} ms); {len(build.compiled)} of {len(steps)} programs compiled "
+                  f"into {build_dir}, {len(steps) - len(build.compiled)} found there",
                   highlight=False)
     rows = _checked(graph, prompt, new_tokens, reference, judged, steps, console) if check else None
     record = {"model": model, "arch": build.arch.name, "prompt": prompt, "tokens": [s.token for s in steps],
