@@ -159,6 +159,14 @@ class Build:
         for f in (path, Path(str(path) + ".data")):
             f.unlink(missing_ok=True)
 
+    def _arch_for(self, program: Path) -> str:
+        """The ``.arch`` the program carries, for dlegion-run: a preset's name, or the machine
+        file's path from the program's folder (where dlegion-run resolves it)."""
+        if not self.arch_name.endswith(".toml"):
+            return self.arch_name
+        import os
+        return Path(os.path.relpath(os.path.abspath(self.arch_name), program.parent.resolve())).as_posix()
+
     def _compile(self, seq: int, past: int, path: Path) -> None:
         from isa.asm import save
         from isa.files import Staged
@@ -169,7 +177,7 @@ class Build:
         try:
             with Staged(data_path) as data:
                 _, program = compile_model(self.graph.path, options, data_path.name, None, self.progress, data)
-                save(dataclasses.replace(program, arch=self.arch_name), path, data, binary=True)
+                save(dataclasses.replace(program, arch=self._arch_for(path)), path, data, binary=True)
         except CompileError as e:
             raise GenerateError(f"sequence {seq}, past {past}: {str(e).splitlines()[0]}") from None
 
