@@ -78,7 +78,7 @@ def _check_rows(judged: Judge, steps, reference_tokens: list[int]) -> list[dict]
     for k, (s, (verdict, tol)) in enumerate(zip(steps, judged.verdicts)):
         logits = next(r for r in verdict.rows if r.name == "logits")
         rows.append({"step": k, "token": s.token, "onnxruntime_token": reference_tokens[k],
-                     "logits_rel_l2": logits.rel_l2, "tolerance": tol, "outputs_ok": verdict.ok,
+                     "logits_rel_l2": logits.rel_l2 if math.isfinite(logits.rel_l2) else None, "tolerance": tol, "outputs_ok": verdict.ok,
                      "ok": verdict.ok and s.token == reference_tokens[k]})
     return rows
 
@@ -90,7 +90,8 @@ def _print_check(rows: list[dict], console) -> None:
     for name in ("step", "token", "onnxruntime", "logits rel L2", "tolerance", "outputs", "verdict"):
         t.add_column(name, justify="right")
     for r in rows:
-        t.add_row(str(r["step"]), str(r["token"]), str(r["onnxruntime_token"]), f"{r['logits_rel_l2']:.2e}",
+        distance = "inf" if r["logits_rel_l2"] is None else f"{r['logits_rel_l2']:.2e}"
+        t.add_row(str(r["step"]), str(r["token"]), str(r["onnxruntime_token"]), distance,
                   f"{r['tolerance']:g}", "ok" if r["outputs_ok"] else "MISMATCH", "ok" if r["ok"] else "MISMATCH")
     console.print(t)
 
