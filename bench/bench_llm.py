@@ -9,7 +9,8 @@ per second (all generated tokens over the whole time), joules per token and aver
 architecture's energy table, runtime/report.py). Batch 1, one stream, greedy: MLPerf's
 single-stream scenario. The model is the BitNet 2B4T shape with a symbolic cache
 (``python -m models.bitnet --preset 2b4t --dynamic --past 0 --external-data``), generated into
-``--dir`` unless a model is there already. Decode steps are timed every ``--every`` positions of
+``--dir`` unless a model is there already; ``--model`` benches any other decode graph with a
+symbolic cache (e.g. models/llama_tiny_decode.onnx). Decode steps are timed every ``--every`` positions of
 the context and the last, the others interpolated linearly (runtime/llm_metrics.py); the table's
 caption says how many were timed. Writes a JSON file and a PNG plot of latency per token against
 context length, one line per machine.
@@ -79,6 +80,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 @click.command()
+@click.option("--model", "model_path", type=click.Path(dir_okay=False, exists=True),
+              help="Any decode graph with a symbolic key/value cache instead of the generated 2B4T shape.")
 @click.option("--layers", default=30, show_default=True)
 @click.option("--vocab", default=128256, show_default=True)
 @click.option("--prompt", default=512, show_default=True, help="prompt tokens (the prefill's sequence)")
@@ -93,20 +96,21 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 @click.option("--json", "json_path", default="bench_llm.json", show_default=True, type=click.Path(dir_okay=False))
 @click.option("--plot", "png_path", default="bench_llm.png", show_default=True, type=click.Path(dir_okay=False))
 @click.option("-q", "--quiet", is_flag=True)
-def main(layers, vocab, prompt, new_tokens, arches, every, attention, keep, keep_programs, json_path, png_path, quiet):
+def main(model_path, layers, vocab, prompt, new_tokens, arches, every, attention, keep, keep_programs, json_path, png_path, quiet):
     from rich.console import Console
     progress = Progress.for_terminal(quiet)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(keep or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        graph = cache_graph(model_in(work, layers, vocab, progress))
+        graph = cache_graph(model_path or model_in(work, layers, vocab, progress))
         rows = []
         for name in arches:
             t0 = time.perf_counter()
             build = Build(graph, arch_mod.load(name), name, work / "build", attention, progress)
             rows.append(serve(build, prompt, new_tokens, every, keep_programs) | {"wall_s": time.perf_counter() - t0,
                                                                    "compiled": len(build.compiled)})
-    what = f"BitNet 2B4T shape ({layers} layers, vocabulary {vocab:,}), prompt {prompt}, {new_tokens} tokens"
+    shape = Path(model_path).name if model_path else f"BitNet 2B4T shape ({layers} layers, vocabulary {vocab:,})"
+    what = f"{shape}, prompt {prompt}, {new_tokens} tokens"
     r = rows[0]
     caption = (f"{what}; batch 1, timing model only; {r['decode_steps_timed']} of {r['decode_steps']} decode steps "
                f"timed (every {every} positions and the last), the rest interpolated linearly")
