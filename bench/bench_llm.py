@@ -51,7 +51,8 @@ def table(rows: list[dict], caption: str):
         t.add_column(name, justify="left" if name == "machine" else "right")
     for r in rows:
         attention = "int8" if "int8_attention" in r["prefill"]["approximations"] else "fp32"
-        t.add_row(r["arch"], attention, f"{r['ttft_s'] * 1e3:,.2f}", f"{r['tpot_s'] * 1e3:,.3f}", f"{r['tokens_per_s']:,.1f}",
+        t.add_row(r["arch"], attention, f"{r['ttft_s'] * 1e3:,.2f}", "-" if r["tpot_s"] is None else f"{r['tpot_s'] * 1e3:,.3f}",
+                  f"{r['tokens_per_s']:,.1f}",
                   f"{r['joules_per_token']:.4g}", f"{r['average_watts']:.3g}", f"{r['wall_s']:.0f}")
     return t
 
@@ -96,7 +97,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 @click.option("--json", "json_path", default="bench_llm.json", show_default=True, type=click.Path(dir_okay=False))
 @click.option("--plot", "png_path", default="bench_llm.png", show_default=True, type=click.Path(dir_okay=False))
 @click.option("-q", "--quiet", is_flag=True)
-def main(model_path, layers, vocab, prompt, new_tokens, arches, every, attention, keep, keep_programs, json_path, png_path, quiet):
+def main(model_path, layers, vocab, prompt, new_tokens, arches, every, attention, keep, keep_programs, json_path,
+         png_path, quiet):
     from rich.console import Console
     progress = Progress.for_terminal(quiet)
     with tempfile.TemporaryDirectory() as tmp:

@@ -62,7 +62,8 @@ def cache_graph(path: str | Path) -> CacheGraph:
     except FileNotFoundError:
         raise GenerateError(f"{path}: no such file") from None
     except Exception as e:  # protobuf decode errors have no common base class
-        raise GenerateError(f"{path}: not an ONNX model ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise GenerateError(f"{path}: not an ONNX model ({why})") from None
     weights = {t.name for t in model.graph.initializer}
     inputs = {i.name: _shape(i) for i in model.graph.input if i.name not in weights}
     feeds = {o.name: PAST_PREFIX + o.name[len(PRESENT_PREFIX):] for o in model.graph.output
@@ -253,7 +254,8 @@ def emulate(build: Build, prompt: list[int], new_tokens: int, races: bool = True
     return out
 
 
-def onnxruntime_loop(graph: CacheGraph, prompt: list[int], new_tokens: int, reference: str = "onnxruntime") -> list[int]:
+def onnxruntime_loop(graph: CacheGraph, prompt: list[int], new_tokens: int,
+                     reference: str = "onnxruntime") -> list[int]:
     """The same greedy loop in onnxruntime, on its own presents: the tokens it generates."""
     from runtime.check import session
     sess = session(graph.path, reference)

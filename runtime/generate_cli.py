@@ -28,7 +28,8 @@ def _prompt(ids: str | None, length: int | None, seed: int, vocab: int | None) -
         try:
             return [int(t) for t in ids.split(",")]
         except ValueError:
-            raise click.BadParameter(f"{ids!r} is not token ids separated by commas", param_hint="--prompt-ids") from None
+            raise click.BadParameter(f"{ids!r} is not token ids separated by commas",
+                                     param_hint="--prompt-ids") from None
     if vocab is None:
         raise GenerateError("the model's logits have no fixed vocabulary size: give --prompt-ids")
     return np.random.default_rng(seed).integers(0, vocab, length).tolist()
@@ -48,6 +49,15 @@ def _print_steps(steps, console) -> None:
     for k, s in enumerate(steps):
         t.add_row(str(k), str(s.seq), str(s.past), str(s.token), f"{s.cycles:,}", f"{s.seconds * 1e6:,.3f}")
     console.print(t)
+
+
+def _summary(build: Build, steps, build_dir: str) -> str:
+    decode = [s.cycles for s in steps[1:]]
+    mean = f"decode steps {sum(decode) / len(decode):,.0f} cycles on average; " if decode else ""
+    made = len(build.compiled)
+    return (f"{build.arch.name}: prefill {steps[0].cycles:,} cycles; {mean}{sum(s.cycles for s in steps):,} cycles "
+            f"in all ({sum(s.seconds for s in steps) * 1e3:.4g} ms); {made} of {len(steps)} programs compiled "
+            f"into {build_dir}, {len(steps) - made} found there")
 
 
 class Judge:
@@ -78,7 +88,8 @@ def _check_rows(judged: Judge, steps, reference_tokens: list[int]) -> list[dict]
     for k, (s, (verdict, tol)) in enumerate(zip(steps, judged.verdicts)):
         logits = next(r for r in verdict.rows if r.name == "logits")
         rows.append({"step": k, "token": s.token, "onnxruntime_token": reference_tokens[k],
-                     "logits_rel_l2": logits.rel_l2 if math.isfinite(logits.rel_l2) else None, "tolerance": tol, "outputs_ok": verdict.ok,
+                     "logits_rel_l2": logits.rel_l2 if math.isfinite(logits.rel_l2) else None,
+                     "tolerance": tol, "outputs_ok": verdict.ok,
                      "ok": verdict.ok and s.token == reference_tokens[k]})
     return rows
 
@@ -149,13 +160,7 @@ def generate_command(ctx, model, arch, prompt_ids, prompt_len, seed, new_tokens,
     console.print(f"prompt ({len(prompt)}): {','.join(map(str, prompt))}", highlight=False)
     console.print(f"generated ({new_tokens}): {','.join(str(s.token) for s in steps)}", highlight=False)
     _print_steps(steps, console)
-    decode = steps[1:]
-    console.print(f"{build.arch.name}: prefill {steps[0].cycles:,} cycles; "
-                  + (f"decode steps {sum(s.cycles for s in decode) / len(decode):,.0f} cycles on average; " if decode else "")
-                  + f"{sum(s.cycles for s in steps):,} cycles in all "
-                  f"({sum(s.seconds for s in steps) * 1e3:.4g} ms); {len(build.compiled)} of {len(steps)} programs compiled "
-                  f"into {build_dir}, {len(steps) - len(build.compiled)} found there",
-                  highlight=False)
+    console.print(_summary(build, steps, build_dir), highlight=False)
     rows = _checked(graph, prompt, new_tokens, reference, judged, steps, console) if check else None
     record = {"model": model, "arch": build.arch.name, "prompt": prompt, "tokens": [s.token for s in steps],
               "steps": [{"sequence": s.seq, "past": s.past, "token": s.token, "cycles": s.cycles,
