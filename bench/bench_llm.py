@@ -47,10 +47,11 @@ def model_in(folder: Path, layers: int, vocab: int, progress: Progress) -> Path:
 def table(rows: list[dict], caption: str):
     from rich.table import Table
     t = Table(title=caption, title_justify="left")
-    for name in ("machine", "attention", "TTFT (ms)", "TPOT (ms)", "tokens/s", "J/token", "avg W", "bench wall (s)"):
+    for name in ("machine", "attention (prefill/decode)", "TTFT (ms)", "TPOT (ms)", "tokens/s", "J/token", "avg W", "bench wall (s)"):
         t.add_column(name, justify="left" if name == "machine" else "right")
     for r in rows:
-        attention = "int8" if "int8_attention" in r["prefill"]["approximations"] else "fp32"
+        attention = "/".join("int8" if "int8_attention" in t["approximations"] else "fp32"
+                             for t in (r["prefill"], (r["decode_samples"] or [r["prefill"]])[0]))
         t.add_row(r["arch"], attention, f"{r['ttft_s'] * 1e3:,.2f}", "-" if r["tpot_s"] is None else f"{r['tpot_s'] * 1e3:,.3f}",
                   f"{r['tokens_per_s']:,.1f}",
                   f"{r['joules_per_token']:.4g}", f"{r['average_watts']:.3g}", f"{r['wall_s']:.0f}")
