@@ -43,9 +43,10 @@ def bitnet_entry(name: str, seq: int = 8, external_data: bool = False, golden_pa
     return Entry(name, lambda: bitnet.build_bitnet(config), config.vocab, seq, external_data, past=golden_past)
 
 
-def llama_entry(name: str, variant: str) -> Entry:
-    config = LlamaConfig()
-    return Entry(name, lambda: llama_quant.build_quantized(config, variant), config.vocab, config.seq)
+def llama_entry(name: str, variant: str, seq: int | None = None, golden_past: int = 0, **overrides) -> Entry:
+    config = LlamaConfig(**overrides)
+    return Entry(name, lambda: llama_quant.build_quantized(config, variant), config.vocab, seq or config.seq,
+                 past=golden_past)
 
 
 ZOO = (
@@ -63,6 +64,9 @@ ZOO = (
     llama_entry("llama_tiny_nbits4", "nbits4"),
     llama_entry("llama_tiny_qdq", "qdq"),
     llama_entry("llama_tiny_qdq_int4", "qdq-int4"),
+    # a decode step with a key/value cache, dynamic int8, symbolic sequence and past: what dlegion-generate
+    # runs (golden: one token after 11)
+    llama_entry("llama_tiny_decode", "dynamic-int8", seq=1, golden_past=11, dynamic=True, past=0, seed=4),
 )
 
 

@@ -31,11 +31,14 @@ class LlamaConfig:
     vocab: int = 256
     seq: int = 8
     seed: int = 0
+    dynamic: bool = False       # symbolic sequence (and, with a cache, past) dims
+    past: int | None = None     # a decode step with a key/value cache of this many positions
 
     def spec(self) -> DecoderSpec:
         return DecoderSpec(
             hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads, ffn=self.ffn, layers=self.layers,
             vocab=self.vocab, seq=self.seq, act="silu", sub_norm=False, rms_eps=1e-6, rope_theta=10000.0,
+            dynamic=self.dynamic, past=self.past,
         )
 
 

@@ -21,7 +21,8 @@ from runtime.emulator import random_inputs, run
 ROOT = Path(__file__).parent.parent
 TINY = arch_mod.load("dlegion-tiny")
 MODELS = sorted(p.stem for p in (ROOT / "models").glob("*.onnx"))
-DIMS = {"bitnet_tiny_gqa": {"sequence": 8}, "bitnet_tiny_decode": {"sequence": 4, "past_sequence_length": 11}}
+DIMS = {"bitnet_tiny_gqa": {"sequence": 8}, "bitnet_tiny_decode": {"sequence": 4, "past_sequence_length": 11},
+        "llama_tiny_decode": {"sequence": 4, "past_sequence_length": 11}}
 
 
 @cache
@@ -54,7 +55,7 @@ def test_the_compilers_approximation_is_measured_with_its_own_bound():
 
 # Every committed model whose default program quantizes attention (the decode step's few query
 # rows keep fp32 by default; the test above covers it).
-INT8_ATTENTION = [m for m in MODELS if m != "bitnet_tiny_decode"]
+INT8_ATTENTION = [m for m in MODELS if m not in ("bitnet_tiny_decode", "llama_tiny_decode")]
 
 
 @pytest.mark.parametrize("name", INT8_ATTENTION)

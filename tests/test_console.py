@@ -4,7 +4,8 @@ import sys
 
 import pytest
 
-SCRIPTS = {"dlegion-cc": "dlegion_cc.cli", "dlegion-run": "runtime.cli", "dlegion-dse": "dlegion_cc.dse"}
+SCRIPTS = {"dlegion-cc": "dlegion_cc.cli", "dlegion-run": "runtime.cli", "dlegion-dse": "dlegion_cc.dse",
+           "dlegion-generate": "runtime.generate_cli"}
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
@@ -19,7 +20,7 @@ def test_a_usage_error_is_one_line_naming_the_script(script, args):
 
 
 @pytest.mark.parametrize("command", ["dlegion-cc", "dlegion-run", "dlegion-as", "dlegion-dis", "dlegion-arch",
-                                     "dlegion-dse"])
+                                     "dlegion-dse", "dlegion-generate"])
 def test_every_command_says_its_version(command):
     from importlib.metadata import entry_points, version
     [script] = [e for e in entry_points(group="console_scripts") if e.name == command]

@@ -108,7 +108,7 @@ def test_bitnet_generator_reproduces_committed_bytes(name, tmp_path, manifest):
 
 
 LLAMA_ZOO = {"llama_tiny_dynamic_int8": "dynamic-int8", "llama_tiny_nbits4": "nbits4",
-             "llama_tiny_qdq": "qdq", "llama_tiny_qdq_int4": "qdq-int4"}
+             "llama_tiny_qdq": "qdq", "llama_tiny_qdq_int4": "qdq-int4", "llama_tiny_decode": "dynamic-int8"}
 
 
 def needs_quantizer(variant: str) -> None:
