@@ -224,7 +224,7 @@ def _constants(model, shapes: dict[str, tuple]) -> dict[str, np.ndarray | None]:
     values = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     inputs = {i.name for i in model.graph.input}
     for n in model.graph.node:
-        if n.op_type == "Shape" and all(isinstance(d, int) and d > 0 for d in shapes.get(n.input[0], ("?",))):
+        if n.op_type == "Shape" and all(isinstance(d, int) and d >= 0 for d in shapes.get(n.input[0], ("?",))):
             attrs = {a.name: a.i for a in n.attribute}
             dims = shapes[n.input[0]][attrs.get("start", 0):attrs.get("end", None)]
             values[n.output[0]] = np.array(dims, np.int64)
@@ -265,7 +265,9 @@ def _shapes(model, input_shapes: dict[str, tuple]) -> dict[str, tuple]:
             for d, n in zip(vi.type.tensor_type.shape.dim, input_shapes[vi.name]):
                 d.dim_value = int(n)
     graph = _inferred(bound)
-    dims = lambda vi: tuple(d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim)  # noqa: E731
+    # An unknown dimension is None, not 0: a bound empty cache (past 0) is a known 0.
+    dim = lambda d: d.dim_param if d.HasField("dim_param") else d.dim_value if d.HasField("dim_value") else None  # noqa: E731
+    dims = lambda vi: tuple(dim(d) for d in vi.type.tensor_type.shape.dim)  # noqa: E731
     return {vi.name: dims(vi) for vi in [*graph.input, *graph.output, *graph.value_info]
             if vi.type.tensor_type.HasField("shape")}
 

@@ -108,6 +108,21 @@ def test_the_yardstick_quantizes_only_the_products_the_program_names(tmp_path):
     assert rows["logits"].fp64.approximation > 1e-2            # the attention products, quantized
 
 
+@pytest.mark.parametrize("name", ["bitnet_tiny_decode", "llama_tiny_decode"])
+def test_an_empty_cache_prefill_with_int8_attention_is_judged_by_its_own_quantization(name):
+    """The prefill of a decode graph (its cache bound to 0 positions) with int8 attention: its
+    mask is made from shapes holding that 0, which the compiler folds; the yardstick must fold it
+    too (a bound 0 is a known dimension, not an unknown one), or it takes the scores for ones
+    that do not reach a softmax alone, leaves K unsmoothed, and fails a correct program."""
+    path = ROOT / "models" / f"{name}.onnx"
+    _, program = compile_model(path, Options(TINY, {"sequence": 8, "past_sequence_length": 0}, attention="int8"))
+    assert program.approximations.get("int8_attention")
+    inputs = random_inputs(program, 0)
+    verdict = judge(path, inputs, run(program, TINY, inputs).outputs, program_approximations=program.approximations)
+    assert verdict.ok, verdict.rows
+    assert all(r.fp64.ours < 1e-6 for r in verdict.rows if r.fp64 is not None), verdict.rows
+
+
 @pytest.fixture(scope="module")
 def wide_layer(tmp_path_factory):
     """One BitNet-2B4T layer at a fifth of its widths (head dim 128, GQA 4:1), sequence 32."""
