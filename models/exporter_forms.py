@@ -193,7 +193,7 @@ def build_genai(c: FormConfig, int4: bool) -> onnx.ModelProto:
         q, k, v = (genai_linear(g, h, p[n], f"{s}/attn/{n}_proj", int4) for n in ("q", "k", "v"))
         if not int4:
             q, k = (g.op("RotaryEmbedding", [t, "position_ids", cos, sin], f"{s}/attn/{n}_rotary", domain=MS,
-                         num_heads=heads, interleaved=0) for t, n, heads in ((q, "q", c.heads), (k, "k", c.kv_heads)))
+                         num_heads=count, interleaved=0) for t, n, count in ((q, "q", c.heads), (k, "k", c.kv_heads)))
         attn = g.op("GroupQueryAttention", [q, k, v, f"past_key_values.{i}.key", f"past_key_values.{i}.value",
                                             seqlens, total, cos if int4 else "", sin if int4 else ""],
                     f"{s}/attn/GroupQueryAttention", domain=MS,
@@ -304,7 +304,8 @@ def build_optimum(c: FormConfig) -> onnx.ModelProto:
         gate = g.op("MatMul", [h, g.init(f"onnx::MatMul_{i}_gate", p["gate"])], f"{m}/gate_proj")
         act = g.op("Mul", [gate, g.op("Sigmoid", [gate], f"{m}/act_fn")], f"{m}/act_fn")
         up = g.op("MatMul", [h, g.init(f"onnx::MatMul_{i}_up", p["up"])], f"{m}/up_proj")
-        down = g.op("MatMul", [g.op("Mul", [act, up], m), g.init(f"onnx::MatMul_{i}_down", p["down"])], f"{m}/down_proj")
+        down = g.op("MatMul", [g.op("Mul", [act, up], m), g.init(f"onnx::MatMul_{i}_down", p["down"])],
+                    f"{m}/down_proj")
         x = g.op("Add", [x, down], s)
     h = rms_plain(g, x, g.init("model.norm.weight", w.final_norm), c.eps, "/model/norm")
     g.op("MatMul", [h, g.init("onnx::MatMul_lm_head", w.lm_head)], "/lm_head", out=["logits"])
