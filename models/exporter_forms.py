@@ -32,8 +32,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from models import golden
 
-MODELS_DIR = Path(__file__).resolve().parent
-GOLDEN_DIR = MODELS_DIR.parent / "tests" / "golden"
+# A folder of their own: tests that take every models/*.onnx as a one-output model without a cache
+# (test_check_verdict) are not about these.
+MODELS_DIR = Path(__file__).resolve().parent / "forms"
+GOLDEN_DIR = MODELS_DIR.parent.parent / "tests" / "golden"
 MANIFEST = "FORMS_MANIFEST.json"
 MS = "com.microsoft"
 BATCH, SEQ, PAST, TOTAL = "batch_size", "sequence_length", "past_sequence_length", "total_sequence_length"
