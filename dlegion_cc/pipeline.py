@@ -56,7 +56,10 @@ class Options:
     sparsity: bool = True         # off: dense schedule, no block masks
     fusion: bool = True           # off: no FuseSiblings (multi-matrix fusion) and no FuseRowwise
     prefetch: bool = True         # off: a matmul's first weights wait for the row kernel before it
-    overlap: bool = True          # off: every node ends in a barrier
+    # on: nodes end in waits for what the next ones share instead of barriers (lower/overlap.py).
+    # Off by default until the pass is cheap at full size: one 2B4T layer at sequence 512 took
+    # 15x the compile time with it, for under 1% fewer cycles.
+    overlap: bool = False
     # What quantized-matmul schedules are chosen for: "latency", "energy" or "edp" (qplan.OBJECTIVES).
     objective: str = "latency"
     # Quantized matmuls' schedules: pinned ones in, those given out (None: all searched).
