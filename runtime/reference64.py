@@ -22,7 +22,11 @@ import numpy as np
 
 _F32, _F64 = 1, 11          # onnx.TensorProto.FLOAT, DOUBLE
 # Operators whose float operands onnxruntime takes in float32 only.
-FLOAT32_ONLY = {"DequantizeLinear", "QuantizeLinear", "DynamicQuantizeLinear", "MatMulNBits", "QLinearMatMul"}
+# onnxruntime's contrib operators (com.microsoft) have float32 kernels only, and opset 23's
+# RotaryEmbedding none in float64 either.
+FLOAT32_ONLY = {"DequantizeLinear", "QuantizeLinear", "DynamicQuantizeLinear", "MatMulNBits", "QLinearMatMul",
+                "GroupQueryAttention", "RotaryEmbedding", "SimplifiedLayerNormalization",
+                "SkipSimplifiedLayerNormalization"}
 
 
 def float64_model(path: str | Path, approximations: bool = False, int8_attention: Collection[str] = (),

@@ -19,25 +19,7 @@ from runtime.check import judge, onnx_reference
 from runtime.emulator import run
 
 TINY = arch.load("dlegion-tiny")
-# Known failures, each a bug outside the exporters' operators (see the reasons).
-OPSET23_DECODE = pytest.mark.xfail(strict=True, raises=KeyError, reason=(
-    "lower/fused.py: the Attention-23 function body's all-masked-row test (ReduceMax of the mask row, "
-    "[1, 1, 1, 1] at one query) fuses into the softmax's row kernel as a computed scalar, and the "
-    "kernel's slot plan has no kind for a computed scalar (KeyError: 'scalar')"))
-INT4_VERDICT = pytest.mark.xfail(strict=True, reason=(
-    "runtime/reference64.py: the float64 evaluation widens GroupQueryAttention's inputs to double, which "
-    "onnxruntime's contrib op refuses, so --check judges the int4 model at 1e-4 alone instead of its "
-    "recorded int8-activation bound (keeping the contrib ops in FLOAT32_ONLY makes the verdict pass)"))
-MARKS = {("opset23_tiny_llama", "decode"): [OPSET23_DECODE]}
-VERDICT_MARKS = {("genai_tiny_int4", step): [INT4_VERDICT] for step in STEPS}
-
-
-def cases(marks: dict) -> list:
-    return [pytest.param(name, step, marks=marks.get((name, step), ()), id=f"{name}-{step}")
-            for name in FORMS for step in STEPS]
-
-
-CASES = cases(MARKS)
+CASES = [pytest.param(name, step, id=f"{name}-{step}") for name in FORMS for step in STEPS]
 
 
 def path(name: str):
@@ -57,7 +39,7 @@ def compiled(name: str, step: str):
     return graph, program, inputs, run(program, TINY, inputs).outputs
 
 
-@pytest.mark.parametrize("name,step", cases({**MARKS, **VERDICT_MARKS}))
+@pytest.mark.parametrize("name,step", CASES)
 def test_form_matches_onnxruntime(name, step):
     """Float forms within the fp32 tolerance of onnxruntime (or of the float64 evaluation, as
     --check judges); the int4 form within the tolerance of the approximation its program records
@@ -86,7 +68,7 @@ def test_present_keeps_the_past_exactly(name, step):
 @pytest.mark.parametrize("step", STEPS)
 def test_int4_is_within_its_recorded_approximation(step):
     """The int4 form against the kernels computing MatMulNBits' definition, within the bound --check
-    gives the approximation its program records (the verdict itself: INT4_VERDICT)."""
+    gives the approximation its program records (the verdict itself: test_form_matches_onnxruntime)."""
     _, program, inputs, outputs = compiled("genai_tiny_int4", step)
     path_ = path("genai_tiny_int4")
     verdict = judge(path_, inputs, outputs, program_approximations=program.approximations)
@@ -138,7 +120,7 @@ def test_committed_model_is_the_generators(name, manifest):
     assert path(name).stat().st_size < 300_000
 
 
-@pytest.mark.parametrize("name,step", cases({}))
+@pytest.mark.parametrize("name,step", CASES)
 def test_golden_matches_fresh_onnxruntime_run(name, step, manifest):
     model = onnx.load(path(name))
     data = stored(name, step)

@@ -99,6 +99,9 @@ def row_kernel(low: Lowering, node) -> None:
     kinds = {n: shape_kind(v.shape, frame, tiled=True) for n, v in values.items()}
     scalars = {n: float(np.float32(v.const.reshape(()))) for n, v in values.items()
                if v.const is not None and v.const.size == 1 and n not in _read_as_views(node)}
+    # A scalar the kernel computes (a reduction of a row every block reads alike, as Attention-23's
+    # test for an all-masked row at one query) is held as a column: the same value in every row.
+    kinds = {n: "col" if k == "scalar" and n not in scalars and n not in node.inputs else k for n, k in kinds.items()}
     ins = [n for n in node.inputs if n not in scalars]
     slot, temps = _plan(node, kinds, scalars, set(ins), set(node.outputs))
     args = [Arg(n, _frame_operand(low.operand(n), values[n].shape, kinds[n], frame)) for n in ins]
