@@ -186,20 +186,39 @@ class _Ledger:
     def __init__(self):
         self.items: list[tuple] = []
 
-    def conflicts(self, win: tuple, write: bool, k: int):
-        lo, end = win[0], win[1]
+    def need(self, win: tuple, write: bool, k: int, known: list, q: int, need: dict) -> None:
+        """Raise ``need`` (queue -> count) to every access conflicting with ``win`` that ``known``
+        does not have done. A later transfer of the same DMA queue needs none when the earlier
+        one read, or when it writes (it is sent after the earlier one and lands after what that
+        wrote); it is not ordered after a write it reads. Inlined: this loop is most of the
+        pass's time."""
+        lo, end, _, rw = win
+        dma = q % len(QUEUES) == DMA
         for e in self.items:
-            if e[0] < end and lo < e[1] and (write or e[4]) and e[5] != k and _meet(win, e):
-                yield e
+            if e[0] < end and lo < e[1] and (write or e[4]) and e[5] != k:
+                t, c = e[2], e[3]
+                if known[t] >= c or (dma and t == q and (write or not e[4])):
+                    continue
+                re = e[6]
+                if rw is not None and re is not None and rw[0] == re[0] and not (
+                        rw[1] < re[2] and re[1] < rw[2] and rw[3] < re[4] and re[3] < rw[4]):
+                    continue
+                if need.get(t, 0) < c:
+                    need[t] = c
 
     def add(self, win: tuple, q: int, count: int, write: bool, k: int, whole: bool) -> None:
+        items, lo, end = self.items, win[0], win[1]
         if whole:
             # Whatever is ordered after this access is ordered after the ones it covers:
-            # a write covers every access, a read the reads of its own queue.
-            lo, end = win[0], win[1]
-            self.items = [e for e in self.items
-                          if e[1] <= lo or e[0] >= end or not ((write or (not e[4] and e[2] == q)) and _covers(win, e))]
-        self.items.append((win[0], win[1], q, count, write, k, win[3]))
+            # a write covers every access, a read the reads of its own queue. The entries
+            # before the first it meets stay as they are (no list rebuilt when it meets none).
+            for j, e in enumerate(items):
+                if e[0] < end and lo < e[1]:
+                    items = self.items = items[:j] + [
+                        e for e in items[j:] if e[1] <= lo or e[0] >= end
+                        or not ((write or (not e[4] and e[2] == q)) and _covers(win, e))]
+                    break
+        items.append((lo, end, q, count, write, k, win[3]))
 
     def prune(self, floor: np.ndarray) -> None:
         """Drop the accesses every queue that may still touch the space knows done."""
@@ -227,10 +246,13 @@ class _Rewrite:
         for i in self.program.instrs:
             if isinstance(i, (Barrier, Wait)):
                 continue
+            # Rank r touches rank 0's scratchpads r Legions on, and the same DRAM tensors.
+            spaces = {space for space, *_ in footprint(i, 0, self.program.tensors)}
             for r in range(_span(i)):
                 q = self.qid(i.legion + r, i.queue())
-                for space, *_ in footprint(i, r, self.program.tensors):
-                    users.setdefault(space, set()).add(q)
+                for space in spaces:
+                    users.setdefault((space[0] + r, space[1]) if isinstance(space, tuple) else space,
+                                     set()).add(q)
         return {s: np.array(sorted(qs)) for s, qs in users.items()}
 
     def run(self) -> tuple[list, list[int]]:
@@ -273,16 +295,15 @@ class _Rewrite:
         queue, span = i.queue(), _span(i)
         ranks = [i.legion + r for r in range(span)]
         own = self._own_targets(i, ranks)
-        needs = []
+        needs, prints = [], [footprint(i, r, self.program.tensors) for r in range(span)]
         for r, legion in enumerate(ranks):
             q = self.qid(legion, queue)
-            known = self._knowing(q, own[r])
+            known = self._knowing(q, own[r]).tolist()
             need = dict(own[r])
-            for space, win, write, _ in footprint(i, r, self.program.tensors):
-                for e in self._ledger(space).conflicts(win, write, k):
-                    if known[e[2]] >= e[3] or self._same_dma(e, q, write):
-                        continue
-                    need[e[2]] = max(need.get(e[2], 0), e[3])
+            for space, win, write, _ in prints[r]:
+                ledger = self.ledgers.get(space)
+                if ledger is not None:
+                    ledger.need(win, write, k, known, q, need)
             needs.append(need)
         conds, alone = self._conditions(ranks, needs)
         for legion, cond in alone:
@@ -293,7 +314,7 @@ class _Rewrite:
         else:
             for cond in conds[1:]:
                 self._emit(Wait(i.legion, queue, cond, span=i.span if span > 1 else None), ranks)
-            self._emit(replace(i, wait=conds[0] if conds else None), ranks, k)
+            self._emit(replace(i, wait=conds[0] if conds else None), ranks, k, prints)
         for legion in ranks:
             key = (legion, queue)
             self.old_issued[key] += 1
@@ -320,11 +341,6 @@ class _Rewrite:
             np.maximum(known, self.done[t][c - 1], out=known)
         return known
 
-    def _same_dma(self, e: tuple, q: int, write: bool) -> bool:
-        """A later transfer of the same DMA queue: after the earlier one's reads, and lands
-        after what it wrote (not ordered after it when reading it)."""
-        return e[2] == q and q % len(QUEUES) == DMA and (not e[4] or write)
-
     def _conditions(self, ranks: list[int], needs: list[dict]) -> tuple[list[Cond], list]:
         """Conditions that make each rank wait for what it needs: a queue of another Legion
         by name (the most any rank needs), one of the rank's own Legion by a relative
@@ -347,8 +363,9 @@ class _Rewrite:
         conds += [Cond(tl, QUEUES[tq], None, self.issued[(tl, QUEUES[tq])] - c) for (tl, tq), c in sorted(other.items())]
         return conds, alone
 
-    def _emit(self, i, ranks: list[int], k: int | None = None) -> None:
-        """Append ``i`` (a Wait when ``k`` is None) and fold what its tasks know."""
+    def _emit(self, i, ranks: list[int], k: int | None = None, prints: list | None = None) -> None:
+        """Append ``i`` (a Wait when ``k`` is None; else each rank's ``footprint``, ``prints``)
+        and fold what its tasks know."""
         self.out.append(i)
         queue, cond = i.queue(), i.condition()
         for r, legion in enumerate(ranks):
@@ -364,7 +381,7 @@ class _Rewrite:
             self.done.setdefault(q, []).append(done)
             self.start[q] = known if q % len(QUEUES) == DMA else done
             if k is not None:
-                for space, win, write, whole in footprint(i, r, self.program.tensors):
+                for space, win, write, whole in prints[r]:
                     self._ledger(space).add(win, q, place + 1, write, k, whole)
         for legion in ranks:        # after all: a relative condition counts what came before
             self.issued[(legion, queue)] += 1
