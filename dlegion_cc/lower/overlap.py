@@ -181,7 +181,7 @@ class _Ledger:
     """One space's accesses a later one may conflict with: (first, end, queue, count, write,
     instruction, rectangle), count being the queue's completed count that has the access done."""
 
-    PRUNE_AT = 32
+    PRUNE_AT, PRUNE_EVERY = 16, 16         # (what pruning drops would never be waited for)
 
     def __init__(self):
         self.items: list[tuple] = []
@@ -222,6 +222,7 @@ class _Ledger:
 
     def prune(self, floor: np.ndarray) -> None:
         """Drop the accesses every queue that may still touch the space knows done."""
+        floor = floor.tolist()
         self.items = [e for e in self.items if floor[e[2]] < e[3]]
 
 
@@ -235,7 +236,7 @@ class _Rewrite:
         self.done: dict = {}                        # qid -> each item's known vector once done
         self.start = np.zeros((self.nq, self.nq), np.int64)   # what the next task of each queue knows
         self.ledgers: dict = {}
-        self.users = self._users()                  # space -> queues that ever touch it
+        self.users = self._users()                  # space -> (queues touching it, last instruction of each)
         self.out: list = []
 
     def qid(self, legion: int, queue: str) -> int:
@@ -243,7 +244,7 @@ class _Rewrite:
 
     def _users(self) -> dict:
         users: dict = {}
-        for i in self.program.instrs:
+        for k, i in enumerate(self.program.instrs):
             if isinstance(i, (Barrier, Wait)):
                 continue
             # Rank r touches rank 0's scratchpads r Legions on, and the same DRAM tensors.
@@ -251,9 +252,8 @@ class _Rewrite:
             for r in range(_span(i)):
                 q = self.qid(i.legion + r, i.queue())
                 for space in spaces:
-                    users.setdefault((space[0] + r, space[1]) if isinstance(space, tuple) else space,
-                                     set()).add(q)
-        return {s: np.array(sorted(qs)) for s, qs in users.items()}
+                    users.setdefault((space[0] + r, space[1]) if isinstance(space, tuple) else space, {})[q] = k
+        return {s: (np.array(list(last)), np.array(list(last.values()))) for s, last in users.items()}
 
     def run(self) -> tuple[list, list[int]]:
         starts = []
@@ -265,8 +265,8 @@ class _Rewrite:
                 self._count_old_barrier()
             else:
                 self._place(k, i)
-            if k % 64 == 63:
-                self._prune()
+            if k % _Ledger.PRUNE_EVERY == 0:
+                self._prune(k)
         return self.out, starts
 
     def _barrier(self) -> None:
@@ -392,9 +392,15 @@ class _Rewrite:
             ledger = self.ledgers[space] = _Ledger()
         return ledger
 
-    def _prune(self) -> None:
+    def _prune(self, k: int) -> None:
         """Drop, from the large ledgers, the accesses that the next task of every queue that
-        ever touches the space knows done (what a queue's tasks know only grows along it)."""
-        for space, ledger in self.ledgers.items():
+        touches the space after instruction ``k`` knows done (what a queue's tasks know only
+        grows along it); a space none touches again, whole."""
+        for space, ledger in list(self.ledgers.items()):
             if len(ledger.items) > _Ledger.PRUNE_AT:
-                ledger.prune(self.start[self.users[space]].min(axis=0))
+                queues, last = self.users[space]
+                later = queues[last > k]
+                if len(later):
+                    ledger.prune(self.start[later].min(axis=0))
+                else:
+                    del self.ledgers[space]
