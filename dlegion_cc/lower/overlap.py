@@ -179,12 +179,36 @@ def footprint(i, rank: int, tensors) -> list[tuple]:
 
 class _Ledger:
     """One space's accesses a later one may conflict with: (first, end, queue, count, write,
-    instruction, rectangle), count being the queue's completed count that has the access done."""
+    instruction, rectangle), count being the queue's completed count that has the access done.
+
+    A DRAM tensor's accesses are filed by address in ``BLOCKS`` blocks (an access in every
+    block it spans), so that one row's access looks at the rows near it, not at the thousands
+    of rows the other Legions wrote; a scratchpad's few are one list."""
 
     PRUNE_AT, PRUNE_EVERY = 16, 16         # (what pruning drops would never be waited for)
+    BLOCKS, NARROW, WIDE = 64, 2, -1
 
-    def __init__(self):
-        self.items: list[tuple] = []
+    def __init__(self, size: int | None = None):
+        self.block = -(-size // self.BLOCKS) if size else None
+        self.blocks: dict[int, list] = {}
+
+    def _keys(self, lo: int, end: int) -> tuple:
+        """The blocks an access is filed in: those it spans, or ``WIDE`` past ``NARROW`` of them
+        (a column of every row would else be in all of them, and met once per block)."""
+        if not self.block:
+            return (0,)
+        last = self.BLOCKS - 1      # (a strided window may end past the tensor: the last block)
+        first, end = min(lo // self.block, last), min((end - 1) // self.block, last) + 1
+        return tuple(range(first, end)) if end - first <= self.NARROW else (self.WIDE,)
+
+    def _near(self, keys: tuple):
+        """The lists an access filed in ``keys`` may meet an access of."""
+        if keys == (self.WIDE,):
+            return list(self.blocks.values())
+        return [self.blocks[key] for key in keys + (self.WIDE,) if key in self.blocks]
+
+    def __len__(self) -> int:
+        return sum(map(len, self.blocks.values()))
 
     def need(self, win: tuple, write: bool, k: int, known: list, q: int, need: dict) -> None:
         """Raise ``need`` (queue -> count) to every access conflicting with ``win`` that ``known``
@@ -194,36 +218,44 @@ class _Ledger:
         pass's time."""
         lo, end, _, rw = win
         dma = q % len(QUEUES) == DMA
-        for e in self.items:
-            if e[0] < end and lo < e[1] and (write or e[4]) and e[5] != k:
-                t, c = e[2], e[3]
-                if known[t] >= c or (dma and t == q and (write or not e[4])):
-                    continue
-                re = e[6]
-                if rw is not None and re is not None and rw[0] == re[0] and not (
-                        rw[1] < re[2] and re[1] < rw[2] and rw[3] < re[4] and re[3] < rw[4]):
-                    continue
-                if need.get(t, 0) < c:
-                    need[t] = c
+        for items in self._near(self._keys(lo, end)):
+            for e in items:
+                if e[0] < end and lo < e[1] and (write or e[4]) and e[5] != k:
+                    t, c = e[2], e[3]
+                    if known[t] >= c or (dma and t == q and (write or not e[4])):
+                        continue
+                    re = e[6]
+                    if rw is not None and re is not None and rw[0] == re[0] and not (
+                            rw[1] < re[2] and re[1] < rw[2] and rw[3] < re[4] and re[3] < rw[4]):
+                        continue
+                    if need.get(t, 0) < c:
+                        need[t] = c
 
     def add(self, win: tuple, q: int, count: int, write: bool, k: int, whole: bool) -> None:
-        items, lo, end = self.items, win[0], win[1]
+        lo, end = win[0], win[1]
+        keys = self._keys(lo, end)
         if whole:
             # Whatever is ordered after this access is ordered after the ones it covers:
-            # a write covers every access, a read the reads of its own queue. The entries
-            # before the first it meets stay as they are (no list rebuilt when it meets none).
-            for j, e in enumerate(items):
-                if e[0] < end and lo < e[1]:
-                    items = self.items = items[:j] + [
-                        e for e in items[j:] if e[1] <= lo or e[0] >= end
+            # a write covers every access, a read the reads of its own queue (an access it
+            # covers lies within its bounds: in its blocks, or any when it is wide).
+            for key, items in list(self.blocks.items()):
+                if keys == (self.WIDE,) or key in keys:
+                    self.blocks[key] = [
+                        e for e in items if e[1] <= lo or e[0] >= end
                         or not ((write or (not e[4] and e[2] == q)) and _covers(win, e))]
-                    break
-        items.append((lo, end, q, count, write, k, win[3]))
+        entry = (lo, end, q, count, write, k, win[3])
+        for key in keys:
+            self.blocks.setdefault(key, []).append(entry)
 
     def prune(self, floor: np.ndarray) -> None:
         """Drop the accesses every queue that may still touch the space knows done."""
         floor = floor.tolist()
-        self.items = [e for e in self.items if floor[e[2]] < e[3]]
+        for key, items in list(self.blocks.items()):
+            kept = [e for e in items if floor[e[2]] < e[3]]
+            if kept:
+                self.blocks[key] = kept
+            else:
+                del self.blocks[key]
 
 
 class _Rewrite:
@@ -389,7 +421,8 @@ class _Rewrite:
     def _ledger(self, space) -> _Ledger:
         ledger = self.ledgers.get(space)
         if ledger is None:
-            ledger = self.ledgers[space] = _Ledger()
+            size = None if isinstance(space, tuple) else self.program.tensors[space].storage_elems
+            ledger = self.ledgers[space] = _Ledger(size)
         return ledger
 
     def _prune(self, k: int) -> None:
@@ -397,7 +430,7 @@ class _Rewrite:
         touches the space after instruction ``k`` knows done (what a queue's tasks know only
         grows along it); a space none touches again, whole."""
         for space, ledger in list(self.ledgers.items()):
-            if len(ledger.items) > _Ledger.PRUNE_AT:
+            if len(ledger) > _Ledger.PRUNE_AT:
                 queues, last = self.users[space]
                 later = queues[last > k]
                 if len(later):
