@@ -402,7 +402,7 @@ class _Rewrite:
         queue, cond = i.queue(), i.condition()
         for r, legion in enumerate(ranks):
             q = self.qid(legion, queue)
-            known = self.start[q].copy()
+            known = self.start[q]           # the next task of a DMA queue knows what this one did
             if cond is not None:
                 c = absolute(cond, legion, self.issued)
                 if c.count > 0:
@@ -411,7 +411,8 @@ class _Rewrite:
             done = known.copy()
             done[q] = max(done[q], place + 1)
             self.done.setdefault(q, []).append(done)
-            self.start[q] = known if q % len(QUEUES) == DMA else done
+            if q % len(QUEUES) != DMA:      # ... and that of another queue, what this one did done
+                known[q] = done[q]
             if k is not None:
                 for space, win, write, whole in prints[r]:
                     self._ledger(space).add(win, q, place + 1, write, k, whole)
