@@ -144,3 +144,38 @@ dma.st L2 @z[0,64] vec[0,64,1] rows=2 cols=64 wait=dma
     assert kept == [second - 1]
     x = {"x": np.arange(128, dtype=np.float32).reshape(2, 64)}
     assert np.array_equal(run(out, EIGHT, x).outputs["z"], x["x"])
+
+
+def test_a_ledger_in_address_blocks_finds_what_one_list_finds():
+    """A DRAM tensor's accesses filed by address block: a row's read meets the write of its
+    own row (in its block), a column of every row (filed wide) and nothing in other blocks;
+    a wide read meets every write."""
+    from dlegion_cc.lower.overlap import _Ledger
+    ledger = _Ledger(size=64 * 100)                # blocks of 100 elements
+    for q, row in enumerate((0, 3, 40)):           # three queues write rows of 50
+        ledger.add(_window(row * 50, 1, 50, 50, 1), q, 1, True, q, True)
+    ledger.add(_window(10, 64, 1, 50, 1), 3, 1, True, 3, False)      # a column of 64 rows
+    known = [0] * 4
+
+    def need(win):
+        got = {}
+        ledger.need(win, False, 99, known, 5, got)
+        return got
+
+    assert need(_window(170, 1, 10, 50, 1)) == {1: 1}                  # row 3 past the column
+    assert need(_window(150, 1, 50, 50, 1)) == {1: 1, 3: 1}            # row 3, column and all
+    assert need(_window(2020, 1, 10, 50, 1)) == {2: 1}                 # row 40: another block
+    assert need(_window(0, 64, 50, 50, 1)) == {0: 1, 1: 1, 2: 1, 3: 1}
+    known[1] = 1                                   # what a queue knows done needs no wait
+    assert need(_window(170, 1, 10, 50, 1)) == {}
+
+
+def test_pruning_and_address_blocks_leave_the_program_as_is(monkeypatch):
+    """What pruning drops would never be waited for, and the blocks find what one list finds:
+    the same program with neither."""
+    from dlegion_cc.lower import overlap as module
+    plain = _compiled(False)
+    want = overlap(plain, EIGHT).instrs
+    monkeypatch.setattr(module._Ledger, "BLOCKS", 1)
+    monkeypatch.setattr(module._Ledger, "PRUNE_EVERY", 10 ** 9)
+    assert overlap(plain, EIGHT).instrs == want

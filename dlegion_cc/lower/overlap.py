@@ -179,31 +179,83 @@ def footprint(i, rank: int, tensors) -> list[tuple]:
 
 class _Ledger:
     """One space's accesses a later one may conflict with: (first, end, queue, count, write,
-    instruction, rectangle), count being the queue's completed count that has the access done."""
+    instruction, rectangle), count being the queue's completed count that has the access done.
 
-    PRUNE_AT = 32
+    A DRAM tensor's accesses are filed by address in ``BLOCKS`` blocks (an access in every
+    block it spans), so that one row's access looks at the rows near it, not at the thousands
+    of rows the other Legions wrote; a scratchpad's few are one list."""
 
-    def __init__(self):
-        self.items: list[tuple] = []
+    PRUNE_AT, PRUNE_EVERY = 16, 16         # (what pruning drops would never be waited for)
+    BLOCKS, NARROW, WIDE = 64, 2, -1
 
-    def conflicts(self, win: tuple, write: bool, k: int):
-        lo, end = win[0], win[1]
-        for e in self.items:
-            if e[0] < end and lo < e[1] and (write or e[4]) and e[5] != k and _meet(win, e):
-                yield e
+    def __init__(self, size: int | None = None):
+        self.block = -(-size // self.BLOCKS) if size else None
+        self.blocks: dict[int, list] = {}
+
+    def _keys(self, lo: int, end: int) -> tuple:
+        """The blocks an access is filed in: those it spans, or ``WIDE`` past ``NARROW`` of them
+        (a column of every row would else be in all of them, and met once per block)."""
+        if not self.block:
+            return (0,)
+        last = self.BLOCKS - 1      # (a strided window may end past the tensor: the last block)
+        first, end = min(lo // self.block, last), min((end - 1) // self.block, last) + 1
+        return tuple(range(first, end)) if end - first <= self.NARROW else (self.WIDE,)
+
+    def _near(self, keys: tuple):
+        """The lists an access filed in ``keys`` may meet an access of."""
+        if keys == (self.WIDE,):
+            return list(self.blocks.values())
+        return [self.blocks[key] for key in keys + (self.WIDE,) if key in self.blocks]
+
+    def __len__(self) -> int:
+        return sum(map(len, self.blocks.values()))
+
+    def need(self, win: tuple, write: bool, k: int, known: list, q: int, need: dict) -> None:
+        """Raise ``need`` (queue -> count) to every access conflicting with ``win`` that ``known``
+        does not have done. A later transfer of the same DMA queue needs none when the earlier
+        one read, or when it writes (it is sent after the earlier one and lands after what that
+        wrote); it is not ordered after a write it reads. Inlined: this loop is most of the
+        pass's time."""
+        lo, end, _, rw = win
+        dma = q % len(QUEUES) == DMA
+        for items in self._near(self._keys(lo, end)):
+            for e in items:
+                if e[0] < end and lo < e[1] and (write or e[4]) and e[5] != k:
+                    t, c = e[2], e[3]
+                    if known[t] >= c or (dma and t == q and (write or not e[4])):
+                        continue
+                    re = e[6]
+                    if rw is not None and re is not None and rw[0] == re[0] and not (
+                            rw[1] < re[2] and re[1] < rw[2] and rw[3] < re[4] and re[3] < rw[4]):
+                        continue
+                    if need.get(t, 0) < c:
+                        need[t] = c
 
     def add(self, win: tuple, q: int, count: int, write: bool, k: int, whole: bool) -> None:
+        lo, end = win[0], win[1]
+        keys = self._keys(lo, end)
         if whole:
             # Whatever is ordered after this access is ordered after the ones it covers:
-            # a write covers every access, a read the reads of its own queue.
-            lo, end = win[0], win[1]
-            self.items = [e for e in self.items
-                          if e[1] <= lo or e[0] >= end or not ((write or (not e[4] and e[2] == q)) and _covers(win, e))]
-        self.items.append((win[0], win[1], q, count, write, k, win[3]))
+            # a write covers every access, a read the reads of its own queue (an access it
+            # covers lies within its bounds: in its blocks, or any when it is wide).
+            for key, items in list(self.blocks.items()):
+                if keys == (self.WIDE,) or key in keys:
+                    self.blocks[key] = [
+                        e for e in items if e[1] <= lo or e[0] >= end
+                        or not ((write or (not e[4] and e[2] == q)) and _covers(win, e))]
+        entry = (lo, end, q, count, write, k, win[3])
+        for key in keys:
+            self.blocks.setdefault(key, []).append(entry)
 
     def prune(self, floor: np.ndarray) -> None:
         """Drop the accesses every queue that may still touch the space knows done."""
-        self.items = [e for e in self.items if floor[e[2]] < e[3]]
+        floor = floor.tolist()
+        for key, items in list(self.blocks.items()):
+            kept = [e for e in items if floor[e[2]] < e[3]]
+            if kept:
+                self.blocks[key] = kept
+            else:
+                del self.blocks[key]
 
 
 class _Rewrite:
@@ -216,7 +268,7 @@ class _Rewrite:
         self.done: dict = {}                        # qid -> each item's known vector once done
         self.start = np.zeros((self.nq, self.nq), np.int64)   # what the next task of each queue knows
         self.ledgers: dict = {}
-        self.users = self._users()                  # space -> queues that ever touch it
+        self.users = self._users()                  # space -> (queues touching it, last instruction of each)
         self.out: list = []
 
     def qid(self, legion: int, queue: str) -> int:
@@ -224,14 +276,16 @@ class _Rewrite:
 
     def _users(self) -> dict:
         users: dict = {}
-        for i in self.program.instrs:
+        for k, i in enumerate(self.program.instrs):
             if isinstance(i, (Barrier, Wait)):
                 continue
+            # Rank r touches rank 0's scratchpads r Legions on, and the same DRAM tensors.
+            spaces = {space for space, *_ in footprint(i, 0, self.program.tensors)}
             for r in range(_span(i)):
                 q = self.qid(i.legion + r, i.queue())
-                for space, *_ in footprint(i, r, self.program.tensors):
-                    users.setdefault(space, set()).add(q)
-        return {s: np.array(sorted(qs)) for s, qs in users.items()}
+                for space in spaces:
+                    users.setdefault((space[0] + r, space[1]) if isinstance(space, tuple) else space, {})[q] = k
+        return {s: (np.array(list(last)), np.array(list(last.values()))) for s, last in users.items()}
 
     def run(self) -> tuple[list, list[int]]:
         starts = []
@@ -243,8 +297,8 @@ class _Rewrite:
                 self._count_old_barrier()
             else:
                 self._place(k, i)
-            if k % 64 == 63:
-                self._prune()
+            if k % _Ledger.PRUNE_EVERY == 0:
+                self._prune(k)
         return self.out, starts
 
     def _barrier(self) -> None:
@@ -273,16 +327,15 @@ class _Rewrite:
         queue, span = i.queue(), _span(i)
         ranks = [i.legion + r for r in range(span)]
         own = self._own_targets(i, ranks)
-        needs = []
+        needs, prints = [], [footprint(i, r, self.program.tensors) for r in range(span)]
         for r, legion in enumerate(ranks):
             q = self.qid(legion, queue)
-            known = self._knowing(q, own[r])
+            known = self._knowing(q, own[r]).tolist()
             need = dict(own[r])
-            for space, win, write, _ in footprint(i, r, self.program.tensors):
-                for e in self._ledger(space).conflicts(win, write, k):
-                    if known[e[2]] >= e[3] or self._same_dma(e, q, write):
-                        continue
-                    need[e[2]] = max(need.get(e[2], 0), e[3])
+            for space, win, write, _ in prints[r]:
+                ledger = self.ledgers.get(space)
+                if ledger is not None:
+                    ledger.need(win, write, k, known, q, need)
             needs.append(need)
         conds, alone = self._conditions(ranks, needs)
         for legion, cond in alone:
@@ -293,7 +346,7 @@ class _Rewrite:
         else:
             for cond in conds[1:]:
                 self._emit(Wait(i.legion, queue, cond, span=i.span if span > 1 else None), ranks)
-            self._emit(replace(i, wait=conds[0] if conds else None), ranks, k)
+            self._emit(replace(i, wait=conds[0] if conds else None), ranks, k, prints)
         for legion in ranks:
             key = (legion, queue)
             self.old_issued[key] += 1
@@ -320,11 +373,6 @@ class _Rewrite:
             np.maximum(known, self.done[t][c - 1], out=known)
         return known
 
-    def _same_dma(self, e: tuple, q: int, write: bool) -> bool:
-        """A later transfer of the same DMA queue: after the earlier one's reads, and lands
-        after what it wrote (not ordered after it when reading it)."""
-        return e[2] == q and q % len(QUEUES) == DMA and (not e[4] or write)
-
     def _conditions(self, ranks: list[int], needs: list[dict]) -> tuple[list[Cond], list]:
         """Conditions that make each rank wait for what it needs: a queue of another Legion
         by name (the most any rank needs), one of the rank's own Legion by a relative
@@ -347,13 +395,14 @@ class _Rewrite:
         conds += [Cond(tl, QUEUES[tq], None, self.issued[(tl, QUEUES[tq])] - c) for (tl, tq), c in sorted(other.items())]
         return conds, alone
 
-    def _emit(self, i, ranks: list[int], k: int | None = None) -> None:
-        """Append ``i`` (a Wait when ``k`` is None) and fold what its tasks know."""
+    def _emit(self, i, ranks: list[int], k: int | None = None, prints: list | None = None) -> None:
+        """Append ``i`` (a Wait when ``k`` is None; else each rank's ``footprint``, ``prints``)
+        and fold what its tasks know."""
         self.out.append(i)
         queue, cond = i.queue(), i.condition()
         for r, legion in enumerate(ranks):
             q = self.qid(legion, queue)
-            known = self.start[q].copy()
+            known = self.start[q]           # the next task of a DMA queue knows what this one did
             if cond is not None:
                 c = absolute(cond, legion, self.issued)
                 if c.count > 0:
@@ -362,9 +411,10 @@ class _Rewrite:
             done = known.copy()
             done[q] = max(done[q], place + 1)
             self.done.setdefault(q, []).append(done)
-            self.start[q] = known if q % len(QUEUES) == DMA else done
+            if q % len(QUEUES) != DMA:      # ... and that of another queue, what this one did done
+                known[q] = done[q]
             if k is not None:
-                for space, win, write, whole in footprint(i, r, self.program.tensors):
+                for space, win, write, whole in prints[r]:
                     self._ledger(space).add(win, q, place + 1, write, k, whole)
         for legion in ranks:        # after all: a relative condition counts what came before
             self.issued[(legion, queue)] += 1
@@ -372,12 +422,19 @@ class _Rewrite:
     def _ledger(self, space) -> _Ledger:
         ledger = self.ledgers.get(space)
         if ledger is None:
-            ledger = self.ledgers[space] = _Ledger()
+            size = None if isinstance(space, tuple) else self.program.tensors[space].storage_elems
+            ledger = self.ledgers[space] = _Ledger(size)
         return ledger
 
-    def _prune(self) -> None:
+    def _prune(self, k: int) -> None:
         """Drop, from the large ledgers, the accesses that the next task of every queue that
-        ever touches the space knows done (what a queue's tasks know only grows along it)."""
-        for space, ledger in self.ledgers.items():
-            if len(ledger.items) > _Ledger.PRUNE_AT:
-                ledger.prune(self.start[self.users[space]].min(axis=0))
+        touches the space after instruction ``k`` knows done (what a queue's tasks know only
+        grows along it); a space none touches again, whole."""
+        for space, ledger in list(self.ledgers.items()):
+            if len(ledger) > _Ledger.PRUNE_AT:
+                queues, last = self.users[space]
+                later = queues[last > k]
+                if len(later):
+                    ledger.prune(self.start[later].min(axis=0))
+                else:
+                    del self.ledgers[space]
