@@ -57,8 +57,8 @@ class Options:
     fusion: bool = True           # off: no FuseSiblings (multi-matrix fusion) and no FuseRowwise
     prefetch: bool = True         # off: a matmul's first weights wait for the row kernel before it
     # on: nodes end in waits for what the next ones share instead of barriers (lower/overlap.py).
-    # Off by default until the pass is cheap at full size: one 2B4T layer at sequence 512 took
-    # 15x the compile time with it, for under 1% fewer cycles.
+    # Off by default until the pass is cheap at full size: at sequence 512 a 2B4T layer with its
+    # 128,256-token lm_head took over 15x the compile time with it, for under 1% fewer cycles.
     overlap: bool = False
     # What quantized-matmul schedules are chosen for: "latency", "energy" or "edp" (qplan.OBJECTIVES).
     objective: str = "latency"
