@@ -17,18 +17,32 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture
-def cc(monkeypatch, capsys):
-    """Run dlegion-cc in this process: (exit status, stderr lines). An uncaught exception (a
-    traceback) fails the test by itself."""
+def console(monkeypatch, capsys):
+    """Run a console script's ``main`` in this process: ``console(main, name)(*args)`` gives
+    (exit status, stdout, stderr lines). An uncaught exception (a traceback) fails the test by
+    itself."""
+    def script(main, name: str):
+        def run(*args):
+            monkeypatch.setattr(sys, "argv", [name, *map(str, args)])
+            capsys.readouterr()
+            try:
+                main()
+                status = 0
+            except SystemExit as e:
+                status = e.code
+            out = capsys.readouterr()
+            return status, out.out, out.err.splitlines()
+        return run
+    return script
+
+
+@pytest.fixture
+def cc(console):
+    """Run dlegion-cc in this process: (exit status, stderr lines)."""
     from dlegion_cc import cli
+    script = console(cli.main, "dlegion-cc")
 
     def run(*args):
-        monkeypatch.setattr(sys, "argv", ["dlegion-cc", *map(str, args)])
-        capsys.readouterr()
-        try:
-            cli.main()
-            status = 0
-        except SystemExit as e:
-            status = e.code
-        return status, capsys.readouterr().err.splitlines()
+        status, _, err = script(*args)
+        return status, err
     return run

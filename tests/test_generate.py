@@ -3,7 +3,6 @@ own loop; its errors; and the serving numbers the timing model gives for the sam
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,21 +19,11 @@ LLAMA = ROOT / "models" / "llama_tiny_decode.onnx"      # dynamic int8: its matm
 
 
 @pytest.fixture
-def generate(monkeypatch, capsys, tmp_path):
+def generate(console, tmp_path):
     """Run dlegion-generate in this process, its build folder in tmp_path: (status, stdout, stderr lines)."""
     from runtime import generate_cli
-
-    def run(*args):
-        monkeypatch.setattr(sys, "argv", ["dlegion-generate", *map(str, args), "--build-dir", tmp_path / "build"])
-        capsys.readouterr()
-        try:
-            generate_cli.main()
-            status = 0
-        except SystemExit as e:
-            status = e.code
-        out = capsys.readouterr()
-        return status, out.out, out.err.splitlines()
-    return run
+    script = console(generate_cli.main, "dlegion-generate")
+    return lambda *args: script(*args, "--build-dir", tmp_path / "build")
 
 
 def _refused(result, *parts):

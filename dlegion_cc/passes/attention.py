@@ -80,7 +80,7 @@ def _rewrite(graph: Graph, mm: Node, quantized: dict) -> None:
     a, b = mm.inputs
     if a not in quantized:
         softmax, reshape = _softmax_of(graph, a)
-        quantized[a] = (_absmax(graph, a, graph.nodes.index(mm)) if softmax is None
+        quantized[a] = (absmax(graph, a, graph.nodes.index(mm)) if softmax is None
                         else _reshaped(graph, _quantized_softmax(graph, softmax), reshape))
     a8, ra = quantized[a]
     b, expand = _repeated(graph, b)
@@ -90,7 +90,7 @@ def _rewrite(graph: Graph, mm: Node, quantized: dict) -> None:
         nodes += more
     for n in nodes:
         graph.nodes.insert(graph.nodes.index(mm), n)
-    b8t, rb = _absmax(graph, bt, graph.nodes.index(mm))
+    b8t, rb = absmax(graph, bt, graph.nodes.index(mm))
     b8, [swap] = _transposed(graph, b8t, through=False)
     graph.nodes.insert(graph.nodes.index(mm), swap)
     if expand is not None:          # each query head of a group reads its K/V head in place
@@ -103,14 +103,15 @@ def _rewrite(graph: Graph, mm: Node, quantized: dict) -> None:
                                               DLEGION)
 
 
-def _absmax(graph: Graph, x: str, at: int) -> tuple[str, str]:
-    """Insert ``q, r = AbsmaxQuantize(x)`` (int8 per row) before node ``at``."""
+def absmax(graph: Graph, x: str, at: int, approximation: str = APPROXIMATION) -> tuple[str, str]:
+    """Insert ``q, r = AbsmaxQuantize(x)`` (int8 per row) before node ``at``, recorded in the
+    program as ``approximation``."""
     shape = graph.values[x].shape
     q, r = graph.fresh(f"{x}_q"), graph.fresh(f"{x}_r")
     graph.values[q] = Value(q, shape, np.dtype(np.int8))
     graph.values[r] = Value(r, (*shape[:-1], 1), np.dtype(np.float32))
     graph.nodes.insert(at, Node("AbsmaxQuantize", graph.fresh(f"{x}_absmax"), [x], [q, r],
-                                {"approximation": APPROXIMATION}, DLEGION))
+                                {"approximation": approximation}, DLEGION))
     return q, r
 
 

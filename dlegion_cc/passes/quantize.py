@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dlegion_cc.ir import DLEGION, Derived, Graph, Lazy, Mapped, Node, Value
+from dlegion_cc.ir import DLEGION, Derived, Graph, Lazy, Mapped, Node
+from dlegion_cc.passes.attention import absmax
 
 MODES = ("w8", "w4", "w2")
 BLOCK = 32                  # w4: rows of K per scale
@@ -176,21 +177,10 @@ def _rewrite(graph: Graph, node: Node, mode: str, shared: dict) -> None:
     codes, scales, block = quantized
     x = node.inputs[0]
     if x not in shared:
-        shared[x] = _absmax_node(graph, x, graph.nodes.index(node), approximation(mode))
+        shared[x] = absmax(graph, x, graph.nodes.index(node), approximation(mode))
     q, r = shared[x]
     attrs = {"weight": codes, "mode": mode, "scales": (scales * alpha).astype(np.float32), "block": block,
              "approximation": approximation(mode)}
     if bias is not None:
         attrs["bias"] = bias
     graph.nodes[graph.nodes.index(node)] = Node("QMatMul", node.name, [q, r], list(node.outputs), attrs, DLEGION)
-
-
-def _absmax_node(graph: Graph, x: str, at: int, name: str) -> tuple[str, str]:
-    """Insert ``q, r = AbsmaxQuantize(x)`` (int8 per token) before node ``at``."""
-    shape = graph.values[x].shape
-    q, r = graph.fresh(f"{x}_q"), graph.fresh(f"{x}_r")
-    graph.values[q] = Value(q, shape, np.dtype(np.int8))
-    graph.values[r] = Value(r, (*shape[:-1], 1), np.dtype(np.float32))
-    graph.nodes.insert(at, Node("AbsmaxQuantize", graph.fresh(f"{x}_absmax"), [x], [q, r],
-                                {"approximation": name}, DLEGION))
-    return q, r
