@@ -20,8 +20,8 @@ from isa.arch import MODE_BITS, Arch
 from isa.expand import NONE, Queues, Tasks, expand
 from isa.fields import View
 from isa.fields import QUEUES
-from isa.instructions import (DMA_CLASSES, Barrier, DmaLoad, DmaStore, Drain, Gather, Instr, MatMul, VBinary, VMatMul,
-                              VReduce, VSelect, VUnary, Wait)
+from isa.instructions import (DMA_CLASSES, Barrier, DmaLoad, DmaStore, Drain, Gather, Instr, MatMul, NocMove, VBinary,
+                              VMatMul, VReduce, VSelect, VUnary, Wait)
 from isa.program import DTYPES, KINDS, LOADS, STORES, Program, ProgramError, Tensor
 
 MAX_SHOWN = 20          # problems listed in a ProgramError before "... and N more"
@@ -296,6 +296,19 @@ def dma_load(ins: DmaLoad, ctx: Context) -> Problems:
     yield from view("dst", ins.dst, ins.rows, ins.cols, arch, dest=True)
     yield from dram("src", ins.src, ins.rows, ins.cols, ctx)
     yield from dtype_moves("src", ctx.tensor(ins.src.tensor), LOADS, ins.dst.space, "loaded into")
+
+
+@register(NocMove)
+def noc_move(ins: NocMove, ctx: Context) -> Problems:
+    arch = ctx.arch
+    for dest in sorted(ins.dests):
+        yield from (f"dests: {p}" for p in legion(dest, arch))
+    if len(ins.dests) > 1 and not arch.multicast:
+        yield f"dests multicast to {len(ins.dests)} Legions, but {arch.name} has no multicast"
+    if ins.dst.space != ins.src.space:
+        yield f"dst is in {ins.dst.space} but src in {ins.src.space}: a transfer moves elements, it does not convert them"
+    yield from view("src", ins.src, ins.rows, ins.cols, arch)
+    yield from view("dst", ins.dst, ins.rows, ins.cols, arch, dest=True)
 
 
 @register(DmaStore)

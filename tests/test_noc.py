@@ -1,0 +1,114 @@
+"""Legion-to-Legion transfers (``noc.mv``): what they move, what the verifier and the race
+check see, and what the timing model charges."""
+import numpy as np
+import pytest
+
+from isa.arch import load
+from isa.asm import parse
+from isa.program import ProgramError
+from isa.verify import verify
+from runtime.emulator import run
+from runtime.state import Trap
+from runtime.timing import simulate
+
+ARCH = load("dlegion-8x8")
+HEAD = """.arch dlegion-8x8
+.tensor x i8[4,64] input "x"
+.tensor y i8[4,256] output "y"
+"""
+X = {"x": np.arange(256, dtype=np.int64).reshape(4, 64).astype(np.int8) - 100}
+
+
+def program(body: str):
+    return parse(HEAD + body)
+
+
+# L0 loads x, sends it to L1, L2 and L5 at act 1024 (a multicast), each stores its copy.
+MULTICAST = """dma.ld L0 {0} act[0,64,1] @x[0,64] rows=4 cols=64
+noc.mv L0 {1-2,5} act[1024,64,1] act[0,64,1] rows=4 cols=64 wait=L0.dma>=1
+dma.st L1 @y[0,256] act[1024,64,1] rows=4 cols=64 wait=L0.dma>=2
+dma.st L2 @y[64,256] act[1024,64,1] rows=4 cols=64 wait=L0.dma>=2
+dma.st L5 @y[128,256] act[1024,64,1] rows=4 cols=64 wait=L0.dma>=2
+"""
+
+
+def test_multicast_reaches_every_destination():
+    y = run(program(MULTICAST), ARCH, X).outputs["y"]
+    for part in range(3):
+        assert np.array_equal(y[:, 64 * part:64 * part + 64], X["x"])
+    with pytest.raises(Trap, match="never-written L3 act"):      # L3 is no destination
+        run(program(MULTICAST + "dma.st L3 @y[192,256] act[1024,64,1] rows=4 cols=64 wait=L0.dma>=2\n"), ARCH, X)
+
+
+def test_a_transfer_keeps_the_source_and_may_copy_locally():
+    body = """dma.ld L0 {0} act[0,64,1] @x[0,64] rows=4 cols=64
+noc.mv L0 {0} act[512,64,1] act[0,64,1] rows=4 cols=64 wait=L0.dma>=1
+dma.st L0 @y[0,256] act[0,64,1] rows=4 cols=64 wait=L0.dma>=2
+dma.st L0 @y[64,256] act[512,64,1] rows=4 cols=64 wait=L0.dma>=2
+"""
+    y = run(program(body), ARCH, X).outputs["y"]
+    assert np.array_equal(y[:, :64], X["x"]) and np.array_equal(y[:, 64:128], X["x"])
+
+
+def test_round_trip_of_the_text():
+    p = program(MULTICAST)
+    i = p.instrs[1]
+    assert i.MNEMONIC == "noc.mv" and i.dests == frozenset({1, 2, 5}) and (i.rows, i.cols) == (4, 64)
+
+
+def test_removing_the_dependency_is_a_race():
+    """The send no longer waits for the load that writes its source: the race check names both."""
+    body = MULTICAST.replace("rows=4 cols=64 wait=L0.dma>=1", "rows=4 cols=64", 1)
+    with pytest.raises(Trap, match=r"noc\.mv.*dma\.ld|dma\.ld.*noc\.mv"):
+        run(program(body), ARCH, X)
+
+
+def test_a_reader_not_waiting_for_the_transfer_is_a_race():
+    body = MULTICAST.replace("dma.st L2 @y[64,256] act[1024,64,1] rows=4 cols=64 wait=L0.dma>=2",
+                             "dma.st L2 @y[64,256] act[1024,64,1] rows=4 cols=64 wait=L0.dma>=1")
+    with pytest.raises(Trap, match=r"noc\.mv"):
+        run(program(body), ARCH, X)
+
+
+@pytest.mark.parametrize("instr, message", [
+    ("noc.mv L0 {1} vec[0,64,1] act[0,64,1] rows=4 cols=64", "dst is in vec but src in act"),
+    ("noc.mv L0 {9} act[0,64,1] act[0,64,1] rows=4 cols=64", "dests: Legion L9 does not exist"),
+    ("noc.mv L0 {1} act[262140,64,1] act[0,64,1] rows=4 cols=64", "dst act[262140,64,1] over 4x64 reaches act element"),
+])
+def test_verify_names_the_field(instr, message):
+    with pytest.raises(ProgramError) as e:
+        verify(program(instr), ARCH)
+    line = str(e.value)
+    assert message in line and "noc.mv" in line and "\n" not in line
+
+
+def test_no_multicast_without_the_machine_s():
+    import dataclasses
+    arch = dataclasses.replace(ARCH, multicast=False)
+    with pytest.raises(ProgramError, match="no multicast"):
+        verify(program("noc.mv L0 {1-2} act[0,64,1] act[0,64,1] rows=4 cols=64"), arch)
+
+
+def test_timing_is_one_send_at_the_link_rate():
+    """4 x 1000 int32 = 16,000 bytes over a 256-byte/cycle link: 62.5, so 63 cycles, whether
+    it goes to one Legion or to seven (a multicast is one send). Two sends from one Legion
+    take its DMA queue in turn: 126."""
+    assert ARCH.derived.link_bytes_per_cycle == 256
+    one = program("noc.mv L0 {1} acc[0,1000,1] acc[0,1000,1] rows=4 cols=1000")
+    seven = program("noc.mv L0 {1-7} acc[0,1000,1] acc[0,1000,1] rows=4 cols=1000")
+    two = program("noc.mv L0 {1} acc[0,1000,1] acc[0,1000,1] rows=4 cols=1000\n"
+                  "noc.mv L0 {2} acc[4000,1000,1] acc[0,1000,1] rows=4 cols=1000")
+    assert simulate(one, ARCH).cycles == 63
+    assert simulate(seven, ARCH).cycles == 63
+    tl = simulate(two, ARCH)
+    assert tl.cycles == 126 and tl.counters["noc_bytes"] == 32_000 and tl.counters["dram_read_bytes"] == 0
+
+
+def test_a_pass_waits_for_the_transfer():
+    """A transfer after a 200-cycle DRAM latency and 1 cycle of load (256 bytes at 614 B/cycle,
+    capped by the 256 B/cycle link: 1 cycle): the send then takes 1 cycle, so it is done at 202."""
+    body = """dma.ld L0 {0} act[0,64,1] @x[0,64] rows=4 cols=64
+noc.mv L0 {1} act[0,64,1] act[0,64,1] rows=4 cols=64 wait=L0.dma>=1
+"""
+    tl = simulate(program(body), ARCH)
+    assert tl.done[1] == pytest.approx(202.0) and tl.cycles == 202
