@@ -162,6 +162,7 @@ class NocMove(Instr):
     src: View = F(ViewKind(), "source view in the sending Legion's scratchpad")
     rows: int = F(UInt(16), "rows transferred")
     cols: int = F(UInt(16), "elements per row")
+    span: object = F(OptUInt(8), "Legions L..L+span-1 each send their own src, rank r to each of dests moved by r (absent: L alone)", default=None)
     wait: object = WAIT()
 
 

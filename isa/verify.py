@@ -108,7 +108,7 @@ def _checked_tasks(tasks: Tasks) -> np.ndarray:
     span), a DRAM offset and destinations that move linearly with the rank, so the two ends
     cover the DMAs' ranks in between; every task's condition is checked on its own."""
     last = np.concatenate([tasks.first[1:], [len(tasks)]]) - 1
-    moving = np.array([type(i) in DMA_CLASSES for i in tasks.source], dtype=bool)
+    moving = np.array([type(i) in DMA_CLASSES or type(i) is NocMove for i in tasks.source], dtype=bool)
     return np.unique(np.concatenate([tasks.first, last[moving & (last > tasks.first)]])) if len(tasks) else tasks.first
 
 
@@ -128,7 +128,7 @@ def _end_problems(tasks: Tasks, ctx: Context, bad: np.ndarray) -> list:
             found = list(legion(ins.legion, ctx.arch)) if k == first[o] else []
         elif k != first[o]:
             found = list(family_problems(tasks[k], ctx))
-        elif type(ins) in DMA_CLASSES:
+        elif type(ins) in DMA_CLASSES or type(ins) is NocMove:
             found = list(family_problems(ins, ctx))
         else:
             found = alike.get("family", o, lambda: list(family_problems(ins, ctx)))

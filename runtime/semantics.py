@@ -84,8 +84,10 @@ def dma_load(m: Machine, i: DmaLoad) -> None:
 
 @handles(NocMove)
 def noc_move(m: Machine, i: NocMove) -> None:
-    # One read of the source window, the same values written into every destination.
-    values = m.read(i.legion, i.src, i.rows, i.cols).reshape(1, i.rows, i.cols)
+    # One read of each rank's source window, the same values written into every destination
+    # (rank r's moved by r).
+    span = _span(i)
+    values = m.read(i.legion, i.src, i.rows, i.cols, span).reshape(span, i.rows, i.cols)
     for legion in sorted(i.dests):
         m.write(legion, i.dst, values)
 
