@@ -112,3 +112,66 @@ noc.mv L0 {1} act[0,64,1] act[0,64,1] rows=4 cols=64 wait=L0.dma>=1
 """
     tl = simulate(program(body), ARCH)
     assert tl.done[1] == pytest.approx(202.0) and tl.cycles == 202
+
+
+# --- a scheduled matmul that forwards its activations -------------------------------------
+
+def _gemm(path, M, K, N):
+    import onnx
+    from onnx import TensorProto as TP
+    from onnx import helper, numpy_helper
+    w = numpy_helper.from_array(np.random.default_rng(5).integers(-128, 128, (K, N)).astype(np.int8), "w")
+    node = helper.make_node("MatMulInteger", ["x", "w"], ["y"], name="gemm")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TP.INT8, [M, K])],
+                              [helper.make_tensor_value_info("y", TP.INT32, [M, N])], [w])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), path)
+    return path
+
+
+def _compiled(model, machine, pinned=None):
+    from dlegion_cc.lower import schedules
+    from dlegion_cc.pipeline import Options, compile_model
+    s = schedules.Schedules()
+    if pinned is not None:
+        s.pinned = {e["node"]: [e] for e in pinned}
+        s.source = "pinned.json"
+    _, program = compile_model(model, Options(machine, schedules=s))
+    return program, s.document(machine, Options(machine).switches())["schedules"]
+
+
+@pytest.mark.parametrize("homes", [1, 4])
+def test_a_matmul_forwarding_its_activations_matches_onnxruntime(tmp_path, homes):
+    """Pinned to keep its activation chunks in homes (all of them, or some: the rest are read
+    from DRAM again), the GEMM sends them over the NoC and its int32 results are onnxruntime's."""
+    import onnxruntime as ort
+    from isa.instructions import DmaLoad, NocMove
+    machine = load("dlegion-tiny")
+    model = _gemm(tmp_path / "g.onnx", 32, 256, 128)
+    _, (entry,) = _compiled(model, machine)
+    entry.update(loop_order="rows", tile={"rows": 32, "cols": 16}, chunk={"depth": 32, "whole_rows": False, "homes": homes})
+    entry["slots"]["act"] = 2
+    program, (again,) = _compiled(model, machine, [entry])
+    assert again["chunk"]["homes"] == homes
+    sends = [i for i in program.instrs if isinstance(i, NocMove)]
+    acts = [i for i in program.instrs if isinstance(i, DmaLoad) and i.dst.space == "act"]
+    chunks = 256 // 32
+    homed = min(chunks, homes * machine.legions)
+    assert len([i for i in sends if len(i.dests) > 1]) > 0 and len([i for i in sends if len(i.dests) == 1]) == homed
+    # Each homed chunk is read from DRAM once; the others once per column tile they are not in a slot for.
+    assert sum(i.rows * i.cols for i in acts if i.src.tensor == acts[0].src.tensor) < 32 * 256 * (64 // 16)
+    x = np.random.default_rng(6).integers(-128, 128, (32, 256)).astype(np.int8)
+    got = run(program, machine, {"x": x}).outputs["y"]
+    want = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(got, want)
+    if homes == 4:
+        assert sum(i.rows * i.cols for i in acts if i.src.tensor == acts[0].src.tensor) == 32 * 256
+
+
+def test_a_pinned_forward_that_cannot_apply_is_refused(tmp_path):
+    from dlegion_cc.lower.schedules import ScheduleError
+    machine = load("dlegion-tiny")
+    model = _gemm(tmp_path / "g.onnx", 32, 256, 128)
+    _, (entry,) = _compiled(model, machine)
+    entry.update(tile={"rows": 32, "cols": 64}, chunk={"depth": 32, "whole_rows": False, "homes": 2})
+    with pytest.raises(ScheduleError, match="homes 2: activations are forwarded only when"):
+        _compiled(model, machine, [entry])
