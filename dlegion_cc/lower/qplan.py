@@ -856,7 +856,8 @@ class _State:
         self.res_free = {(l, s): 0.0 for l in m.legions for s in range(plan.res_slots)}
         self.turn: dict = {}
         self.homes = Homes(m.legions, plan.homes)
-        self.home_ready: dict = {}
+        self.home_ready: dict = {}    # chunk key -> when its copy is home
+        self.uncopied: dict = {}      # act slot -> (chunk key, its home, when it is in the slot)
         self.slots = {"acc": plan.acc_slots, "res": plan.res_slots}
         self.stores: dict = {l: [] for l in m.legions}     # deferred: (ready, bytes, slot)
         self.finish = 0.0
@@ -938,7 +939,7 @@ def _model_activations(m: _Model, st: _State, b: int, c: Chunk, here: list) -> d
             s = slots.take(key)
             if ("a", owner, s, users[-1]) in st.free:
                 m.instructions += len(users) - 1     # a wait for each reader's matrix queue
-            free = max(st.free.get(("a", owner, s, l), 0.0) for l in users)
+            free = max([st.free.get(("a", owner, s, l), 0.0) for l in users] + [_model_copy_home(m, st, s)])
             home, new = st.homes.home(key) if plan.forward else (None, False)
             if home is not None and not new:
                 st.ready[("a", owner, s)] = m.send(home[0], mb * width, max(free, st.home_ready[key]))
@@ -950,10 +951,18 @@ def _model_activations(m: _Model, st: _State, b: int, c: Chunk, here: list) -> d
         st.ready[key_r] = ready
         home, _ = st.homes.home(key) if plan.forward else (None, False)
         if home is not None and key not in st.home_ready:
-            # Its first visit: read from DRAM into every Legion's slot as without forwarding,
-            # and copied from there into its home by the home Legion (off the passes' path).
-            st.home_ready[key] = m.send(home[0], mb * width, ready)
+            st.uncopied[key_r[2]] = (key, home, ready, mb * width)
     return a_slot
+
+
+def _model_copy_home(m: _Model, st: _State, s: int) -> float:
+    """A chunk read from DRAM on its first visit is copied home before its slot ``s`` is
+    reused (``qtiles._copy_home``); when the copy is done (0 without one)."""
+    if s not in st.uncopied:
+        return 0.0
+    key, home, ready, nbytes = st.uncopied.pop(s)
+    st.home_ready[key] = m.send(home[0], nbytes, ready)
+    return st.home_ready[key]
 
 
 def _model_unit_end(m: _Model, st: _State, l: int, mb: int, nb: int, acc: int, begin: float,

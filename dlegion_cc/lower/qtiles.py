@@ -178,7 +178,8 @@ class _Tiles:
         self.corr_at = plan.a_slots * self.addr["act"]
         self.home_at = self.corr_at + p.k2
         self.homes = Homes(self.legions, plan.homes)
-        self.home_loaded: dict = {}   # chunk key -> the mark of its load into its home
+        self.home_loaded: dict = {}   # chunk key -> the mark of its copy into its home
+        self.uncopied: dict = {}      # act slot -> (chunk key, view, rows, width) not yet copied home
         self.rscale_at = plan.res_slots * tile
         self.cv_at = self.rscale_at + RS_SLOTS * plan.rows
         self.cv_size = (p.groups + 1) * plan.cols
@@ -248,14 +249,15 @@ class _Tiles:
             s = slots.find(key)
             if s is None:
                 s = slots.take(key)
+                self._copy_home(s)
                 g = self.lead if owner is None else owner
                 dests = frozenset(self.legions) if owner is None else frozenset({g.base})
                 view = View("act", s * self.addr["act"], width, 1)
                 src = DramRef(p.a8, m0 * p.K + k0a, p.K)
                 if not (plan.forward and self._forward(key, s, view, mb, width)):
                     self._load("act", owner, s, g, [DmaLoad(g.base, dests, view, src, mb, width)])
-                    if plan.forward:
-                        self._home_copy(key, s, view, mb, width)
+                    if plan.forward and self.homes.home(key)[0] is not None:
+                        self.uncopied[s] = (key, view, mb, width)
             for g in (self.groups if owner is None else [owner]):
                 out[g] = (owner, s, s * self.addr["act"] + c.k0 - k0a, width)
         return out
@@ -273,12 +275,14 @@ class _Tiles:
         self._load("act", None, s, Group(home[0], 1), [send], [self.home_loaded[key]])
         return True
 
-    def _home_copy(self, key, s: int, view: View, mb: int, width: int) -> None:
-        """On its first visit, a chunk just read from DRAM into every Legion's slot ``s`` is
-        copied into its home by the home Legion; the slot is reused only after the copy."""
-        home, _ = self.homes.home(key)
-        if home is None:
+    def _copy_home(self, s: int) -> None:
+        """On its first visit a chunk is read from DRAM into every Legion's slot as without
+        forwarding; its home Legion copies it home before slot ``s`` is reused for another
+        (not at once: the copy waits for the load, and so would the DMA queue behind it)."""
+        if s not in self.uncopied:
             return
+        key, view, mb, width = self.uncopied.pop(s)
+        home, _ = self.homes.home(key)
         copy = NocMove(home[0], frozenset({home[0]}), self._home_view(home, width), view, mb, width)
         mark = self.emit(Group(home[0], 1), copy, [self.loaded[("act", None, s)]])
         self.home_loaded[key] = mark
