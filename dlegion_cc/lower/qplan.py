@@ -538,17 +538,17 @@ def candidates(arch: Arch, p: Problem, switches: Switches) -> list[Plan]:
                     for whole in (True,) if depth >= p.K else (True, False):
                         plan = Plan(order, rows, cols, depth, whole, per_legion, 0, 0, 0, 0, split,
                                     switches.multicast, skips(p, switches))
-                        out += _fitting(arch, p, plan)
+                        out += _fitting(arch, p, plan, switches.transfers)
     return out
 
 
-def _fitting(arch: Arch, p: Problem, plan: Plan) -> list[Plan]:
+def _fitting(arch: Arch, p: Problem, plan: Plan, transfers: bool) -> list[Plan]:
     """``plan`` with its slots, if it fits, and then its variant that forwards activations
     over the NoC, where the plan reads some chunk from DRAM again (``forwards``) and it fits."""
     plain = with_slots(arch, p, plan)
     if plain is None or not fits(arch, p, plain):
         return []
-    if not forwards(arch, p, plain):
+    if not transfers or not forwards(arch, p, plain):
         return [plain]
     out = [plain]
     for homes in sorted({home_slots(arch, p, plan, spare) for spare in SPARE_SLOTS} - {0}):
