@@ -175,3 +175,23 @@ def test_a_pinned_forward_that_cannot_apply_is_refused(tmp_path):
     entry.update(tile={"rows": 32, "cols": 64}, chunk={"depth": 32, "whole_rows": False, "homes": 2})
     with pytest.raises(ScheduleError, match="homes 2: activations are forwarded only when"):
         _compiled(model, machine, [entry])
+
+
+def test_the_search_forwards_only_where_it_ranks_best():
+    """Forwarding variants are candidates beside each plain plan that reads a chunk again; the
+    pick is one only when the cost model ranks it best, and --no-transfers leaves them out."""
+    import dataclasses
+    from dlegion_cc.lower.context import Switches
+    from dlegion_cc.lower.qplan import candidates, estimate, search
+    from test_qplan import problem
+    machine = load("dlegion-8x8")
+    _, p, _, _ = problem(machine, 256, 2560, 2560)
+    plans = candidates(machine, p, Switches())
+    forwarding = [plan for plan in plans if plan.forward]
+    assert forwarding and all(plan.homes > 0 for plan in forwarding)
+    assert not any(plan.forward for plan in candidates(machine, p, dataclasses.replace(Switches(), transfers=False)))
+    e, pick = search(machine, p)
+    plain, _ = search(machine, p, dataclasses.replace(Switches(), transfers=False))
+    assert pick.forward and e.dram_bytes < plain.dram_bytes and e.cycles <= plain.cycles * 1.025
+    assert e.detail["noc_bytes"] > 0
+    assert estimate(machine, p, pick).cycles == e.cycles
