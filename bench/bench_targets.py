@@ -6,11 +6,12 @@
    with its activation quantization) on dlegion-8x8: their simulated cycles against the sum of
    their roofline bounds (target <= 1.10x), and the DRAM bytes they move against the compulsory
    bytes of the tensors they touch (target <= 1.10x), for prefill (sequence 256) and decode (1).
-   With them, the floors of ``dlegion_cc.lower.qbound``: what passes of all the rows re-read, and
-   the fewest cycles any schedule within the DRAM target can take. On dlegion-8x8 at 256 that is
-   more than the cycle target allows while partial sums stay in the accumulators, as in every
-   schedule the compiler emits. A schedule that also kept them in ``vec`` has a floor just
-   under it (see docs/DESIGN.md, "What no schedule can beat").
+   The same with Legion-to-Legion transfers off (``--no-transfers``: activations a matmul reads
+   again come from DRAM). With them, the floors of ``dlegion_cc.lower.qbound`` for schedules
+   without transfers: what passes of all the rows re-read, and the fewest cycles any schedule
+   within the DRAM target can take; on dlegion-8x8 at 256 more than the cycle target allows.
+   Forwarding activations over the NoC lifts that floor (see docs/DESIGN.md, "What no schedule
+   can beat").
 2. An int8 GEMM (MatMulInteger) of --gemm cubed on ws-32, compiled and timed, against SCALE-Sim
    v3's 22,399 cycles for 256^3 on a 32x32 weight-stationary array (target within 5%). SCALE-Sim
    counts the array's compute cycles with its operands already in SRAM: that is our matrix
@@ -66,11 +67,11 @@ def _dram_bytes(program, members) -> int:
     return total
 
 
-def bitlinear_layer(seq: int, arch, objective: str = "latency") -> dict:
+def bitlinear_layer(seq: int, arch, objective: str = "latency", transfers: bool = True) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "layer.onnx"
         save(build_bitnet(preset("2b4t", layers=1, seq=seq, vocab=512)), path, external_data=True)
-        _, program = compile_model(path, Options(arch, objective=objective))
+        _, program = compile_model(path, Options(arch, objective=objective, transfers=transfers))
     result = _timed(program, arch)
     rows = [r for r in matmul_table(result) if BITLINEAR.search(r["region"])]
     ranges = regions_by_name(result.program)
@@ -131,11 +132,15 @@ def main(seqs, gemm, big) -> None:
               f"roofline of {r['roofline']:,.0f} ({r['cycles'] / r['roofline']:.3f}x, target <= 1.10x); DRAM "
               f"{r['dram'] / 1e6:.1f} MB against {r['compulsory'] / 1e6:.1f} MB compulsory "
               f"({r['dram'] / r['compulsory']:.3f}x, target <= 1.10x)")
+        plain = bitlinear_layer(seq, dlegion, transfers=False)
+        print(f"    without Legion-to-Legion transfers (--no-transfers): {plain['cycles']:,} cycles "
+              f"({plain['cycles'] / plain['roofline']:.3f}x), DRAM {plain['dram'] / 1e6:.1f} MB "
+              f"({plain['dram'] / plain['compulsory']:.3f}x)")
         floor = floors(seq, dlegion, r["compulsory"])
         if floor["full_height_extra"]:
             passes = floor["passes_within_dram"]
             spans, spans_vec = passes + floor["latencies"], floor["passes_within_dram_vec"] + floor["latencies"]
-            print(f"    floors: passes of all {seq} rows (the fewest pass overheads) read activations again, at least "
+            print(f"    floors without transfers (activations read again from DRAM): passes of all {seq} rows (the fewest pass overheads) read activations again, at least "
                   f"{1 + floor['full_height_extra'] / r['compulsory']:.3f}x compulsory; within {DRAM_TARGET:.2f}x "
                   f"compulsory, with partial sums in the accumulators, the passes alone take at least {passes:,.0f} "
                   f"cycles ({passes / r['roofline']:.3f}x the roofline), {spans:,.0f} with each matmul's first load "

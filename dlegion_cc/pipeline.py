@@ -56,6 +56,7 @@ class Options:
     sparsity: bool = True         # off: dense schedule, no block masks
     fusion: bool = True           # off: no FuseSiblings (multi-matrix fusion) and no FuseRowwise
     prefetch: bool = True         # off: a matmul's first weights wait for the row kernel before it
+    transfers: bool = True        # off: no activations forwarded Legion to Legion; read from DRAM again
     # on: nodes end in waits for what the next ones share instead of barriers (lower/overlap.py).
     # Off by default until the pass is cheap at full size: at sequence 512 a 2B4T layer with its
     # 128,256-token lm_head took over 15x the compile time with it, for under 1% fewer cycles.
@@ -76,7 +77,7 @@ class Options:
 
     def switches(self) -> Switches:
         return Switches(self.multicast, self.accumulators, self.sparsity, self.prefetch,
-                        overlap=self.overlap, objective=self.objective)
+                        overlap=self.overlap, objective=self.objective, transfers=self.transfers)
 
 
 Hook = Callable[[str, Graph], None]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from isa.fields import QUEUES, Cond, DramRef
-from isa.instructions import Barrier, DmaLoad, DmaStore, Gather, Instr, Wait
+from isa.instructions import Barrier, DmaLoad, DmaStore, Gather, Instr, NocMove, Wait
 from isa.program import Program
 
 DRAM_FIELD = {DmaLoad: "src", DmaStore: "dst", Gather: "table"}
@@ -159,7 +159,7 @@ def _task(ins: Instr, rank: int, cond_row) -> Instr:
     if name is not None and ins.lstride is not None:
         fields["lstride"] = None
         fields[name] = dram_of(ins, rank)
-    if isinstance(ins, DmaLoad) and rank:
+    if isinstance(ins, (DmaLoad, NocMove)) and rank:
         fields["dests"] = frozenset(d + rank for d in ins.dests)
     return _new(type(ins), fields)
 

@@ -151,6 +151,21 @@ class Gather(Instr):
     wait: object = WAIT()
 
 
+@dataclass(frozen=True)
+class NocMove(Instr):
+    """for l in dests, i < rows, j < cols: spad[l].dst(i, j) = spad[legion].src(i, j); one send over the source Legion's NoC link serves every Legion in dests (multicast); DRAM is not touched"""
+
+    OPCODE, MNEMONIC, QUEUE = 0x04, "noc.mv", "dma"
+    legion: int = F(Legion(), "Legion whose scratchpad is read and whose DMA queue sends it")
+    dests: frozenset = F(LegionSet(), "Legions that receive the data (more than one: multicast; the source itself: a local copy)")
+    dst: View = F(ViewKind(), "destination view in each receiving Legion's scratchpad, of the source's space")
+    src: View = F(ViewKind(), "source view in the sending Legion's scratchpad")
+    rows: int = F(UInt(16), "rows transferred")
+    cols: int = F(UInt(16), "elements per row")
+    span: object = F(OptUInt(8), "Legions L..L+span-1 each send their own src, rank r to each of dests moved by r (absent: L alone)", default=None)
+    wait: object = WAIT()
+
+
 # --- matrix queue ----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -375,20 +390,21 @@ VECTOR_FUNCS: list[type] = (
     + [_define(VReduce, n, 0xB0 + i, d, fn, t) for i, (n, d, fn, t) in enumerate(REDUCE)]
 )
 
-INSTRUCTIONS: tuple[type, ...] = (DmaLoad, DmaStore, Gather, MatMul, Drain, VSelect, VMatMul,
+INSTRUCTIONS: tuple[type, ...] = (DmaLoad, DmaStore, Gather, NocMove, MatMul, Drain, VSelect, VMatMul,
                                   Wait, Barrier,
                                   *VECTOR_FUNCS)
 BY_MNEMONIC = {c.MNEMONIC: c for c in INSTRUCTIONS}
 BY_OPCODE = {c.OPCODE: c for c in INSTRUCTIONS}
 TRANSCENDENTAL = frozenset(c for c in VECTOR_FUNCS if c.TRANSCENDENTAL)
-DMA_CLASSES = frozenset({DmaLoad, DmaStore, Gather})
+DMA_CLASSES = frozenset({DmaLoad, DmaStore, Gather})      # DRAM transfers
+NOC_CLASSES = frozenset({NocMove})                         # Legion-to-Legion transfers, on the DMA queue
 SYNC_CLASSES = frozenset({Wait, Barrier})
 VECTOR_CLASSES = frozenset({Drain, VSelect, VMatMul, *VECTOR_FUNCS})
 
 
 def family(cls: type) -> str:
     """Instruction family used by counters and reports: dma, matrix, drain, vector, sync."""
-    if cls in DMA_CLASSES:
+    if cls in DMA_CLASSES or cls in NOC_CLASSES:
         return "dma"
     if cls is MatMul:
         return "matrix"

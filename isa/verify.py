@@ -20,8 +20,8 @@ from isa.arch import MODE_BITS, Arch
 from isa.expand import NONE, Queues, Tasks, expand
 from isa.fields import View
 from isa.fields import QUEUES
-from isa.instructions import (DMA_CLASSES, Barrier, DmaLoad, DmaStore, Drain, Gather, Instr, MatMul, VBinary, VMatMul,
-                              VReduce, VSelect, VUnary, Wait)
+from isa.instructions import (DMA_CLASSES, Barrier, DmaLoad, DmaStore, Drain, Gather, Instr, MatMul, NocMove, VBinary,
+                              VMatMul, VReduce, VSelect, VUnary, Wait)
 from isa.program import DTYPES, KINDS, LOADS, STORES, Program, ProgramError, Tensor
 
 MAX_SHOWN = 20          # problems listed in a ProgramError before "... and N more"
@@ -108,7 +108,7 @@ def _checked_tasks(tasks: Tasks) -> np.ndarray:
     span), a DRAM offset and destinations that move linearly with the rank, so the two ends
     cover the DMAs' ranks in between; every task's condition is checked on its own."""
     last = np.concatenate([tasks.first[1:], [len(tasks)]]) - 1
-    moving = np.array([type(i) in DMA_CLASSES for i in tasks.source], dtype=bool)
+    moving = np.array([type(i) in DMA_CLASSES or type(i) is NocMove for i in tasks.source], dtype=bool)
     return np.unique(np.concatenate([tasks.first, last[moving & (last > tasks.first)]])) if len(tasks) else tasks.first
 
 
@@ -128,7 +128,7 @@ def _end_problems(tasks: Tasks, ctx: Context, bad: np.ndarray) -> list:
             found = list(legion(ins.legion, ctx.arch)) if k == first[o] else []
         elif k != first[o]:
             found = list(family_problems(tasks[k], ctx))
-        elif type(ins) in DMA_CLASSES:
+        elif type(ins) in DMA_CLASSES or type(ins) is NocMove:
             found = list(family_problems(ins, ctx))
         else:
             found = alike.get("family", o, lambda: list(family_problems(ins, ctx)))
@@ -296,6 +296,19 @@ def dma_load(ins: DmaLoad, ctx: Context) -> Problems:
     yield from view("dst", ins.dst, ins.rows, ins.cols, arch, dest=True)
     yield from dram("src", ins.src, ins.rows, ins.cols, ctx)
     yield from dtype_moves("src", ctx.tensor(ins.src.tensor), LOADS, ins.dst.space, "loaded into")
+
+
+@register(NocMove)
+def noc_move(ins: NocMove, ctx: Context) -> Problems:
+    arch = ctx.arch
+    for dest in sorted(ins.dests):
+        yield from (f"dests: {p}" for p in legion(dest, arch))
+    if len(ins.dests) > 1 and not arch.multicast:
+        yield f"dests multicast to {len(ins.dests)} Legions, but {arch.name} has no multicast"
+    if ins.dst.space != ins.src.space:
+        yield f"dst is in {ins.dst.space} but src in {ins.src.space}: a transfer moves elements, it does not convert them"
+    yield from view("src", ins.src, ins.rows, ins.cols, arch)
+    yield from view("dst", ins.dst, ins.rows, ins.cols, arch, dest=True)
 
 
 @register(DmaStore)

@@ -46,7 +46,7 @@ from functools import lru_cache
 import numpy as np
 
 from isa.arch import ELEM_BYTES, MODE_TILES, Arch
-from isa.instructions import TRANSCENDENTAL, DmaLoad, DmaStore, Gather, Instr, VMatMul, family
+from isa.instructions import TRANSCENDENTAL, DmaLoad, DmaStore, Gather, Instr, NocMove, VMatMul, family
 from isa.program import STORAGE
 
 ACC_BYTES = 4          # an accumulator scratchpad element is int32
@@ -111,6 +111,14 @@ def dma(i: Instr, arch: Arch, env: Env) -> Cost:
     return Cost(flow_bytes=nbytes,
                 counters={counter: nbytes, "multicast_saved_bytes": nbytes * (fanout - 1),
                           "spad_bytes": spad})
+
+
+def noc(i: Instr, arch: Arch, env: Env) -> Cost:
+    """A Legion-to-Legion transfer holds its DMA queue while the source's link sends its bytes
+    once; every destination's link takes them in at the same rate (a multicast is one send)."""
+    nbytes = i.rows * i.cols * ELEM_BYTES[i.src.space]
+    return Cost(cycles=ceil_cycles(nbytes / arch.derived.link_bytes_per_cycle),
+                counters={"noc_bytes": nbytes, "spad_bytes": nbytes * (1 + len(i.dests))})
 
 
 def _spad_view(i: Instr):
@@ -259,7 +267,7 @@ def sync(i: Instr, arch: Arch, env: Env) -> Cost:
 
 # By family; a class listed in BY_CLASS has a formula of its own within its family.
 COSTS = {"dma": dma, "matrix": matmul, "drain": drain, "vector": vector, "sync": sync}
-BY_CLASS = {VMatMul: vector_matmul}
+BY_CLASS = {VMatMul: vector_matmul, NocMove: noc}
 
 
 def cost(i: Instr, arch: Arch, env: Env) -> Cost:

@@ -15,7 +15,7 @@ import numpy as np
 
 from isa.arch import MODE_BITS
 from isa.fields import SPACE_DTYPE, View
-from isa.instructions import (Barrier, DmaLoad, DmaStore, Drain, Gather, Instr, MatMul, VBinary,
+from isa.instructions import (Barrier, DmaLoad, DmaStore, Drain, Gather, Instr, MatMul, NocMove, VBinary,
                               VMatMul, VReduce, VSelect, VUnary, Wait)
 from isa.program import LOADS, STORAGE, STORES, UNPACK, Tensor
 from runtime.fdot import rounded_matmul
@@ -78,6 +78,16 @@ def dma_load(m: Machine, i: DmaLoad) -> None:
     _check_pair(LOADS, i.dst.space, m.tensor(i.src.tensor), "load into")
     values = move(m.dram_read(i.src, i.rows, i.cols, _span(i), _lstride(i)), SPACE_DTYPE[i.dst.space])
     # One DRAM read, delivered to every destination Legion (multicast); rank r's are moved by r.
+    for legion in sorted(i.dests):
+        m.write(legion, i.dst, values)
+
+
+@handles(NocMove)
+def noc_move(m: Machine, i: NocMove) -> None:
+    # One read of each rank's source window, the same values written into every destination
+    # (rank r's moved by r).
+    span = _span(i)
+    values = m.read(i.legion, i.src, i.rows, i.cols, span).reshape(span, i.rows, i.cols)
     for legion in sorted(i.dests):
         m.write(legion, i.dst, values)
 

@@ -50,7 +50,7 @@ from runtime.costs import Blocks, CostError, Env, ceil_cycles, cost
 
 INF = float("inf")
 FAMILIES = ("dma", "matrix", "drain", "vector", "sync")
-SUMMED = ("dram_read_bytes", "dram_write_bytes", "multicast_saved_bytes", "macs", "dense_macs",
+SUMMED = ("dram_read_bytes", "dram_write_bytes", "multicast_saved_bytes", "noc_bytes", "macs", "dense_macs",
           "passes", "dense_passes", "windows_skipped", "sparsity_cycles_saved", "psum_bytes", "spad_bytes",
           "vector_elems", "vector_ops", "vector_macs", "padded_macs")
 

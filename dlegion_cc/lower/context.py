@@ -28,6 +28,7 @@ class Switches:
     prefetch: bool = True         # a matmul's first weights load while the node before it runs
     overlap: bool = True          # nodes end in waits for what the next ones share, not barriers
     objective: str = "latency"    # fewest cycles; or fewest joules ("energy"), or their product ("edp")
+    transfers: bool = True        # activations read once and forwarded Legion to Legion (noc.mv)
 
 
 Lowerer = Callable[["Lowering", Node], None]

@@ -123,6 +123,11 @@ class Plan:
     multicast: bool
     sparse: bool
     corr_depth: int = 0
+    # Activations held across the Legions (``homes``): each chunk is read from DRAM once into
+    # one Legion's ``act`` and sent from there to every Legion's slot over the NoC (``noc.mv``)
+    # each time a tile needs it, instead of being read from DRAM again.
+    forward: bool = False
+    homes: int = 0      # home slots of forwarded chunks in each Legion's ``act`` (``Homes``)
 
 
 # --- the schedule's shape, shared by the emitter and the model ------------------------------
@@ -144,8 +149,9 @@ def weights_wait(plan: Plan, first: bool) -> bool:
     loads behind them never compete with them for DRAM, and a pass that waits for its weights
     needs no second condition. Activations held whole are loaded once, before everything:
     then the weights start streaming at once (each pass waits for both). A Legion's ``first``
-    weight load never waits: before the first pass both loads are on the critical path."""
-    return not plan.whole_rows and not first
+    weight load never waits: before the first pass both loads are on the critical path.
+    Forwarded activations come over the NoC, not from DRAM: the weights never wait for them."""
+    return not plan.whole_rows and not first and not plan.forward
 
 
 def segments(p: Problem, plan: Plan) -> tuple:
@@ -314,6 +320,53 @@ def act_key(plan: Plan, block: int, c: Chunk) -> tuple:
     return (block, 0) if plan.whole_rows else (block, c.k0)
 
 
+def act_keys(p: Problem, plan: Plan) -> int:
+    """How many distinct activation chunks (``act_key``) the matmul reads."""
+    k0s = {c.k0 for u in units(p, plan) for c in u}
+    return len(row_blocks(p, plan)) * (1 if plan.whole_rows else len(k0s))
+
+
+class Homes:
+    """Where forwarded activation chunks live (``Plan.forward``): the n-th chunk first needed
+    is read from DRAM into Legion ``legions[n % L]``, at home slot ``n // L`` of its ``act``
+    (after the slots and the zero-point row), and stays there for the whole matmul. Chunks
+    past the ``slots`` homes of every Legion have none: they are read from DRAM each time."""
+
+    def __init__(self, legions: list[int], slots: int):
+        self.legions, self.slots = legions, slots
+        self.at: dict = {}             # chunk key -> (Legion, home slot), or None: no home
+
+    def home(self, key) -> tuple[tuple[int, int] | None, bool]:
+        """The chunk's home, or None; and whether it was given just now (to be loaded)."""
+        if key in self.at:
+            return self.at[key], False
+        n = len(self.at)
+        self.at[key] = (self.legions[n % len(self.legions)], n // len(self.legions)) if n < self.slots * len(
+            self.legions) else None
+        return self.at[key], self.at[key] is not None
+
+
+def home_slots(arch: Arch, p: Problem, plan: Plan, spare: int) -> int:
+    """Home slots each Legion can keep for forwarded chunks: enough for every chunk, or as
+    many as leave room for ``spare`` activation slots."""
+    size = act_slot_elems(p, plan)
+    room = (arch.derived.spad_elems["act"] - p.k2) // size - spare
+    return max(0, min(-(-act_keys(p, plan) // len(owners(arch, p, plan))), room))
+
+
+# Activation slots a forwarding plan keeps beside its homes: few leave the most homes (fewer
+# DRAM reads), more let the sends run further ahead of the passes.
+SPARE_SLOTS = (2, 4)
+
+
+def forwards(arch: Arch, p: Problem, plan: Plan) -> bool:
+    """Whether forwarding can apply to ``p``: activations multicast to several Legions, one
+    batch (a batch's chunks would need homes of their own), and some chunk read again."""
+    tiles = -(-plan.per_legion // plan.cols)
+    return (plan.multicast and p.batches == 1 and len(owners(arch, p, plan)) > 1
+            and tiles > 1 and act_keys(p, plan) > plan.a_slots)
+
+
 def chunk_blocks(arch: Arch, p: Problem, piece: int, c: Chunk, n0: int, nb: int) -> np.ndarray | None:
     """Nonzero blocks of one weight chunk [ceil(kc/array), ceil(nb/array)], or None when
     unknown (dense: no sparsity data, or a chunk that does not start on a block edge)."""
@@ -376,7 +429,7 @@ def vec_fixed(p: Problem, plan: Plan) -> int:
 def needs(p: Problem, plan: Plan) -> dict[str, int]:
     """Elements of each scratchpad ``plan`` takes (``wgt`` in bytes, as it holds packed weights)."""
     return {"wgt": plan.w_slots * wgt_slot_bytes(p, plan),
-            "act": plan.a_slots * act_slot_elems(p, plan) + p.k2,
+            "act": plan.a_slots * act_slot_elems(p, plan) + p.k2 + plan.homes * act_slot_elems(p, plan),
             "acc": plan.acc_slots * plan.rows * plan.cols,
             "vec": plan.res_slots * plan.rows * plan.cols + vec_fixed(p, plan)}
 
@@ -402,9 +455,11 @@ def with_slots(arch: Arch, p: Problem, plan: Plan) -> Plan | None:
     # A drain frees its accumulators at once; a store from them (exact results) frees them one
     # DRAM round trip later, which more slots hide: the slot is reused that many tiles on.
     acc_useful = tiles * len(row_blocks(p, plan)) * len(units(p, plan)) * p.batches if p.exact else 2
-    plan = replace(plan,
+    homes = plan.homes if plan.forward else 0
+    plan = replace(plan, homes=homes,
                    w_slots=_most_slots(cap["wgt"], wgt_slot_bytes(p, plan), max(2, w_useful)),
-                   a_slots=_most_slots(cap["act"] - p.k2, act_slot_elems(p, plan), max(2, a_useful)),
+                   a_slots=_most_slots(cap["act"] - p.k2 - homes * act_slot_elems(p, plan), act_slot_elems(p, plan),
+                                       max(2, a_useful)),
                    acc_slots=_most_slots(cap["acc"], plan.rows * plan.cols, max(2, acc_useful)),
                    res_slots=_most_slots(cap["vec"] - vec_fixed(p, plan), plan.rows * plan.cols, 2))
     if min(plan.w_slots, plan.a_slots, plan.acc_slots, plan.res_slots) < 1:
@@ -483,9 +538,23 @@ def candidates(arch: Arch, p: Problem, switches: Switches) -> list[Plan]:
                     for whole in (True,) if depth >= p.K else (True, False):
                         plan = Plan(order, rows, cols, depth, whole, per_legion, 0, 0, 0, 0, split,
                                     switches.multicast, skips(p, switches))
-                        plan = with_slots(arch, p, plan)
-                        if plan is not None and fits(arch, p, plan):
-                            out.append(plan)
+                        out += _fitting(arch, p, plan, switches.transfers)
+    return out
+
+
+def _fitting(arch: Arch, p: Problem, plan: Plan, transfers: bool) -> list[Plan]:
+    """``plan`` with its slots, if it fits, and then its variant that forwards activations
+    over the NoC, where the plan reads some chunk from DRAM again (``forwards``) and it fits."""
+    plain = with_slots(arch, p, plan)
+    if plain is None or not fits(arch, p, plain):
+        return []
+    if not transfers or not forwards(arch, p, plain):
+        return [plain]
+    out = [plain]
+    for homes in sorted({home_slots(arch, p, plan, spare) for spare in SPARE_SLOTS} - {0}):
+        shared = with_slots(arch, p, replace(plan, forward=True, homes=homes))
+        if shared is not None and fits(arch, p, shared):
+            out.append(shared)
     return out
 
 
@@ -658,6 +727,7 @@ class _Model:
         self.mat = dict(self.dma)
         self.vec = dict(self.dma)
         self.bytes = 0
+        self.noc_bytes = 0
         self.instructions = 0
 
     def loads(self, flows: list) -> list[float]:
@@ -674,6 +744,14 @@ class _Model:
             self.instructions += issuer in self.emitted
             out.append(self.dma[issuer] + self.lat)
         return out
+
+    def send(self, issuer: int, nbytes: int, free: float) -> float:
+        """A ``noc.mv`` of ``nbytes`` from ``issuer`` once ``free``: it holds the issuer's DMA
+        queue while its link sends them (once for every receiver); when they are there."""
+        self.dma[issuer] = max(self.dma[issuer], free) + nbytes / self.link
+        self.noc_bytes += nbytes
+        self.instructions += 1
+        return self.dma[issuer]
 
 
 # Batches modelled one by one; the rest are taken to cost what the last one modelled did.
@@ -720,7 +798,7 @@ def _ended(m: _Model, st: _State, vector_loads: int) -> Estimate:
         _model_stores(m, st, l)
     floor = m.bytes / m.dram_rate
     e = Estimate(math.ceil(max(st.finish, floor)), m.bytes, m.instructions + vector_loads,
-                 {"dram_floor": floor, "finish": st.finish})
+                 {"dram_floor": floor, "finish": st.finish, "noc_bytes": m.noc_bytes})
     m.dma, m.bytes, m.instructions, st.acc_free, st.res_free, st.stores, st.finish = saved
     return e
 
@@ -777,6 +855,9 @@ class _State:
         self.acc_free = {(l, s): 0.0 for l in m.legions for s in range(plan.acc_slots)}
         self.res_free = {(l, s): 0.0 for l in m.legions for s in range(plan.res_slots)}
         self.turn: dict = {}
+        self.homes = Homes(m.legions, plan.homes)
+        self.home_ready: dict = {}    # chunk key -> when its copy is home
+        self.uncopied: dict = {}      # act slot -> (chunk key, its home, when it is in the slot)
         self.slots = {"acc": plan.acc_slots, "res": plan.res_slots}
         self.stores: dict = {l: [] for l in m.legions}     # deferred: (ready, bytes, slot)
         self.finish = 0.0
@@ -797,8 +878,10 @@ def _model_chunk(m: _Model, st: _State, b: int, t: int, c: Chunk, here: list, ti
     """Chunk ``c`` of tile ``t`` in row block ``b``: its loads, then its passes. Given the
     tile's accumulator slots ``acc`` (its first chunk, exact results), a store pending from
     one of them goes out between the two, as the emitter places it (``acc_readers``)."""
-    a_slot = _model_activations(m, st, b, c, here)
     p, plan = m.p, m.plan
+    # Forwarded activations are sent after the chunk's weight loads are issued (as the emitter
+    # places them): a send that waits for its slot then holds up no weight load behind it.
+    a_slot = None if plan.forward else _model_activations(m, st, b, c, here)
     m0, mb = row_blocks(p, plan)[b]
     flows, where, work = [], [], []
     for l in here:
@@ -823,6 +906,8 @@ def _model_chunk(m: _Model, st: _State, b: int, t: int, c: Chunk, here: list, ti
             work.append((l, s, _mm_cycles(m.arch, plan, mb, c.kc, nb, mode, nz)))
     for key_r, ready in zip(where, m.loads(flows)):
         st.ready[key_r] = ready
+    if a_slot is None:
+        a_slot = _model_activations(m, st, b, c, here)
     for l in here if acc is not None else ():
         # As the emitter places it: after the loads of the tile that reuses its slot.
         if any(slot == acc[l] for _, _, slot in st.stores[l]):
@@ -854,13 +939,30 @@ def _model_activations(m: _Model, st: _State, b: int, c: Chunk, here: list) -> d
             s = slots.take(key)
             if ("a", owner, s, users[-1]) in st.free:
                 m.instructions += len(users) - 1     # a wait for each reader's matrix queue
-            free = max(st.free.get(("a", owner, s, l), 0.0) for l in users)
-            flows.append((m.lead if owner is None else owner, mb * width, free))
-            where.append(("a", owner, s))
+            free = max([st.free.get(("a", owner, s, l), 0.0) for l in users] + [_model_copy_home(m, st, s)])
+            home, new = st.homes.home(key) if plan.forward else (None, False)
+            if home is not None and not new:
+                st.ready[("a", owner, s)] = m.send(home[0], mb * width, max(free, st.home_ready[key]))
+            else:
+                flows.append((m.lead if owner is None else owner, mb * width, free))
+                where.append(("a", owner, s))
         a_slot |= {l: (owner, s) for l in users}
     for key_r, ready in zip(where, m.loads(flows)):
         st.ready[key_r] = ready
+        home, _ = st.homes.home(key) if plan.forward else (None, False)
+        if home is not None and key not in st.home_ready:
+            st.uncopied[key_r[2]] = (key, home, ready, mb * width)
     return a_slot
+
+
+def _model_copy_home(m: _Model, st: _State, s: int) -> float:
+    """A chunk read from DRAM on its first visit is copied home before its slot ``s`` is
+    reused (``qtiles._copy_home``); when the copy is done (0 without one)."""
+    if s not in st.uncopied:
+        return 0.0
+    key, home, ready, nbytes = st.uncopied.pop(s)
+    st.home_ready[key] = m.send(home[0], nbytes, ready)
+    return st.home_ready[key]
 
 
 def _model_unit_end(m: _Model, st: _State, l: int, mb: int, nb: int, acc: int, begin: float,

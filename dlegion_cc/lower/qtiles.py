@@ -28,9 +28,9 @@ import numpy as np
 
 from isa.arch import MODE_BITS
 from isa.fields import DramRef, View
-from isa.instructions import BY_MNEMONIC, DmaLoad, DmaStore, Drain, MatMul
+from isa.instructions import BY_MNEMONIC, DmaLoad, DmaStore, Drain, MatMul, NocMove
 from dlegion_cc.lower.emitter import Emitter
-from dlegion_cc.lower.qplan import (CV_SLOTS, RS_SLOTS, Chunk, Group, Plan, Problem, RowScale, Segment, Slots,
+from dlegion_cc.lower.qplan import (CV_SLOTS, RS_SLOTS, Chunk, Group, Homes, Plan, Problem, RowScale, Segment, Slots,
                                     Switches, act_key, act_slot_elems, choose, chunk_blocks, dead_tile, find_weights,
                                     groups, in_order, last_visit, legion_tiles, owners, reach_blocks, row_blocks,
                                     stores, tail_pieces, tile_order, units, weight_key, weights_wait, wgt_slot_bytes)
@@ -176,6 +176,10 @@ class _Tiles:
         self.addr = {"act": act_slot_elems(p, plan), "wgt": wgt_slot_bytes(p, plan), "acc": tile,
                      "res": tile}
         self.corr_at = plan.a_slots * self.addr["act"]
+        self.home_at = self.corr_at + p.k2
+        self.homes = Homes(self.legions, plan.homes)
+        self.home_loaded: dict = {}   # chunk key -> the mark of its copy into its home
+        self.uncopied: dict = {}      # act slot -> (chunk key, view, rows, width) not yet copied home
         self.rscale_at = plan.res_slots * tile
         self.cv_at = self.rscale_at + RS_SLOTS * plan.rows
         self.cv_size = (p.groups + 1) * plan.cols
@@ -245,14 +249,44 @@ class _Tiles:
             s = slots.find(key)
             if s is None:
                 s = slots.take(key)
+                self._copy_home(s)
                 g = self.lead if owner is None else owner
                 dests = frozenset(self.legions) if owner is None else frozenset({g.base})
                 view = View("act", s * self.addr["act"], width, 1)
-                self._load("act", owner, s, g, [DmaLoad(g.base, dests, view, DramRef(p.a8, m0 * p.K + k0a, p.K),
-                                                        mb, width)])
+                src = DramRef(p.a8, m0 * p.K + k0a, p.K)
+                if not (plan.forward and self._forward(key, s, view, mb, width)):
+                    self._load("act", owner, s, g, [DmaLoad(g.base, dests, view, src, mb, width)])
+                    if plan.forward and self.homes.home(key)[0] is not None:
+                        self.uncopied[s] = (key, view, mb, width)
             for g in (self.groups if owner is None else [owner]):
                 out[g] = (owner, s, s * self.addr["act"] + c.k0 - k0a, width)
         return out
+
+    def _home_view(self, home: tuple[int, int], width: int) -> View:
+        return View("act", self.home_at + home[1] * self.addr["act"], width, 1)
+
+    def _forward(self, key, s: int, view: View, mb: int, width: int) -> bool:
+        """Send chunk ``key`` from its home to every Legion's slot ``s`` (``Plan.forward``);
+        False if it has no home yet (its first visit) or none at all."""
+        home, new = self.homes.home(key)
+        if home is None or new:
+            return False
+        send = NocMove(home[0], frozenset(self.legions), view, self._home_view(home, width), mb, width)
+        self._load("act", None, s, Group(home[0], 1), [send], [self.home_loaded[key]])
+        return True
+
+    def _copy_home(self, s: int) -> None:
+        """On its first visit a chunk is read from DRAM into every Legion's slot as without
+        forwarding; its home Legion copies it home before slot ``s`` is reused for another
+        (not at once: the copy waits for the load, and so would the DMA queue behind it)."""
+        if s not in self.uncopied:
+            return
+        key, view, mb, width = self.uncopied.pop(s)
+        home, _ = self.homes.home(key)
+        copy = NocMove(home[0], frozenset({home[0]}), self._home_view(home, width), view, mb, width)
+        mark = self.emit(Group(home[0], 1), copy, [self.loaded[("act", None, s)]])
+        self.home_loaded[key] = mark
+        self.read_by(("act", None, s), mark)
 
     def weights(self, g: Group, piece: int, c: Chunk, n0: int, nb: int, nz, act: Mark, reached=None) -> int:
         """wgt address of a weight chunk of ``g``, loading its nonzero rows of blocks (of those
@@ -469,7 +503,7 @@ def _next(st: _Tiles, kind: str, g: Group) -> int:
 def _chunk(st: _Tiles, b: int, t: int, c: Chunk, here: list, acc: dict, first: dict) -> None:
     p, plan = st.p, st.plan
     m0, mb = st.blocks[b]
-    act = None
+    work = []
     for g in here:
         n0, nb = st.tiles[g][t]
         for i, (_, mode) in enumerate(p.weights):
@@ -478,19 +512,27 @@ def _chunk(st: _Tiles, b: int, t: int, c: Chunk, here: list, acc: dict, first: d
             nz = _reached(st, nz, reached, g, mb, c, nb)
             if nz is not None and not nz.any():
                 continue                    # a fully-sparse chunk: no load, no pass
-            if act is None:
-                act = st.activations(b, c, here)
-            owner, a_slot, a_addr, width = act[g]
-            s = st.weights(g, i, c, n0, nb, nz, st.loaded[("act", owner, a_slot)], reached)
-            needs = [st.loaded[("act", owner, a_slot)], st.loaded[("wgt", g, s)]]
-            if first[g]:
-                needs += st.acc_readers(g, acc[g])
-            wgt = View("wgt", s * st.addr["wgt"], nb * MODE_BITS[mode] // 8, 1)
-            done = st.matmul(g, acc[g] * st.addr["acc"], View("act", a_addr, width, 1), wgt, mb, c.kc, nb, mode,
-                             first[g], nz, needs)
-            first[g] = False
-            st.read_by(("act", owner, a_slot), done)
-            st.read_by(("wgt", g, s), done)
+            work.append((g, i, mode, nz, reached, n0, nb))
+    if not work:
+        return
+    # Forwarded activations are sent after the chunk's weight loads: a send waiting for its
+    # slot then holds up no weight load behind it in its Legion's DMA queue.
+    early = {(g, i): st.weights(g, i, c, n0, nb, nz, (), reached)
+             for g, i, _, nz, reached, n0, nb in work} if plan.forward else {}
+    act = st.activations(b, c, here)
+    for g, i, mode, nz, reached, n0, nb in work:
+        owner, a_slot, a_addr, width = act[g]
+        loaded = st.loaded[("act", owner, a_slot)]
+        s = early[(g, i)] if plan.forward else st.weights(g, i, c, n0, nb, nz, loaded, reached)
+        needs = [loaded, st.loaded[("wgt", g, s)]]
+        if first[g]:
+            needs += st.acc_readers(g, acc[g])
+        wgt = View("wgt", s * st.addr["wgt"], nb * MODE_BITS[mode] // 8, 1)
+        done = st.matmul(g, acc[g] * st.addr["acc"], View("act", a_addr, width, 1), wgt, mb, c.kc, nb, mode,
+                         first[g], nz, needs)
+        first[g] = False
+        st.read_by(("act", owner, a_slot), done)
+        st.read_by(("wgt", g, s), done)
 
 
 def _dead(st: _Tiles, b: int, g: Group, t: int) -> bool:

@@ -20,7 +20,7 @@ from isa.arch import Arch
 from isa.files import check_readable
 from dlegion_cc.errors import CompileError
 from dlegion_cc.lower.context import Switches
-from dlegion_cc.lower.qplan import (ORDERS, Plan, Problem, columns_per_legion, correction_depth, estimate, needs,
+from dlegion_cc.lower.qplan import (ORDERS, Plan, Problem, columns_per_legion, correction_depth, estimate, forwards, needs,
                                     search, skips, split_for)
 
 FORMAT = 1
@@ -40,7 +40,7 @@ def entry(node: str, p: Problem, plan: Plan, e, deal: tuple[int, int]) -> dict:
             "deal": {"legions_per_part": deal[0], "parts": deal[1], "columns_per_legion": plan.per_legion},
             "loop_order": plan.order,
             "tile": {"rows": plan.rows, "cols": plan.cols},
-            "chunk": {"depth": plan.depth, "whole_rows": plan.whole_rows},
+            "chunk": {"depth": plan.depth, "whole_rows": plan.whole_rows, "homes": plan.homes},
             "slots": {space: getattr(plan, name) for space, name in SLOTS.items()},
             "split": plan.split,
             "predicted": {"cycles": e.cycles, "dram_bytes": e.dram_bytes, "instructions": e.instructions}}
@@ -152,9 +152,11 @@ def plan_of(arch: Arch, p: Problem, switches: Switches, e: dict) -> Plan:
     plan = Plan(order, _int(tile, "rows"), _int(tile, "cols"), _int(chunk, "depth"), _bool(chunk, "whole_rows"),
                 columns_per_legion(arch, p), *(_int(slots, space) for space in SLOTS), split,
                 switches.multicast, skips(p, switches))
+    homes = _count(chunk, "homes")
+    plan = replace(plan, forward=homes > 0, homes=homes)
     given = _int(_table(e, "deal"), "columns_per_legion")
     why = (_shape_problem(arch, p, plan, given) or _order_problem(arch, switches, plan)
-           or _space_problem(arch, p, plan))
+           or _forward_problem(arch, p, plan) or _space_problem(arch, p, plan))
     if why:
         raise ValueError(why)
     return replace(plan, corr_depth=correction_depth(p, plan))
@@ -192,6 +194,13 @@ def _order_problem(arch: Arch, switches: Switches, plan: Plan) -> str | None:
     allowed = {"n", split_for(arch, switches)}
     if plan.split not in allowed:
         return f"split {plan.split!r}: {arch.name} (with these switches) splits a pass by {' or '.join(sorted(allowed))}"
+    return None
+
+
+def _forward_problem(arch: Arch, p: Problem, plan: Plan) -> str | None:
+    if plan.forward and not forwards(arch, p, replace(plan, a_slots=0)):
+        return (f"homes {plan.homes}: activations are forwarded only when multicast to several Legions, "
+                f"in one batch, over more than one column tile")
     return None
 
 
@@ -239,6 +248,14 @@ def _int(table: dict, key: str) -> int:
     v = _get(table, key, int, "a positive integer")
     if not 0 < v < 2 ** 31:
         raise ValueError(f"'{key}' must be a positive integer, not {v}")
+    return v
+
+
+def _count(table: dict, key: str) -> int:
+    """An optional count (absent: 0)."""
+    v = table.get(key, 0)
+    if type(v) is not int or not 0 <= v < 2 ** 31:
+        raise ValueError(f"'{key}' must be a count (0 or more), not {json.dumps(v)}")
     return v
 
 
