@@ -127,6 +127,7 @@ class Build:
     folder: Path
     attention: str | None = None
     progress: Progress = SILENT
+    quantize: str | None = None     # dlegion-cc --quantize: float MatMul weights onto the arrays
     compiled: list = field(default_factory=list)     # (seq, past) compiled by this Build, not found
 
     def path(self, seq: int, past: int) -> Path:
@@ -138,7 +139,7 @@ class Build:
         from dlegion_cc.importer import peek
         _, data = peek(self.graph.path)
         stats = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in [Path(self.graph.path), *sorted(data)]]
-        text = repr((stats, dataclasses.asdict(self.arch), self.attention))
+        text = repr((stats, dataclasses.asdict(self.arch), self.attention, self.quantize))
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
     def ensure(self, seq: int, past: int) -> Path:
@@ -173,7 +174,7 @@ class Build:
         from isa.files import Staged
         from dlegion_cc.errors import CompileError
         from dlegion_cc.pipeline import Options, compile_model
-        options = Options(self.arch, self.graph.dims(seq, past), attention=self.attention)
+        options = Options(self.arch, self.graph.dims(seq, past), attention=self.attention, quantize=self.quantize)
         data_path = Path(str(path) + ".data")
         try:
             with Staged(data_path) as data:
