@@ -222,3 +222,14 @@ def test_group_query_attention_batch_of_several_new_tokens_after_a_past_is_refus
     with pytest.raises(CompileError, match=r"\(GroupQueryAttention\): a batch of more than one row with more "
                                            r"than one new token after a past is not supported"):
         compile_model(path_, Options(TINY))
+
+
+def test_a_past_longer_than_the_rotary_positions_is_refused_before_the_work():
+    """GroupQueryAttention rotating at positions up to total_sequence_length - 1 with a 32-row
+    cos cache: a total of 33 is refused when compiling (onnxruntime refuses it when run), 32 is not."""
+    from dlegion_cc.errors import CompileError
+    dims = lambda past: {forms.BATCH: 1, forms.SEQ: 1, forms.PAST: past, forms.TOTAL: past + 1}  # noqa: E731
+    compile_model(path("genai_tiny_int4"), Options(TINY, dims(31)))
+    with pytest.raises(CompileError, match=r"\(GroupQueryAttention\): total_sequence_length 33 is past the "
+                                           r"model's 32 positions \(the rows of 'cos_cache'\)"):
+        compile_model(path("genai_tiny_int4"), Options(TINY, dims(32)))

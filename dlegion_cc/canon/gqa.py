@@ -102,6 +102,10 @@ def group_query_attention(node, b):
     total = b.value(total_len)
     if total is None:
         raise ValueError("total_sequence_length must be known when compiling (bind the sequence dims)")
+    if attr(node, "do_rotary", 0) and cos and b.dims(cos)[0] < int(total.reshape(-1)[0]):
+        # onnxruntime refuses it too: the last positions would have no rotation
+        raise ValueError(f"total_sequence_length {int(total.reshape(-1)[0])} is past the model's "
+                         f"{b.dims(cos)[0]} positions (the rows of '{cos}')")
     held = b.dims(past_k)[2] if past_k else 0
     length = max(int(total.reshape(-1)[0]), held)
     if not key:
