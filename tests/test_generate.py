@@ -178,3 +178,24 @@ def test_timing_only_refuses_a_past_longer_than_the_positions_first(generate, tm
     _refused(generate(model, "--arch", "dlegion-tiny", "--prompt-len", 3, "-n", 7, "--timing-only", "-q"),
              "sequence 1, past 8:", "node 'table_gather' (Gather)", "the model's 8 positions")
     assert not list((tmp_path / "build").glob("*.bin"))       # refused before any step was compiled
+
+
+@pytest.mark.parametrize("form", ["genai_tiny_fp32", "genai_tiny_int4", "optimum_tiny_llama", "opset23_tiny_llama"])
+def test_exporters_graphs_generate_onnxruntimes_tokens(generate, tmp_path, form):
+    """Optimum's and onnxruntime-genai's graphs take an attention mask and positions besides the
+    cache: the loop fills them (ones over past and new tokens; past .. past + sequence - 1)."""
+    model = ROOT / "models" / "forms" / f"{form}.onnx"
+    status, out, _ = generate(model, "--arch", "dlegion-tiny", "--prompt-len", 5, "-n", 16, "--check",
+                              "--json", tmp_path / "g.json", "-q")
+    assert status == 0, out
+    record = json.loads((tmp_path / "g.json").read_text())
+    assert record["tokens"] == onnxruntime_loop(cache_graph(model), record["prompt"], 16)
+    assert len(set(record["tokens"])) > 1 and all(r["ok"] for r in record["check"])
+    # the cache, mask and positions are right: one onnxruntime run of the whole text, no cache,
+    # chooses the same tokens at every position
+    import onnxruntime
+    from runtime.generate import step_inputs
+    graph = cache_graph(model)
+    text = record["prompt"] + record["tokens"][:-1]
+    logits = onnxruntime.InferenceSession(str(model)).run(["logits"], step_inputs(graph, text, graph.empty_past()))[0]
+    assert logits[0, 4:].argmax(axis=-1).tolist() == record["tokens"]
