@@ -40,9 +40,13 @@ MANIFEST = "FORMS_MANIFEST.json"
 MS = "com.microsoft"
 BATCH, SEQ, PAST, TOTAL = "batch_size", "sequence_length", "past_sequence_length", "total_sequence_length"
 NBITS_BLOCK = 32
-# The golden runs: a prompt into an empty cache, and one token after a cache of PROMPT tokens.
+# The golden runs: a prompt into an empty cache, and one token after a cache of PROMPT tokens;
+# (sequence, past, batch). The batch-2 runs' second row has a shorter past at decode (PADDED
+# positions of its attention mask are 0): grouped-query attention with a past length per row.
 PROMPT = 5
-STEPS = {"prefill": (PROMPT, 0), "decode": (1, PROMPT)}
+PADDED = 2
+STEPS = {"prefill": (PROMPT, 0, 1), "decode": (1, PROMPT, 1),
+         "prefill_b2": (PROMPT, 0, 2), "decode_b2": (1, PROMPT, 2)}
 
 
 @dataclass(frozen=True)
@@ -359,26 +363,30 @@ FORMS = {
 # --- golden runs ---------------------------------------------------------------------------------------
 
 def step_inputs(model: onnx.ModelProto, step: str, seed: int = 1) -> dict[str, np.ndarray]:
-    """A step's inputs: seeded token ids, an all-ones attention mask over past and new tokens,
-    positions past .. past + sequence - 1, and a standard normal cache of the step's past."""
-    seq, past = STEPS[step]
+    """A step's inputs: seeded token ids, an attention mask over past and new tokens (all ones but
+    a batch's second row at decode, whose first PADDED positions are 0), positions past .. past +
+    sequence - 1, and a standard normal cache of the step's past."""
+    seq, past, batch = STEPS[step]
     rng = np.random.default_rng(seed)
     c = FormConfig()
-    feeds = {"input_ids": rng.integers(0, c.vocab, (1, seq), dtype=np.int64),
-             "attention_mask": np.ones((1, past + seq), np.int64),
-             "position_ids": np.arange(past, past + seq, dtype=np.int64).reshape(1, seq)}
+    mask = np.ones((batch, past + seq), np.int64)
+    if batch > 1 and past > PADDED:
+        mask[1, :PADDED] = 0
+    feeds = {"input_ids": rng.integers(0, c.vocab, (batch, seq), dtype=np.int64),
+             "attention_mask": mask,
+             "position_ids": np.tile(np.arange(past, past + seq, dtype=np.int64), (batch, 1))}
     names = [v.name for v in model.graph.input]
     feeds = {n: feeds[n] for n in names if n in feeds}
     for n in names:
         if n.startswith("past_key_values."):
-            feeds[n] = rng.standard_normal((1, c.kv_heads, past, c.depth)).astype(np.float32)
+            feeds[n] = rng.standard_normal((batch, c.kv_heads, past, c.depth)).astype(np.float32)
     return feeds
 
 
 def dims(step: str) -> dict[str, int]:
     """The symbolic dims bound for a step (what ``dlegion-cc --dim`` takes)."""
-    seq, past = STEPS[step]
-    return {BATCH: 1, SEQ: seq, PAST: past, TOTAL: past + seq}
+    seq, past, batch = STEPS[step]
+    return {BATCH: batch, SEQ: seq, PAST: past, TOTAL: past + seq}
 
 
 def golden_path(name: str, step: str, golden_dir: Path = GOLDEN_DIR) -> Path:

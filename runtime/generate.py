@@ -22,6 +22,9 @@ from isa.progress import SILENT, Progress
 PAST_PREFIX, PRESENT_PREFIX = "past_key_values.", "present."
 PAST_AXIS = 2           # [batch, kv_heads, past, head_dim]: the axis a step grows
 IDS = "input_ids"
+# Inputs Optimum's and onnxruntime-genai's exports add, which the loop fills for one unpadded
+# sequence: the mask ones over the past and new tokens, the positions past .. past + sequence - 1.
+MASK, POSITIONS = "attention_mask", "position_ids"
 
 
 class GenerateError(Exception):
@@ -39,12 +42,15 @@ class CacheGraph:
     seq_dim: str
     past_dim: str
     vocab: int | None
+    total_dim: str | None = None    # the attention mask's length (past + sequence), if it has one
+    int_types: dict = field(default_factory=dict)   # attention_mask / position_ids -> numpy dtype
 
     def dims(self, seq: int, past: int) -> dict[str, int]:
         """Every symbolic dim bound for a step of ``seq`` new tokens after ``past`` cached ones:
-        the sequence and past dims, any other (the batch) 1."""
+        the sequence, past and total dims, any other (the batch) 1."""
         named = {d for shape in self.inputs.values() for d in shape if isinstance(d, str)}
-        return {d: seq if d == self.seq_dim else past if d == self.past_dim else 1 for d in sorted(named)}
+        sizes = {self.seq_dim: seq, self.past_dim: past, self.total_dim: past + seq}
+        return {d: sizes.get(d, 1) for d in sorted(named)}
 
     def empty_past(self) -> dict[str, np.ndarray]:
         """The cache of a prefill: every past input with no positions."""
@@ -69,8 +75,12 @@ def cache_graph(path: str | Path) -> CacheGraph:
     feeds = {o.name: PAST_PREFIX + o.name[len(PRESENT_PREFIX):] for o in model.graph.output
              if o.name.startswith(PRESENT_PREFIX)}
     _check_interface(path, inputs, feeds)
+    total = _symbolic(path, inputs, MASK, 1, "attention mask") if MASK in inputs else None
+    types = {i.name: onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)
+             for i in model.graph.input if i.name in (MASK, POSITIONS)}
     return CacheGraph(path, inputs, feeds, _symbolic(path, inputs, IDS, 1, "sequence"),
-                      _symbolic(path, inputs, next(iter(feeds.values())), PAST_AXIS, "past"), _vocab(model))
+                      _symbolic(path, inputs, next(iter(feeds.values())), PAST_AXIS, "past"), _vocab(model),
+                      total, types)
 
 
 def _shape(value) -> tuple:
@@ -87,10 +97,10 @@ def _check_interface(path: str, inputs: dict, feeds: dict) -> None:
     unfed = sorted(set(feeds.values()) - set(inputs))
     if unfed:
         raise GenerateError(f"{path}: the present outputs have no past input(s) {', '.join(unfed)}")
-    other = sorted(set(inputs) - set(feeds.values()) - {IDS})
+    other = sorted(set(inputs) - set(feeds.values()) - {IDS, MASK, POSITIONS})
     if other:
-        raise GenerateError(f"{path}: input(s) {', '.join(other)} are neither '{IDS}' nor a past the "
-                            f"present outputs feed; generation cannot give them values")
+        raise GenerateError(f"{path}: input(s) {', '.join(other)} are neither '{IDS}', '{MASK}', '{POSITIONS}' "
+                            f"nor a past the present outputs feed; generation cannot give them values")
     bad = [n for n in feeds.values() if len(inputs[n] or ()) != 4]
     if bad:
         raise GenerateError(f"{path}: past input '{bad[0]}' is not [batch, kv_heads, past, head_dim]")
@@ -127,6 +137,7 @@ class Build:
     folder: Path
     attention: str | None = None
     progress: Progress = SILENT
+    quantize: str | None = None     # dlegion-cc --quantize: float MatMul weights onto the arrays
     compiled: list = field(default_factory=list)     # (seq, past) compiled by this Build, not found
 
     def path(self, seq: int, past: int) -> Path:
@@ -138,7 +149,7 @@ class Build:
         from dlegion_cc.importer import peek
         _, data = peek(self.graph.path)
         stats = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in [Path(self.graph.path), *sorted(data)]]
-        text = repr((stats, dataclasses.asdict(self.arch), self.attention))
+        text = repr((stats, dataclasses.asdict(self.arch), self.attention, self.quantize))
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
     def ensure(self, seq: int, past: int) -> Path:
@@ -173,7 +184,7 @@ class Build:
         from isa.files import Staged
         from dlegion_cc.errors import CompileError
         from dlegion_cc.pipeline import Options, compile_model
-        options = Options(self.arch, self.graph.dims(seq, past), attention=self.attention)
+        options = Options(self.arch, self.graph.dims(seq, past), attention=self.attention, quantize=self.quantize)
         data_path = Path(str(path) + ".data")
         try:
             with Staged(data_path) as data:
@@ -216,7 +227,12 @@ def greedy(logits: np.ndarray) -> int:
 
 
 def step_inputs(graph: CacheGraph, ids: list[int], past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return {IDS: np.asarray([ids], np.int64), **past}
+    """A step's inputs: the new tokens, the cache, and where the graph has them an all-ones
+    attention mask and the new tokens' positions."""
+    held = next(iter(past.values())).shape[PAST_AXIS]
+    extra = {MASK: np.ones((1, held + len(ids))), POSITIONS: np.arange(held, held + len(ids)).reshape(1, -1)}
+    return {IDS: np.asarray([ids], np.int64), **past,
+            **{name: extra[name].astype(dtype) for name, dtype in graph.int_types.items()}}
 
 
 def next_past(graph: CacheGraph, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

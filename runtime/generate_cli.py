@@ -14,7 +14,8 @@ from isa.console import check_outputs, no_empty_path, table_console, version_opt
 from isa.files import atomic_write
 from isa.progress import Progress
 from runtime.check import REFERENCES, REL_L2_TOLERANCE
-from runtime.generate import Build, GenerateError, cache_graph, check_prompt, compile_all, emulate, onnxruntime_loop
+from runtime.generate import (Build, GenerateError, Step, cache_graph, check_prompt, compile_all, emulate,
+                              onnxruntime_loop)
 
 EXIT_MISMATCH = 1
 CONSOLE_WIDTH = 140
@@ -41,13 +42,14 @@ def _finite(ctx, param, value: float) -> float:
     return value
 
 
-def _print_steps(steps, console) -> None:
+def _print_steps(steps, console, numbers=None) -> None:
     from rich.table import Table
     t = Table(title="steps (step 0: the prefill)", title_justify="left")
     for name in ("step", "sequence", "past", "token", "cycles", "time (us)"):
         t.add_column(name, justify="right")
-    for k, s in enumerate(steps):
-        t.add_row(str(k), str(s.seq), str(s.past), str(s.token), f"{s.cycles:,}", f"{s.seconds * 1e6:,.3f}")
+    for k, s in zip(numbers or range(len(steps)), steps):
+        token = "-" if s.token is None else str(s.token)
+        t.add_row(str(k), str(s.seq), str(s.past), token, f"{s.cycles:,}", f"{s.seconds * 1e6:,.3f}")
     console.print(t)
 
 
@@ -134,9 +136,17 @@ def _print_check(rows: list[dict], console) -> None:
               help="Check every step's program for unordered conflicting accesses, as dlegion-run.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), metavar="FILE", callback=no_empty_path,
               help="Write the prompt, tokens, steps' cycles and the check's rows as JSON.")
+@click.option("--timing-only", is_flag=True,
+              help="Time the prefill and the decode steps on the timing model alone, computing no value (for "
+                   "sizes the emulator cannot hold): no token can be chosen then, so none is printed, only the "
+                   "prompt's length counts, and each step is given only its cache's shapes. Prints time to first "
+                   "token, time per output token, tokens/s and J/token, as bench/bench_llm.py.")
+@click.option("--every", type=click.IntRange(min=1), default=1, show_default=True, metavar="N",
+              help="With --timing-only: time every N-th decode step and the last, the others interpolated "
+                   "(each past length is its own program to compile).")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars on stderr.")
 def generate_command(ctx, model, arch, prompt_ids, prompt_len, seed, new_tokens, build_dir, attention, check,
-                     reference, tolerance, races, json_path, quiet):
+                     reference, tolerance, races, json_path, timing_only, every, quiet):
     """Generate tokens greedily from MODEL (an ONNX decode graph with a key/value cache, its
     sequence and past dims symbolic): a prefill of the prompt, then a decode step per token, each
     a program compiled for its past length (kept in --build-dir) and run on the emulator.
@@ -147,12 +157,19 @@ def generate_command(ctx, model, arch, prompt_ids, prompt_len, seed, new_tokens,
     for name in ("reference", "tolerance"):
         if not check and ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE:
             raise click.UsageError(f"--{name} needs --check", ctx)
+    if timing_only and check:
+        raise click.UsageError("--check needs values: it cannot go with --timing-only", ctx)
+    if not timing_only and ctx.get_parameter_source("every") is ParameterSource.COMMANDLINE:
+        raise click.UsageError("--every needs --timing-only", ctx)
     check_outputs({"--json": json_path}, {"the model": model})
     graph = cache_graph(model)
-    prompt = _prompt(prompt_ids, prompt_len, seed, graph.vocab)
+    prompt = _prompt(prompt_ids, prompt_len, seed, graph.vocab) if not (timing_only and prompt_len) else [0] * prompt_len
     check_prompt(graph, prompt, new_tokens)
     progress = Progress.for_terminal(quiet)
     build = Build(graph, arch_mod.load(arch), arch, Path(build_dir), attention, progress)
+    if timing_only:
+        _timing_only(build, model, len(prompt), new_tokens, every, json_path)
+        return
     compile_all(build, len(prompt), new_tokens)
     judged = Judge(model, reference, tolerance, ctx.get_parameter_source("tolerance") is ParameterSource.COMMANDLINE)
     steps = emulate(build, prompt, new_tokens, races, judged if check else None)
@@ -169,6 +186,31 @@ def generate_command(ctx, model, arch, prompt_ids, prompt_len, seed, new_tokens,
         atomic_write(json_path, json.dumps(record, indent=1) + "\n")
     if rows is not None and not all(r["ok"] for r in rows):
         sys.exit(EXIT_MISMATCH)
+
+
+def _timing_only(build: Build, model: str, prompt: int, new_tokens: int, every: int, json_path) -> None:
+    """The loop's steps on the timing model (runtime/llm_metrics.serve): their cycles, and the
+    serving numbers. The longest past is compiled first, so a past the model cannot take is
+    refused before any work."""
+    from runtime.generate import steps
+    from runtime.llm_metrics import serve
+    build.ensure(*steps(prompt, new_tokens)[-1])
+    r = serve(build, prompt, new_tokens, every)
+    console = table_console(CONSOLE_WIDTH)
+    timed = [r["prefill"], *r["decode_samples"]]
+    _print_steps([Step(t["seq"], t["past"], None, t["cycles"], t["seconds"], None) for t in timed], console,
+                 [0] + [t["past"] - prompt + 1 for t in timed[1:]])
+    console.print(_serving_line(r), highlight=False, soft_wrap=True)
+    if json_path:
+        atomic_write(json_path, json.dumps({"model": model, "timing_only": True, **r}, indent=1) + "\n")
+
+
+def _serving_line(r: dict) -> str:
+    tpot = "-" if r["tpot_s"] is None else f"{r['tpot_s'] * 1e3:,.4g} ms"
+    return (f"{r['arch']}: TTFT {r['ttft_s'] * 1e3:,.4g} ms, TPOT {tpot}, {r['tokens_per_s']:,.1f} tokens/s, "
+            f"{r['joules_per_token']:.4g} J/token, {r['average_watts']:.3g} W average (timing model only, no "
+            f"values; prompt {r['prompt']}, {r['generate']} tokens, {r['decode_steps_timed']} of "
+            f"{r['decode_steps']} decode steps timed)")
 
 
 def _checked(graph, prompt, new_tokens, reference, judged: Judge, steps, console) -> list[dict]:

@@ -145,3 +145,57 @@ def test_the_timing_model_gives_the_emulated_steps_cycles(tmp_path):
     sampled = serve(build, 4, 8, every=3)
     assert sampled["decode_steps_timed"] == 3 and sampled["decode_steps"] == 7
     assert sampled["tpot_s"] == pytest.approx(every["tpot_s"], rel=0.02)
+
+
+def test_timing_only_gives_the_generated_steps_cycles(generate, tmp_path):
+    """--timing-only computes no value, yet each step's cycles are those of the full generation's
+    step, and its serving numbers follow from them; --every times fewer steps."""
+    args = (BITNET, "--arch", "dlegion-tiny", "--prompt-len", 5, "-n", 6, "-q")
+    assert generate(*args, "--json", tmp_path / "full.json")[0] == 0
+    status, out, _ = generate(*args, "--timing-only", "--json", tmp_path / "timed.json")
+    assert status == 0, out
+    full = json.loads((tmp_path / "full.json").read_text())
+    timed = json.loads((tmp_path / "timed.json").read_text())
+    cycles = [s["cycles"] for s in full["steps"]]
+    assert [timed["prefill"]["cycles"]] + [s["cycles"] for s in timed["decode_samples"]] == cycles
+    seconds = [s["seconds"] for s in full["steps"]]
+    assert timed["ttft_s"] == pytest.approx(seconds[0]) and timed["tpot_s"] == pytest.approx(np.mean(seconds[1:]))
+    assert f"TTFT {seconds[0] * 1e3:,.4g} ms, TPOT {np.mean(seconds[1:]) * 1e3:,.4g} ms" in out
+    assert "generated" not in out and "5 of 5 decode steps timed" in out
+    status, out, _ = generate(*args, "--timing-only", "--every", 3)
+    assert status == 0 and "3 of 5 decode steps timed" in out         # pasts 5, 8 and the last, 9
+
+
+def test_timing_only_refuses_what_needs_values(generate):
+    status, _, lines = generate(BITNET, "--prompt-len", 3, "--timing-only", "--check")
+    assert status == 2 and "--check needs values: it cannot go with --timing-only" in lines[0]
+    status, _, lines = generate(BITNET, "--prompt-len", 3, "--every", 2)
+    assert status == 2 and "--every needs --timing-only" in lines[0]
+
+
+def test_timing_only_refuses_a_past_longer_than_the_positions_first(generate, tmp_path):
+    model = _positions(tmp_path / "pos.onnx", rows=8)
+    _refused(generate(model, "--arch", "dlegion-tiny", "--prompt-len", 3, "-n", 7, "--timing-only", "-q"),
+             "sequence 1, past 8:", "node 'table_gather' (Gather)", "the model's 8 positions")
+    assert not list((tmp_path / "build").glob("*.bin"))       # refused before any step was compiled
+
+
+@pytest.mark.parametrize("form", ["genai_tiny_fp32", "genai_tiny_int4", "optimum_tiny_llama", "opset23_tiny_llama"])
+def test_exporters_graphs_generate_onnxruntimes_tokens(generate, tmp_path, form):
+    """Optimum's and onnxruntime-genai's graphs take an attention mask and positions besides the
+    cache: the loop fills them (ones over past and new tokens; past .. past + sequence - 1)."""
+    model = ROOT / "models" / "forms" / f"{form}.onnx"
+    status, out, _ = generate(model, "--arch", "dlegion-tiny", "--prompt-len", 5, "-n", 16, "--check",
+                              "--json", tmp_path / "g.json", "-q")
+    assert status == 0, out
+    record = json.loads((tmp_path / "g.json").read_text())
+    assert record["tokens"] == onnxruntime_loop(cache_graph(model), record["prompt"], 16)
+    assert len(set(record["tokens"])) > 1 and all(r["ok"] for r in record["check"])
+    # the cache, mask and positions are right: one onnxruntime run of the whole text, no cache,
+    # chooses the same tokens at every position
+    import onnxruntime
+    from runtime.generate import step_inputs
+    graph = cache_graph(model)
+    text = record["prompt"] + record["tokens"][:-1]
+    logits = onnxruntime.InferenceSession(str(model)).run(["logits"], step_inputs(graph, text, graph.empty_past()))[0]
+    assert logits[0, 4:].argmax(axis=-1).tolist() == record["tokens"]

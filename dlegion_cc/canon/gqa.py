@@ -9,7 +9,10 @@ in the ops of transformers' attention (which ``passes/gqa.py`` and the lowering 
     y = softmax(q present_k^T * scale, keys j <= past_len[b] + i only) present_v, as [B, S, N * D]
 
 Each query head reads the key/value head of its group, repeated as transformers repeats it.
-seqlens_k is read at run time (a padded batch row has a shorter past). total_sequence_length
+seqlens_k is read at run time (a padded batch row has a shorter past, so in a batch each row's
+new keys are gathered to their own positions). At a first prompt with padded rows, onnxruntime's
+outputs at a row's positions past its length are not defined (its softmax reads probabilities
+its product did not write); the positions within it match. total_sequence_length
 must be known when compiling (it is a shape). Local windows, soft caps, smooth softmax,
 attention bias, given position ids and head sinks are refused.
 """
@@ -47,18 +50,28 @@ def _past_len(b: Builder, seqlens: str, batch: int, seq: int, prompt: bool) -> s
 def _present(b: Builder, past: str, new: str, past_len: str, dims: list[int], out: str) -> None:
     """``out`` [B, Nkv, T, D]: the past's first past_len rows, then the new ones, then zeros."""
     batch, kv, seq, depth, present, held = dims
-    if batch != 1:
-        raise ValueError("a batch of more than one is not supported")
     j = _i64(b, np.arange(present).reshape(1, 1, present, 1), "positions")
     if held < present:
         past = b.op("Concat", [past, b.const(np.zeros((batch, kv, present - held, depth)), "pad")], axis=2)
     elif held > present:
         past = b.op("Slice", [past, _i64(b, [0], "start"), _i64(b, [present], "end"), _i64(b, [2], "axis")])
     rows = b.op("Clip", [b.op("Sub", [j, past_len]), _i64(b, 0, "lo"), _i64(b, seq - 1, "hi")])
-    moved = b.op("Gather", [new, b.op("Reshape", [rows, _i64(b, [present], "shape")])], axis=2)
+    moved = _moved(b, new, rows, dims) if batch > 1 else \
+        b.op("Gather", [new, b.op("Reshape", [rows, _i64(b, [present], "shape")])], axis=2)
     is_new = b.op("Less", [j, b.op("Add", [past_len, _i64(b, seq, "seq")])])
     fresh = b.op("Where", [is_new, moved, b.const(0.0, "zero")])
     b.op("Where", [b.op("Less", [j, past_len]), past, fresh], out)
+
+
+def _moved(b: Builder, new: str, rows: str, dims: list[int]) -> str:
+    """The new rows at each present position, [B, Nkv, T, D], when batch rows have their own past
+    length (``rows`` [B, 1, T, 1], the new row each position reads): one Gather of the new rows
+    flattened over batch and head, at (b * Nkv + h) * S + rows[b, j]."""
+    batch, kv, seq, depth, present, _ = dims
+    base = _i64(b, (np.arange(batch * kv) * seq).reshape(batch, kv, 1, 1), "row_base")
+    ids = b.op("Reshape", [b.op("Add", [rows, base]), _i64(b, [batch * kv * present], "shape")])
+    flat = b.op("Reshape", [new, _i64(b, [batch * kv * seq, depth], "shape")])
+    return b.op("Reshape", [b.op("Gather", [flat, ids], axis=0), _i64(b, [batch, kv, present, depth], "shape")])
 
 
 def _repeat(b: Builder, kv: str, dims: list[int], group: int) -> str:
@@ -89,6 +102,10 @@ def group_query_attention(node, b):
     total = b.value(total_len)
     if total is None:
         raise ValueError("total_sequence_length must be known when compiling (bind the sequence dims)")
+    if attr(node, "do_rotary", 0) and cos and b.dims(cos)[0] < int(total.reshape(-1)[0]):
+        # onnxruntime refuses it too: the last positions would have no rotation
+        raise ValueError(f"total_sequence_length {int(total.reshape(-1)[0])} is past the model's "
+                         f"{b.dims(cos)[0]} positions (the rows of '{cos}')")
     held = b.dims(past_k)[2] if past_k else 0
     length = max(int(total.reshape(-1)[0]), held)
     if not key:
@@ -97,7 +114,11 @@ def group_query_attention(node, b):
                                               kv_heads * depth], "sizes")], [query, key, value], axis=-1,
                                              name=b.fresh("Split")))
     q, k, v = (_heads(b, x, batch, seq, n, depth) for x, n in ((query, heads), (key, kv_heads), (value, kv_heads)))
-    past_len = _past_len(b, seqlens, batch, seq, prompt=seq == int(total.reshape(-1)[0]))
+    prompt = seq == int(total.reshape(-1)[0])
+    if batch > 1 and seq > 1 and not prompt:
+        raise ValueError("a batch of more than one row with more than one new token after a past is not "
+                         "supported (onnxruntime's kernel refuses it too)")
+    past_len = _past_len(b, seqlens, batch, seq, prompt)
     if attr(node, "do_rotary", 0):
         q, k = _rotated(b, node, [q, k], past_len, cos, sin, batch, seq, [heads, kv_heads], depth)
     for past, new, out in ((past_k, k, present_k), (past_v, v, present_v)):
