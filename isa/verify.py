@@ -289,8 +289,9 @@ def dtype_moves(name: str, t: Tensor | None, table: dict, space: str, verb: str)
 @register(DmaLoad)
 def dma_load(ins: DmaLoad, ctx: Context) -> Problems:
     arch = ctx.arch
-    for dest in sorted(ins.dests):
-        yield from (f"dests: {p}" for p in legion(dest, arch))
+    if ins.dests and max(ins.dests) >= arch.legions:     # named only when wrong (checked per task)
+        for dest in sorted(ins.dests):
+            yield from (f"dests: {p}" for p in legion(dest, arch))
     if len(ins.dests) > 1 and not arch.multicast:
         yield f"dests multicast to {len(ins.dests)} Legions, but {arch.name} has no multicast"
     yield from view("dst", ins.dst, ins.rows, ins.cols, arch, dest=True)

@@ -49,6 +49,26 @@ class Order:
         self._items(np.flatnonzero(~barrier), np.flatnonzero(barrier))
         self._dependencies(tasks)
         self.known = self._knowledge(tasks, arch.legions)
+        self.origin = tasks.origin
+        self._own_bounds(tasks)
+
+    def _own_bounds(self, tasks: Tasks) -> None:
+        """Per instruction: ``own_known[o][q]``, the fewest tasks of queue kind ``q`` on its
+        own Legion any of its tasks knows done; ``top_place[o]``, the highest place of its
+        tasks on their queues. A rank of one instruction on Legion L is ordered after a rank
+        of another there when the first's bound exceeds the second's top place: one
+        comparison for the whole span instead of one per Legion."""
+        n, kinds = len(self.queue), len(QUEUES)
+        if not n:
+            self.own_known, self.top_place = [], []
+            return
+        own = (tasks.legion != NONE) & (tasks.queue >= 0) & (tasks.queue < kinds)
+        cols = np.clip(tasks.legion, 0, None)[:, None] * kinds + np.arange(kinds)
+        diag = np.take_along_axis(self.known, np.clip(cols, 0, self.nq - 1), axis=1).astype(np.int64)
+        diag[~own] = -1                       # no shortcut for a task off the machine's queues
+        self.own_known = np.minimum.reduceat(diag, tasks.first, axis=0).tolist()
+        place = np.where(own, self.place, np.iinfo(np.int64).max)
+        self.top_place = np.maximum.reduceat(place, tasks.first).tolist()
 
     def qid(self, legion: int, queue: str) -> int:
         return legion * len(QUEUES) + QUEUES.index(queue)
@@ -320,6 +340,8 @@ class RaceCheck:
         self.head = np.zeros(self.order.nq, np.int64)   # per queue: its first task that may not have run
         self._now, self._span, self._known, self._ran = None, 0, None, []
         self._queue, self._place = self.order.queue.tolist(), self.order.place.tolist()
+        self._origin = self.order.origin.tolist()
+        self._own_known, self._top_place = self.order.own_known, self.order.top_place
         self._shapes: dict[tuple, tuple] = {}           # window -> its bounds and rectangle
 
     def start(self, k: int, span: int = 1) -> None:
@@ -371,6 +393,10 @@ class RaceCheck:
         """The first rank of the tasks started (on Legions legion..end-1) that shares a Legion
         with ``old`` and is not ordered after its access there; None when all are."""
         known, queue, place, k = self._known, self._queue, self._place, self._now
+        if old.k == k and old.first == legion:
+            return None                      # the same tasks' own earlier access
+        if self._own_known[self._origin[k]][queue[old.k] % len(QUEUES)] > self._top_place[self._origin[old.k]]:
+            return None                      # every rank knows every rank of old's done
         for at in range(max(legion, old.first), min(end, old.end)):
             kn, ko = k + at - legion, old.k + at - old.first
             if known[at - legion][queue[ko]] > place[ko] or ko == kn:
