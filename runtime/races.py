@@ -41,8 +41,12 @@ class Order:
     many tasks of queue ``q`` are done before ``k`` starts. A queue's items are its own tasks
     and every barrier, in program order."""
 
-    def __init__(self, program: Program, arch: Arch):
+    def __init__(self, program: Program, arch: Arch, unchecked=None):
+        """``unchecked``: per source instruction, True where no access will be checked (a
+        segment the emulator skips, see :func:`segment_key`); its tasks' ``known`` rows are
+        left 0, which only a task of that segment would read."""
         tasks = program.instrs if isinstance(program.instrs, Tasks) else Tasks(list(program.instrs), arch.legions)
+        self.unchecked = unchecked
         self.nq = arch.legions * len(QUEUES)
         barrier = tasks.legion == NONE
         self.queue = np.where(barrier, NONE, tasks.legion * len(QUEUES) + tasks.queue)
@@ -130,18 +134,28 @@ class Order:
         # A compiled program waits only for earlier instructions: program order is an order
         # to compute in, an instruction's tasks at once. A hand-written one may wait for a
         # later one: task by task, depth first then.
-        if not in_program_order(tasks, legions):
+        ordered = in_program_order(tasks, legions)
+        if not ordered:
             deps = [self._deps(k) for k in range(n)]
             spans = [(k, k + 1) for k in _depth_first(deps)]
         else:
             ends = np.append(tasks.first[1:], n)
             spans = list(zip(tasks.first.tolist(), ends.tolist()))
         own = self.queue != NONE
+        origin = tasks.origin.tolist()
         place = np.where(own, self.place + 1, 0)
         column = np.where(own, self.queue, 0)
+        skip = np.zeros(len(tasks.source), np.bool_)
+        if self.unchecked is not None and ordered:
+            skip = self.unchecked
+        skipped = False
         for lo, hi in spans:
             if not own[lo]:
-                self._barrier(table, lo)
+                self._barrier(table, lo, exact=skipped)
+                skipped = False
+                continue
+            if skip[origin[lo]]:
+                skipped = True
                 continue
             row = np.maximum(table[via_prev[lo:hi]], table[via_target[lo:hi]])
             table[lo:hi] = row
@@ -150,12 +164,17 @@ class Order:
             table[n + lo:n + hi] = row
         return table[:n]
 
-    def _barrier(self, table: np.ndarray, k: int) -> None:
+    def _barrier(self, table: np.ndarray, k: int, exact: bool = False) -> None:
         """A barrier knows done what the last item of every queue knew once done; once done
-        itself, every queue up to it."""
+        itself, every queue up to it. ``exact``: after a segment left uncomputed, in a
+        program that waits only on earlier work, where that is every queue's items before it
+        (each last item counts itself, and no task counts work after it)."""
         n = len(self.queue)
         deps = [d for d, _ in self._deps(k)]
-        table[k] = table[np.array(deps, np.int64) + n].max(axis=0) if deps else 0
+        if exact:
+            table[k] = self.bar_place[self.bar_index[k]]
+        else:
+            table[k] = table[np.array(deps, np.int64) + n].max(axis=0) if deps else 0
         table[n + k] = np.maximum(table[k], self.bar_place[self.bar_index[k]] + 1)
 
 
@@ -332,8 +351,8 @@ class RaceCheck:
     covering an earlier read: whatever is ordered after the newer is ordered after the older)
     or once every task still to run is known to be ordered after it."""
 
-    def __init__(self, program: Program, arch: Arch):
-        self.program, self.order = program, Order(program, arch)
+    def __init__(self, program: Program, arch: Arch, unchecked=None):
+        self.program, self.order = program, Order(program, arch, unchecked)
         self.spads = {s: Ledger() for s in arch.derived.spad_elems}
         self.dram = {i: WideLedger() for i, t in enumerate(program.tensors) if t.kind not in ("const", "input")}
         self.spad_queues, self.dram_queues = _accessors(program, arch, self.order)
