@@ -41,8 +41,15 @@ def run(program: Program, arch: Arch, inputs: dict[str, np.ndarray], races: bool
     accesses are ordered (runtime/races.py), which makes the results those of any order the
     machine may take; ``keep`` keeps every scratch tensor to the end, for the caller to read
     (runtime/check.py); else each is freed after its last use (dlegion-run, unless --check-all)."""
+    # The run makes many small objects and no cycles worth collecting: a collection of the
+    # oldest generation walks the whole loaded program each time.
     with no_cycle_collection():
-        program = verify(program, arch)      # and expanded: one task per Legion of each span
+        return _run(program, arch, inputs, races, keep, progress)
+
+
+def _run(program: Program, arch: Arch, inputs: dict[str, np.ndarray], races: bool, keep: bool,
+         progress: Progress) -> RunResult:
+    program = verify(program, arch)      # and expanded: one task per Legion of each span
     machine = Machine(program, arch)
     bind_inputs(machine, program, inputs)
     tasks = program.instrs
