@@ -93,13 +93,38 @@ def _field_problems(tasks: Tasks) -> tuple[list, np.ndarray]:
     """Fields are encoded as written: the tasks of an instruction share its (un)encodable
     fields, and instructions alike in every field (each layer's) share them too. Listed once,
     at the instruction's first task; also, per instruction, whether it has any."""
-    alike = tasks.alike()
+    alike, fields = tasks.alike(), _FieldChecks()
     out, bad = [], np.zeros(len(tasks.source), dtype=bool)
     for o, ins in enumerate(tasks.source):
-        found = alike.get("fields", o, lambda: list(ins.bad_fields()))
+        found = alike.get("fields", o, lambda: fields.bad(ins))
         out += [(int(tasks.first[o]), 0, what) for what in found]
         bad[o] = bool(found)
     return out, bad
+
+
+class _FieldChecks:
+    """``Instr.bad_fields`` with each value checked once per field kind: instructions that
+    differ (each layer's DMAs, by tensor and offset) still share most field values."""
+
+    def __init__(self):
+        self.kinds: dict = {}       # instruction class -> (field name, kind) pairs
+        self.seen: dict = {}        # (kind, value type, value) -> why it cannot be encoded, or ""
+
+    def bad(self, ins: Instr) -> list[str]:
+        cls = type(ins)
+        kinds = self.kinds.get(cls)
+        if kinds is None:
+            kinds = self.kinds[cls] = tuple((f.name, f.metadata["kind"]) for f in cls.fields())
+        out = []
+        for name, kind in kinds:
+            value = getattr(ins, name)
+            key = (id(kind), type(value), value)
+            why = self.seen.get(key)
+            if why is None:
+                why = self.seen[key] = kind.check(value) or ""
+            if why:
+                out.append(f"{name}: {why}")
+        return out
 
 
 def _checked_tasks(tasks: Tasks) -> np.ndarray:
@@ -289,8 +314,9 @@ def dtype_moves(name: str, t: Tensor | None, table: dict, space: str, verb: str)
 @register(DmaLoad)
 def dma_load(ins: DmaLoad, ctx: Context) -> Problems:
     arch = ctx.arch
-    for dest in sorted(ins.dests):
-        yield from (f"dests: {p}" for p in legion(dest, arch))
+    if ins.dests and max(ins.dests) >= arch.legions:     # named only when wrong (checked per task)
+        for dest in sorted(ins.dests):
+            yield from (f"dests: {p}" for p in legion(dest, arch))
     if len(ins.dests) > 1 and not arch.multicast:
         yield f"dests multicast to {len(ins.dests)} Legions, but {arch.name} has no multicast"
     yield from view("dst", ins.dst, ins.rows, ins.cols, arch, dest=True)

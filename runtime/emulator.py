@@ -41,35 +41,46 @@ def run(program: Program, arch: Arch, inputs: dict[str, np.ndarray], races: bool
     accesses are ordered (runtime/races.py), which makes the results those of any order the
     machine may take; ``keep`` keeps every scratch tensor to the end, for the caller to read
     (runtime/check.py); else each is freed after its last use (dlegion-run, unless --check-all)."""
+    # The run makes many small objects and no cycles worth collecting: a collection of the
+    # oldest generation walks the whole loaded program each time.
     with no_cycle_collection():
-        program = verify(program, arch)      # and expanded: one task per Legion of each span
+        return _run(program, arch, inputs, races, keep, progress)
+
+
+def _run(program: Program, arch: Arch, inputs: dict[str, np.ndarray], races: bool, keep: bool,
+         progress: Progress) -> RunResult:
+    program = verify(program, arch)      # and expanded: one task per Legion of each span
     machine = Machine(program, arch)
     bind_inputs(machine, program, inputs)
-    if races:
-        machine.watch = RaceCheck(program, arch)
     tasks = program.instrs
+    ordered = in_program_order(tasks, arch.legions)
+    unchecked = (_repeated_segments(tasks.source, program) if races and ordered
+                 else np.zeros(len(tasks.source), np.bool_))
+    if races:
+        machine.watch = RaceCheck(program, arch, unchecked)
     with progress.task("emulating", _executed(program)) as advance, np.errstate(all="ignore"):
-        if in_program_order(tasks, arch.legions):
+        if ordered:
             timeline = simulate(program, arch)
-            _by_instruction(machine, program, keep, advance)
+            _by_instruction(machine, program, keep, advance, unchecked)
         else:
             timeline = simulate(program, arch, _by_task(machine, program, keep, advance))
     outputs = {t.io_name: machine.get(t.name) for t in program.outputs()}
     return RunResult(outputs, timeline, arch, program, machine)
 
 
-def _by_instruction(machine: Machine, program: Program, keep: bool, advance) -> None:
+def _by_instruction(machine: Machine, program: Program, keep: bool, advance, unchecked: np.ndarray) -> None:
     """Every instruction in program order, all its tasks (one per Legion of its span) at once:
     a program whose conditions all wait for earlier instructions is ordered this way. The race
-    check skips a segment between barriers that repeats one it checked (races.segment_key)."""
+    check skips the segments ``unchecked`` marks (see :func:`_repeated_segments`)."""
     tasks = program.instrs
     source, first = tasks.source, tasks.first.tolist()
     live = None if keep else Liveness(program, source)
-    watch, checked = machine.watch, set()
+    watch = machine.watch
+    skip = unchecked.tolist()
     ran = _Blocks(advance)
     for o, ins in enumerate(source):
         if watch is not None and (o == 0 or isinstance(ins, Barrier)):
-            machine.watch = _segment_watch(watch, checked, source, o, program)
+            machine.watch = None if skip[o] else watch
         if isinstance(ins, (Wait, Barrier)):
             continue
         span = getattr(ins, "span", None) or 1
@@ -79,15 +90,18 @@ def _by_instruction(machine: Machine, program: Program, keep: bool, advance) -> 
     ran.flush()
 
 
-def _segment_watch(watch: RaceCheck, checked: set, source: list, o: int, program: Program):
-    """The race check for the segment starting at instruction ``o``; None when it repeats one
-    already checked."""
-    end = next((j for j in range(o + 1, len(source)) if isinstance(source[j], Barrier)), len(source))
-    key = segment_key(source[o:end], program.tensors)
-    if key in checked:
-        return None
-    checked.add(key)
-    return watch
+def _repeated_segments(source: list, program: Program) -> np.ndarray:
+    """Per instruction, whether its segment (from a barrier, or the start, to the next
+    barrier) repeats an earlier one in the form the race check depends on
+    (races.segment_key): its verdict is that one's, so it is not checked again."""
+    out = np.zeros(len(source), np.bool_)
+    starts = [0] + [o for o, ins in enumerate(source) if isinstance(ins, Barrier) and o > 0]
+    checked = set()
+    for lo, hi in zip(starts, starts[1:] + [len(source)]):
+        key = segment_key(source[lo:hi], program.tensors)
+        out[lo:hi] = key in checked
+        checked.add(key)
+    return out
 
 
 def _by_task(machine: Machine, program: Program, keep: bool, advance):

@@ -41,14 +41,38 @@ class Order:
     many tasks of queue ``q`` are done before ``k`` starts. A queue's items are its own tasks
     and every barrier, in program order."""
 
-    def __init__(self, program: Program, arch: Arch):
+    def __init__(self, program: Program, arch: Arch, unchecked=None):
+        """``unchecked``: per source instruction, True where no access will be checked (a
+        segment the emulator skips, see :func:`segment_key`); its tasks' ``known`` rows are
+        left 0, which only a task of that segment would read."""
         tasks = program.instrs if isinstance(program.instrs, Tasks) else Tasks(list(program.instrs), arch.legions)
+        self.unchecked = unchecked
         self.nq = arch.legions * len(QUEUES)
         barrier = tasks.legion == NONE
         self.queue = np.where(barrier, NONE, tasks.legion * len(QUEUES) + tasks.queue)
         self._items(np.flatnonzero(~barrier), np.flatnonzero(barrier))
         self._dependencies(tasks)
         self.known = self._knowledge(tasks, arch.legions)
+        self.origin = tasks.origin
+        self._own_bounds(tasks)
+
+    def _own_bounds(self, tasks: Tasks) -> None:
+        """Per instruction: ``own_known[o][q]``, the fewest tasks of queue kind ``q`` on its
+        own Legion any of its tasks knows done; ``top_place[o]``, the highest place of its
+        tasks on their queues. A rank of one instruction on Legion L is ordered after a rank
+        of another there when the first's bound exceeds the second's top place: one
+        comparison for the whole span instead of one per Legion."""
+        n, kinds = len(self.queue), len(QUEUES)
+        if not n:
+            self.own_known, self.top_place = [], []
+            return
+        own = (tasks.legion != NONE) & (tasks.queue >= 0) & (tasks.queue < kinds)
+        cols = np.clip(tasks.legion, 0, None)[:, None] * kinds + np.arange(kinds)
+        diag = np.take_along_axis(self.known, np.clip(cols, 0, self.nq - 1), axis=1).astype(np.int64)
+        diag[~own] = -1                       # no shortcut for a task off the machine's queues
+        self.own_known = np.minimum.reduceat(diag, tasks.first, axis=0).tolist()
+        place = np.where(own, self.place, np.iinfo(np.int64).max)
+        self.top_place = np.maximum.reduceat(place, tasks.first).tolist()
 
     def qid(self, legion: int, queue: str) -> int:
         return legion * len(QUEUES) + QUEUES.index(queue)
@@ -110,32 +134,54 @@ class Order:
         # A compiled program waits only for earlier instructions: program order is an order
         # to compute in, an instruction's tasks at once. A hand-written one may wait for a
         # later one: task by task, depth first then.
-        if not in_program_order(tasks, legions):
+        ordered = in_program_order(tasks, legions)
+        if not ordered:
             deps = [self._deps(k) for k in range(n)]
             spans = [(k, k + 1) for k in _depth_first(deps)]
         else:
             ends = np.append(tasks.first[1:], n)
             spans = list(zip(tasks.first.tolist(), ends.tolist()))
         own = self.queue != NONE
+        origin = tasks.origin.tolist()
         place = np.where(own, self.place + 1, 0)
         column = np.where(own, self.queue, 0)
-        for lo, hi in spans:
+        skip = np.zeros(len(tasks.source), np.bool_)
+        if self.unchecked is not None and ordered:
+            skip = self.unchecked
+        skipped = False
+        # Most tasks have no condition: their row is their queue predecessor's alone.
+        los, his = (np.array(x, np.int64) for x in zip(*spans)) if spans else (np.zeros(0, np.int64),) * 2
+        waited = np.concatenate([[0], np.cumsum(via_target != 2 * n)])
+        conditioned = (waited[his] > waited[los]).tolist()
+        ranks = np.arange(max((hi - lo for lo, hi in spans), default=0))
+        for (lo, hi), cond in zip(spans, conditioned):
             if not own[lo]:
-                self._barrier(table, lo)
+                self._barrier(table, lo, exact=skipped)
+                skipped = False
                 continue
-            row = np.maximum(table[via_prev[lo:hi]], table[via_target[lo:hi]])
+            if skip[origin[lo]]:
+                skipped = True
+                continue
+            row = table[via_prev[lo:hi]]
+            if cond:
+                np.maximum(row, table[via_target[lo:hi]], out=row)
             table[lo:hi] = row
-            at = np.arange(hi - lo), column[lo:hi]
+            at = ranks[:hi - lo], column[lo:hi]
             row[at] = np.maximum(row[at], place[lo:hi])
             table[n + lo:n + hi] = row
         return table[:n]
 
-    def _barrier(self, table: np.ndarray, k: int) -> None:
+    def _barrier(self, table: np.ndarray, k: int, exact: bool = False) -> None:
         """A barrier knows done what the last item of every queue knew once done; once done
-        itself, every queue up to it."""
+        itself, every queue up to it. ``exact``: after a segment left uncomputed, in a
+        program that waits only on earlier work, where that is every queue's items before it
+        (each last item counts itself, and no task counts work after it)."""
         n = len(self.queue)
         deps = [d for d, _ in self._deps(k)]
-        table[k] = table[np.array(deps, np.int64) + n].max(axis=0) if deps else 0
+        if exact:
+            table[k] = self.bar_place[self.bar_index[k]]
+        else:
+            table[k] = table[np.array(deps, np.int64) + n].max(axis=0) if deps else 0
         table[n + k] = np.maximum(table[k], self.bar_place[self.bar_index[k]] + 1)
 
 
@@ -312,14 +358,16 @@ class RaceCheck:
     covering an earlier read: whatever is ordered after the newer is ordered after the older)
     or once every task still to run is known to be ordered after it."""
 
-    def __init__(self, program: Program, arch: Arch):
-        self.program, self.order = program, Order(program, arch)
+    def __init__(self, program: Program, arch: Arch, unchecked=None):
+        self.program, self.order = program, Order(program, arch, unchecked)
         self.spads = {s: Ledger() for s in arch.derived.spad_elems}
         self.dram = {i: WideLedger() for i, t in enumerate(program.tensors) if t.kind not in ("const", "input")}
         self.spad_queues, self.dram_queues = _accessors(program, arch, self.order)
         self.head = np.zeros(self.order.nq, np.int64)   # per queue: its first task that may not have run
         self._now, self._span, self._known, self._ran = None, 0, None, []
         self._queue, self._place = self.order.queue.tolist(), self.order.place.tolist()
+        self._origin = self.order.origin.tolist()
+        self._own_known, self._top_place = self.order.own_known, self.order.top_place
         self._shapes: dict[tuple, tuple] = {}           # window -> its bounds and rectangle
 
     def start(self, k: int, span: int = 1) -> None:
@@ -371,6 +419,10 @@ class RaceCheck:
         """The first rank of the tasks started (on Legions legion..end-1) that shares a Legion
         with ``old`` and is not ordered after its access there; None when all are."""
         known, queue, place, k = self._known, self._queue, self._place, self._now
+        if old.k == k and old.first == legion:
+            return None                      # the same tasks' own earlier access
+        if self._own_known[self._origin[k]][queue[old.k] % len(QUEUES)] > self._top_place[self._origin[old.k]]:
+            return None                      # every rank knows every rank of old's done
         for at in range(max(legion, old.first), min(end, old.end)):
             kn, ko = k + at - legion, old.k + at - old.first
             if known[at - legion][queue[ko]] > place[ko] or ko == kn:
