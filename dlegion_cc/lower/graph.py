@@ -36,9 +36,10 @@ def lower_graph(graph: Graph, arch: Arch, data_file: str | None, switches: Switc
             advance()
     if problems:
         raise UnsupportedNodes(graph.source, problems)
+    start = len(em.instrs)
     if carry.settle(low):           # a concat's copy no matmul was left to carry (none expected)
         em.barrier()
-        regions.append((len(em.instrs) - 1, "carried copies"))
+        regions.append((start, "copies left to a matmul"))
     low.schedules.finish(graph.source)
     _materialize_outputs(low, regions)
     program = em.program(data_file)
