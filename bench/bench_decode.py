@@ -15,6 +15,11 @@ model, leaving out the embedding and the head around it. The bound is the larger
   output, and one read of the cache the graph takes in (at its dtype).
 
 Target: at most 1.20x the bound.
+
+``--breakdown`` prints, per node (region) of the layer, its span, the DRAM bytes its transfers
+move, and the cycles DRAM would need for them at full bandwidth: where a node's span exceeds
+its DRAM cycles, DRAM idles (the layer's total idle is printed too). The graph's own floor is
+printed beside the bound: the compulsory bytes plus the ``present`` cache it must write.
 """
 from __future__ import annotations
 
@@ -31,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 from isa import arch as arch_mod                               # noqa: E402
 from dlegion_cc.pipeline import Options, compile_model        # noqa: E402
 from models.bitnet import build_bitnet, preset, save          # noqa: E402
+from isa.instructions import DmaLoad, DmaStore, Gather        # noqa: E402
+from runtime.costs import Env, cost                           # noqa: E402
 from runtime.report import regions_by_name                    # noqa: E402
 from runtime.timing import simulate                           # noqa: E402
 
@@ -67,10 +74,40 @@ def layer_span(timeline) -> int:
     return int(timeline.done[members].max() - timeline.start[members].min())
 
 
+def breakdown(timeline, machine) -> list[tuple[str, float, float, int]]:
+    """Per region of the layer, in program order: (name, first start, last completion, DRAM bytes
+    its transfers move)."""
+    program = timeline.program
+    env = Env(tuple(program.tensors), {})
+    rows = []
+    for name, ks in regions_by_name(program).items():
+        if LAYER not in name:
+            continue
+        at = np.asarray(ks, dtype=np.int64)
+        moved = sum(cost(program.instrs[k], machine, env).flow_bytes for k in ks
+                    if isinstance(program.instrs[k], (DmaLoad, DmaStore, Gather)))
+        rows.append((name, float(timeline.start[at].min()), float(timeline.done[at].max()), moved))
+    return rows
+
+
+def print_breakdown(timeline, machine) -> None:
+    bw = machine.derived.dram_bytes_per_cycle
+    rows = breakdown(timeline, machine)
+    print(f"  {'region':58s} {'start':>7s} {'cycles':>7s} {'DRAM bytes':>11s} {'DRAM cycles':>11s}")
+    for name, start, done, moved in rows:
+        short = name if len(name) <= 58 else name[:27] + "..." + name[-28:]
+        print(f"  {short:58s} {start:7,.0f} {done - start:7,.0f} {moved:11,} {moved / bw:11,.0f}")
+    span = max(d for _, _, d, _ in rows) - min(s for _, s, _, _ in rows)
+    busy = sum(m for *_, m in rows) / bw
+    print(f"  layer: {span:,.0f} cycles, DRAM busy {busy:,.0f} at full bandwidth ({busy / span:.1%}), "
+          f"idle {span - busy:,.0f}")
+
+
 @click.command()
 @click.option("--past", default=512, show_default=True, help="cached positions")
 @click.option("--arch", "arch_name", default="dlegion-8x8", show_default=True)
-def main(past: int, arch_name: str) -> None:
+@click.option("--breakdown", "show", is_flag=True, help="per node: span, DRAM bytes and DRAM cycles")
+def main(past: int, arch_name: str, show: bool) -> None:
     machine = arch_mod.load(arch_name)
     config = preset("2b4t", layers=1, seq=1, vocab=512, past=past)
     with tempfile.TemporaryDirectory() as tmp:
@@ -80,9 +117,9 @@ def main(past: int, arch_name: str) -> None:
         _, program = compile_model(path, Options(machine))
         t_compile = time.perf_counter() - t0
         _, overlapped = compile_model(path, Options(machine, overlap=True))
-    timeline = simulate(program, machine)
+    timeline, timed_overlap = simulate(program, machine), simulate(overlapped, machine)
     cycles, b = layer_span(timeline), bound(config, machine)
-    waits = layer_span(simulate(overlapped, machine))
+    waits = layer_span(timed_overlap)
     print(f"2B4T layer, decode step with a {past}-position cache, {machine.name}: "
           f"{len(program.instrs):,} instructions, compile {t_compile:.1f} s")
     print("  bound: " + ", ".join(f"{k} {v:,.0f}" for k, v in b["parts"].items())
@@ -90,6 +127,14 @@ def main(past: int, arch_name: str) -> None:
     print(f"  layer: {cycles:,} cycles = {cycles / b['cycles']:.3f}x the bound {b['cycles']:,.0f} "
           f"(target {TARGET:.2f}x); whole program {timeline.cycles:,} cycles")
     print(f"  with --overlap (no barrier after a node): {waits:,} cycles = {waits / b['cycles']:.3f}x")
+    present = 2 * config.spec().kv_heads * (past + 1) * config.spec().head_dim * FP32
+    floor = b["parts"]["DRAM"] + present / machine.derived.dram_bytes_per_cycle
+    print(f"  the graph's DRAM floor with the present cache it writes ({present:,} bytes): {floor:,.0f} cycles "
+          f"= {floor / b['cycles']:.3f}x the bound")
+    if show:
+        for title, timed in (("default", timeline), ("--overlap", timed_overlap)):
+            print(f"  breakdown, {title}:")
+            print_breakdown(timed, machine)
 
 
 if __name__ == "__main__":

@@ -78,6 +78,7 @@ class Emitter:
     # What is computed instead of ONNX's semantics, each with the model's values it is made in
     # (Program.approximations).
     approximations: dict = field(default_factory=dict)
+    carried: list = field(default_factory=list)         # concat copies left to a matmul's loads (carry.py)
 
     # --- DRAM -----------------------------------------------------------------------------
     def tensor(self, name: str, dtype: str, shape, kind: str, io_name: str | None = None,

@@ -11,6 +11,7 @@ import numpy as np
 
 from isa.fields import DramRef, View
 from isa.instructions import BY_MNEMONIC, DmaLoad, DmaStore, VMatMul
+from dlegion_cc.lower import carry
 from dlegion_cc.lower.context import Lowering, lowers
 from dlegion_cc.lower.emitter import Emitter
 from dlegion_cc.lower.layout import Operand, broadcast, outer_indices, reshaped
@@ -27,21 +28,22 @@ STRIPS = 2
 
 
 def _load_matrix(em: Emitter, legion: int, addr: int, op: Operand, r0: int, c0: int,
-                 rows: int, cols: int, lstride: int | None = None) -> View:
+                 rows: int, cols: int, lstride: int | None = None) -> tuple[View, list]:
     """Load op[r0:r0+rows, c0:c0+cols] into a row-major block at ``addr``; transposed
-    sources (unit row stride) are turned around by the scratchpad view."""
+    sources (unit row stride) are turned around by the scratchpad view. Also returns the
+    stores of a concat's copy the load carries (``carry.load``), to issue once it has landed."""
     rs, cs = op.strides[-2:]
     base = op.offset + r0 * rs + c0 * cs
     dests = frozenset({legion})
     if cs in (0, 1) and not (cs == 0 and cols > 1):
-        em.emit(DmaLoad(legion, dests, View("vec", addr, cols, 1), DramRef(op.tensor, base, rs), rows, cols,
-                        lstride=lstride))
+        i = DmaLoad(legion, dests, View("vec", addr, cols, 1), DramRef(op.tensor, base, rs), rows, cols,
+                    lstride=lstride)
     elif rs in (0, 1) and not (rs == 0 and rows > 1):
-        em.emit(DmaLoad(legion, dests, View("vec", addr, 1, cols), DramRef(op.tensor, base, cs), cols, rows,
-                        lstride=lstride))
+        i = DmaLoad(legion, dests, View("vec", addr, 1, cols), DramRef(op.tensor, base, cs), cols, rows,
+                    lstride=lstride)
     else:
         raise ValueError("a matrix operand with neither unit row nor unit column stride")
-    return View("vec", addr, cols, 1)
+    return View("vec", addr, cols, 1), carry.load(em, i)
 
 
 @dataclass(frozen=True)
@@ -278,6 +280,7 @@ class _Stream:
         self.loaded, self.done, self.stored = [], [], []   # DMA/vec/DMA counts after each chunk/product/block
         self.blocks = 0
         self.pending: _Chunk | None = None
+        self.carried: tuple[int, list] | None = None     # (DMA count once they may go, the stores)
 
     def add(self, job: _Job) -> None:
         with self.em.spanning(self.legion, self.count):
@@ -292,19 +295,37 @@ class _Stream:
                 self.pending = item
 
     def flush(self) -> None:
-        if self.pending is not None:
-            with self.em.spanning(self.legion, self.count):
+        with self.em.spanning(self.legion, self.count):
+            if self.pending is not None:
                 self._product(self.pending)
-            self.pending = None
+            self._store_carried()
+        self.pending = None
+
+    def _store_carried(self) -> None:
+        """Issue the carried stores of the chunk before (``carry``): after the next chunk's
+        loads, so the DMA queue streams on while the earlier loads land; the buffer they read
+        is loaded again only after them, on the same queue."""
+        if self.carried is None:
+            return
+        upto, stores = self.carried
+        self.carried = None
+        self.em.depend((self.legion, "dma"), (self.legion, "dma"), upto=upto)
+        for i in stores:
+            self.em.emit(i)
 
     def _load(self, job: _Job, k0: int, block: int, first: bool, last: bool) -> "_Chunk":
         em, lay, legion, j = self.em, self.lay, self.legion, len(self.loaded)
         if j >= lay.buffers:                # its buffer is free once chunk j - buffers is multiplied
             em.depend((legion, "vec"), (legion, "dma"), upto=self.done[j - lay.buffers])
         k, at = min(lay.size, job.K - k0), lay.chunk(j)
-        va = _load_matrix(em, legion, at, job.a, job.m0, k0, job.m, k, lstride=job.steps[0])
-        vb = _load_matrix(em, legion, at + job.m * k, job.b, k0, job.n0, k, job.n, lstride=job.steps[1])
+        if lay.buffers == 1:             # the next load overwrites what the stores read
+            self._store_carried()
+        va, sa = _load_matrix(em, legion, at, job.a, job.m0, k0, job.m, k, lstride=job.steps[0])
+        vb, sb = _load_matrix(em, legion, at + job.m * k, job.b, k0, job.n0, k, job.n, lstride=job.steps[1])
         self.loaded.append(em.issued[(legion, "dma")])
+        self._store_carried()
+        if sa or sb:
+            self.carried = (self.loaded[-1], sa + sb)
         return _Chunk(job, j, block, first, last, va, vb, k0, k)
 
     def _product(self, c: "_Chunk") -> None:

@@ -12,6 +12,7 @@ from isa.program import Program
 from isa.progress import SILENT, Progress
 from dlegion_cc.errors import UnsupportedNodes
 from dlegion_cc.ir import DLEGION, Graph, Node
+from dlegion_cc.lower import carry
 from dlegion_cc.lower import elementwise, fmatmul, fused, movement, qmatmul, quant, reduce  # noqa: F401
 from dlegion_cc.lower.context import LOWERINGS, Lowering, Switches
 from dlegion_cc.lower.emitter import ConstData, Emitter
@@ -35,6 +36,10 @@ def lower_graph(graph: Graph, arch: Arch, data_file: str | None, switches: Switc
             advance()
     if problems:
         raise UnsupportedNodes(graph.source, problems)
+    start = len(em.instrs)
+    if carry.settle(low):           # a concat's copy no matmul was left to carry (none expected)
+        em.barrier()
+        regions.append((start, "copies left to a matmul"))
     low.schedules.finish(graph.source)
     _materialize_outputs(low, regions)
     program = em.program(data_file)
@@ -51,6 +56,9 @@ def _lower_node(low: Lowering, node: Node, problems: list, regions: list) -> Non
         return
     before = len(em.instrs)
     low.schedules.begin(node.name)
+    waiting = carry.pending(low, node)
+    if waiting and not carry.reads_by_loads(node) and carry.settle(low, waiting):
+        em.barrier()                # it reads a concat output a matmul's loads were to finish
     try:
         fn(low, node)
     except KeyError:
@@ -60,6 +68,8 @@ def _lower_node(low: Lowering, node: Node, problems: list, regions: list) -> Non
     except (ValueError, MemoryError) as e:
         problems.append((node.name, node.op, str(e)))
         return
+    if waiting and carry.reads_by_loads(node) and node.op == "MatMul":
+        carry.settle(low, waiting)  # what its loads did not carry (blocks a causal mask skips)
     for name, value in _approximations(node):
         made = em.approximations.setdefault(name, [])
         if value is not None and value not in made:

@@ -9,6 +9,7 @@ import numpy as np
 
 from isa.fields import DramRef, View
 from isa.instructions import BY_MNEMONIC, DmaLoad, DmaStore, Gather
+from dlegion_cc.lower import carry
 from dlegion_cc.lower.context import Lowering, any_view, lowers, perm_of
 from dlegion_cc.lower.emitter import Emitter
 from dlegion_cc.lower.layout import Operand, broadcast, coalesce, contiguous_strides, outer_indices, reshaped, transposed, whole
@@ -74,6 +75,7 @@ def reshape(low: Lowering, node) -> None:
     new = reshaped(op, low.shape(x), low.shape(out))
     if new is not None and low.view(out, new):
         return
+    _settle(low, op)
     dst = low.result(out)
     nd_copy(low.em, whole(dst.tensor, low.shape(x)), op, low.shape(x), where=f"node '{node.name}': ")
 
@@ -82,6 +84,7 @@ def _view_or_copy(low: Lowering, node, src: Operand, out: str | None = None) -> 
     """``out`` (default: the node's output) is ``src``, a strided view, if its readers take one."""
     out = out or node.outputs[0]
     if not low.view(out, src):
+        _settle(low, src)
         nd_copy(low.em, low.result(out), src, low.shape(out), where=f"node '{node.name}': ")
 
 
@@ -154,8 +157,17 @@ def _reverse(low: Lowering, node, src: Operand, shape, axes: list[int]) -> None:
         cur = dst
 
 
+def _settle(low: Lowering, src: Operand) -> None:
+    """A view that copies reads its source whole: what the loads of a matmul were to copy
+    there (``carry``) is copied first."""
+    if carry.settle(low, {src.tensor}):
+        low.em.barrier()
+
+
 @lowers("Concat", views=any_view, writes=any_view)
 def concat(low: Lowering, node) -> None:
+    """Each input copied to its part of the output, unless written there already; a graph
+    input's copy is left to the matmul that reads the output, where it can (``carry``)."""
     out = node.outputs[0]
     rank = len(low.shape(out))
     axis = node.attrs["axis"] % rank
@@ -164,9 +176,17 @@ def concat(low: Lowering, node) -> None:
     for name in node.inputs:
         shape = low.shape(name)
         part = Operand(dst.tensor, dst.offset + pos * dst.strides[axis], dst.strides)
-        if low.operand(name) != part:
-            nd_copy(low.em, part, low.operand(name), shape, where=f"node '{node.name}': ")
+        src = low.operand(name)
+        if src != part and math.prod(shape) and _carries(low, node, name, dst.tensor):
+            low.em.carried.append(carry.Carried(part, src, shape))
+        elif src != part:
+            nd_copy(low.em, part, src, shape, where=f"node '{node.name}': ")
         pos += shape[axis]
+
+
+def _carries(low: Lowering, node, name: str, tensor: int) -> bool:
+    return carry.carried(low, node, name) and all(
+        c.dst.tensor != tensor for c in low.em.carried)
 
 
 @lowers("Split", views=any_view)
