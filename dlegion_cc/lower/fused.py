@@ -109,15 +109,112 @@ def row_kernel(low: Lowering, node) -> None:
                  alias=slot[n] if slot.get(n, n) != n else None) for n in node.outputs]
     args += temps
     widths = {n: (frame.cols if kinds.get(n) in ("full", "row") else 1) for n in values}
+    idle = identity_clips(node.attrs["nodes"], scalars)
 
     def body(em, legion, views, rows, cols):
         view = {v: views[s] for v, s in slot.items()}
         for n in node.attrs["nodes"]:
+            if n.outputs[0] in idle:
+                _moved(em, legion, view[n.outputs[0]], view[n.inputs[0]], rows, cols)
+                continue
             emit_op(em, legion, n, view, scalars, rows, cols, cols if widths[n.outputs[0]] > 1 else 1)
     keep = any(k in ("col", "row") for k in kinds.values()) or any(
         n.op in ROW_REDUCE or n.op == "Softmax" for n in node.attrs["nodes"])
     rowwise(low.em, frame.shape, args, body, keep_last=keep, where=f"node '{node.name}': ",
             reach=_reach(node, frame))
+
+
+def _moved(em, legion: int, out, src, rows: int, cols: int) -> None:
+    """A value that is its input unchanged: nothing to do in place, else a copy."""
+    if out != src:
+        em.emit(BY_MNEMONIC["vmov"](legion, out, src, rows, cols))
+
+
+# The largest integer K for which Round(x * K / m), |x| <= m, stays within [-K, K] in fp32:
+# x * fl(fl(1 / m) * K) is at most K (1 + 2^-24)^3, which must stay below K + 1/2, when m is
+# at least SMALLEST_MAX (1 / m and K / m then are normal numbers, each rounded to within 2^-24).
+ROUNDED_BOUND = 1 << 20
+SMALLEST_MAX = 2.0 ** -100
+
+
+def identity_clips(nodes: list[Node], scalars: dict) -> set[str]:
+    """Outputs of the kernel's Clips proven to change no value: the clip of a rounded absmax
+    quantization (``Round(x * (K / max|x|))``, within [-K, K]) or of a quantized softmax
+    (``Round(Exp(x - max x) * K)``, within [0, K]) to bounds that hold that range. A NaN passes
+    a Clip as it is (``vmax``/``vmin`` propagate it), so every value is the same without it."""
+    made = {o: n for n in nodes for o in n.outputs}
+    out = set()
+    for n in nodes:
+        lo, hi = _clip_bounds(n, scalars)
+        if hi is None:
+            continue
+        rounded = made.get(n.inputs[0])
+        if rounded is None or rounded.op != "Round":
+            continue
+        r = _rounded_range(made, rounded.inputs[0], scalars)
+        if r is not None and lo <= r[0] and r[1] <= hi:
+            out.add(n.outputs[0])
+    return out
+
+
+def _clip_bounds(n: Node, scalars: dict) -> tuple:
+    """(lo, hi) of a Clip whose bounds are constants (a missing one is infinite), else (None, None)."""
+    if n.op != "Clip":
+        return None, None
+    names = (n.inputs + ["", ""])[1:3]
+    if any(name and name not in scalars for name in names):
+        return None, None
+    lo, hi = (scalars[name] if name else default for name, default in zip(names, (-np.inf, np.inf)))
+    return lo, hi
+
+
+def _scaled(made: dict, value: str, scalars: dict) -> tuple:
+    """(x, K) when ``value`` is a product x * K of a value and an integer constant 0 < K <=
+    ROUNDED_BOUND, in either order; else (None, None)."""
+    n = made.get(value)
+    if n is None or n.op != "Mul":
+        return None, None
+    for x, k in (n.inputs, n.inputs[::-1]):
+        K = scalars.get(k)
+        if K is not None and x not in scalars and float(K).is_integer() and 0 < K <= ROUNDED_BOUND:
+            return x, K
+    return None, None
+
+
+def _rounded_range(made: dict, value: str, scalars: dict) -> tuple | None:
+    """The range of Round(value) when ``value`` is a quantized softmax's or absmax's product."""
+    e, K = _scaled(made, value, scalars)
+    if e is not None and _unit_exp(made, e):
+        return 0.0, K                  # 0 <= exp(x - max x) <= 1, so 0 <= fl(e K) <= K
+    n = made.get(value)
+    if n is None or n.op != "Mul":
+        return None
+    for x, s in (n.inputs, n.inputs[::-1]):
+        r, K = _scaled(made, s, scalars)
+        if r is not None and _over_absmax(made, r, x, scalars):
+            return -K, K
+    return None
+
+
+def _unit_exp(made: dict, e: str) -> bool:
+    """Whether ``e`` is Exp(x - ReduceMax(x)) over the row: at most 1."""
+    n = made.get(e)
+    d = made.get(n.inputs[0]) if n is not None and n.op == "Exp" else None
+    m = made.get(d.inputs[1]) if d is not None and d.op == "Sub" else None
+    return m is not None and m.op == "ReduceMax" and m.inputs[0] == d.inputs[0]
+
+
+def _over_absmax(made: dict, r: str, x: str, scalars: dict) -> bool:
+    """Whether ``r`` is Reciprocal(c) with c = max(ReduceMax(Abs(x)), lo) over the row, lo at
+    least SMALLEST_MAX (a Clip with no upper bound)."""
+    n = made.get(r)
+    c = made.get(n.inputs[0]) if n is not None and n.op == "Reciprocal" else None
+    lo, hi = _clip_bounds(c, scalars) if c is not None else (None, None)
+    if hi != np.inf or lo < SMALLEST_MAX:
+        return False
+    m = made.get(c.inputs[0])
+    a = made.get(m.inputs[0]) if m is not None and m.op == "ReduceMax" else None
+    return a is not None and a.op == "Abs" and a.inputs[0] == x
 
 
 def _read_as_views(node: Node) -> set[str]:
