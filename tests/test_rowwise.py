@@ -134,3 +134,13 @@ def test_rows_per_block_deal_full_rounds_where_they_can():
     assert _balanced(256, 21, 8) == 16           # two full rounds of 8 blocks, not 12 blocks of 21 and a tail
     assert _balanced(100, 21, 8) == 20           # one round of 5 equal blocks
     assert _balanced(257, 21, 8) == 17           # a prime: as even as it gets, one short block left
+
+
+def test_rows_that_split_evenly_over_the_legions_give_every_legion_the_same_rows():
+    from dlegion_cc.lower.rowwise import _groups
+    groups = list(_groups(512, 10, 8))           # a causal softmax head at 512, blocks of at most 10
+    assert [n for _, n, _ in groups] == [10, 9, 9, 9, 9, 9, 9]
+    assert all(count == 8 for *_, count in groups)
+    assert [r0 for r0, *_ in groups] == [0, 80, 152, 224, 296, 368, 440]
+    assert list(_groups(20, 21, 8)) == [(0, 20, 1)]          # one block: one Legion
+    assert list(_groups(257, 21, 8)) == [(0, 17, 8), (136, 17, 7), (255, 2, 1)]   # uneven: _balanced blocks
