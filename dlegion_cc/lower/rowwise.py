@@ -373,7 +373,8 @@ def _emit_group(em, span, base, args, at, strides, r0, n, cols, width, body, ste
             first = len(em.instrs)
             body(em, legion, views, n, width)
             if width < cols:
-                em.skipped["causal_skipped_vector_ops"] += count * _left_out(em, em.instrs[first:], cols, width)
+                em.skipped["causal_skipped_vector_ops"] += count * _left_out(em, em.instrs[first:], legion, views,
+                                                                             n, cols, body)
             em.depend((legion, "vec"), (legion, "dma"))
             for a in args:
                 if a.out:
@@ -381,12 +382,24 @@ def _emit_group(em, span, base, args, at, strides, r0, n, cols, width, body, ste
     return rest
 
 
-def _left_out(em: Emitter, body: list, cols: int, width: int) -> int:
-    """Lane operations the body's full-width instructions would have taken over all ``cols``
-    columns beyond what they take over ``width`` (for the report)."""
-    def ops(i) -> int:
-        return cost(i, em.arch, None).counters.get("vector_ops", 0)
-    return sum(ops(replace(i, cols=cols)) - ops(i) for i in body if getattr(i, "cols", None) == width)
+def _left_out(em: Emitter, emitted: list, legion: int, views: dict, rows: int, cols: int, body: Body) -> int:
+    """Lane operations the body would have taken over all ``cols`` columns beyond what the
+    narrower ``emitted`` takes (for the report)."""
+    def ops(instrs) -> int:
+        return sum(cost(i, em.arch, None).counters.get("vector_ops", 0) for i in instrs)
+    whole = _Recorder(em)
+    body(whole, legion, views, rows, cols)
+    return ops(whole.instrs) - ops(emitted)
+
+
+class _Recorder:
+    """An emitter that only records what a body emits (the same body at another width)."""
+
+    def __init__(self, em: Emitter):
+        self.arch, self.instrs = em.arch, []
+
+    def emit(self, instr) -> None:
+        self.instrs.append(instr)
 
 
 def _dram(op: Operand, r0: int, per_row: bool) -> DramRef:
