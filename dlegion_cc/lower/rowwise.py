@@ -103,6 +103,9 @@ def rowwise(em: Emitter, shape: tuple[int, ...], args: list[Arg], body: Body,
     overlap = 0 < in_half < rows                 # several blocks, each fitting half the scratchpad
     blocks = _InFlight(em, half if overlap else 0, resident)
     most = in_half if overlap else block
+    ring = None if overlap else _Ring.fitting(em, args, strides, rows, cols, resident)
+    if ring is not None:
+        blocks, most = ring, ring.rows
     for outer in outer_indices(shape2):
         at = {n: op.at(outer) for n, op in bound.items()}
         for r0, n, count in _groups(rows, most, em.arch.legions):
@@ -342,6 +345,134 @@ class _InFlight:
         if self.pending is not None:
             self.pending[1]()
             self.pending = None
+
+
+class _Ring:
+    """Row blocks on a ring of buffers, each as large as one block's full-width operand, when
+    two whole blocks do not fit the vector scratchpad but one block and one buffer more do: the
+    next block's first input loads into the spare buffer while the current block computes, its
+    other inputs into the buffers the current block's body frees, and the buffers its outputs
+    are computed in free once they are stored (2B4T's ReLU^2 * up, norm and quantization at
+    512: rows of 6912 beside the resident norm weight, which left DRAM and the vector unit
+    taking turns). Per-row operands alternate between two small areas above the ring."""
+
+    def __init__(self, em: Emitter, resident: _Resident, rows: int, cols: int, buffers: int, per_row: int):
+        self.em, self.resident, self.rows, self.cols = em, resident, rows, cols
+        self.size = rows * cols
+        self.columns = resident.size + buffers * self.size      # the two per-row areas
+        self.per_row = per_row
+        self.free = list(range(buffers))
+        self.pending = None            # (span, its buffers by name, what emits its body, its stores)
+        self.turn = 0
+
+    @classmethod
+    def fitting(cls, em, args, strides, rows: int, cols: int, resident: _Resident) -> "_Ring | None":
+        streamed = [a for a in args if a.name not in resident.views and a.alias is None]
+        kinds = [_shape_of(*strides[a.name], a.operand is None and a.col) for a in streamed]
+        full = sum(1 for per_row, wide in kinds if per_row and wide)
+        per_row = sum(1 for per_row, wide in kinds if per_row and not wide)
+        inputs = [a for a in _full_args(args, strides, resident) if a.operand is not None and not a.out]
+        if not inputs or full + per_row != len(streamed):
+            return None
+        room = em.capacity("vec") - resident.size
+        n = min(rows, room // ((full + 1) * cols + 2 * per_row), em.extent())
+        if n < 1 or n >= rows:
+            return None
+        return cls(em, resident, n, cols, full + 1, per_row)
+
+    def add(self, args, at, strides, r0, n, count, cols, body, steps, width) -> None:
+        em = self.em
+        span = (em.take_legions(count), count)
+        if self.pending is not None and self.pending[0] != span:
+            self.flush()
+        legion = span[0]
+        steps = {name: (step if count > 1 else None) for name, step in steps.items()}
+        full = _full_args(args, strides, self.resident)
+        first = [a for a in full if a.operand is not None and not a.out][:1]
+        slots = {}
+        with em.spanning(legion, count):
+            self._load(first, slots, at, r0, n, width, steps, legion, count)
+        if self.pending is not None:
+            self._body(self.pending)
+        rest = [a for a in full if a not in first]
+        views = self._views(args, strides, slots, rest)
+        with em.spanning(legion, count):
+            self._resident_loads(args, at, r0, n, width, steps, legion, count, views)
+            self._load([a for a in rest if a.operand is not None and not a.out], slots, at, r0, n, width, steps,
+                       legion, count, views)
+        if self.pending is not None:
+            self._stores(self.pending)
+        loaded = em.issued.get((legion, "dma"), 0)
+        self.pending = (span, slots, views, args, at, r0, n, width, body, steps, loaded)
+        self.turn ^= 1
+
+    def _views(self, args, strides, slots, rest) -> dict:
+        """Every operand's view: the buffers of the full-width ones (those not loaded yet taken
+        now, from the ring's free buffers), this block's per-row area, the resident inputs."""
+        for a in rest:
+            slots[a.name] = self._take()
+        views, addr = dict(self.resident.views), self.columns + self.turn * self.per_row * self.rows
+        for a in args:
+            if a.name in slots:
+                views[a.name] = View("vec", self.resident.size + slots[a.name] * self.size, self.cols, 1)
+            elif a.name not in self.resident.views and a.alias is None:
+                rs, cs = strides[a.name]
+                views[a.name] = _view(addr, rs, cs, self.cols, a.operand is None and a.col)
+                addr += self.rows
+        views.update({a.name: views[a.alias] for a in args if a.alias is not None})
+        return views
+
+    def _take(self) -> int:
+        if not self.free:
+            raise CompileError("internal: a row block's ring of buffers ran out")
+        return self.free.pop(0)
+
+    def _load(self, args, slots, at, r0, n, width, steps, legion, count, views=None) -> None:
+        for a in args:
+            if a.name not in slots:
+                slots[a.name] = self._take()
+            view = views[a.name] if views else View("vec", self.resident.size + slots[a.name] * self.size, self.cols, 1)
+            _load(self.em, legion, view, at[a.name], r0, n, self.cols, width, steps[a.name])
+
+    def _resident_loads(self, args, at, r0, n, width, steps, legion, count, views) -> None:
+        for a in args:
+            if a.name in self.resident.views and not a.out and self.resident.wanted(a.name, legion, count):
+                _load(self.em, legion, views[a.name], at[a.name], r0, n, self.cols, self.cols, steps[a.name])
+
+    def _body(self, pending) -> None:
+        (legion, count), slots, views, args, at, r0, n, width, body, steps, loaded = pending
+        em = self.em
+        with em.spanning(legion, count):
+            em.depend((legion, "dma"), (legion, "vec"), upto=loaded)
+            first = len(em.instrs)
+            body(em, legion, views, n, width)
+            if width < self.cols:
+                em.skipped["causal_skipped_vector_ops"] += count * _left_out(em, em.instrs[first:], legion, views,
+                                                                             n, self.cols, body)
+            em.depend((legion, "vec"), (legion, "dma"))
+        stored = {a.alias or a.name for a in args if a.out}
+        for name in [name for name in slots if name not in stored]:
+            self.free.append(slots.pop(name))       # free once the body is done: the next loads wait for it
+
+    def _stores(self, pending) -> None:
+        (legion, count), slots, views, args, at, r0, n, width, body, steps, loaded = pending
+        with self.em.spanning(legion, count):
+            for a in args:
+                if a.out:
+                    _store(self.em, legion, views[a.name], at[a.name], r0, n, self.cols, width, steps[a.name])
+        self.free.extend(slots.pop(name) for name in list(slots))
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            self._body(self.pending)
+            self._stores(self.pending)
+            self.pending = None
+
+
+def _full_args(args, strides, resident: _Resident) -> list[Arg]:
+    """The streamed operands a block holds full width, each in a buffer of its own."""
+    return [a for a in args if a.name not in resident.views and a.alias is None
+            and _shape_of(*strides[a.name], a.operand is None and a.col) == (True, True)]
 
 
 def _emit_group(em, span, base, args, at, strides, r0, n, cols, width, body, steps, resident):
