@@ -14,12 +14,19 @@ output at the DRAM rate (target: at most 1.25x); and the other attention mode be
 (the ablation), and the layer compiled the other way about overlap (``dlegion-cc --overlap``:
 nodes end in waits, not barriers; off by default, as in the compiler). ``--stack`` times the BitLinear stack instead (below). ``--error`` also emulates both programs on the same inputs and prints the
 relative L2 distance of the layer's output (the residual stream before the final norm) with
-int8 attention from the fp32-attention program's (target: at most 1e-2).
+int8 attention from the fp32-attention program's (target: at most 1e-2). ``--kernels``
+prints the layer region by region (below).
 
 ``--stack`` (default sequence 256): the layer's six BitLinear projections without attention,
 Q/K/V on the quantized input, gate/up on the quantized Q, down on the quantized
 ReLU(gate)^2 * up, against the roofline of their matmuls in w2 (target: at most 1.12x), as
 compiled by default and with ``--overlap``.
+
+``--kernels``: each region of the layer (a matmul node, a fused row kernel, a copy) with its
+cycles (first start to last completion), its busiest Legion's vector queue, its vector roofline
+(lane operations over every lane of every Legion; a transcendental counts its cycles), its DRAM
+bytes and their roofline at the DRAM rate, and its array MACs at the peak of their mode: where a region
+runs far above the largest of its rooflines, its queues wait on each other.
 """
 from __future__ import annotations
 
@@ -45,6 +52,7 @@ from models.bitnet import BitLinear, build_bitnet, preset, save  # noqa: E402
 from models.decoder import relu2                              # noqa: E402
 from models.graph import FLOAT, GraphBuilder, tensor_info      # noqa: E402
 from runtime.emulator import run                              # noqa: E402
+from runtime.costs import Env, cost                           # noqa: E402
 from runtime.report import regions_by_name                    # noqa: E402
 from runtime.timing import simulate                           # noqa: E402
 
@@ -158,8 +166,9 @@ def _stack(seq: int, machine, prefetch: bool) -> None:
               help="Nodes end in waits for what the next ones share, not barriers (dlegion-cc --overlap).")
 @click.option("--error", is_flag=True, help="Emulate both attention modes and print the int8 one's error.")
 @click.option("--stack", is_flag=True, help="Time the BitLinear stack without attention instead of the layer.")
+@click.option("--kernels", is_flag=True, help="Print the layer's regions with their rooflines.")
 def main(seq: int | None, arch_name: str, prefetch: bool, attention: str, overlap: bool, error: bool,
-         stack: bool) -> None:
+         stack: bool, kernels: bool) -> None:
     machine = arch_mod.load(arch_name)
     if stack:
         _stack(seq or 256, machine, prefetch)
@@ -192,9 +201,41 @@ def main(seq: int | None, arch_name: str, prefetch: bool, attention: str, overla
           f"bound of {limit:,.0f} (matmuls {matmul:,.0f}, DRAM {dram:,.0f}; target <= 1.25x); attention {other} "
           f"(ablation): {other_layer:,} cycles, {other_layer / limit:.2f}x; {'no ' if overlap else 'with '}overlap"
           f": {flipped:,} cycles, {flipped / limit:.2f}x")
+    if kernels:
+        _print_kernels(timeline, machine)
     if error:
         _print_error(machine, program if attention == "int8" else other_program,
                      other_program if attention == "int8" else program, layer_out)
+
+
+def _print_kernels(timeline, machine) -> None:
+    """The layer's regions in program order: cycles against each one's rooflines."""
+    tasks, env = timeline.program.instrs, Env(tuple(timeline.program.tensors), {})
+    lanes, peak = machine.vector_lanes * machine.legions, machine.derived.macs_per_cycle
+    print(f"  {'region':<58} {'cycles':>9} {'vec max':>9} {'vec roof':>9} {'DRAM MB':>8} {'DRAM roof':>9} "
+          f"{'MAC roof':>9}")
+    for name, members in _layer_regions(timeline):
+        start, done = _span(timeline, members)
+        legion, queue = tasks.legion[members], np.array(tasks.names)[tasks.queue[members]]
+        busy = (timeline.free[members] - timeline.start[members]) * (queue == "vec")
+        per_legion = np.bincount(legion[legion >= 0], busy[legion >= 0], minlength=machine.legions)
+        sums, mac_cycles = Counter(), 0.0
+        for k in members:
+            c = cost(tasks[k], machine, env)
+            sums.update(c.counters)
+            mac_cycles += c.counters["macs"] / peak[c.detail["mode"]] if c.detail else 0.0
+        nbytes = sums["dram_read_bytes"] + sums["dram_write_bytes"]
+        print(f"  {name[:58]:<58} {int(done - start):>9,} {int(per_legion.max()):>9,} "
+              f"{sums['vector_ops'] / lanes:>9,.0f} {nbytes / 1e6:>8.2f} "
+              f"{nbytes / machine.derived.dram_bytes_per_cycle:>9,.0f} {mac_cycles:>9,.0f}")
+
+
+def _layer_regions(timeline) -> list:
+    """The regions from the layer's first to the lm head, in program order."""
+    regions = [(name, members) for name, members in regions_by_name(timeline.program).items() if members]
+    first = next(k for k, (name, _) in enumerate(regions) if "model.layers." in name)
+    last = next(k for k, (name, _) in enumerate(regions) if name.startswith("lm_head"))
+    return regions[first:last]
 
 
 def _layer_cycles(timeline) -> int:

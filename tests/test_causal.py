@@ -11,7 +11,7 @@ from onnx import helper, numpy_helper
 from isa import arch
 from isa.expand import expand
 from isa.instructions import BY_MNEMONIC, VMatMul, family
-from dlegion_cc.lower.fused import summed_alike
+from dlegion_cc.lower.fused import split_parts, split_width
 from dlegion_cc.pipeline import Options, compile_model
 from runtime.emulator import run
 
@@ -101,15 +101,25 @@ def _softmax_ops(program) -> int:
 
 @settings(max_examples=300, deadline=None)
 @given(st.integers(1, 2048), st.data())
-def test_a_reach_is_widened_to_where_vrsum_adds_alike(n, data):
+def test_a_reach_is_widened_to_where_the_split_sum_adds_alike(n, data):
+    """The runs of a row's first ``split_width`` columns, each summed by vrsum and added from
+    the last, give vrsum's sum of the whole row bit for bit, for that row and for every row
+    reaching less far (a block of rows runs as wide as its widest)."""
     need = data.draw(st.integers(1, n))
-    width = summed_alike(n, need)
-    assert need <= width <= n
+    width = split_width(n, need)
+    assert need <= width <= n and split_width(n, width) == width
+    assert width <= -(-need // 8) * 8 + 8 * max(0, n.bit_length() - 7) or width == n
     rng = np.random.default_rng(need)
     row = np.zeros((4, n), np.float32)
     row[:, :need] = rng.random((4, need), np.float32) * np.float32(1e3) ** rng.uniform(-1, 1, (4, need))
-    whole, prefix = BY_MNEMONIC["vrsum"].FUNC(row), BY_MNEMONIC["vrsum"].FUNC(row[:, :width])
-    np.testing.assert_array_equal(whole.view(np.int32), prefix.view(np.int32))
+    row[1, data.draw(st.integers(1, need)):] = 0.0
+    vrsum = BY_MNEMONIC["vrsum"].FUNC
+    parts = split_parts(n, width)
+    assert sum(w for _, w in parts) == width and parts[0][0] == 0
+    total = vrsum(row[:, parts[-1][0]:sum(parts[-1])])
+    for c, w in reversed(parts[:-1]):
+        total = vrsum(row[:, c:c + w]) + total
+    np.testing.assert_array_equal(vrsum(row).view(np.int32), total.view(np.int32))
 
 
 def test_skipped_work_survives_text_and_binary_and_reaches_the_report(tmp_path):

@@ -60,3 +60,63 @@ def test_a_constant_first_operand_meets_every_value(tmp_path, op):
     x[0, :4] = [np.inf, -np.inf, 0.0, -0.0]
     got, want = _run(path, x)
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def _absmax_quant(eps: float, k: float, lo: float, hi: float):
+    """BitNet's activation quantization: Round(x * (K / max(max|x|, eps))), clipped."""
+    nodes = [helper.make_node("Abs", ["x"], ["a"]),
+             helper.make_node("ReduceMax", ["a", "axes"], ["m"], keepdims=1),
+             helper.make_node("Clip", ["m", "eps"], ["c"]),
+             helper.make_node("Reciprocal", ["c"], ["r"]),
+             helper.make_node("Mul", ["r", "k"], ["s"]),
+             helper.make_node("Mul", ["x", "s"], ["q"]),
+             helper.make_node("Round", ["q"], ["qr"]),
+             helper.make_node("Clip", ["qr", "lo", "hi"], ["y"])]
+    inits = {"axes": np.array([-1], np.int64), "eps": np.array(eps, np.float32), "k": np.array(k, np.float32),
+             "lo": np.array(lo, np.float32), "hi": np.array(hi, np.float32)}
+    return nodes, inits
+
+
+@pytest.mark.parametrize("eps, k, lo, hi, kept", [(1e-5, 127, -128, 127, False), (1e-5, 127, -127, 127, False),
+                                                  (1e-5, 127, -128, 126, True), (0.0, 127, -128, 127, True),
+                                                  (1e-5, 127.5, -128, 127, True)])
+def test_the_clip_of_an_absmax_quantization_is_left_out_only_where_it_changes_nothing(tmp_path, monkeypatch, eps, k,
+                                                                                     lo, hi, kept):
+    """Round(x * 127 / max|x|) lies in [-127, 127]: a Clip to [-128, 127] is not emitted. It is
+    kept where the bounds cut into the range, where the maximum may be 0 or subnormal (1 / m
+    overflows), or where K is not an integer. Every row (zeros, an infinity, a NaN, a subnormal
+    maximum) comes out bit for bit as with the Clip, and the finite ones as onnxruntime's (which
+    drops a NaN in a maximum and clips one to a bound, where the vector unit keeps it)."""
+    nodes, inits = _absmax_quant(eps, k, lo, hi)
+    path = _save(tmp_path / "q.onnx", nodes, [6, 32], inits)
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((6, 32)) * 3).astype(np.float32)
+    x[1] = 0.0
+    x[2, :3] = [np.inf, -1.0, 2.0]
+    x[3, 5] = np.nan
+    x[4] = np.float32(1e-39) * np.sign(x[4])
+    x[5, 7] = -np.abs(x[5]).max() * 1.5
+    graph, program = compile_model(path, Options(TINY))
+    assert ("vmin" in {i.MNEMONIC for i in program.instrs}) == kept
+    got = run(program, TINY, {"x": x}).outputs["y"]
+    monkeypatch.setattr("dlegion_cc.lower.fused.identity_clips", lambda nodes, scalars: set())
+    _, clipped = compile_model(path, Options(TINY))
+    assert "vmin" in {i.MNEMONIC for i in clipped.instrs}
+    np.testing.assert_array_equal(got, run(clipped, TINY, {"x": x}).outputs["y"])
+    finite = [0, 1, 4, 5]
+    np.testing.assert_array_equal(got[finite], onnx_reference(path, {"x": x})["y"][finite])
+
+
+def test_the_clip_of_a_quantized_softmax_is_left_out():
+    """Round(Exp(x - max x) * 127) lies in [0, 127]: its Clip to [0, 127] changes nothing, one
+    to [1, 127] does."""
+    from dlegion_cc.ir import Node
+    from dlegion_cc.lower.fused import identity_clips
+
+    def kernel(lo):
+        return [Node("ReduceMax", "m", ["x"], ["m"]), Node("Sub", "d", ["x", "m"], ["d"]),
+                Node("Exp", "e", ["d"], ["e"]), Node("Mul", "q", ["e", "k"], ["q"]),
+                Node("Round", "r", ["q"], ["r"]), Node("Clip", "c", ["r", "lo", "hi"], ["y"])]
+    assert identity_clips(kernel(0.0), {"k": 127.0, "lo": 0.0, "hi": 127.0}) == {"y"}
+    assert identity_clips(kernel(1.0), {"k": 127.0, "lo": 1.0, "hi": 127.0}) == set()
+    assert identity_clips(kernel(0.0), {"k": 127.0, "lo": 0.0, "hi": 126.0}) == set()

@@ -6,6 +6,8 @@ dies at that op, so a long chain needs only a few slots and blocks hold many row
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from isa.instructions import BY_MNEMONIC, VSelect
@@ -63,9 +65,10 @@ class _Slots:
         self.free[kind].append(slot)
 
 
-def _plan(node: Node, kinds: dict, scalars: dict, inputs: set, outputs: set) -> tuple[dict, list[Arg]]:
+def _plan(node: Node, kinds: dict, scalars: dict, inputs: set, outputs: set, split: bool) -> tuple[dict, list[Arg]]:
     """Slot of every value: inputs have their own; the rest share temps, and a full-width
-    output takes the temp of a value that died making it, when there is one (``in_place``)."""
+    output takes the temp of a value that died making it, when there is one (``in_place``).
+    With ``split``, each row sum has a column temp for its runs (``split_sum``)."""
     subs = node.attrs["nodes"]
     last = {}
     for k, n in enumerate(subs):
@@ -89,6 +92,8 @@ def _plan(node: Node, kinds: dict, scalars: dict, inputs: set, outputs: set) -> 
                 slots.give(kinds[i], slot[i])
         if n.op == "Softmax":
             slot[n.outputs[0] + "#stat"] = slots.take("col")
+        if split and n.op in ("Softmax", "ReduceSum"):
+            slot[n.outputs[0] + "#sum"] = slots.take("col")
     return slot, slots.temps
 
 
@@ -103,21 +108,118 @@ def row_kernel(low: Lowering, node) -> None:
     # test for an all-masked row at one query) is held as a column: the same value in every row.
     kinds = {n: "col" if k == "scalar" and n not in scalars and n not in node.inputs else k for n, k in kinds.items()}
     ins = [n for n in node.inputs if n not in scalars]
-    slot, temps = _plan(node, kinds, scalars, set(ins), set(node.outputs))
+    reach = _reach(node, frame)
+    slot, temps = _plan(node, kinds, scalars, set(ins), set(node.outputs), reach is not None)
     args = [Arg(n, _frame_operand(low.operand(n), values[n].shape, kinds[n], frame)) for n in ins]
     args += [Arg(n, _frame_operand(low.result(n), values[n].shape, kinds[n], frame), out=True,
                  alias=slot[n] if slot.get(n, n) != n else None) for n in node.outputs]
     args += temps
     widths = {n: (frame.cols if kinds.get(n) in ("full", "row") else 1) for n in values}
+    idle = identity_clips(node.attrs["nodes"], scalars)
 
     def body(em, legion, views, rows, cols):
         view = {v: views[s] for v, s in slot.items()}
         for n in node.attrs["nodes"]:
-            emit_op(em, legion, n, view, scalars, rows, cols, cols if widths[n.outputs[0]] > 1 else 1)
+            if n.outputs[0] in idle:
+                _moved(em, legion, view[n.outputs[0]], view[n.inputs[0]], rows, cols)
+                continue
+            emit_op(em, legion, n, view, scalars, rows, cols, cols if widths[n.outputs[0]] > 1 else 1, frame.cols)
     keep = any(k in ("col", "row") for k in kinds.values()) or any(
         n.op in ROW_REDUCE or n.op == "Softmax" for n in node.attrs["nodes"])
-    rowwise(low.em, frame.shape, args, body, keep_last=keep, where=f"node '{node.name}': ",
-            reach=_reach(node, frame))
+    rowwise(low.em, frame.shape, args, body, keep_last=keep, where=f"node '{node.name}': ", reach=reach)
+
+
+def _moved(em, legion: int, out, src, rows: int, cols: int) -> None:
+    """A value that is its input unchanged: nothing to do in place, else a copy."""
+    if out != src:
+        em.emit(BY_MNEMONIC["vmov"](legion, out, src, rows, cols))
+
+
+# The largest integer K for which Round(x * K / m), |x| <= m, stays within [-K, K] in fp32:
+# x * fl(fl(1 / m) * K) is at most K (1 + 2^-24)^3, which must stay below K + 1/2, when m is
+# at least SMALLEST_MAX (1 / m and K / m then are normal numbers, each rounded to within 2^-24).
+ROUNDED_BOUND = 1 << 20
+SMALLEST_MAX = 2.0 ** -100
+
+
+def identity_clips(nodes: list[Node], scalars: dict) -> set[str]:
+    """Outputs of the kernel's Clips proven to change no value: the clip of a rounded absmax
+    quantization (``Round(x * (K / max|x|))``, within [-K, K]) or of a quantized softmax
+    (``Round(Exp(x - max x) * K)``, within [0, K]) to bounds that hold that range. A NaN passes
+    a Clip as it is (``vmax``/``vmin`` propagate it), so every value is the same without it."""
+    made = {o: n for n in nodes for o in n.outputs}
+    out = set()
+    for n in nodes:
+        lo, hi = _clip_bounds(n, scalars)
+        if hi is None:
+            continue
+        rounded = made.get(n.inputs[0])
+        if rounded is None or rounded.op != "Round":
+            continue
+        r = _rounded_range(made, rounded.inputs[0], scalars)
+        if r is not None and lo <= r[0] and r[1] <= hi:
+            out.add(n.outputs[0])
+    return out
+
+
+def _clip_bounds(n: Node, scalars: dict) -> tuple:
+    """(lo, hi) of a Clip whose bounds are constants (a missing one is infinite), else (None, None)."""
+    if n.op != "Clip":
+        return None, None
+    names = (n.inputs + ["", ""])[1:3]
+    if any(name and name not in scalars for name in names):
+        return None, None
+    lo, hi = (scalars[name] if name else default for name, default in zip(names, (-np.inf, np.inf)))
+    return lo, hi
+
+
+def _scaled(made: dict, value: str, scalars: dict) -> tuple:
+    """(x, K) when ``value`` is a product x * K of a value and an integer constant 0 < K <=
+    ROUNDED_BOUND, in either order; else (None, None)."""
+    n = made.get(value)
+    if n is None or n.op != "Mul":
+        return None, None
+    for x, k in (n.inputs, n.inputs[::-1]):
+        K = scalars.get(k)
+        if K is not None and x not in scalars and float(K).is_integer() and 0 < K <= ROUNDED_BOUND:
+            return x, K
+    return None, None
+
+
+def _rounded_range(made: dict, value: str, scalars: dict) -> tuple | None:
+    """The range of Round(value) when ``value`` is a quantized softmax's or absmax's product."""
+    e, K = _scaled(made, value, scalars)
+    if e is not None and _unit_exp(made, e):
+        return 0.0, K                  # 0 <= exp(x - max x) <= 1, so 0 <= fl(e K) <= K
+    n = made.get(value)
+    if n is None or n.op != "Mul":
+        return None
+    for x, s in (n.inputs, n.inputs[::-1]):
+        r, K = _scaled(made, s, scalars)
+        if r is not None and _over_absmax(made, r, x, scalars):
+            return -K, K
+    return None
+
+
+def _unit_exp(made: dict, e: str) -> bool:
+    """Whether ``e`` is Exp(x - ReduceMax(x)) over the row: at most 1."""
+    n = made.get(e)
+    d = made.get(n.inputs[0]) if n is not None and n.op == "Exp" else None
+    m = made.get(d.inputs[1]) if d is not None and d.op == "Sub" else None
+    return m is not None and m.op == "ReduceMax" and m.inputs[0] == d.inputs[0]
+
+
+def _over_absmax(made: dict, r: str, x: str, scalars: dict) -> bool:
+    """Whether ``r`` is Reciprocal(c) with c = max(ReduceMax(Abs(x)), lo) over the row, lo at
+    least SMALLEST_MAX (a Clip with no upper bound)."""
+    n = made.get(r)
+    c = made.get(n.inputs[0]) if n is not None and n.op == "Reciprocal" else None
+    lo, hi = _clip_bounds(c, scalars) if c is not None else (None, None)
+    if hi != np.inf or lo < SMALLEST_MAX:
+        return False
+    m = made.get(c.inputs[0])
+    a = made.get(m.inputs[0]) if m is not None and m.op == "ReduceMax" else None
+    return a is not None and a.op == "Abs" and a.inputs[0] == x
 
 
 def _read_as_views(node: Node) -> set[str]:
@@ -133,7 +235,7 @@ def _reach(node: Node, frame: Frame) -> np.ndarray | None:
     """How many leading columns each row of the frame needs, when the kernel ends in a causal
     softmax (``passes/causal.py``) that is its one output, after elementwise ops only: the
     columns beyond a row's reach are P's exact zeros, which stay zeros in DRAM. Each reach is
-    widened to where ``vrsum`` adds the same as over the whole row (``summed_alike``)."""
+    widened to where a row sum adds the same as over the whole row (``split_width``)."""
     subs = node.attrs["nodes"]
     last = subs[-1]
     if last.op != "Softmax" or "reach" not in last.attrs:
@@ -162,7 +264,7 @@ def _quantized_reach(node: Node, frame: Frame) -> np.ndarray | None:
 def _widened(reach: np.ndarray, frame: Frame) -> np.ndarray | None:
     if frame.shape[-2:] != (reach.size, frame.cols):
         return None
-    widths = np.array([summed_alike(frame.cols, int(r)) for r in reach])
+    widths = np.array([split_width(frame.cols, int(r)) for r in reach])
     return np.broadcast_to(widths, frame.shape[:-1])
 
 
@@ -171,28 +273,73 @@ def _widened(reach: np.ndarray, frame: Frame) -> np.ndarray | None:
 PAIRWISE_BLOCK = 8 * 16
 
 
-def summed_alike(n: int, need: int) -> int:
-    """The fewest leading columns, at least ``need``, that ``vrsum`` adds up bit for bit as it
-    adds all ``n`` when the others are zeros: the same halves at every split, and in the run of
-    the first half where ``need`` falls, whole groups of 8 (at least one)."""
+def _half(n: int) -> int:
+    return n // 2 - n // 2 % 8
+
+
+def split_width(n: int, need: int) -> int:
+    """The fewest leading columns, at least ``need``, whose ``split_sum`` adds up bit for bit
+    as ``vrsum`` adds all ``n`` when the others are zeros: at each split of the pairwise sum the
+    first half whole where ``need`` passes it, and in the run where ``need`` falls, whole
+    groups of 8 (at least one). A causal row past half the sequence runs to its reach rounded
+    to 8, not to the whole row (2B4T at 512: the softmax's elements -13%)."""
     if need >= n:
         return n
     if n > PAIRWISE_BLOCK:
-        half = n // 2 - n // 2 % 8
-        return summed_alike(half, need) if need <= half else n
+        half = _half(n)
+        return split_width(half, need) if need <= half else half + split_width(n - half, need - half)
     width = max(8, -(-need // 8) * 8)
     return width if width <= n - n % 8 else n
 
 
-def emit_op(em, legion: int, n: Node, view: dict, scalars: dict, rows: int, width: int, cols: int) -> None:
+def split_parts(n: int, width: int) -> list[tuple[int, int]]:
+    """The runs (first column, columns) whose ``vrsum``s, added from the last, give numpy's
+    pairwise sum of a row of ``n`` that is zero past ``width`` (a ``split_width``): the pairwise
+    sum of a row longer than PAIRWISE_BLOCK is that of its first half plus that of the rest."""
+    if width >= n or n <= PAIRWISE_BLOCK:
+        return [(0, min(width, n))]
+    half = _half(n)
+    if width <= half:
+        return split_parts(half, width)         # the rest adds a sum of zeros: +0
+    return [(0, half)] + [(half + c, w) for c, w in split_parts(n - half, width - half)]
+
+
+def split_sum(em, legion: int, out, x, tmp, rows: int, n: int, width: int) -> None:
+    """``out`` = the sum of each row of ``x`` as ``vrsum`` over all ``n`` columns gives it, from
+    its first ``width`` (``split_width``): one ``vrsum`` a run, the first run's sum added last,
+    through one column temp ``tmp``."""
+    parts = split_parts(n, width)
+    c, w = parts[-1]
+    em.emit(BY_MNEMONIC["vrsum"](legion, out, _shifted(x, c), rows, w))
+    for c, w in reversed(parts[:-1]):
+        em.emit(BY_MNEMONIC["vrsum"](legion, tmp, _shifted(x, c), rows, w))
+        em.emit(BY_MNEMONIC["vadd"](legion, out, tmp, out, rows, 1))
+
+
+def _shifted(view, cols: int):
+    return replace(view, addr=view.addr + cols * view.cs) if cols else view
+
+
+def emit_op(em, legion: int, n: Node, view: dict, scalars: dict, rows: int, width: int, cols: int,
+            whole: int) -> None:
     """The vector instructions of one row-local node on scratchpad views: ``width`` is the row
-    length of the block, ``cols`` that of the node's output (1 for a column)."""
+    length of the block, ``cols`` that of the node's output (1 for a column), ``whole`` that of
+    the frame (a causal block runs narrower)."""
     out = view[n.outputs[0]]
 
     def arg(name):
         return scalars[name] if name in scalars else view[name]
+
+    def row_sum(dst, x):
+        if width < whole:
+            split_sum(em, legion, dst, x, view[n.outputs[0] + "#sum"], rows, whole, width)
+        else:
+            em.emit(BY_MNEMONIC["vrsum"](legion, dst, x, rows, width))
     if n.op in REDUCE:
-        _reduce(em, legion, n, out, arg, rows, width)
+        _reduce(em, legion, n, out, arg, rows, width, row_sum)
+        return
+    if n.op == "Softmax":
+        _softmax(em, legion, n, out, arg, rows, cols, row_sum)
         return
     OPS[_family(n.op)](em, legion, n, out, arg, rows, cols)
 
@@ -228,18 +375,21 @@ def _binary(em, l, n, out, arg, rows, cols):
     em.emit(BY_MNEMONIC[BINARY[op]](l, out, a, b, rows, cols))
 
 
-def _reduce(em, l, n, out, arg, rows, width):
-    em.emit(BY_MNEMONIC[REDUCE[n.op]](l, out, arg(n.inputs[0]), rows, width))
+def _reduce(em, l, n, out, arg, rows, width, row_sum):
+    if n.op == "ReduceSum":
+        row_sum(out, arg(n.inputs[0]))
+    else:
+        em.emit(BY_MNEMONIC[REDUCE[n.op]](l, out, arg(n.inputs[0]), rows, width))
     if n.op == "ReduceMean":
         em.emit(BY_MNEMONIC["vdiv"](l, out, out, float(width), rows, 1))
 
 
-def _softmax(em, l, n, out, arg, rows, cols):
+def _softmax(em, l, n, out, arg, rows, cols, row_sum):
     x, stat = arg(n.inputs[0]), arg(n.outputs[0] + "#stat")
     em.emit(BY_MNEMONIC["vrmax"](l, stat, x, rows, cols))
     em.emit(BY_MNEMONIC["vsub"](l, out, x, stat, rows, cols))
     em.emit(BY_MNEMONIC["vexp"](l, out, out, rows, cols))
-    em.emit(BY_MNEMONIC["vrsum"](l, stat, out, rows, cols))
+    row_sum(stat, out)
     em.emit(BY_MNEMONIC["vdiv"](l, out, out, stat, rows, cols))
 
 
@@ -269,5 +419,5 @@ def _cast(em, l, n, out, arg, rows, cols):
     em.emit(BY_MNEMONIC["vmov"](l, out, x, rows, cols))
 
 
-OPS = {"unary": _unary, "binary": _binary, "Softmax": _softmax, "Clip": _clip,
+OPS = {"unary": _unary, "binary": _binary, "Clip": _clip,
        "Where": _where, "Cast": _cast}

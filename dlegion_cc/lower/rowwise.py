@@ -102,10 +102,13 @@ def rowwise(em: Emitter, shape: tuple[int, ...], args: list[Arg], body: Body,
         in_half = shared if 0 < shared < rows else in_half
     overlap = 0 < in_half < rows                 # several blocks, each fitting half the scratchpad
     blocks = _InFlight(em, half if overlap else 0, resident)
-    block = _balanced(rows, in_half if overlap else block, em.arch.legions)
+    most = in_half if overlap else block
+    ring = None if overlap else _Ring.fitting(em, args, strides, rows, cols, resident)
+    if ring is not None:
+        blocks, most = ring, ring.rows
     for outer in outer_indices(shape2):
         at = {n: op.at(outer) for n, op in bound.items()}
-        for r0, n, count in _groups(rows, block, em.arch.legions):
+        for r0, n, count in _groups(rows, most, em.arch.legions):
             steps = {name: op.strides[-2] * n for name, op in at.items()}
             width = reach.widest(outer, slice(r0, r0 + n * count))
             blocks.add(args, at, strides, r0, n, count, cols, body, steps, width)
@@ -261,9 +264,27 @@ def _balanced(rows: int, most: int, legions: int) -> int:
     return next((d for d in range(block, most + 1) if rows % d == 0), block)
 
 
-def _groups(rows: int, block: int, legions: int):
-    """(first row, rows per block, blocks) of each group: full blocks by up to ``legions``,
-    then the last, shorter block alone."""
+def _groups(rows: int, most: int, legions: int):
+    """(first row, rows per block, blocks) of each group of blocks of at most ``most`` rows.
+    Rows that split evenly over the Legions go in as few rounds of ``legions`` blocks as
+    ``most`` allows, the rounds differing by at most a row, so every Legion gets the same rows
+    (2B4T's causal softmax at 512, 512 rows of a head in blocks of at most 10: rounds of
+    10, 9, ..., 9 rows a Legion, where blocks of 10 left a round of 3 Legions and a block of 2
+    rows, and three Legions held up the rest by a fifth); otherwise ``_balanced`` blocks."""
+    if rows <= most or rows % legions:
+        yield from _uneven(rows, _balanced(rows, most, legions), legions)
+        return
+    per = rows // legions
+    rounds = -(-per // most)
+    r0 = 0
+    for k in range(rounds):
+        n = per // rounds + (k < per % rounds)
+        yield r0, n, legions
+        r0 += n * legions
+
+
+def _uneven(rows: int, block: int, legions: int):
+    """Full blocks by up to ``legions``, then the last, shorter block alone."""
     full = rows // block
     for b in range(0, full, legions):
         yield b * block, block, min(legions, full - b)
@@ -326,6 +347,134 @@ class _InFlight:
             self.pending = None
 
 
+class _Ring:
+    """Row blocks on a ring of buffers, each as large as one block's full-width operand, when
+    two whole blocks do not fit the vector scratchpad but one block and one buffer more do: the
+    next block's first input loads into the spare buffer while the current block computes, its
+    other inputs into the buffers the current block's body frees, and the buffers its outputs
+    are computed in free once they are stored (2B4T's ReLU^2 * up, norm and quantization at
+    512: rows of 6912 beside the resident norm weight, which left DRAM and the vector unit
+    taking turns). Per-row operands alternate between two small areas above the ring."""
+
+    def __init__(self, em: Emitter, resident: _Resident, rows: int, cols: int, buffers: int, per_row: int):
+        self.em, self.resident, self.rows, self.cols = em, resident, rows, cols
+        self.size = rows * cols
+        self.columns = resident.size + buffers * self.size      # the two per-row areas
+        self.per_row = per_row
+        self.free = list(range(buffers))
+        self.pending = None            # (span, its buffers by name, what emits its body, its stores)
+        self.turn = 0
+
+    @classmethod
+    def fitting(cls, em, args, strides, rows: int, cols: int, resident: _Resident) -> "_Ring | None":
+        streamed = [a for a in args if a.name not in resident.views and a.alias is None]
+        kinds = [_shape_of(*strides[a.name], a.operand is None and a.col) for a in streamed]
+        full = sum(1 for per_row, wide in kinds if per_row and wide)
+        per_row = sum(1 for per_row, wide in kinds if per_row and not wide)
+        inputs = [a for a in _full_args(args, strides, resident) if a.operand is not None and not a.out]
+        if not inputs or full + per_row != len(streamed):
+            return None
+        room = em.capacity("vec") - resident.size
+        n = min(rows, room // ((full + 1) * cols + 2 * per_row), em.extent())
+        if n < 1 or n >= rows:
+            return None
+        return cls(em, resident, n, cols, full + 1, per_row)
+
+    def add(self, args, at, strides, r0, n, count, cols, body, steps, width) -> None:
+        em = self.em
+        span = (em.take_legions(count), count)
+        if self.pending is not None and self.pending[0] != span:
+            self.flush()
+        legion = span[0]
+        steps = {name: (step if count > 1 else None) for name, step in steps.items()}
+        full = _full_args(args, strides, self.resident)
+        first = [a for a in full if a.operand is not None and not a.out][:1]
+        slots = {}
+        with em.spanning(legion, count):
+            self._load(first, slots, at, r0, n, width, steps, legion, count)
+        if self.pending is not None:
+            self._body(self.pending)
+        rest = [a for a in full if a not in first]
+        views = self._views(args, strides, slots, rest)
+        with em.spanning(legion, count):
+            self._resident_loads(args, at, r0, n, width, steps, legion, count, views)
+            self._load([a for a in rest if a.operand is not None and not a.out], slots, at, r0, n, width, steps,
+                       legion, count, views)
+        if self.pending is not None:
+            self._stores(self.pending)
+        loaded = em.issued.get((legion, "dma"), 0)
+        self.pending = (span, slots, views, args, at, r0, n, width, body, steps, loaded)
+        self.turn ^= 1
+
+    def _views(self, args, strides, slots, rest) -> dict:
+        """Every operand's view: the buffers of the full-width ones (those not loaded yet taken
+        now, from the ring's free buffers), this block's per-row area, the resident inputs."""
+        for a in rest:
+            slots[a.name] = self._take()
+        views, addr = dict(self.resident.views), self.columns + self.turn * self.per_row * self.rows
+        for a in args:
+            if a.name in slots:
+                views[a.name] = View("vec", self.resident.size + slots[a.name] * self.size, self.cols, 1)
+            elif a.name not in self.resident.views and a.alias is None:
+                rs, cs = strides[a.name]
+                views[a.name] = _view(addr, rs, cs, self.cols, a.operand is None and a.col)
+                addr += self.rows
+        views.update({a.name: views[a.alias] for a in args if a.alias is not None})
+        return views
+
+    def _take(self) -> int:
+        if not self.free:
+            raise CompileError("internal: a row block's ring of buffers ran out")
+        return self.free.pop(0)
+
+    def _load(self, args, slots, at, r0, n, width, steps, legion, count, views=None) -> None:
+        for a in args:
+            if a.name not in slots:
+                slots[a.name] = self._take()
+            view = views[a.name] if views else View("vec", self.resident.size + slots[a.name] * self.size, self.cols, 1)
+            _load(self.em, legion, view, at[a.name], r0, n, self.cols, width, steps[a.name])
+
+    def _resident_loads(self, args, at, r0, n, width, steps, legion, count, views) -> None:
+        for a in args:
+            if a.name in self.resident.views and not a.out and self.resident.wanted(a.name, legion, count):
+                _load(self.em, legion, views[a.name], at[a.name], r0, n, self.cols, self.cols, steps[a.name])
+
+    def _body(self, pending) -> None:
+        (legion, count), slots, views, args, at, r0, n, width, body, steps, loaded = pending
+        em = self.em
+        with em.spanning(legion, count):
+            em.depend((legion, "dma"), (legion, "vec"), upto=loaded)
+            first = len(em.instrs)
+            body(em, legion, views, n, width)
+            if width < self.cols:
+                em.skipped["causal_skipped_vector_ops"] += count * _left_out(em, em.instrs[first:], legion, views,
+                                                                             n, self.cols, body)
+            em.depend((legion, "vec"), (legion, "dma"))
+        stored = {a.alias or a.name for a in args if a.out}
+        for name in [name for name in slots if name not in stored]:
+            self.free.append(slots.pop(name))       # free once the body is done: the next loads wait for it
+
+    def _stores(self, pending) -> None:
+        (legion, count), slots, views, args, at, r0, n, width, body, steps, loaded = pending
+        with self.em.spanning(legion, count):
+            for a in args:
+                if a.out:
+                    _store(self.em, legion, views[a.name], at[a.name], r0, n, self.cols, width, steps[a.name])
+        self.free.extend(slots.pop(name) for name in list(slots))
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            self._body(self.pending)
+            self._stores(self.pending)
+            self.pending = None
+
+
+def _full_args(args, strides, resident: _Resident) -> list[Arg]:
+    """The streamed operands a block holds full width, each in a buffer of its own."""
+    return [a for a in args if a.name not in resident.views and a.alias is None
+            and _shape_of(*strides[a.name], a.operand is None and a.col) == (True, True)]
+
+
 def _emit_group(em, span, base, args, at, strides, r0, n, cols, width, body, steps, resident):
     """Load ``count`` blocks of ``n`` rows from row ``r0``, one per Legion of the span, into the
     vector scratchpad from ``base`` (the resident inputs where they are, if not held yet);
@@ -355,7 +504,8 @@ def _emit_group(em, span, base, args, at, strides, r0, n, cols, width, body, ste
             first = len(em.instrs)
             body(em, legion, views, n, width)
             if width < cols:
-                em.skipped["causal_skipped_vector_ops"] += count * _left_out(em, em.instrs[first:], cols, width)
+                em.skipped["causal_skipped_vector_ops"] += count * _left_out(em, em.instrs[first:], legion, views,
+                                                                             n, cols, body)
             em.depend((legion, "vec"), (legion, "dma"))
             for a in args:
                 if a.out:
@@ -363,12 +513,24 @@ def _emit_group(em, span, base, args, at, strides, r0, n, cols, width, body, ste
     return rest
 
 
-def _left_out(em: Emitter, body: list, cols: int, width: int) -> int:
-    """Lane operations the body's full-width instructions would have taken over all ``cols``
-    columns beyond what they take over ``width`` (for the report)."""
-    def ops(i) -> int:
-        return cost(i, em.arch, None).counters.get("vector_ops", 0)
-    return sum(ops(replace(i, cols=cols)) - ops(i) for i in body if getattr(i, "cols", None) == width)
+def _left_out(em: Emitter, emitted: list, legion: int, views: dict, rows: int, cols: int, body: Body) -> int:
+    """Lane operations the body would have taken over all ``cols`` columns beyond what the
+    narrower ``emitted`` takes (for the report)."""
+    def ops(instrs) -> int:
+        return sum(cost(i, em.arch, None).counters.get("vector_ops", 0) for i in instrs)
+    whole = _Recorder(em)
+    body(whole, legion, views, rows, cols)
+    return ops(whole.instrs) - ops(emitted)
+
+
+class _Recorder:
+    """An emitter that only records what a body emits (the same body at another width)."""
+
+    def __init__(self, em: Emitter):
+        self.arch, self.instrs = em.arch, []
+
+    def emit(self, instr) -> None:
+        self.instrs.append(instr)
 
 
 def _dram(op: Operand, r0: int, per_row: bool) -> DramRef:
