@@ -398,13 +398,14 @@ BY_OPCODE = {c.OPCODE: c for c in INSTRUCTIONS}
 TRANSCENDENTAL = frozenset(c for c in VECTOR_FUNCS if c.TRANSCENDENTAL)
 DMA_CLASSES = frozenset({DmaLoad, DmaStore, Gather})      # DRAM transfers
 NOC_CLASSES = frozenset({NocMove})                         # Legion-to-Legion transfers, on the DMA queue
+TRANSFER_CLASSES = DMA_CLASSES | NOC_CLASSES               # the DMA queue's instructions
 SYNC_CLASSES = frozenset({Wait, Barrier})
 VECTOR_CLASSES = frozenset({Drain, VSelect, VMatMul, *VECTOR_FUNCS})
 
 
 def family(cls: type) -> str:
     """Instruction family used by counters and reports: dma, matrix, drain, vector, sync."""
-    if cls in DMA_CLASSES or cls in NOC_CLASSES:
+    if cls in TRANSFER_CLASSES:
         return "dma"
     if cls is MatMul:
         return "matrix"

@@ -20,7 +20,7 @@ from isa.arch import MODE_BITS, Arch
 from isa.expand import NONE, Queues, Tasks, expand
 from isa.fields import View
 from isa.fields import QUEUES
-from isa.instructions import (DMA_CLASSES, Barrier, DmaLoad, DmaStore, Drain, Gather, Instr, MatMul, NocMove, VBinary,
+from isa.instructions import (TRANSFER_CLASSES, Barrier, DmaLoad, DmaStore, Drain, Gather, Instr, MatMul, NocMove, VBinary,
                               VMatMul, VReduce, VSelect, VUnary, Wait)
 from isa.program import DTYPES, KINDS, LOADS, STORES, Program, ProgramError, Tensor
 
@@ -133,7 +133,7 @@ def _checked_tasks(tasks: Tasks) -> np.ndarray:
     span), a DRAM offset and destinations that move linearly with the rank, so the two ends
     cover the DMAs' ranks in between; every task's condition is checked on its own."""
     last = np.concatenate([tasks.first[1:], [len(tasks)]]) - 1
-    moving = np.array([type(i) in DMA_CLASSES or type(i) is NocMove for i in tasks.source], dtype=bool)
+    moving = np.array([type(i) in TRANSFER_CLASSES for i in tasks.source], dtype=bool)
     return np.unique(np.concatenate([tasks.first, last[moving & (last > tasks.first)]])) if len(tasks) else tasks.first
 
 
@@ -153,7 +153,7 @@ def _end_problems(tasks: Tasks, ctx: Context, bad: np.ndarray) -> list:
             found = list(legion(ins.legion, ctx.arch)) if k == first[o] else []
         elif k != first[o]:
             found = list(family_problems(tasks[k], ctx))
-        elif type(ins) in DMA_CLASSES or type(ins) is NocMove:
+        elif type(ins) in TRANSFER_CLASSES:
             found = list(family_problems(ins, ctx))
         else:
             found = alike.get("family", o, lambda: list(family_problems(ins, ctx)))
@@ -311,14 +311,20 @@ def dtype_moves(name: str, t: Tensor | None, table: dict, space: str, verb: str)
 
 # --- DMA queue -------------------------------------------------------------------------------
 
-@register(DmaLoad)
-def dma_load(ins: DmaLoad, ctx: Context) -> Problems:
-    arch = ctx.arch
-    if ins.dests and max(ins.dests) >= arch.legions:     # named only when wrong (checked per task)
+def _dests(ins: DmaLoad | NocMove, arch: Arch) -> Problems:
+    """The receiving Legions of a load or a Legion-to-Legion transfer: on the machine (named
+    only when one is not: this runs per task), several only where it multicasts."""
+    if ins.dests and max(ins.dests) >= arch.legions:
         for dest in sorted(ins.dests):
             yield from (f"dests: {p}" for p in legion(dest, arch))
     if len(ins.dests) > 1 and not arch.multicast:
         yield f"dests multicast to {len(ins.dests)} Legions, but {arch.name} has no multicast"
+
+
+@register(DmaLoad)
+def dma_load(ins: DmaLoad, ctx: Context) -> Problems:
+    arch = ctx.arch
+    yield from _dests(ins, arch)
     yield from view("dst", ins.dst, ins.rows, ins.cols, arch, dest=True)
     yield from dram("src", ins.src, ins.rows, ins.cols, ctx)
     yield from dtype_moves("src", ctx.tensor(ins.src.tensor), LOADS, ins.dst.space, "loaded into")
@@ -327,10 +333,7 @@ def dma_load(ins: DmaLoad, ctx: Context) -> Problems:
 @register(NocMove)
 def noc_move(ins: NocMove, ctx: Context) -> Problems:
     arch = ctx.arch
-    for dest in sorted(ins.dests):
-        yield from (f"dests: {p}" for p in legion(dest, arch))
-    if len(ins.dests) > 1 and not arch.multicast:
-        yield f"dests multicast to {len(ins.dests)} Legions, but {arch.name} has no multicast"
+    yield from _dests(ins, arch)
     if ins.dst.space != ins.src.space:
         yield f"dst is in {ins.dst.space} but src in {ins.src.space}: a transfer moves elements, it does not convert them"
     yield from view("src", ins.src, ins.rows, ins.cols, arch)

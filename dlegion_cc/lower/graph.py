@@ -68,7 +68,7 @@ def _lower_node(low: Lowering, node: Node, problems: list, regions: list) -> Non
     except (ValueError, MemoryError) as e:
         problems.append((node.name, node.op, str(e)))
         return
-    if waiting and carry.reads_by_loads(node) and node.op == "MatMul":
+    if waiting and node.op == "MatMul" and not node.domain:
         carry.settle(low, waiting)  # what its loads did not carry (blocks a causal mask skips)
     for name, value in _approximations(node):
         made = em.approximations.setdefault(name, [])

@@ -440,26 +440,15 @@ class _Ring:
                 _load(self.em, legion, views[a.name], at[a.name], r0, n, self.cols, self.cols, steps[a.name])
 
     def _body(self, pending) -> None:
-        (legion, count), slots, views, args, at, r0, n, width, body, steps, loaded = pending
-        em = self.em
-        with em.spanning(legion, count):
-            em.depend((legion, "dma"), (legion, "vec"), upto=loaded)
-            first = len(em.instrs)
-            body(em, legion, views, n, width)
-            if width < self.cols:
-                em.skipped["causal_skipped_vector_ops"] += count * _left_out(em, em.instrs[first:], legion, views,
-                                                                             n, self.cols, body)
-            em.depend((legion, "vec"), (legion, "dma"))
+        span, slots, views, args, at, r0, n, width, body, steps, loaded = pending
+        _compute(self.em, span, views, n, self.cols, width, body, loaded)
         stored = {a.alias or a.name for a in args if a.out}
         for name in [name for name in slots if name not in stored]:
             self.free.append(slots.pop(name))       # free once the body is done: the next loads wait for it
 
     def _stores(self, pending) -> None:
-        (legion, count), slots, views, args, at, r0, n, width, body, steps, loaded = pending
-        with self.em.spanning(legion, count):
-            for a in args:
-                if a.out:
-                    _store(self.em, legion, views[a.name], at[a.name], r0, n, self.cols, width, steps[a.name])
+        span, slots, views, args, at, r0, n, width, body, steps, loaded = pending
+        _store_outputs(self.em, span, args, views, at, r0, n, self.cols, width, steps)
         self.free.extend(slots.pop(name) for name in list(slots))
 
     def flush(self) -> None:
@@ -499,18 +488,31 @@ def _emit_group(em, span, base, args, at, strides, r0, n, cols, width, body, ste
     loaded = em.issued.get((legion, "dma"), 0)
 
     def rest() -> None:
-        with em.spanning(legion, count):
-            em.depend((legion, "dma"), (legion, "vec"), upto=loaded)
-            first = len(em.instrs)
-            body(em, legion, views, n, width)
-            if width < cols:
-                em.skipped["causal_skipped_vector_ops"] += count * _left_out(em, em.instrs[first:], legion, views,
-                                                                             n, cols, body)
-            em.depend((legion, "vec"), (legion, "dma"))
-            for a in args:
-                if a.out:
-                    _store(em, legion, views[a.name], at[a.name], r0, n, cols, width, steps[a.name])
+        _compute(em, span, views, n, cols, width, body, loaded)
+        _store_outputs(em, span, args, views, at, r0, n, cols, width, steps)
     return rest
+
+
+def _compute(em, span, views, n, cols, width, body, loaded: int) -> None:
+    """The body of ``span``'s blocks, once the DMA queue has ``loaded`` their inputs; their
+    stores wait for it."""
+    legion, count = span
+    with em.spanning(legion, count):
+        em.depend((legion, "dma"), (legion, "vec"), upto=loaded)
+        first = len(em.instrs)
+        body(em, legion, views, n, width)
+        if width < cols:
+            em.skipped["causal_skipped_vector_ops"] += count * _left_out(em, em.instrs[first:], legion, views,
+                                                                         n, cols, body)
+        em.depend((legion, "vec"), (legion, "dma"))
+
+
+def _store_outputs(em, span, args, views, at, r0, n, cols, width, steps) -> None:
+    legion, count = span
+    with em.spanning(legion, count):
+        for a in args:
+            if a.out:
+                _store(em, legion, views[a.name], at[a.name], r0, n, cols, width, steps[a.name])
 
 
 def _left_out(em: Emitter, emitted: list, legion: int, views: dict, rows: int, cols: int, body: Body) -> int:
