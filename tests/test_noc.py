@@ -128,14 +128,14 @@ def _gemm(path, M, K, N):
     return path
 
 
-def _compiled(model, machine, pinned=None):
+def _compiled(model, machine, pinned=None, overlap=False):
     from dlegion_cc.lower import schedules
     from dlegion_cc.pipeline import Options, compile_model
     s = schedules.Schedules()
     if pinned is not None:
         s.pinned = {e["node"]: [e] for e in pinned}
         s.source = "pinned.json"
-    _, program = compile_model(model, Options(machine, schedules=s))
+    _, program = compile_model(model, Options(machine, schedules=s, overlap=overlap))
     return program, s.document(machine, Options(machine).switches())["schedules"]
 
 
@@ -165,6 +165,25 @@ def test_a_matmul_forwarding_its_activations_matches_onnxruntime(tmp_path, homes
     np.testing.assert_array_equal(got, want)
     if homes == 4:
         assert sum(i.rows * i.cols for i in acts if i.src.tensor == acts[0].src.tensor) == 32 * 256
+
+
+def test_the_overlap_pass_orders_the_transfers(tmp_path):
+    """With ``--overlap`` (waits on what instructions share, not barriers) the forwarding GEMM's
+    transfers are ordered by what they read and write: the race check accepts the program and
+    its results are onnxruntime's."""
+    import onnxruntime as ort
+    from isa.instructions import NocMove
+    machine = load("dlegion-tiny")
+    model = _gemm(tmp_path / "g.onnx", 32, 256, 128)
+    _, (entry,) = _compiled(model, machine)
+    entry.update(loop_order="rows", tile={"rows": 32, "cols": 16}, chunk={"depth": 32, "whole_rows": False, "homes": 4})
+    entry["slots"]["act"] = 2
+    program, _ = _compiled(model, machine, [entry], overlap=True)
+    assert any(isinstance(i, NocMove) for i in program.instrs)
+    x = np.random.default_rng(7).integers(-128, 128, (32, 256)).astype(np.int8)
+    got = run(program, machine, {"x": x}, races=True).outputs["y"]
+    want = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(got, want)
 
 
 def test_a_pinned_forward_that_cannot_apply_is_refused(tmp_path):

@@ -32,7 +32,7 @@ import numpy as np
 from isa.arch import MODE_BITS, Arch
 from isa.expand import absolute
 from isa.fields import QUEUES, Cond, View
-from isa.instructions import (Barrier, DmaLoad, DmaStore, Drain, Gather, MatMul, VBinary, VMatMul,
+from isa.instructions import (Barrier, DmaLoad, DmaStore, Drain, Gather, MatMul, NocMove, VBinary, VMatMul,
                               VReduce, VSelect, VUnary, Wait)
 from isa.program import Program
 
@@ -130,6 +130,10 @@ def footprint(i, rank: int, tensors) -> list[tuple]:
 
     if isinstance(i, DmaLoad):
         dram(i.src, i.rows, i.cols)
+        for d in i.dests:
+            spad(d + rank, i.dst, i.rows, i.cols, write=True)
+    elif isinstance(i, NocMove):
+        spad(L, i.src, i.rows, i.cols)
         for d in i.dests:
             spad(d + rank, i.dst, i.rows, i.cols, write=True)
     elif isinstance(i, DmaStore):
