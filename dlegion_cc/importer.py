@@ -26,6 +26,7 @@ from onnx import TensorProto, external_data_helper, helper, numpy_helper, shape_
 from isa.files import check_readable
 from isa.progress import SILENT, Progress
 from dlegion_cc import canon
+from dlegion_cc.canon.gqa import cache_head_dims
 from dlegion_cc.errors import CompileError, UnsupportedNodes, node_error
 from dlegion_cc.ir import Graph, Lazy, Mapped, Node, Spill, Value
 from dlegion_cc.ort_schemas import DEFAULT_DOMAINS, lent_to_onnx, missing_ops
@@ -326,20 +327,40 @@ NODE_CHECKS = {"Reshape": _reshape_problem, "Gather": _gather_problem}
 
 def _bind_dims(model: onnx.ModelProto, dims: dict[str, int], source: str) -> None:
     unbound: dict[str, list[str]] = {}      # dim -> the inputs it shapes, in order
+    dims = cache_head_dims(model) | dims    # a given size wins; shape inference then checks it
     for inp in model.graph.input:
         for d in inp.type.tensor_type.shape.dim:
             if d.HasField("dim_value"):
                 continue
             name = d.dim_param or "?"
-            if name not in dims:
+            size = _dim_size(name, dims, source)
+            if size is None:
                 unbound.setdefault(name, []).append(inp.name)
                 continue
-            d.dim_value = int(dims[name])
+            d.dim_value = size
     if unbound:
         # one entry a dim, however many inputs it shapes (a cache: two a layer)
         where = ", ".join(f"'{n}' of {_some_inputs(list(dict.fromkeys(inputs)))}" for n, inputs in unbound.items())
         raise CompileError(f"{source}: unbound symbolic dimension {where}; "
                            f"pass {' '.join(f'--dim {n}=N' for n in sorted(unbound))} or --inputs")
+
+
+SUM_OF_DIMS = re.compile(r"^\s*[A-Za-z_][\w.]*(\s*\+\s*([A-Za-z_][\w.]*|\d+))+\s*$")
+
+
+def _dim_size(name: str, dims: dict[str, int], source: str) -> int | None:
+    """The size of a symbolic dim: bound by name, or a sum of bound dims and integers as Optimum
+    and torch.onnx name a mask's length ('past_sequence_length + sequence_length'), computed
+    from its terms; a bound sum must equal that; None while unbound."""
+    terms = [t.strip() for t in name.split("+")] if SUM_OF_DIMS.match(name) else []
+    total = None
+    if terms and all(t.isdigit() or t in dims for t in terms):
+        total = sum(int(t) if t.isdigit() else int(dims[t]) for t in terms)
+    if name not in dims:
+        return total
+    if total is not None and total != int(dims[name]):
+        raise CompileError(f"{source}: dim '{name}' is bound to {dims[name]}, but its terms give {total}")
+    return int(dims[name])
 
 
 def _some_inputs(names: list[str]) -> str:

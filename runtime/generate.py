@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from dlegion_cc.canon.gqa import cache_head_dims
 from isa.arch import Arch
 from isa.progress import SILENT, Progress
 
@@ -44,12 +45,13 @@ class CacheGraph:
     vocab: int | None
     total_dim: str | None = None    # the attention mask's length (past + sequence), if it has one
     int_types: dict = field(default_factory=dict)   # attention_mask / position_ids -> numpy dtype
+    fixed: dict = field(default_factory=dict)       # dims the graph itself sizes (a cache's head size)
 
     def dims(self, seq: int, past: int) -> dict[str, int]:
         """Every symbolic dim bound for a step of ``seq`` new tokens after ``past`` cached ones:
         the sequence, past and total dims, any other (the batch) 1."""
         named = {d for shape in self.inputs.values() for d in shape if isinstance(d, str)}
-        sizes = {self.seq_dim: seq, self.past_dim: past, self.total_dim: past + seq}
+        sizes = {**self.fixed, self.seq_dim: seq, self.past_dim: past, self.total_dim: past + seq}
         return {d: sizes.get(d, 1) for d in sorted(named)}
 
     def empty_past(self) -> dict[str, np.ndarray]:
@@ -80,7 +82,7 @@ def cache_graph(path: str | Path) -> CacheGraph:
              for i in model.graph.input if i.name in (MASK, POSITIONS)}
     return CacheGraph(path, inputs, feeds, _symbolic(path, inputs, IDS, 1, "sequence"),
                       _symbolic(path, inputs, next(iter(feeds.values())), PAST_AXIS, "past"), _vocab(model),
-                      total, types)
+                      total, types, cache_head_dims(model))
 
 
 def _shape(value) -> tuple:

@@ -153,3 +153,41 @@ def _attend(b, node, q, present_k, present_v, past_len, dims, y) -> None:
     probs = b.op("Softmax", [b.op("Where", [seen, scores, b.const(LOWEST, "lowest")])], axis=-1)
     out = b.op("Transpose", [b.op("MatMul", [probs, v])], perm=[0, 2, 1, 3])
     b.op("Reshape", [out, _i64(b, [batch, seq, heads * depth], "shape")], y)
+
+
+def cache_head_dims(model: onnx.ModelProto) -> dict[str, int]:
+    """The symbolic head size of GroupQueryAttention's past inputs (onnxruntime-genai's builder
+    names it ``kv_cache_dim``), read from the width of the projection feeding its query: a
+    size the compiler can bind when neither --dim nor generation gives it."""
+    producers = {o: n for n in model.graph.node for o in n.output}
+    weights = {t.name: list(t.dims) for t in model.graph.initializer}
+    inputs = {i.name: i.type.tensor_type.shape.dim for i in model.graph.input}
+    found = {}
+    for node in model.graph.node:
+        if node.op_type != "GroupQueryAttention" or len(node.input) < 4 or node.input[3] not in inputs:
+            continue
+        head = inputs[node.input[3]][-1] if inputs[node.input[3]] else None
+        width = _width(node.input[0], producers, weights)
+        if head is None or head.HasField("dim_value") or not head.dim_param or width is None:
+            continue
+        packed = len(node.input) < 2 or not node.input[1]     # query, key and value in one tensor
+        heads = attr(node, "num_heads") + (2 * attr(node, "kv_num_heads") if packed else 0)
+        if width % heads == 0:
+            found[head.dim_param] = width // heads
+    return found
+
+
+def _width(name: str, producers: dict, weights: dict, depth: int = 2) -> int | None:
+    """The last dim of ``name`` where a projection makes it (a MatMul by a weight, MatMulNBits,
+    either plus a bias), else None."""
+    node = producers.get(name)
+    if node is None or depth < 0:
+        return None
+    if node.op_type == "MatMulNBits":
+        return attr(node, "N")
+    if node.op_type == "MatMul" and node.input[1] in weights:
+        return weights[node.input[1]][-1]
+    if node.op_type == "Add":
+        made = [i for i in node.input if i not in weights]
+        return _width(made[0], producers, weights, depth - 1) if len(made) == 1 else None
+    return None

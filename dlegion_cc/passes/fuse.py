@@ -102,7 +102,8 @@ def row_local(graph: Graph, node: Node, frame: Frame) -> bool:
         return False
     ins = [graph.values[n] for n in node.inputs if n]
     out = graph.values[node.outputs[0]]
-    return (shape_kind(out.shape, frame) is not None
+    # an output broadcast over the frame's rows (a mask next to the scores) has no rows to store
+    return (shape_kind(out.shape, frame) in ("full", "col")
             and all(shape_kind(v.shape, frame, tiled=True) is not None for v in ins if v.const is None or v.const.size > 1))
 
 

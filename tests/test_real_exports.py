@@ -1,0 +1,165 @@
+"""Decoders with a key/value cache written by the exporters themselves (models/real/, made by
+models/real_exports.py: torch.onnx dynamo of transformers' Llama and offline-AutoBitLinear BitNet,
+Optimum's text-generation-with-past, onnxruntime-genai's builder at fp32 and int4): each compiles
+for dlegion-tiny as a prefill (an empty past) and a decode step, matches onnxruntime, and
+generates onnxruntime's 16 tokens. Also the fixes these graphs needed, each on its own."""
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from dlegion_cc.canon.gqa import cache_head_dims
+from dlegion_cc.errors import CompileError
+from dlegion_cc.pipeline import Options, compile_model
+from isa import arch
+from runtime.check import judge
+from runtime.emulator import run
+from runtime.generate import cache_graph, onnxruntime_loop
+
+REAL = Path(__file__).parent.parent / "models" / "real"
+TINY = arch.load("dlegion-tiny")
+FORMS = ("torch_llama", "torch_bitnet", "optimum_llama", "genai_fp32", "genai_int4")
+STEPS = {"prefill": (5, 0), "decode": (1, 5)}      # (new tokens, cached positions)
+# census: (matmuls on the arrays, all matmuls) of the prefill, as dlegion-cc's last line says
+ON_ARRAYS = {"torch_llama": (0, 19), "torch_bitnet": (16, 19), "optimum_llama": (0, 20),
+             "genai_fp32": (0, 15), "genai_int4": (15, 15)}
+FLOAT = {"torch_llama", "optimum_llama", "genai_fp32"}
+
+
+def model(name: str) -> Path:
+    return REAL / name / "model.onnx"
+
+
+def step_inputs(name: str, seq: int, past: int) -> dict[str, np.ndarray]:
+    """Seeded token ids and cache (not the model's own: any past must be carried), an all-ones
+    mask and the positions after the past, in the types the graph declares."""
+    rng = np.random.default_rng(seq * 100 + past)
+    graph = onnx.load(model(name), load_external_data=False).graph
+    shapes = cache_graph(model(name))
+    out = {}
+    for i in graph.input:
+        dtype = helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)
+        if i.name == "input_ids":
+            out[i.name] = rng.integers(0, 256, (1, seq)).astype(dtype)
+        elif i.name == "attention_mask":
+            out[i.name] = np.ones((1, past + seq), dtype)
+        elif i.name == "position_ids":
+            out[i.name] = np.arange(past, past + seq).reshape(1, -1).astype(dtype)
+        else:
+            dims = shapes.dims(seq, past)
+            out[i.name] = rng.standard_normal([dims.get(d, d) for d in shapes.inputs[i.name]]).astype(dtype)
+    return out
+
+
+@cache
+def compiled(name: str, step: str):
+    seq, past = STEPS[step]
+    options = Options(TINY, cache_graph(model(name)).dims(seq, past))
+    _, program = compile_model(model(name), options)
+    inputs = step_inputs(name, seq, past)
+    return options.census, program, inputs, run(program, TINY, inputs).outputs
+
+
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize("name", FORMS)
+def test_real_export_matches_onnxruntime(name, step):
+    """Every output (logits and each layer's present key and value) within the tolerance of
+    onnxruntime, or of the float64 evaluation with the approximations the program records;
+    the float graphs within 1e-4 of onnxruntime's logits outright."""
+    _, program, inputs, outputs = compiled(name, step)
+    verdict = judge(model(name), inputs, outputs, program_approximations=program.approximations)
+    rows = {r.name: r for r in verdict.rows}
+    assert set(rows) == {"logits"} | {f"present.{i}.{k}" for i in range(2) for k in ("key", "value")}
+    assert verdict.ok, [r.as_json() for r in verdict.rows]
+    seq, past = STEPS[step]
+    assert outputs["logits"].shape == (1, seq, 256)
+    assert outputs["present.0.key"].shape == (1, 2, past + seq, 16)
+    if name in FLOAT:
+        assert not program.approximations and rows["logits"].rel_l2 <= 1e-4
+
+
+@pytest.mark.parametrize("name", FORMS)
+def test_census_of_real_exports(name):
+    """Where the matmuls run: the float exports none on the arrays (--quantize is the way there),
+    offline AutoBitLinear's projections and MatMulNBits on them."""
+    census, *_ = compiled(name, "prefill")
+    on_arrays, total = ON_ARRAYS[name]
+    assert (len(census.arrays), len(census.arrays) + len(census.fp32)) == (on_arrays, total), census.line()
+    assert census.line().startswith(f"{on_arrays} of {total} matmuls on the arrays")
+
+
+@pytest.fixture
+def generate(console, tmp_path):
+    from runtime import generate_cli
+    script = console(generate_cli.main, "dlegion-generate")
+    return lambda *args: script(*args, "--build-dir", tmp_path / "build")
+
+
+@pytest.mark.parametrize("name", FORMS)
+def test_real_export_generates_onnxruntimes_tokens(generate, tmp_path, name):
+    """16 tokens after a prompt of 5, each step checked, the tokens those of onnxruntime's loop."""
+    status, out, _ = generate(model(name), "--arch", "dlegion-tiny", "--prompt-len", 5, "-n", 16, "--check",
+                              "--json", tmp_path / "g.json", "-q")
+    assert status == 0, out
+    record = json.loads((tmp_path / "g.json").read_text())
+    assert record["tokens"] == onnxruntime_loop(cache_graph(model(name)), record["prompt"], 16)
+    assert len(set(record["tokens"])) > 1
+    assert all(r["ok"] for r in record["check"])
+
+
+# --- the fixes, each on its own -------------------------------------------------------------------
+
+def test_a_sum_of_dims_is_computed():
+    """Optimum names the mask's length 'past_sequence_length + sequence_length': binding its
+    terms binds it; a size given for it that contradicts them is refused."""
+    path = model("optimum_llama")
+    dims = {"batch_size": 1, "sequence_length": 1, "past_sequence_length": 5}
+    graph, _ = compile_model(path, Options(TINY, dims))
+    assert graph.values["attention_mask"].shape == (1, 6)
+    with pytest.raises(CompileError, match=r"'past_sequence_length \+ sequence_length' is bound to 7, "
+                                           r"but its terms give 6"):
+        compile_model(path, Options(TINY, dims | {"past_sequence_length + sequence_length": 7}))
+
+
+def test_genai_cache_head_size_is_read_from_the_graph():
+    """onnxruntime-genai names the cache's head size 'kv_cache_dim': it is the packed QKV
+    projection's width over the heads (64 + 2 * 32 over 4 + 2 * 2), for MatMul and MatMulNBits."""
+    for name in ("genai_fp32", "genai_int4"):
+        assert cache_head_dims(onnx.load(model(name), load_external_data=False)) == {"kv_cache_dim": 16}
+        assert cache_graph(model(name)).dims(1, 5)["kv_cache_dim"] == 16
+    assert cache_head_dims(onnx.load(model("optimum_llama"), load_external_data=False)) == {}
+
+
+def _mask_beside_scores() -> onnx.ModelProto:
+    """torch.onnx's attention: the scaled keys [1, 4, 16, 6] and, next in the graph, the mask
+    [1, 1, 1, 6] made with Where: a row-local run whose second output is broadcast over the rows."""
+    keys = helper.make_tensor_value_info("keys", TensorProto.FLOAT, [1, 4, 16, 6])
+    allowed = helper.make_tensor_value_info("allowed", TensorProto.BOOL, [1, 1, 1, 6])
+    nodes = [helper.make_node("Mul", ["keys", "half"], ["scaled"]),
+             helper.make_node("Where", ["allowed", "zero", "lowest"], ["mask"]),
+             helper.make_node("Add", ["scaled", "mask"], ["out"])]
+    consts = [numpy_helper.from_array(np.float32(v), n) for n, v in (("half", 0.5), ("zero", 0.0), ("lowest", -1e30))]
+    graph = helper.make_graph(nodes, "g", [keys, allowed],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 4, 16, 6]),
+                               helper.make_tensor_value_info("mask", TensorProto.FLOAT, [1, 1, 1, 6])], consts)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_a_row_broadcast_output_is_not_fused_into_the_frame(tmp_path):
+    """A value broadcast over a row kernel's frame is not one of its outputs (the kernel would
+    store it with row stride 0): the Where starts its own kernel, and the program matches."""
+    path = tmp_path / "m.onnx"
+    onnx.save(_mask_beside_scores(), path)
+    _, program = compile_model(path, Options(TINY, {}))
+    rng = np.random.default_rng(0)
+    inputs = {"keys": rng.standard_normal((1, 4, 16, 6)).astype(np.float32),
+              "allowed": np.array([True, True, False, True, False, True]).reshape(1, 1, 1, 6)}
+    outputs = run(program, TINY, inputs).outputs
+    verdict = judge(path, inputs, outputs)
+    assert verdict.ok, [r.as_json() for r in verdict.rows]
