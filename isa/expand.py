@@ -121,24 +121,39 @@ class Tasks(Sequence):
 
 class Alike:
     """Values computed once per distinct instruction: a model's layers repeat every instruction
-    but their DMAs. Each instruction is hashed once (a hash walks every field) and compared only
-    when its hash meets an earlier one's."""
+    but their DMAs. Each instruction is hashed once (a hash walks every field), compared only
+    when its hash meets an earlier one's, and so resolved once to the first instruction equal
+    to it (``ids``), which every table of values shares."""
 
     def __init__(self, source: list[Instr]):
         self.source = source
-        self.hashes = [hash(i) for i in source]
+        self.ids = _first_equal(source)
         self.tables: dict = {}
 
     def get(self, table: str, o: int, make):
         """``make()`` for instruction ``o``, or what it gave for an equal instruction before."""
         seen = self.tables.setdefault(table, {})
-        ins, h = self.source[o], self.hashes[o]
-        hit = seen.get(h)
-        if hit is not None and (hit[0] is ins or hit[0] == ins):
-            return hit[1]
-        value = make()
-        seen[h] = (ins, value)
+        i = self.ids[o]
+        if i in seen:
+            return seen[i]
+        value = seen[i] = make()
         return value
+
+
+def _first_equal(source: list[Instr]) -> list[int]:
+    """Per instruction, the index of the first instruction equal to it."""
+    firsts: dict = {}                       # hash -> indices of distinct instructions with it
+    out = []
+    for o, ins in enumerate(source):
+        same = firsts.setdefault(hash(ins), [])
+        for i in same:
+            if source[i] is ins or source[i] == ins:
+                out.append(i)
+                break
+        else:
+            same.append(o)
+            out.append(o)
+    return out
 
 
 def _task(ins: Instr, rank: int, cond_row) -> Instr:

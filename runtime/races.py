@@ -717,12 +717,13 @@ def _replaces(win: tuple, write: bool, q: int, old: Access, lo: int, hi: int) ->
 
 # --- segments checked once -------------------------------------------------------------------
 
-def segment_key(instrs: list, tensors: list) -> tuple:
+def segment_key(instrs: list, tensors: list, ids: list | None = None) -> tuple:
     """What the race check of the instructions between two barriers depends on: the
     instructions, each DRAM tensor renamed by its first use in the segment (and marked tracked
     or not). Every access before a barrier is known done by every task after it, so a segment
     that repeats an earlier one in this form (a decoder's layers) has its races, and so its
-    verdict: checked once."""
+    verdict: checked once. ``ids``: per instruction, the index of the first instruction of the
+    program equal to it (isa/expand.py's Alike), which stands for one that names no tensor."""
     names: dict = {}
 
     def local(tensor: int) -> tuple:
@@ -730,11 +731,11 @@ def segment_key(instrs: list, tensors: list) -> tuple:
         return names.setdefault(tensor, (len(names), kind not in ("const", "input")))
 
     out = []
-    for ins in instrs:
+    for j, ins in enumerate(instrs):
         field = DRAM_FIELD.get(type(ins))
         mask = getattr(ins, "mask", None)
         if field is None and mask is None:
-            out.append(ins)
+            out.append(ins if ids is None else ids[j])
             continue
         fields = dict(ins.__dict__)
         if field is not None:
