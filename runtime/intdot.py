@@ -16,6 +16,8 @@ from __future__ import annotations
 from functools import cache
 
 import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper
 
 _INT16_MAX = 2 ** 15 - 1
 _U8_MAX = 255
@@ -27,10 +29,7 @@ def exact_int8(w_max: int) -> bool:
 
 
 @cache
-def _session():
-    # Imported here: onnxruntime's start-up is paid only by runs that multiply.
-    import onnxruntime as ort
-    from onnx import TensorProto, helper
+def _session() -> ort.InferenceSession:
     node = helper.make_node("MatMulInteger", ["A", "B", "a_zero"], ["Y"])
     graph = helper.make_graph(
         [node], "int8_matmul",
