@@ -30,6 +30,7 @@ import numpy as np
 from isa.arch import Arch
 from isa.expand import DRAM_FIELD, NONE, Tasks, in_program_order
 from isa.fields import QUEUES, View
+from isa.instructions import DmaStore
 from isa.program import Program
 from runtime.state import Trap
 
@@ -134,7 +135,7 @@ class Order:
         # A compiled program waits only for earlier instructions: program order is an order
         # to compute in, an instruction's tasks at once. A hand-written one may wait for a
         # later one: task by task, depth first then.
-        ordered = in_program_order(tasks, legions)
+        ordered = self.in_program_order = in_program_order(tasks, legions)
         if not ordered:
             deps = [self._deps(k) for k in range(n)]
             spans = [(k, k + 1) for k in _depth_first(deps)]
@@ -369,6 +370,9 @@ class RaceCheck:
         self._origin = self.order.origin.tolist()
         self._own_known, self._top_place = self.order.own_known, self.order.top_place
         self._shapes: dict[tuple, tuple] = {}           # window -> its bounds and rectangle
+        # Run in program order, a read after a tensor's last store meets no later write: it is
+        # checked against the writes kept, and not kept itself.
+        self._last_store = _last_stores(program) if self.order.in_program_order else {}
 
     def start(self, k: int, span: int = 1) -> None:
         """The emulator is about to run tasks k..k+span-1 (the ranks of one instruction); the
@@ -476,6 +480,8 @@ class RaceCheck:
             self._check_table(ledger, made, write, tensor)
         if write and span > 1 and abs(lstride) <= shapes[0][1] - shapes[0][0]:
             self._check_ranks(made, tensor)
+        if not write and self._origin[k] > self._last_store.get(tensor, len(self._origin)):
+            return
         for access in made:
             ledger.add(access)
 
@@ -579,6 +585,15 @@ class RaceCheck:
         p = self.program
         loc = p.where(k).removeprefix(f"{p.source}:").strip()
         return f"{'line ' + loc if loc.isdigit() else loc} ({p.instrs[k].MNEMONIC})"
+
+
+def _last_stores(program: Program) -> dict[int, int]:
+    """Per DRAM tensor a store writes, the last instruction (of the source program) that does."""
+    out = {}
+    for o, ins in enumerate(program.instrs.source):
+        if isinstance(ins, DmaStore):
+            out[ins.dst.tensor] = o
+    return out
 
 
 def _accessors(program: Program, arch: Arch, order: Order) -> tuple[list, dict]:
