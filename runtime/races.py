@@ -143,32 +143,31 @@ class Order:
             ends = np.append(tasks.first[1:], n)
             spans = list(zip(tasks.first.tolist(), ends.tolist()))
         own = self.queue != NONE
-        origin = tasks.origin.tolist()
         place = np.where(own, self.place + 1, 0)
-        column = np.where(own, self.queue, 0)
-        skip = np.zeros(len(tasks.source), np.bool_)
-        if self.unchecked is not None and ordered:
-            skip = self.unchecked
-        skipped = False
-        # Most tasks have no condition: their row is their queue predecessor's alone.
         los, his = (np.array(x, np.int64) for x in zip(*spans)) if spans else (np.zeros(0, np.int64),) * 2
+        # A task's own queue in its row, as an index into its span's rows laid end to end.
+        at = np.where(own, self.queue, 0) + (np.arange(n) - np.repeat(los, his - los)) * self.nq \
+            if ordered else np.where(own, self.queue, 0)
+        skip = np.zeros(len(los), np.bool_)
+        if self.unchecked is not None and ordered:
+            skip = self.unchecked[tasks.origin[los]] & own[los]
+        # A barrier after a skipped segment has its row set exactly; the spans skipped are
+        # not visited at all.
+        after_skip = np.concatenate([[False], skip[:-1]]).tolist()
+        # Most tasks have no condition: their row is their queue predecessor's alone.
         waited = np.concatenate([[0], np.cumsum(via_target != 2 * n)])
-        conditioned = (waited[his] > waited[los]).tolist()
-        ranks = np.arange(max((hi - lo for lo, hi in spans), default=0))
-        for (lo, hi), cond in zip(spans, conditioned):
+        conditioned = waited[his] > waited[los]
+        todo = np.flatnonzero(~skip)
+        for j, lo, hi, cond in zip(todo.tolist(), los[todo].tolist(), his[todo].tolist(), conditioned[todo].tolist()):
             if not own[lo]:
-                self._barrier(table, lo, exact=skipped)
-                skipped = False
-                continue
-            if skip[origin[lo]]:
-                skipped = True
+                self._barrier(table, lo, exact=after_skip[j])
                 continue
             row = table[via_prev[lo:hi]]
             if cond:
                 np.maximum(row, table[via_target[lo:hi]], out=row)
             table[lo:hi] = row
-            at = ranks[:hi - lo], column[lo:hi]
-            row[at] = np.maximum(row[at], place[lo:hi])
+            flat, mine = row.reshape(-1), at[lo:hi]
+            flat[mine] = np.maximum(flat[mine], place[lo:hi])
             table[n + lo:n + hi] = row
         return table[:n]
 
