@@ -605,7 +605,10 @@ def _accessors(program: Program, arch: Arch, order: Order) -> tuple[list, dict]:
     spads = [{s: set(own[legion]) for s in arch.derived.spad_elems} for legion in range(arch.legions)]
     dram: dict = {}
     spans = np.diff(np.append(tasks.first, len(tasks))).tolist()
-    for ins, first, span in zip(tasks.source, tasks.first.tolist(), spans):
+    ids = tasks.alike().ids
+    for o, (ins, first, span) in enumerate(zip(tasks.source, tasks.first.tolist(), spans)):
+        if ids[o] != o:
+            continue             # an equal instruction before it added the same queues
         queues = order.queue[first:first + span].tolist()
         if queues[0] == NONE:
             continue
