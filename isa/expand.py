@@ -79,6 +79,7 @@ class Tasks(Sequence):
         self.cond = _conditions(source, self, barrier, legions)
         self._made: list = [None] * len(self.origin)
         self._alike = None
+        self._in_order: dict = {}     # legions -> in_program_order's answer for these tasks
 
     def __len__(self) -> int:
         return len(self.origin)
@@ -260,6 +261,13 @@ def absolute(cond: Cond, legion: int, issued) -> Cond:
 def in_program_order(tasks: Tasks, legions: int) -> bool:
     """Whether every condition waits only for instructions before its own: program order is
     then an order to compute in (compiled programs are; a hand-written one may wait ahead)."""
+    known = getattr(tasks, "_in_order", {})
+    if legions not in known:
+        known[legions] = _in_program_order(tasks, legions)
+    return known[legions]
+
+
+def _in_program_order(tasks: Tasks, legions: int) -> bool:
     waits = np.flatnonzero(tasks.cond[:, 2] > 0)
     if not len(waits):
         return True
