@@ -79,6 +79,7 @@ class Tasks(Sequence):
         self.cond = _conditions(source, self, barrier, legions)
         self._made: list = [None] * len(self.origin)
         self._alike = None
+        self._in_order: dict = {}     # legions -> in_program_order's answer for these tasks
 
     def __len__(self) -> int:
         return len(self.origin)
@@ -121,24 +122,39 @@ class Tasks(Sequence):
 
 class Alike:
     """Values computed once per distinct instruction: a model's layers repeat every instruction
-    but their DMAs. Each instruction is hashed once (a hash walks every field) and compared only
-    when its hash meets an earlier one's."""
+    but their DMAs. Each instruction is hashed once (a hash walks every field), compared only
+    when its hash meets an earlier one's, and so resolved once to the first instruction equal
+    to it (``ids``), which every table of values shares."""
 
     def __init__(self, source: list[Instr]):
         self.source = source
-        self.hashes = [hash(i) for i in source]
+        self.ids = _first_equal(source)
         self.tables: dict = {}
 
     def get(self, table: str, o: int, make):
         """``make()`` for instruction ``o``, or what it gave for an equal instruction before."""
         seen = self.tables.setdefault(table, {})
-        ins, h = self.source[o], self.hashes[o]
-        hit = seen.get(h)
-        if hit is not None and (hit[0] is ins or hit[0] == ins):
-            return hit[1]
-        value = make()
-        seen[h] = (ins, value)
+        i = self.ids[o]
+        if i in seen:
+            return seen[i]
+        value = seen[i] = make()
         return value
+
+
+def _first_equal(source: list[Instr]) -> list[int]:
+    """Per instruction, the index of the first instruction equal to it."""
+    firsts: dict = {}                       # hash -> indices of distinct instructions with it
+    out = []
+    for o, ins in enumerate(source):
+        same = firsts.setdefault(hash(ins), [])
+        for i in same:
+            if source[i] is ins or source[i] == ins:
+                out.append(i)
+                break
+        else:
+            same.append(o)
+            out.append(o)
+    return out
 
 
 def _task(ins: Instr, rank: int, cond_row) -> Instr:
@@ -245,6 +261,13 @@ def absolute(cond: Cond, legion: int, issued) -> Cond:
 def in_program_order(tasks: Tasks, legions: int) -> bool:
     """Whether every condition waits only for instructions before its own: program order is
     then an order to compute in (compiled programs are; a hand-written one may wait ahead)."""
+    known = getattr(tasks, "_in_order", {})
+    if legions not in known:
+        known[legions] = _in_program_order(tasks, legions)
+    return known[legions]
+
+
+def _in_program_order(tasks: Tasks, legions: int) -> bool:
     waits = np.flatnonzero(tasks.cond[:, 2] > 0)
     if not len(waits):
         return True

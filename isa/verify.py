@@ -141,8 +141,10 @@ def _end_problems(tasks: Tasks, ctx: Context, bad: np.ndarray) -> list:
     """The family checks (which assume well-formed fields). A first task that moves nothing
     with its rank is checked once per distinct instruction (the layers of a model repeat them)."""
     out, alike, first = [], tasks.alike(), tasks.first.tolist()
+    origin = tasks.origin.tolist()
+    first_fine = set()                 # transfers whose first task has no problem
     for k in _checked_tasks(tasks).tolist():
-        o = int(tasks.origin[k])
+        o = origin[k]
         if bad[o]:
             continue
         # A first task is its instruction but for span, Legion stride and absolute condition,
@@ -152,13 +154,40 @@ def _end_problems(tasks: Tasks, ctx: Context, bad: np.ndarray) -> list:
         if isinstance(ins, Wait):        # its family's check is its condition's, made per task
             found = list(legion(ins.legion, ctx.arch)) if k == first[o] else []
         elif k != first[o]:
-            found = list(family_problems(tasks[k], ctx))
+            fine = o in first_fine and _rank_fits(ins, k - first[o], ctx)
+            found = [] if fine else list(family_problems(tasks[k], ctx))
         elif type(ins) in TRANSFER_CLASSES:
             found = list(family_problems(ins, ctx))
+            if not found:
+                first_fine.add(o)
         else:
             found = alike.get("family", o, lambda: list(family_problems(ins, ctx)))
         out += [(k, 0, what) for what in found]
     return out
+
+
+# The DRAM reference whose bounds move with a transfer's rank (None: no bounds to check).
+_RANK_DRAM = {DmaLoad: "src", DmaStore: "dst", Gather: None, NocMove: None}
+
+
+def _rank_fits(ins: Instr, rank: int, ctx: Context) -> bool:
+    """Whether rank ``rank`` of a transfer whose first task has no problem has none either:
+    it differs only by its Legion, destinations and DRAM offset, which move with the rank (the
+    views, tensor and dtypes are the first task's). False sends it to the full check."""
+    legions = ctx.arch.legions
+    if ins.legion + rank >= legions:
+        return False
+    dests = getattr(ins, "dests", None)
+    if dests and max(dests) + rank >= legions:
+        return False
+    field = _RANK_DRAM.get(type(ins), False)
+    if field is False:
+        return False                     # a class this shortcut does not know
+    if field is None or ins.rows <= 0 or ins.cols <= 0:
+        return True                      # a transfer without DRAM bounds (a gather's are checked as it runs)
+    ref = getattr(ins, field)
+    offset = ref.offset + rank * (ins.lstride or 0)
+    return 0 <= offset and offset + (ins.rows - 1) * ref.rs + ins.cols <= ctx.tensor(ref.tensor).storage_elems
 
 
 def _condition_problems(tasks: Tasks, queues: Queues, ctx: Context, bad: np.ndarray) -> list:

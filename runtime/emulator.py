@@ -96,11 +96,12 @@ def _repeated_segments(source: list, program: Program) -> np.ndarray:
     (races.segment_key): its verdict is that one's, so it is not checked again."""
     out = np.zeros(len(source), np.bool_)
     starts = [0] + [o for o, ins in enumerate(source) if isinstance(ins, Barrier) and o > 0]
+    ids = program.instrs.alike().ids
     checked = set()
     for lo, hi in zip(starts, starts[1:] + [len(source)]):
-        key = segment_key(source[lo:hi], program.tensors)
-        out[lo:hi] = key in checked
-        checked.add(key)
+        seen = len(checked)
+        checked.add(segment_key(source[lo:hi], program.tensors, ids[lo:hi]))   # one hash of the key
+        out[lo:hi] = len(checked) == seen
     return out
 
 

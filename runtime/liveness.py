@@ -31,8 +31,21 @@ class Liveness:
         instructions when each is run whole."""
         scratch = {i for i, t in enumerate(program.tensors) if t.kind == "scratch"}
         instrs = program.instrs if instrs is None else instrs
-        self.uses = [tuple(n for n in tensors_of(ins) if n in scratch) for ins in instrs]
+        if instrs is getattr(program.instrs, "source", None):
+            self.uses = self._alike_uses(program, scratch)
+        else:
+            self.uses = [tuple(n for n in tensors_of(ins) if n in scratch) for ins in instrs]
         self.left = Counter(n for used in self.uses for n in used)
+
+    @staticmethod
+    def _alike_uses(program: Program, scratch: set) -> list[tuple]:
+        """The uses of each source instruction, found once per distinct instruction."""
+        source, ids = program.instrs.source, program.instrs.alike().ids
+        uses = []
+        for o, ins in enumerate(source):
+            i = ids[o]
+            uses.append(uses[i] if i != o else tuple(n for n in tensors_of(ins) if n in scratch))
+        return uses
 
     def ran(self, k: int) -> list[int]:
         """Task ``k`` has run: the tensors it was the last use of."""

@@ -30,6 +30,7 @@ import numpy as np
 from isa.arch import Arch
 from isa.expand import DRAM_FIELD, NONE, Tasks, in_program_order
 from isa.fields import QUEUES, View
+from isa.instructions import DmaStore
 from isa.program import Program
 from runtime.state import Trap
 
@@ -134,7 +135,7 @@ class Order:
         # A compiled program waits only for earlier instructions: program order is an order
         # to compute in, an instruction's tasks at once. A hand-written one may wait for a
         # later one: task by task, depth first then.
-        ordered = in_program_order(tasks, legions)
+        ordered = self.in_program_order = in_program_order(tasks, legions)
         if not ordered:
             deps = [self._deps(k) for k in range(n)]
             spans = [(k, k + 1) for k in _depth_first(deps)]
@@ -142,32 +143,31 @@ class Order:
             ends = np.append(tasks.first[1:], n)
             spans = list(zip(tasks.first.tolist(), ends.tolist()))
         own = self.queue != NONE
-        origin = tasks.origin.tolist()
         place = np.where(own, self.place + 1, 0)
-        column = np.where(own, self.queue, 0)
-        skip = np.zeros(len(tasks.source), np.bool_)
-        if self.unchecked is not None and ordered:
-            skip = self.unchecked
-        skipped = False
-        # Most tasks have no condition: their row is their queue predecessor's alone.
         los, his = (np.array(x, np.int64) for x in zip(*spans)) if spans else (np.zeros(0, np.int64),) * 2
+        # A task's own queue in its row, as an index into its span's rows laid end to end.
+        at = np.where(own, self.queue, 0) + (np.arange(n) - np.repeat(los, his - los)) * self.nq \
+            if ordered else np.where(own, self.queue, 0)
+        skip = np.zeros(len(los), np.bool_)
+        if self.unchecked is not None and ordered:
+            skip = self.unchecked[tasks.origin[los]] & own[los]
+        # A barrier after a skipped segment has its row set exactly; the spans skipped are
+        # not visited at all.
+        after_skip = np.concatenate([[False], skip[:-1]]).tolist()
+        # Most tasks have no condition: their row is their queue predecessor's alone.
         waited = np.concatenate([[0], np.cumsum(via_target != 2 * n)])
-        conditioned = (waited[his] > waited[los]).tolist()
-        ranks = np.arange(max((hi - lo for lo, hi in spans), default=0))
-        for (lo, hi), cond in zip(spans, conditioned):
+        conditioned = waited[his] > waited[los]
+        todo = np.flatnonzero(~skip)
+        for j, lo, hi, cond in zip(todo.tolist(), los[todo].tolist(), his[todo].tolist(), conditioned[todo].tolist()):
             if not own[lo]:
-                self._barrier(table, lo, exact=skipped)
-                skipped = False
-                continue
-            if skip[origin[lo]]:
-                skipped = True
+                self._barrier(table, lo, exact=after_skip[j])
                 continue
             row = table[via_prev[lo:hi]]
             if cond:
                 np.maximum(row, table[via_target[lo:hi]], out=row)
             table[lo:hi] = row
-            at = ranks[:hi - lo], column[lo:hi]
-            row[at] = np.maximum(row[at], place[lo:hi])
+            flat, mine = row.reshape(-1), at[lo:hi]
+            flat[mine] = np.maximum(flat[mine], place[lo:hi])
             table[n + lo:n + hi] = row
         return table[:n]
 
@@ -369,6 +369,9 @@ class RaceCheck:
         self._origin = self.order.origin.tolist()
         self._own_known, self._top_place = self.order.own_known, self.order.top_place
         self._shapes: dict[tuple, tuple] = {}           # window -> its bounds and rectangle
+        # Run in program order, a read after a tensor's last store meets no later write: it is
+        # checked against the writes kept, and not kept itself.
+        self._last_store = _last_stores(program) if self.order.in_program_order else {}
 
     def start(self, k: int, span: int = 1) -> None:
         """The emulator is about to run tasks k..k+span-1 (the ranks of one instruction); the
@@ -476,6 +479,8 @@ class RaceCheck:
             self._check_table(ledger, made, write, tensor)
         if write and span > 1 and abs(lstride) <= shapes[0][1] - shapes[0][0]:
             self._check_ranks(made, tensor)
+        if not write and self._origin[k] > self._last_store.get(tensor, len(self._origin)):
+            return
         for access in made:
             ledger.add(access)
 
@@ -581,6 +586,15 @@ class RaceCheck:
         return f"{'line ' + loc if loc.isdigit() else loc} ({p.instrs[k].MNEMONIC})"
 
 
+def _last_stores(program: Program) -> dict[int, int]:
+    """Per DRAM tensor a store writes, the last instruction (of the source program) that does."""
+    out = {}
+    for o, ins in enumerate(program.instrs.source):
+        if isinstance(ins, DmaStore):
+            out[ins.dst.tensor] = o
+    return out
+
+
 def _accessors(program: Program, arch: Arch, order: Order) -> tuple[list, dict]:
     """The queues whose tasks touch each Legion's scratchpads (by space), and each DRAM tensor:
     a Legion's own queues, and the DMA queues of the loads that deliver to it (rank r of a
@@ -591,7 +605,10 @@ def _accessors(program: Program, arch: Arch, order: Order) -> tuple[list, dict]:
     spads = [{s: set(own[legion]) for s in arch.derived.spad_elems} for legion in range(arch.legions)]
     dram: dict = {}
     spans = np.diff(np.append(tasks.first, len(tasks))).tolist()
-    for ins, first, span in zip(tasks.source, tasks.first.tolist(), spans):
+    ids = tasks.alike().ids
+    for o, (ins, first, span) in enumerate(zip(tasks.source, tasks.first.tolist(), spans)):
+        if ids[o] != o:
+            continue             # an equal instruction before it added the same queues
         queues = order.queue[first:first + span].tolist()
         if queues[0] == NONE:
             continue
@@ -717,12 +734,13 @@ def _replaces(win: tuple, write: bool, q: int, old: Access, lo: int, hi: int) ->
 
 # --- segments checked once -------------------------------------------------------------------
 
-def segment_key(instrs: list, tensors: list) -> tuple:
+def segment_key(instrs: list, tensors: list, ids: list | None = None) -> tuple:
     """What the race check of the instructions between two barriers depends on: the
     instructions, each DRAM tensor renamed by its first use in the segment (and marked tracked
     or not). Every access before a barrier is known done by every task after it, so a segment
     that repeats an earlier one in this form (a decoder's layers) has its races, and so its
-    verdict: checked once."""
+    verdict: checked once. ``ids``: per instruction, the index of the first instruction of the
+    program equal to it (isa/expand.py's Alike), which stands for one that names no tensor."""
     names: dict = {}
 
     def local(tensor: int) -> tuple:
@@ -730,11 +748,11 @@ def segment_key(instrs: list, tensors: list) -> tuple:
         return names.setdefault(tensor, (len(names), kind not in ("const", "input")))
 
     out = []
-    for ins in instrs:
+    for j, ins in enumerate(instrs):
         field = DRAM_FIELD.get(type(ins))
         mask = getattr(ins, "mask", None)
         if field is None and mask is None:
-            out.append(ins)
+            out.append(ins if ids is None else ids[j])
             continue
         fields = dict(ins.__dict__)
         if field is not None:

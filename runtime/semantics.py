@@ -19,6 +19,7 @@ from isa.instructions import (Barrier, DmaLoad, DmaStore, Drain, Gather, Instr, 
                               VMatMul, VReduce, VSelect, VUnary, Wait)
 from isa.program import LOADS, STORAGE, STORES, UNPACK, Tensor
 from runtime.fdot import rounded_matmul
+from runtime.intdot import exact_int8, int8_matmul
 from runtime.state import Machine, Trap, move
 
 Handler = Callable[[Machine, Instr], None]
@@ -132,9 +133,10 @@ def gather(m: Machine, i: Gather) -> None:
 
 # --- matrix ----------------------------------------------------------------------------------
 
-# fp32 values of the weights a w2/w4 byte packs, lowest bits first, as one element per byte
-# (a row of 8/bits fp32 as raw bytes): unpacking is one flat take, not a take of table rows.
-_WEIGHT_LUT = {mode: np.ascontiguousarray(UNPACK[mode], np.float32).view(f"V{4 * UNPACK[mode].shape[1]}").ravel()
+# The weights a w2/w4 byte packs, lowest bits first, as one unsigned integer per byte (a row of
+# 8/bits int8 as raw bytes): unpacking is one flat take of a plain integer type, which numpy
+# copies faster than a row or a void record.
+_WEIGHT_LUT = {mode: np.ascontiguousarray(UNPACK[mode], np.int8).view(f"u{UNPACK[mode].shape[1]}").ravel()
                for mode in ("w4", "w2")}
 # Every integer of magnitude up to 2**24 is an fp32 value.
 FP32_EXACT = 2 ** 24
@@ -143,12 +145,12 @@ WIDE_ROWS = 8
 
 
 def _weights(m: Machine, i: MatMul) -> np.ndarray:
-    """Each rank's K x N weights as fp32 (exact small integers), unpacked from the weight scratchpad."""
+    """Each rank's K x N int8 weights, unpacked from the weight scratchpad."""
     row_bytes = -(-i.N * MODE_BITS[i.mode] // 8)
     packed = m.read(i.legion, i.wgt, i.K, row_bytes, _span(i))
     if i.mode == "w8":
-        return packed.view(np.int8).astype(np.float32)
-    w = _WEIGHT_LUT[i.mode].take(packed).view(np.float32)
+        return packed.view(np.int8)
+    w = _WEIGHT_LUT[i.mode].take(packed).view(np.int8)
     return w.reshape(packed.shape[0], i.K, -1)[:, :, :i.N]
 
 
@@ -206,14 +208,16 @@ def matmul(m: Machine, i: MatMul) -> None:
     if kept is not None:
         w = w * kept
     w_max = 1 << (MODE_BITS[i.mode] - 1)
-    if span > 1 and i.M >= WIDE_ROWS and (a == a[:1]).all():
+    if exact_int8(w_max):
+        out = int8_matmul(a, w)
+    elif span > 1 and i.M >= WIDE_ROWS and (a == a[:1]).all():
         # Multicast activations: the ranks' weights side by side make one wide product, which
         # BLAS runs faster than a batch of narrow ones (exact either way); worth the copy of
         # the weights only for enough rows.
-        wide = np.moveaxis(w, 0, 1).reshape(i.K, span * i.N)
+        wide = np.moveaxis(w, 0, 1).reshape(i.K, span * i.N).astype(np.float32)
         out = exact_matmul(a[0], wide, w_max).reshape(i.M, span, i.N).transpose(1, 0, 2)
     else:
-        out = exact_matmul(a, w, w_max)
+        out = exact_matmul(a, w.astype(np.float32), w_max)
     if i.accumulate == "add":
         out = m.read(i.legion, i.acc, i.M, i.N, span) + out      # int32 arrays wrap around
     m.write(i.legion, i.acc, out)

@@ -379,7 +379,9 @@ def _counters(program: Program, costed: Costed, tasks, start: np.ndarray, free: 
     for c, n in times.values():
         for name, v in c.counters.items():
             counters[name] += v * n
-    fam_of = np.array([FAMILIES.index(family(type(i))) for i in program.instrs.source], dtype=np.int64)
+    index = {}                          # instruction class -> its family's index
+    fam_of = np.array([index[c] if (c := type(i)) in index else index.setdefault(c, FAMILIES.index(family(c)))
+                       for i in program.instrs.source], dtype=np.int64)
     fam = fam_of[origin] if len(origin) else origin
     held = free - start
     count = np.bincount(fam, minlength=len(FAMILIES))
@@ -405,12 +407,13 @@ def _busy(tasks, fam: np.ndarray, held: np.ndarray) -> dict:
 def _per_instr(program: Program, costed: Costed, first: list, start, done, legion: np.ndarray) -> list:
     rows = []
     detailed = [o for o, c in enumerate(costed.costs) if c.detail is not None]
+    n = len(costed.origin)
     for o in detailed:
         lo = first[o]
-        hi = first[o + 1] if o + 1 < len(first) else len(costed.origin)
-        for k in range(lo, hi):
-            rows.append({"index": k, "legion": int(legion[k]), **costed.costs[o].detail,
-                         "start": float(start[k]), "done": float(done[k])})
+        hi = first[o + 1] if o + 1 < len(first) else n
+        detail = costed.costs[o].detail
+        for k, lg, s, d in zip(range(lo, hi), legion[lo:hi].tolist(), start[lo:hi].tolist(), done[lo:hi].tolist()):
+            rows.append({"index": k, "legion": lg, **detail, "start": s, "done": d})
     return rows
 
 

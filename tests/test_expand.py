@@ -133,3 +133,17 @@ def test_compiled_row_kernels_span_every_legion(tmp_path):
     x = np.random.default_rng(0).standard_normal((4096, 512)).astype(np.float32)
     y = run(program, WIDE, {"x": x}).outputs["y"]
     np.testing.assert_allclose(y, 1 / (1 + np.exp(-x)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("body, message", [
+    ("dma.ld L0 {0} vec[0,16,1] @x[0,16] rows=2 cols=16 span=2 lstride=48",
+     "dma.ld: src @x[48,16] over 2x16 reaches storage element 79 of tensor 'x', which has 64"),
+    ("dma.st L0 @y[0,16] vec[0,16,1] rows=2 cols=16 span=2 lstride=40",
+     "dma.st: dst @y[40,16] over 2x16 reaches storage element 71 of tensor 'y', which has 64"),
+    ("dma.ld L0 {1} vec[0,16,1] @x[0,16] rows=2 cols=16 span=2 lstride=32",
+     "dma.ld: dests: Legion L2 does not exist (dlegion-tiny has 2)"),
+])
+def test_the_last_rank_of_a_transfer_is_checked_where_it_moves(body, message):
+    """The first rank fits; the last one's DRAM window or destination does not."""
+    text = ".arch dlegion-tiny\n.tensor x f32[4,16] input \"x\"\n.tensor y f32[4,16] output \"y\"\n" + body + "\n"
+    assert check(asm.parse(text, "t.s"), TINY) == [f"t.s:4: {message}"]

@@ -233,3 +233,24 @@ def test_a_removed_wait_in_a_compiled_program_is_reported(compiled8, mnemonic):
     run(compiled8, L8, inputs)                       # the program as compiled has no race
     with pytest.raises(Trap, match="race on"):
         run(racy, L8, inputs)
+
+
+def test_a_store_races_with_a_read_of_the_value_it_overwrites():
+    """Line 7's load of @t waits for the first store; the second store (line 8) does not wait
+    for that load."""
+    with pytest.raises(Trap, match=r"8: dma.st: race on @t\[0\]: line 7 \(dma.ld\) read it"):
+        emulate("""dma.ld L0 {0} vec[0,8,1] @x[0,8] rows=4 cols=8
+dma.st L0 @t[0,8] vec[0,8,1] rows=4 cols=8 wait=L0.dma>=1
+dma.ld L1 {1} vec[0,8,1] @t[0,8] rows=4 cols=8 wait=L0.dma>=2
+dma.st L0 @t[0,8] vec[0,8,1] rows=4 cols=8
+dma.st L1 @y[0,8] vec[0,8,1] rows=4 cols=8 wait=L1.dma>=1""")
+
+
+def test_reads_after_a_tensors_last_store_are_checked_not_kept():
+    """No write follows them, so nothing can race with them: the ledger keeps the store."""
+    result = emulate("""dma.ld L0 {0} vec[0,8,1] @x[0,8] rows=4 cols=8
+dma.st L0 @t[0,8] vec[0,8,1] rows=4 cols=8 wait=L0.dma>=1
+dma.ld L1 {1} vec[0,8,1] @t[0,8] rows=4 cols=8 wait=L0.dma>=2
+dma.st L1 @y[0,8] vec[0,8,1] rows=4 cols=8 wait=L1.dma>=1""")
+    kept = result.machine.watch.dram[2].items                 # @t
+    assert [access[5] for access in kept] == [True]           # the store's write alone
