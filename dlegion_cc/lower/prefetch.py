@@ -32,6 +32,7 @@ from isa.expand import absolute
 from isa.fields import QUEUES, Cond, DramRef
 from isa.instructions import Barrier, DmaLoad, Gather, MatMul, Wait
 from isa.program import Program
+from dlegion_cc.lower.overlap import layer_ends
 from runtime.costs import Env, cost
 
 Key = tuple[int, str]        # (Legion, queue)
@@ -50,35 +51,70 @@ def reorder(program: Program, arch: Arch) -> tuple[list[tuple[int, object]], lis
     are not yet fixed."""
     instrs, old = program.instrs, program.regions
     ends = [at for at, _ in old[1:]] + [len(instrs)]
+    spans = [range(at, end) for (at, _), end in zip(old, ends)]
+    last_of_layer = layer_ends(program)
     order = [(k, instrs[k]) for k in range(old[0][0] if old else len(instrs))]
-    regions: list[tuple[int, str]] = []
-    for r, (at, name) in enumerate(old):
-        matmul = range(at, ends[r])
-        node = range(old[r - 1][0], at) if r else range(0)
+    for r, matmul in enumerate(spans):
+        chain = _reach(program, arch, _chain(instrs, arch, spans[:r], matmul, last_of_layer), matmul)
         moved, kept = [], [(k, instrs[k]) for k in matmul]
-        if _prefetchable(instrs, arch, node, matmul):
-            moved, kept = _split(program, arch, node, matmul)
+        if chain:
+            moved, kept = _split(program, arch, chain, matmul)
         if moved:
-            moved, issuers = _reissued(moved, _dma_legions(instrs, node), arch)
-            place = _hand_over(order, instrs, arch, node, _gates(instrs, arch, node), moved, issuers)
-            regions += [(place, name), (place + len(moved), old[r - 1][1])]
-        regions.append((len(order), name))
+            moved, issuers = _reissued(moved, _dma_legions(instrs, *chain), arch)
+            _hand_over(order, instrs, arch, chain, moved, issuers)
         order += kept
-    return order, regions
+    return order, _regions(order, spans, old)
 
 
-def _hand_over(order: list, instrs, arch: Arch, node: range, gates: list, moved: list, issuers: dict) -> int:
-    """Rewrite the node, which went into ``order`` as it was (it runs no matmul): the ``moved``
-    loads go in after its last load and ``gates``; its barrier gives way to waits that stand for
-    it (``_hand_off``, each with the barrier's index), and the matrix queue of a Legion whose
-    loads another issued (``issuers``: receiver -> issuers) waits for those. Returns where
-    ``moved`` starts."""
-    barrier = order.pop()
-    at = len(order) - (len(_tail(instrs, node)) - 1)
-    order[at:at] = gates + moved
-    order += [(barrier[0], w) for w in _hand_off(instrs, arch, node)]
-    order += [(None, Wait(x, "mat", Cond(l, "dma", None, 0))) for x, ls in sorted(issuers.items()) for l in ls]
-    return at + len(gates)
+def _chain(instrs, arch: Arch, before: list[range], matmul: range, last_of_layer: set[int]) -> list[range]:
+    """The nodes a matmul's first weights may load during: the run of regions just before it
+    that end in a barrier and never touch the weight scratchpad, as long as some Legion's DMA
+    queue stays idle through all of them (it issues the loads of the busy ones). Only the node
+    just before it is taken across the end of a layer: the layers stay alike."""
+    if not any(isinstance(instrs[k], MatMul) for k in matmul):
+        return []
+    chain: list[range] = []
+    for node in reversed(before):
+        if not (len(node) > 0 and isinstance(instrs[node.stop - 1], Barrier)):
+            break
+        if any(_touches_weights(instrs[k]) for k in node) or (chain and node.stop - 1 in last_of_layer):
+            break
+        if len(_dma_legions(instrs, node, *chain)) >= arch.legions:
+            break
+        chain.insert(0, node)
+    return chain
+
+
+def _regions(order: list, spans: list[range], old: list) -> list[tuple[int, str]]:
+    """The regions of the new order: each instruction stays in its old region (a moved load in
+    its matmul's), a new wait in that of the instruction before it."""
+    region_of = {k: r for r, span in enumerate(spans) for k in span}
+    out, last = [], None
+    for at, (k, _) in enumerate(order):
+        r = last if k is None else region_of.get(k, last)
+        if r is not None and r != last:
+            out.append((at, old[r][1]))
+        last = r
+    return out
+
+
+def _hand_over(order: list, instrs, arch: Arch, chain: list[range], moved: list, issuers: dict) -> None:
+    """Rewrite the ``chain`` of nodes, which went into ``order`` as they were (they run no
+    matmul) and end it: the ``moved`` loads go in after the first node's last load and the
+    waits that hold them until those have landed (``_gates``); each node's barrier gives way to
+    waits that stand for it (``_hand_off``, each with the barrier's index), and after the last
+    the matrix queue of a Legion whose loads another issued (``issuers``: receiver -> issuers)
+    waits for those."""
+    stop = len(order)
+    for n, node in reversed(list(enumerate(chain))):
+        barrier = order[stop - 1][0]
+        waits = [(barrier, w) for w in _hand_off(instrs, arch, node)]
+        if n == len(chain) - 1:
+            waits += [(None, Wait(x, "mat", Cond(l, "dma", None, 0))) for x, ls in sorted(issuers.items()) for l in ls]
+        order[stop - 1:stop] = waits
+        stop -= len(node)
+    at = stop + (_tail(instrs, chain[0]).start - chain[0].start)
+    order[at:at] = _gates(instrs, arch, chain[0]) + moved
 
 
 def _hand_off(instrs, arch: Arch, node: range) -> list[Wait]:
@@ -119,26 +155,15 @@ def _row_pieces(i: DmaLoad, parts: int) -> list[DmaLoad]:
             for r0, r1 in zip(cuts, cuts[1:]) if r1 > r0]
 
 
-def _prefetchable(instrs, arch: Arch, node: range, matmul: range) -> bool:
-    """A matmul's region after a node's that ends in a barrier, never touches the weight
-    scratchpad and leaves some Legion's DMA queue idle."""
-    if not (len(node) > 0 and isinstance(instrs[node.stop - 1], Barrier)
-            and any(isinstance(instrs[k], MatMul) for k in matmul)):
-        return False
-    if any(_touches_weights(instrs[k]) for k in node):
-        return False
-    return len(_dma_legions(instrs, node)) < arch.legions
-
-
 def _queues_used(instrs, node: range) -> list[Key]:
     """The queues the node runs instructions on (its barrier aside)."""
     return sorted({(l, instrs[k].queue()) for k in node if not isinstance(instrs[k], Barrier)
                    for l in _legions(instrs[k])})
 
 
-def _dma_legions(instrs, node: range) -> list[int]:
-    """The Legions whose DMA queues the node uses."""
-    return [l for l, queue in _queues_used(instrs, node) if queue == "dma"]
+def _dma_legions(instrs, *nodes: range) -> list[int]:
+    """The Legions whose DMA queues the nodes use."""
+    return sorted({l for node in nodes for l, queue in _queues_used(instrs, node) if queue == "dma"})
 
 
 def _everywhere(arch: Arch, queue: str, legion: int, until: str) -> Wait:
@@ -166,15 +191,15 @@ def _legions(i) -> range:
     return range(i.legion, i.legion + (i.span or 1))
 
 
-def _split(program: Program, arch: Arch, node: range, matmul: range) -> tuple[list, list]:
+def _split(program: Program, arch: Arch, chain: list[range], matmul: range) -> tuple[list, list]:
     """(the loads to move, the rest of the matmul's region), each as (old index, instruction).
     A Legion's loads move while its DMA queue has met nothing that waits, up to its share of
-    what DRAM carries while the node runs."""
+    what DRAM carries while the nodes of the ``chain`` run."""
     instrs = program.instrs
-    d = arch.derived
-    share = min(d.spad_elems["wgt"], _window(program, arch, node) * d.dram_bytes_per_cycle / arch.legions)
+    share, near = _shares(program, arch, chain)
     open_ = {l: True for l in range(arch.legions)}
-    room = {l: share for l in range(arch.legions)}
+    # Past what the node just before it covers, no more than leaves DRAM busy during its passes.
+    room = {l: min(share, max(near, left)) for l, left in _streaming(program, arch, matmul).items()}
     moved, kept = [], []
     for k in matmul:
         i = instrs[k]
@@ -197,6 +222,44 @@ def _split(program: Program, arch: Arch, node: range, matmul: range) -> tuple[li
                 open_[l] = False
         kept.append((k, i))
     return moved, kept
+
+
+def _shares(program: Program, arch: Arch, chain: list[range]) -> tuple[float, float]:
+    """Per Legion, the weight bytes DRAM carries while the whole chain runs, and while its last
+    node does (at most the weight scratchpad)."""
+    d = arch.derived
+    windows = [_window(program, arch, node) for node in chain]
+    return tuple(min(d.spad_elems["wgt"], w * d.dram_bytes_per_cycle / arch.legions)
+                 for w in (sum(windows), windows[-1]))
+
+
+def _reach(program: Program, arch: Arch, chain: list[range], matmul: range) -> list[range]:
+    """The chain, or its last node alone when no Legion has more weights to load early than
+    that node covers (more nodes would only lose their barriers)."""
+    if len(chain) < 2:
+        return chain
+    _, near = _shares(program, arch, chain)
+    if all(left <= near for left in _streaming(program, arch, matmul).values()):
+        return chain[-1:]
+    return chain
+
+
+def _streaming(program: Program, arch: Arch, matmul: range) -> dict[int, float]:
+    """Per Legion, the weight bytes that may load before the matmul and leave DRAM busy while
+    it runs: its weights but what its share of DRAM carries during its passes. Weights all
+    loaded before, its passes would run with DRAM idle."""
+    env = Env(tuple(program.tensors), {})
+    weights, passes = Counter(), Counter()
+    for k in matmul:
+        i = program.instrs[k]
+        if isinstance(i, DmaLoad) and i.dst.space == "wgt":
+            for l in _legions(i):
+                weights[l] += i.rows * i.cols
+        elif isinstance(i, MatMul):     # costed dense: a block mask only shortens its passes
+            for l in _legions(i):
+                passes[l] += cost(replace(i, mask=None), arch, env).cycles
+    share = arch.derived.dram_bytes_per_cycle / arch.legions
+    return {l: max(0.0, weights[l] - passes[l] * share) for l in range(arch.legions)}
 
 
 def _window(program: Program, arch: Arch, node: range) -> float:
