@@ -32,7 +32,7 @@ from isa.expand import absolute
 from isa.fields import QUEUES, Cond, DramRef
 from isa.instructions import Barrier, DmaLoad, Gather, MatMul, Wait
 from isa.program import Program
-from dlegion_cc.lower.overlap import layer_ends
+from dlegion_cc.lower.overlap import _meet, footprint, layer_ends
 from runtime.costs import Env, cost
 
 Key = tuple[int, str]        # (Legion, queue)
@@ -54,16 +54,95 @@ def reorder(program: Program, arch: Arch) -> tuple[list[tuple[int, object]], lis
     spans = [range(at, end) for (at, _), end in zip(old, ends)]
     last_of_layer = layer_ends(program)
     order = [(k, instrs[k]) for k in range(old[0][0] if old else len(instrs))]
+    placed: dict[int, range] = {}         # a matmul region -> where its kept part went in ``order``
     for r, matmul in enumerate(spans):
         chain = _reach(program, arch, _chain(instrs, arch, spans[:r], matmul, last_of_layer), matmul)
-        moved, kept = [], [(k, instrs[k]) for k in matmul]
+        before = r - len(chain) - 1           # the region before the chain: a matmul's?
+        kept = [(k, instrs[k]) for k in matmul]
+        tail, kept, taken = _into_tail(program, arch, order, placed.get(before), kept)
+        moved = []
         if chain:
-            moved, kept = _split(program, arch, chain, matmul)
+            moved, kept = _split(program, arch, chain, matmul, kept, taken)
         if moved:
             moved, issuers = _reissued(moved, _dma_legions(instrs, *chain), arch)
             _hand_over(order, instrs, arch, chain, moved, issuers)
+        if tail:
+            order[tail[0]:tail[0]] = tail[1]
+        if any(isinstance(i, MatMul) for _, i in kept):
+            placed[r] = range(len(order), len(order) + len(kept))
         order += kept
     return order, _regions(order, spans, old)
+
+
+def _into_tail(program: Program, arch: Arch, order: list, prev: range | None, items: list):
+    """The matmul's first weight loads that may go into the last passes of the matmul before
+    it (placed at ``prev`` in ``order``): each into a part of the weight scratchpad that
+    matmul has read for the last time, and waiting on its Legion's matrix queue for that read.
+    Returns (None or (where in ``order``, the loads and their waits), the rest of ``items``,
+    the bytes taken per Legion)."""
+    taken = Counter()
+    if prev is None:
+        return None, items, taken
+    tensors = program.tensors
+    span = order[prev.start:prev.stop]
+    loads = [j for j, (_, i) in enumerate(span) if isinstance(i, (DmaLoad, Gather))]
+    if not loads or isinstance(span[-1][1], Barrier) is False:
+        return None, items, taken
+    after = loads[-1] + 1                 # after the earlier matmul's last load: its own come first
+    mats = {l: [j for j, (_, i) in enumerate(span) if isinstance(i, MatMul) and l in _legions(i)]
+            for l in range(arch.legions)}
+    share = arch.derived.dram_bytes_per_cycle / arch.legions
+    env = Env(tuple(tensors), {})
+    open_ = dict.fromkeys(range(arch.legions), True)
+    picked, rest = [], []
+    for k, i in items:
+        if not (_free_weight_load(i) and any(open_[l] for l in _legions(i))):
+            if isinstance(i, Barrier) or (i.queue() == "dma" and i.condition() is not None):
+                for l in _legions(i) if not isinstance(i, Barrier) else open_:
+                    open_[l] = False
+            rest.append((k, i))
+            continue
+        for run, _ in _runs(i, open_):
+            part = _part(i, run)
+            ok = all(open_[l] for l in run)
+            conflict = [_last_conflict(span, part, rank, l, tensors) for rank, l in enumerate(run)] if ok else []
+            later = [[j for j in mats[l] if j > c] for c, l in zip(conflict, run)] if ok else []
+            window = [sum(cost(replace(span[j][1], mask=None), arch, env).cycles for j in js) for js in later]
+            nbytes = part.rows * part.cols
+            ok = ok and all(c is not None and isinstance(span[c][1], MatMul) and js and
+                            taken[l] + nbytes <= w * share for c, js, w, l in zip(conflict, later, window, run))
+            if not ok:
+                for l in run:
+                    open_[l] = False
+                rest.append((k, part))
+                continue
+            back = min(len([j for j in mats[l] if c < j < after]) for c, l in zip(conflict, run))
+            picked.append((max(conflict), (k, replace(part, wait=Cond(None, "mat", None, 0))), back))
+            for l in run:
+                taken[l] += nbytes
+    if not picked:
+        return None, items, Counter()
+    at = max([after] + [c + 1 for c, _, _ in picked])
+    out = []
+    for c, (k, x), _ in picked:
+        back = len([j for j in mats[x.legion] if c < j < at])
+        out.append((k, replace(x, wait=Cond(None, "mat", None, back))))
+    return (prev.start + at, out), rest, taken
+
+
+def _last_conflict(span: list, load: DmaLoad, rank: int, legion: int, tensors) -> int | None:
+    """Where in ``span`` the last instruction touching what ``load`` writes on ``legion`` is
+    (-1: none)."""
+    mine = [w for space, w, *_ in footprint(load, rank, tensors) if space == (legion, "wgt")]
+    last = -1
+    for j, (_, i) in enumerate(span):
+        if not _touches_weights(i):
+            continue
+        theirs = [w for r in range(i.span or 1) for space, w, *_ in footprint(i, r, tensors)
+                  if space == (legion, "wgt")]
+        if any(_meet(a, b) for a in mine for b in theirs):
+            last = j
+    return last if last >= 0 else None
 
 
 def _chain(instrs, arch: Arch, before: list[range], matmul: range, last_of_layer: set[int]) -> list[range]:
@@ -191,18 +270,17 @@ def _legions(i) -> range:
     return range(i.legion, i.legion + (i.span or 1))
 
 
-def _split(program: Program, arch: Arch, chain: list[range], matmul: range) -> tuple[list, list]:
+def _split(program: Program, arch: Arch, chain: list[range], matmul: range, items: list,
+           taken: Counter) -> tuple[list, list]:
     """(the loads to move, the rest of the matmul's region), each as (old index, instruction).
     A Legion's loads move while its DMA queue has met nothing that waits, up to its share of
     what DRAM carries while the nodes of the ``chain`` run."""
-    instrs = program.instrs
     share, near = _shares(program, arch, chain)
     open_ = {l: True for l in range(arch.legions)}
     # Past what the node just before it covers, no more than leaves DRAM busy during its passes.
-    room = {l: min(share, max(near, left)) for l, left in _streaming(program, arch, matmul).items()}
+    room = {l: min(share, max(near, left)) - taken[l] for l, left in _streaming(program, arch, matmul).items()}
     moved, kept = [], []
-    for k in matmul:
-        i = instrs[k]
+    for k, i in items:
         if isinstance(i, Barrier):      # what follows may read what the region wrote before it
             open_ = dict.fromkeys(open_, False)
         if isinstance(i, Barrier) or i.queue() != "dma":
