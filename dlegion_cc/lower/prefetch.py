@@ -77,57 +77,78 @@ def reorder(program: Program, arch: Arch) -> tuple[list[tuple[int, object]], lis
 def _into_tail(program: Program, arch: Arch, order: list, prev: range | None, items: list):
     """The matmul's first weight loads that may go into the last passes of the matmul before
     it (placed at ``prev`` in ``order``): each into a part of the weight scratchpad that
-    matmul has read for the last time, and waiting on its Legion's matrix queue for that read.
-    Returns (None or (where in ``order``, the loads and their waits), the rest of ``items``,
-    the bytes taken per Legion)."""
-    taken = Counter()
-    if prev is None:
-        return None, items, taken
-    tensors = program.tensors
-    span = order[prev.start:prev.stop]
+    matmul has read for the last time, waiting on its Legion's matrix queue for that read, as
+    many bytes as DRAM carries in the passes after it. Returns (None or (where in ``order``,
+    the loads), the rest of ``items``, the bytes taken per Legion)."""
+    taken: Counter = Counter()
+    span = order[prev.start:prev.stop] if prev is not None else []
     loads = [j for j, (_, i) in enumerate(span) if isinstance(i, (DmaLoad, Gather))]
-    if not loads or isinstance(span[-1][1], Barrier) is False:
+    if not loads or not isinstance(span[-1][1], Barrier):
         return None, items, taken
     after = loads[-1] + 1                 # after the earlier matmul's last load: its own come first
-    mats = {l: [j for j, (_, i) in enumerate(span) if isinstance(i, MatMul) and l in _legions(i)]
-            for l in range(arch.legions)}
-    share = arch.derived.dram_bytes_per_cycle / arch.legions
-    env = Env(tuple(tensors), {})
+    passes = _Passes(program, arch, span)
     open_ = dict.fromkeys(range(arch.legions), True)
     picked, rest = [], []
     for k, i in items:
         if not (_free_weight_load(i) and any(open_[l] for l in _legions(i))):
             if isinstance(i, Barrier) or (i.queue() == "dma" and i.condition() is not None):
-                for l in _legions(i) if not isinstance(i, Barrier) else open_:
-                    open_[l] = False
+                open_ = dict.fromkeys(open_, False) if isinstance(i, Barrier) else {
+                    l: open_[l] and l not in _legions(i) for l in open_}
             rest.append((k, i))
             continue
-        for run, _ in _runs(i, open_):
+        for run, ok in _runs(i, open_):
             part = _part(i, run)
-            ok = all(open_[l] for l in run)
-            conflict = [_last_conflict(span, part, rank, l, tensors) for rank, l in enumerate(run)] if ok else []
-            later = [[j for j in mats[l] if j > c] for c, l in zip(conflict, run)] if ok else []
-            window = [sum(cost(replace(span[j][1], mask=None), arch, env).cycles for j in js) for js in later]
-            nbytes = part.rows * part.cols
-            ok = ok and all(c is not None and isinstance(span[c][1], MatMul) and js and
-                            taken[l] + nbytes <= w * share for c, js, w, l in zip(conflict, later, window, run))
-            if not ok:
-                for l in run:
-                    open_[l] = False
+            read = [passes.last_read(part, rank, l) for rank, l in enumerate(run)] if ok else []
+            if not ok or None in read:      # read until its last pass, or not to be moved: stays
                 rest.append((k, part))
                 continue
-            back = min(len([j for j in mats[l] if c < j < after]) for c, l in zip(conflict, run))
-            picked.append((max(conflict), (k, replace(part, wait=Cond(None, "mat", None, 0))), back))
-            for l in run:
-                taken[l] += nbytes
+            room = min(passes.carried_after(l, c) - taken[l] for c, l in zip(read, run))
+            rows = max(0, min(part.rows, int(room // part.cols)))
+            if rows < part.rows:            # what DRAM carries in the passes left: the rest stays
+                open_.update(dict.fromkeys(run, False))
+                part, left = _cut(part, rows)
+                rest.append((k, left))
+                if not rows:
+                    continue
+            picked.append((max(read), k, part))
+            taken.update(dict.fromkeys(run, part.rows * part.cols))
     if not picked:
         return None, items, Counter()
     at = max([after] + [c + 1 for c, _, _ in picked])
-    out = []
-    for c, (k, x), _ in picked:
-        back = len([j for j in mats[x.legion] if c < j < at])
-        out.append((k, replace(x, wait=Cond(None, "mat", None, back))))
+    out = [(k, replace(x, wait=Cond(None, "mat", None, min(passes.count(l, c, at) for l in _legions(x)))))
+           for c, k, x in picked]
     return (prev.start + at, out), rest, taken
+
+
+class _Passes:
+    """The weight-scratchpad reads of a matmul's region (``span``: (index, instruction) pairs)."""
+
+    def __init__(self, program: Program, arch: Arch, span: list):
+        self.span, self.tensors = span, program.tensors
+        self.share = arch.derived.dram_bytes_per_cycle / arch.legions
+        env = Env(tuple(program.tensors), {})
+        self.mats = {l: [j for j, (_, i) in enumerate(span) if isinstance(i, MatMul) and l in _legions(i)]
+                     for l in range(arch.legions)}
+        # costed dense: a block mask only shortens a pass
+        self.cycles = {j: cost(replace(i, mask=None), arch, env).cycles for j, (_, i) in enumerate(span)
+                       if isinstance(i, MatMul)}
+
+    def last_read(self, load: DmaLoad, rank: int, legion: int) -> int | None:
+        """Where the last instruction touching what ``load`` writes on ``legion`` is, when it
+        is a matmul with others after it on the Legion; else None."""
+        last = _last_conflict(self.span, load, rank, legion, self.tensors)
+        if last is None or not isinstance(self.span[last][1], MatMul) or last == self.mats[legion][-1]:
+            return None
+        return last
+
+    def carried_after(self, legion: int, at: int) -> float:
+        """The bytes a Legion's share of DRAM carries during its passes after ``at``."""
+        return sum(self.cycles[j] for j in self.mats[legion] if j > at) * self.share
+
+    def count(self, legion: int, read: int, at: int) -> int:
+        """How many of the Legion's matmuls between ``read`` and ``at`` a load placed at
+        ``at`` need not wait for."""
+        return sum(1 for j in self.mats[legion] if read < j < at)
 
 
 def _last_conflict(span: list, load: DmaLoad, rank: int, legion: int, tensors) -> int | None:
@@ -225,13 +246,21 @@ def _reissued(moved: list, busy: list[int], arch: Arch) -> tuple[list, dict]:
     return out, {x: sorted(ls) for x, ls in issuers.items()}
 
 
+def _cut(i: DmaLoad, rows: int) -> tuple[DmaLoad, DmaLoad]:
+    """``i``'s first ``rows`` rows and the rest, as two loads."""
+    return _piece(i, 0, rows), _piece(i, rows, i.rows)
+
+
+def _piece(i: DmaLoad, r0: int, r1: int) -> DmaLoad:
+    return replace(i, dst=replace(i.dst, addr=i.dst.addr + r0 * i.dst.rs),
+                   src=DramRef(i.src.tensor, i.src.offset + r0 * i.src.rs, i.src.rs), rows=r1 - r0)
+
+
 def _row_pieces(i: DmaLoad, parts: int) -> list[DmaLoad]:
     """``i`` (on one Legion) cut into up to ``parts`` loads of consecutive rows, so that as many
     queues share it."""
     cuts = [i.rows * j // parts for j in range(parts + 1)]
-    return [replace(i, dst=replace(i.dst, addr=i.dst.addr + r0 * i.dst.rs),
-                    src=DramRef(i.src.tensor, i.src.offset + r0 * i.src.rs, i.src.rs), rows=r1 - r0)
-            for r0, r1 in zip(cuts, cuts[1:]) if r1 > r0]
+    return [_piece(i, r0, r1) for r0, r1 in zip(cuts, cuts[1:]) if r1 > r0]
 
 
 def _queues_used(instrs, node: range) -> list[Key]:
@@ -278,7 +307,7 @@ def _split(program: Program, arch: Arch, chain: list[range], matmul: range, item
     share, near = _shares(program, arch, chain)
     open_ = {l: True for l in range(arch.legions)}
     # Past what the node just before it covers, no more than leaves DRAM busy during its passes.
-    room = {l: min(share, max(near, left)) - taken[l] for l, left in _streaming(program, arch, matmul).items()}
+    room = {l: min(share, max(near, left) - taken[l]) for l, left in _streaming(program, arch, matmul).items()}
     moved, kept = [], []
     for k, i in items:
         if isinstance(i, Barrier):      # what follows may read what the region wrote before it
