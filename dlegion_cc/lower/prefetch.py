@@ -17,6 +17,13 @@ wait for nothing to just after the kernel's last load. Once the kernel's own loa
   another Legion's scratchpad), and the receiving matrix queue waits for those issuers.
 - **When not.** A node that keeps every Legion's DMA queue busy (a prefill kernel, block after
   block) leaves no time to fill, and one that touches the weight scratchpad no room.
+- **Across nodes.** The loads may go back across a run of nodes that leave the weight
+  scratchpad alone (``_chain``), each node's barrier giving way to waits, as long as some Legion's
+  DMA queue stays idle through all of them; and into the last passes of the matmul before the
+  run (``_into_tail``): a load into weight scratchpad that matmul has read for the last time
+  waits on the matrix queue for that read. No more is moved than leaves DRAM busy during the
+  matmul's own passes (``_streaming``): at decode a pass of one row takes as long as one of
+  sixteen, and weights all loaded early would leave its passes with DRAM idle.
 - **Reports.** The moved loads form an entry of the matmul's region, so they count with it.
 
 Moving instructions changes what a relative condition (``dma~2``) stands for, so every one is
