@@ -17,6 +17,13 @@ wait for nothing to just after the kernel's last load. Once the kernel's own loa
   another Legion's scratchpad), and the receiving matrix queue waits for those issuers.
 - **When not.** A node that keeps every Legion's DMA queue busy (a prefill kernel, block after
   block) leaves no time to fill, and one that touches the weight scratchpad no room.
+- **Across nodes.** The loads may go back across a run of nodes that leave the weight
+  scratchpad alone (``_chain``), each node's barrier giving way to waits, as long as some Legion's
+  DMA queue stays idle through all of them; and into the last passes of the matmul before the
+  run (``_into_tail``): a load into weight scratchpad that matmul has read for the last time
+  waits on the matrix queue for that read. No more is moved than leaves DRAM busy during the
+  matmul's own passes (``_streaming``): at decode a pass of one row takes as long as one of
+  sixteen, and weights all loaded early would leave its passes with DRAM idle.
 - **Reports.** The moved loads form an entry of the matmul's region, so they count with it.
 
 Moving instructions changes what a relative condition (``dma~2``) stands for, so every one is
@@ -32,6 +39,7 @@ from isa.expand import absolute
 from isa.fields import QUEUES, Cond, DramRef
 from isa.instructions import Barrier, DmaLoad, Gather, MatMul, Wait
 from isa.program import Program
+from dlegion_cc.lower.overlap import _meet, footprint, layer_ends
 from runtime.costs import Env, cost
 
 Key = tuple[int, str]        # (Legion, queue)
@@ -50,35 +58,170 @@ def reorder(program: Program, arch: Arch) -> tuple[list[tuple[int, object]], lis
     are not yet fixed."""
     instrs, old = program.instrs, program.regions
     ends = [at for at, _ in old[1:]] + [len(instrs)]
+    spans = [range(at, end) for (at, _), end in zip(old, ends)]
+    last_of_layer = layer_ends(program)
     order = [(k, instrs[k]) for k in range(old[0][0] if old else len(instrs))]
-    regions: list[tuple[int, str]] = []
-    for r, (at, name) in enumerate(old):
-        matmul = range(at, ends[r])
-        node = range(old[r - 1][0], at) if r else range(0)
-        moved, kept = [], [(k, instrs[k]) for k in matmul]
-        if _prefetchable(instrs, arch, node, matmul):
-            moved, kept = _split(program, arch, node, matmul)
+    placed: dict[int, range] = {}         # a matmul region -> where its kept part went in ``order``
+    for r, matmul in enumerate(spans):
+        chain = _reach(program, arch, _chain(instrs, arch, spans[:r], matmul, last_of_layer), matmul)
+        before = r - len(chain) - 1           # the region before the chain: a matmul's?
+        kept = [(k, instrs[k]) for k in matmul]
+        tail, kept, taken = _into_tail(program, arch, order, placed.get(before), kept)
+        moved = []
+        if chain:
+            moved, kept = _split(program, arch, chain, matmul, kept, taken)
         if moved:
-            moved, issuers = _reissued(moved, _dma_legions(instrs, node), arch)
-            place = _hand_over(order, instrs, arch, node, _gates(instrs, arch, node), moved, issuers)
-            regions += [(place, name), (place + len(moved), old[r - 1][1])]
-        regions.append((len(order), name))
+            moved, issuers = _reissued(moved, _dma_legions(instrs, *chain), arch)
+            _hand_over(order, instrs, arch, chain, moved, issuers)
+        if tail:
+            order[tail[0]:tail[0]] = tail[1]
+        if any(isinstance(i, MatMul) for _, i in kept):
+            placed[r] = range(len(order), len(order) + len(kept))
         order += kept
-    return order, regions
+    return order, _regions(order, spans, old)
 
 
-def _hand_over(order: list, instrs, arch: Arch, node: range, gates: list, moved: list, issuers: dict) -> int:
-    """Rewrite the node, which went into ``order`` as it was (it runs no matmul): the ``moved``
-    loads go in after its last load and ``gates``; its barrier gives way to waits that stand for
-    it (``_hand_off``, each with the barrier's index), and the matrix queue of a Legion whose
-    loads another issued (``issuers``: receiver -> issuers) waits for those. Returns where
-    ``moved`` starts."""
-    barrier = order.pop()
-    at = len(order) - (len(_tail(instrs, node)) - 1)
-    order[at:at] = gates + moved
-    order += [(barrier[0], w) for w in _hand_off(instrs, arch, node)]
-    order += [(None, Wait(x, "mat", Cond(l, "dma", None, 0))) for x, ls in sorted(issuers.items()) for l in ls]
-    return at + len(gates)
+def _into_tail(program: Program, arch: Arch, order: list, prev: range | None, items: list):
+    """The matmul's first weight loads that may go into the last passes of the matmul before
+    it (placed at ``prev`` in ``order``): each into a part of the weight scratchpad that
+    matmul has read for the last time, waiting on its Legion's matrix queue for that read, as
+    many bytes as DRAM carries in the passes after it. Returns (None or (where in ``order``,
+    the loads), the rest of ``items``, the bytes taken per Legion)."""
+    taken: Counter = Counter()
+    span = order[prev.start:prev.stop] if prev is not None else []
+    loads = [j for j, (_, i) in enumerate(span) if isinstance(i, (DmaLoad, Gather))]
+    if not loads or not isinstance(span[-1][1], Barrier):
+        return None, items, taken
+    after = loads[-1] + 1                 # after the earlier matmul's last load: its own come first
+    passes = _Passes(program, arch, span)
+    open_ = dict.fromkeys(range(arch.legions), True)
+    picked, rest = [], []
+    for k, i in items:
+        if not (_free_weight_load(i) and any(open_[l] for l in _legions(i))):
+            if isinstance(i, Barrier) or (i.queue() == "dma" and i.condition() is not None):
+                open_ = dict.fromkeys(open_, False) if isinstance(i, Barrier) else {
+                    l: open_[l] and l not in _legions(i) for l in open_}
+            rest.append((k, i))
+            continue
+        for run, ok in _runs(i, open_):
+            part = _part(i, run)
+            read = [passes.last_read(part, rank, l) for rank, l in enumerate(run)] if ok else []
+            if not ok or None in read:      # read until its last pass, or not to be moved: stays
+                rest.append((k, part))
+                continue
+            room = min(passes.carried_after(l, c) - taken[l] for c, l in zip(read, run))
+            rows = max(0, min(part.rows, int(room // part.cols)))
+            if rows < part.rows:            # what DRAM carries in the passes left: the rest stays
+                open_.update(dict.fromkeys(run, False))
+                part, left = _cut(part, rows)
+                rest.append((k, left))
+                if not rows:
+                    continue
+            picked.append((max(read), k, part))
+            taken.update(dict.fromkeys(run, part.rows * part.cols))
+    if not picked:
+        return None, items, Counter()
+    at = max([after] + [c + 1 for c, _, _ in picked])
+    out = [(k, replace(x, wait=Cond(None, "mat", None, min(passes.count(l, c, at) for l in _legions(x)))))
+           for c, k, x in picked]
+    return (prev.start + at, out), rest, taken
+
+
+class _Passes:
+    """The weight-scratchpad reads of a matmul's region (``span``: (index, instruction) pairs)."""
+
+    def __init__(self, program: Program, arch: Arch, span: list):
+        self.span, self.tensors = span, program.tensors
+        self.share = arch.derived.dram_bytes_per_cycle / arch.legions
+        env = Env(tuple(program.tensors), {})
+        self.mats = {l: [j for j, (_, i) in enumerate(span) if isinstance(i, MatMul) and l in _legions(i)]
+                     for l in range(arch.legions)}
+        # costed dense: a block mask only shortens a pass
+        self.cycles = {j: cost(replace(i, mask=None), arch, env).cycles for j, (_, i) in enumerate(span)
+                       if isinstance(i, MatMul)}
+
+    def last_read(self, load: DmaLoad, rank: int, legion: int) -> int | None:
+        """Where the last instruction touching what ``load`` writes on ``legion`` is, when it
+        is a matmul with others after it on the Legion; else None."""
+        last = _last_conflict(self.span, load, rank, legion, self.tensors)
+        if last is None or not isinstance(self.span[last][1], MatMul) or last == self.mats[legion][-1]:
+            return None
+        return last
+
+    def carried_after(self, legion: int, at: int) -> float:
+        """The bytes a Legion's share of DRAM carries during its passes after ``at``."""
+        return sum(self.cycles[j] for j in self.mats[legion] if j > at) * self.share
+
+    def count(self, legion: int, read: int, at: int) -> int:
+        """How many of the Legion's matmuls between ``read`` and ``at`` a load placed at
+        ``at`` need not wait for."""
+        return sum(1 for j in self.mats[legion] if read < j < at)
+
+
+def _last_conflict(span: list, load: DmaLoad, rank: int, legion: int, tensors) -> int | None:
+    """Where in ``span`` the last instruction touching what ``load`` writes on ``legion`` is
+    (-1: none)."""
+    mine = [w for space, w, *_ in footprint(load, rank, tensors) if space == (legion, "wgt")]
+    last = -1
+    for j, (_, i) in enumerate(span):
+        if not _touches_weights(i):
+            continue
+        theirs = [w for r in range(i.span or 1) for space, w, *_ in footprint(i, r, tensors)
+                  if space == (legion, "wgt")]
+        if any(_meet(a, b) for a in mine for b in theirs):
+            last = j
+    return last if last >= 0 else None
+
+
+def _chain(instrs, arch: Arch, before: list[range], matmul: range, last_of_layer: set[int]) -> list[range]:
+    """The nodes a matmul's first weights may load during: the run of regions just before it
+    that end in a barrier and never touch the weight scratchpad, as long as some Legion's DMA
+    queue stays idle through all of them (it issues the loads of the busy ones). Only the node
+    just before it is taken across the end of a layer: the layers stay alike."""
+    if not any(isinstance(instrs[k], MatMul) for k in matmul):
+        return []
+    chain: list[range] = []
+    for node in reversed(before):
+        if not (len(node) > 0 and isinstance(instrs[node.stop - 1], Barrier)):
+            break
+        if any(_touches_weights(instrs[k]) for k in node) or (chain and node.stop - 1 in last_of_layer):
+            break
+        if len(_dma_legions(instrs, node, *chain)) >= arch.legions:
+            break
+        chain.insert(0, node)
+    return chain
+
+
+def _regions(order: list, spans: list[range], old: list) -> list[tuple[int, str]]:
+    """The regions of the new order: each instruction stays in its old region (a moved load in
+    its matmul's), a new wait in that of the instruction before it."""
+    region_of = {k: r for r, span in enumerate(spans) for k in span}
+    out, last = [], None
+    for at, (k, _) in enumerate(order):
+        r = last if k is None else region_of.get(k, last)
+        if r is not None and r != last:
+            out.append((at, old[r][1]))
+        last = r
+    return out
+
+
+def _hand_over(order: list, instrs, arch: Arch, chain: list[range], moved: list, issuers: dict) -> None:
+    """Rewrite the ``chain`` of nodes, which went into ``order`` as they were (they run no
+    matmul) and end it: the ``moved`` loads go in after the first node's last load and the
+    waits that hold them until those have landed (``_gates``); each node's barrier gives way to
+    waits that stand for it (``_hand_off``, each with the barrier's index), and after the last
+    the matrix queue of a Legion whose loads another issued (``issuers``: receiver -> issuers)
+    waits for those."""
+    stop = len(order)
+    for n, node in reversed(list(enumerate(chain))):
+        barrier = order[stop - 1][0]
+        waits = [(barrier, w) for w in _hand_off(instrs, arch, node)]
+        if n == len(chain) - 1:
+            waits += [(None, Wait(x, "mat", Cond(l, "dma", None, 0))) for x, ls in sorted(issuers.items()) for l in ls]
+        order[stop - 1:stop] = waits
+        stop -= len(node)
+    at = stop + (_tail(instrs, chain[0]).start - chain[0].start)
+    order[at:at] = _gates(instrs, arch, chain[0]) + moved
 
 
 def _hand_off(instrs, arch: Arch, node: range) -> list[Wait]:
@@ -110,24 +253,21 @@ def _reissued(moved: list, busy: list[int], arch: Arch) -> tuple[list, dict]:
     return out, {x: sorted(ls) for x, ls in issuers.items()}
 
 
+def _cut(i: DmaLoad, rows: int) -> tuple[DmaLoad, DmaLoad]:
+    """``i``'s first ``rows`` rows and the rest, as two loads."""
+    return _piece(i, 0, rows), _piece(i, rows, i.rows)
+
+
+def _piece(i: DmaLoad, r0: int, r1: int) -> DmaLoad:
+    return replace(i, dst=replace(i.dst, addr=i.dst.addr + r0 * i.dst.rs),
+                   src=DramRef(i.src.tensor, i.src.offset + r0 * i.src.rs, i.src.rs), rows=r1 - r0)
+
+
 def _row_pieces(i: DmaLoad, parts: int) -> list[DmaLoad]:
     """``i`` (on one Legion) cut into up to ``parts`` loads of consecutive rows, so that as many
     queues share it."""
     cuts = [i.rows * j // parts for j in range(parts + 1)]
-    return [replace(i, dst=replace(i.dst, addr=i.dst.addr + r0 * i.dst.rs),
-                    src=DramRef(i.src.tensor, i.src.offset + r0 * i.src.rs, i.src.rs), rows=r1 - r0)
-            for r0, r1 in zip(cuts, cuts[1:]) if r1 > r0]
-
-
-def _prefetchable(instrs, arch: Arch, node: range, matmul: range) -> bool:
-    """A matmul's region after a node's that ends in a barrier, never touches the weight
-    scratchpad and leaves some Legion's DMA queue idle."""
-    if not (len(node) > 0 and isinstance(instrs[node.stop - 1], Barrier)
-            and any(isinstance(instrs[k], MatMul) for k in matmul)):
-        return False
-    if any(_touches_weights(instrs[k]) for k in node):
-        return False
-    return len(_dma_legions(instrs, node)) < arch.legions
+    return [_piece(i, r0, r1) for r0, r1 in zip(cuts, cuts[1:]) if r1 > r0]
 
 
 def _queues_used(instrs, node: range) -> list[Key]:
@@ -136,9 +276,9 @@ def _queues_used(instrs, node: range) -> list[Key]:
                    for l in _legions(instrs[k])})
 
 
-def _dma_legions(instrs, node: range) -> list[int]:
-    """The Legions whose DMA queues the node uses."""
-    return [l for l, queue in _queues_used(instrs, node) if queue == "dma"]
+def _dma_legions(instrs, *nodes: range) -> list[int]:
+    """The Legions whose DMA queues the nodes use."""
+    return sorted({l for node in nodes for l, queue in _queues_used(instrs, node) if queue == "dma"})
 
 
 def _everywhere(arch: Arch, queue: str, legion: int, until: str) -> Wait:
@@ -166,18 +306,17 @@ def _legions(i) -> range:
     return range(i.legion, i.legion + (i.span or 1))
 
 
-def _split(program: Program, arch: Arch, node: range, matmul: range) -> tuple[list, list]:
+def _split(program: Program, arch: Arch, chain: list[range], matmul: range, items: list,
+           taken: Counter) -> tuple[list, list]:
     """(the loads to move, the rest of the matmul's region), each as (old index, instruction).
     A Legion's loads move while its DMA queue has met nothing that waits, up to its share of
-    what DRAM carries while the node runs."""
-    instrs = program.instrs
-    d = arch.derived
-    share = min(d.spad_elems["wgt"], _window(program, arch, node) * d.dram_bytes_per_cycle / arch.legions)
+    what DRAM carries while the nodes of the ``chain`` run."""
+    share, near = _shares(program, arch, chain)
     open_ = {l: True for l in range(arch.legions)}
-    room = {l: share for l in range(arch.legions)}
+    # Past what the node just before it covers, no more than leaves DRAM busy during its passes.
+    room = {l: min(share, max(near, left) - taken[l]) for l, left in _streaming(program, arch, matmul).items()}
     moved, kept = [], []
-    for k in matmul:
-        i = instrs[k]
+    for k, i in items:
         if isinstance(i, Barrier):      # what follows may read what the region wrote before it
             open_ = dict.fromkeys(open_, False)
         if isinstance(i, Barrier) or i.queue() != "dma":
@@ -197,6 +336,44 @@ def _split(program: Program, arch: Arch, node: range, matmul: range) -> tuple[li
                 open_[l] = False
         kept.append((k, i))
     return moved, kept
+
+
+def _shares(program: Program, arch: Arch, chain: list[range]) -> tuple[float, float]:
+    """Per Legion, the weight bytes DRAM carries while the whole chain runs, and while its last
+    node does (at most the weight scratchpad)."""
+    d = arch.derived
+    windows = [_window(program, arch, node) for node in chain]
+    return tuple(min(d.spad_elems["wgt"], w * d.dram_bytes_per_cycle / arch.legions)
+                 for w in (sum(windows), windows[-1]))
+
+
+def _reach(program: Program, arch: Arch, chain: list[range], matmul: range) -> list[range]:
+    """The chain, or its last node alone when no Legion has more weights to load early than
+    that node covers (more nodes would only lose their barriers)."""
+    if len(chain) < 2:
+        return chain
+    _, near = _shares(program, arch, chain)
+    if all(left <= near for left in _streaming(program, arch, matmul).values()):
+        return chain[-1:]
+    return chain
+
+
+def _streaming(program: Program, arch: Arch, matmul: range) -> dict[int, float]:
+    """Per Legion, the weight bytes that may load before the matmul and leave DRAM busy while
+    it runs: its weights but what its share of DRAM carries during its passes. Weights all
+    loaded before, its passes would run with DRAM idle."""
+    env = Env(tuple(program.tensors), {})
+    weights, passes = Counter(), Counter()
+    for k in matmul:
+        i = program.instrs[k]
+        if isinstance(i, DmaLoad) and i.dst.space == "wgt":
+            for l in _legions(i):
+                weights[l] += i.rows * i.cols
+        elif isinstance(i, MatMul):     # costed dense: a block mask only shortens its passes
+            for l in _legions(i):
+                passes[l] += cost(replace(i, mask=None), arch, env).cycles
+    share = arch.derived.dram_bytes_per_cycle / arch.legions
+    return {l: max(0.0, weights[l] - passes[l] * share) for l in range(arch.legions)}
 
 
 def _window(program: Program, arch: Arch, node: range) -> float:

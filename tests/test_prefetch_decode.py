@@ -1,0 +1,73 @@
+"""Weights loaded early across nodes in a 2B4T decode step: a projection's first weights load
+during the last passes of the projection before it, and across a run of nodes that leave the
+weight scratchpad alone (dlegion_cc/lower/prefetch.py). The step stays race-free and gives
+onnxruntime's outputs."""
+from functools import lru_cache
+
+import numpy as np
+import pytest
+
+from isa import arch
+from isa.instructions import DmaLoad, MatMul
+from dlegion_cc.pipeline import Options, compile_model
+from models.bitnet import build_bitnet, preset, save
+from runtime.check import compare, onnx_reference
+from runtime.emulator import random_inputs, run
+from runtime.timing import simulate
+
+EIGHT = arch.load("dlegion-8x8")
+
+
+@lru_cache(maxsize=None)
+def _step(tmp: str, prefetch: bool):
+    path = f"{tmp}/decode.onnx"
+    save(build_bitnet(preset("2b4t", layers=1, seq=1, vocab=512, past=64)), path, external_data=True)
+    return path, compile_model(path, Options(EIGHT, prefetch=prefetch))[1]
+
+
+@pytest.fixture(scope="module")
+def step(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("decode"))
+    return lambda prefetch=True: _step(tmp, prefetch)
+
+
+def _entries(program) -> list[tuple[str, range]]:
+    ends = [at for at, _ in program.regions[1:]] + [len(program.instrs)]
+    return [(name, range(at, end)) for (at, name), end in zip(program.regions, ends)]
+
+
+def test_the_next_projections_weights_load_during_the_last_passes(step):
+    _, program = step()
+    entries = _entries(program)
+    tails = 0
+    for n, (name, span) in enumerate(entries[1:-1], 1):
+        before, after = entries[n - 1], entries[n + 1]
+        if before[0] != after[0] or not any(isinstance(program.instrs[k], MatMul) for k in before[1]):
+            continue
+        loads = [program.instrs[k] for k in span]
+        # inside a matmul's region, loads of another matmul's weights, each waiting for passes
+        if all(isinstance(i, DmaLoad) and i.dst.space == "wgt" and i.wait is not None and i.wait.queue == "mat"
+               for i in loads) and "mlp" in name:
+            tails += 1
+    assert tails >= 2          # gate/up's first weights in o_proj's tail, down's in gate/up's
+
+
+def test_qkv_weights_load_across_the_embedding_and_the_norm(step):
+    _, program = step()
+    names = [name for name, _ in _entries(program)]
+    qkv = next(n for n in names if "q_proj" in n)
+    norm = next(n for n in names if "input_layernorm" in n)
+    # the projection's first entry comes before the norm's first: its loads started in the
+    # embedding's node, two nodes before it
+    assert names.index(qkv) < names.index(norm)
+
+
+def test_the_step_is_race_free_onnxruntimes_and_faster(step):
+    path, program = step()
+    _, plain = step(prefetch=False)
+    inputs = random_inputs(program, 0)
+    outputs = run(program, EIGHT, inputs).outputs          # the race check runs too
+    assert all(r.ok for r in compare(outputs, onnx_reference(path, inputs)))
+    want = run(plain, EIGHT, inputs).outputs
+    assert all(np.array_equal(outputs[k], want[k]) for k in want)
+    assert simulate(program, EIGHT).cycles < simulate(plain, EIGHT).cycles
