@@ -293,3 +293,29 @@ def test_check_says_what_the_program_approximates_and_allows_for_it(tmp_path):
     data.write_bytes(flip_one_weight(data.read_bytes(), load(prog, read_data=False))[0])
     r = CliRunner().invoke(run_command, [str(prog), "--check", str(model), "-q"])
     assert r.exit_code == 1 and "MISMATCH" in r.output, r.output
+
+
+def test_pv_stores_its_heads_straight_into_the_merged_rows(tmp_path):
+    """o [1, heads, seq, D] -> Transpose -> Reshape [1, seq, heads * D], read by a row op: the
+    P.V drains store each head's rows where the merged rows hold them, so the Reshape copies
+    nothing (it did: 10.5 MB and 17,490 cycles of the 2B4T layer at sequence 512), with the same
+    bits as the heads-major output, race-checked."""
+    heads, seq = 3, 64
+    base = attention(tmp_path / "attn.onnx", heads, seq)
+    model = onnx.load(base)
+    g = model.graph
+    g.initializer.extend([numpy_helper.from_array(np.array([1, seq, heads * D], np.int64), "merged"),
+                          numpy_helper.from_array(np.float32(2), "two")])
+    g.node.extend([helper.make_node("Transpose", ["o"], ["ot"], perm=[0, 2, 1, 3], name="merge_t"),
+                   helper.make_node("Reshape", ["ot", "merged"], ["om"], name="merge_r"),
+                   helper.make_node("Mul", ["om", "two"], ["y"])])
+    del g.output[:]
+    g.output.append(helper.make_tensor_value_info("y", TP.FLOAT, [1, seq, heads * D]))
+    merged = tmp_path / "merged.onnx"
+    onnx.save(model, merged)
+    x = _inputs(heads, seq)
+    _, program = compile_model(merged, Options(WIDE, attention="int8"))
+    assert not {"merge_t", "merge_r"} & set(regions_by_name(program))        # no copy emitted
+    _, plain = compile_model(base, Options(WIDE, attention="int8"))
+    want = run(plain, WIDE, x).outputs["o"].transpose(0, 2, 1, 3).reshape(1, seq, heads * D) * 2
+    np.testing.assert_array_equal(run(program, WIDE, x, races=True).outputs["y"], want)
