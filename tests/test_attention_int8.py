@@ -1,5 +1,6 @@
 """Attention's float products on the arrays in int8 (passes/attention.py): the default rule,
 the exact integer parts, the error, causal skipping and the recorded approximation."""
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -12,12 +13,14 @@ from onnx import helper, numpy_helper
 from isa import arch
 from isa.asm import format_program, load, parse
 from isa.encoding import decode_program, encode_program
-from isa.instructions import DmaLoad, Drain, MatMul
+from isa.instructions import DmaLoad, Drain, MatMul, VUnary
 from dlegion_cc.lower.schedules import Schedules
+from dlegion_cc.passes import attnoperands
 from dlegion_cc.pipeline import Options, compile_model, graph_of
 from runtime.check import approximation_tolerance, flip_one_weight, judge
 from runtime.emulator import random_inputs, run
 from runtime.report import regions_by_name
+from runtime.state import Trap
 
 ROOT = Path(__file__).parent.parent
 WIDE = arch.load("dlegion-8x8")
@@ -319,3 +322,41 @@ def test_pv_stores_its_heads_straight_into_the_merged_rows(tmp_path):
     _, plain = compile_model(base, Options(WIDE, attention="int8"))
     want = run(plain, WIDE, x).outputs["o"].transpose(0, 2, 1, 3).reshape(1, seq, heads * D) * 2
     np.testing.assert_array_equal(run(program, WIDE, x, races=True).outputs["y"], want)
+
+
+# --- K and V quantized in one pass over their values (passes/attnoperands.py) ---------------
+
+def _without_pass(monkeypatch):
+    monkeypatch.setattr(attnoperands.QuantizeOperandsInPlace, "run", lambda self, graph, options: None)
+
+
+@pytest.mark.parametrize("kv_heads", [None, 2])
+def test_k_and_v_quantized_in_place_compute_the_same_bits(tmp_path, monkeypatch, kv_heads):
+    heads, seq = 4, 128
+    path = attention(tmp_path / "attn.onnx", heads, seq, kv_heads)
+    x = _inputs(heads, seq, kv_heads)
+    ops = [n.op for n in graph_of(path, Options(WIDE, attention="int8")).nodes]
+    assert "ColumnAbsmaxQuantize" in ops and "SmoothAbsmaxQuantize" in ops
+    # K's smoothing and V's transposes gone; Q's quantization as it was
+    assert "Sub" not in ops and ops.count("AbsmaxQuantize") == 1 and "Transpose" not in ops[ops.index("RowKernel"):]
+    _, fused = compile_model(path, Options(WIDE, attention="int8"))
+    got = run(fused, WIDE, x, races=True).outputs["o"]
+    _without_pass(monkeypatch)
+    _, plain = compile_model(path, Options(WIDE, attention="int8"))
+    np.testing.assert_array_equal(got, run(plain, WIDE, x, races=True).outputs["o"])
+    # V's transpose before its quantization and the copy of V8 back before P.V are gone
+    moved = lambda p: sum(i.rows * i.cols * (i.span or 1) for i in p.instrs if isinstance(i, DmaLoad))  # noqa: E731
+    assert moved(fused) < moved(plain)
+
+
+def test_the_race_check_finds_a_wait_removed_from_the_column_strips(tmp_path):
+    """A strip's first instruction waits for its load: without that wait, a race."""
+    path = attention(tmp_path / "attn.onnx", 2, 64)
+    _, program = compile_model(path, Options(WIDE, attention="int8"))
+    [region] = [m for name, m in regions_by_name(program).items() if "absmax" in name and "v_" in name]
+    k = next(k for k in region if isinstance(program.instrs[k], VUnary) and program.instrs[k].condition() is not None)
+    broken = replace(program, instrs=[replace(i, wait=None) if j == k else i for j, i in enumerate(program.instrs)])
+    x = _inputs(2, 64)
+    run(program, WIDE, x, races=True)
+    with pytest.raises(Trap, match=rf"instruction {k}: vabs: race on"):
+        run(broken, WIDE, x, races=True)

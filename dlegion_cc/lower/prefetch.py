@@ -30,7 +30,7 @@ from dataclasses import replace
 from isa.arch import Arch
 from isa.expand import absolute
 from isa.fields import QUEUES, Cond, DramRef
-from isa.instructions import Barrier, DmaLoad, Gather, MatMul, Wait
+from isa.instructions import Barrier, DmaLoad, DmaStore, Gather, MatMul, Wait
 from isa.program import Program
 from runtime.costs import Env, cost
 
@@ -126,6 +126,11 @@ def _prefetchable(instrs, arch: Arch, node: range, matmul: range) -> bool:
             and any(isinstance(instrs[k], MatMul) for k in matmul)):
         return False
     if any(_touches_weights(instrs[k]) for k in node):
+        return False
+    # Weights the node computes (attention's quantized V, stored in place) wait for it.
+    made = {instrs[k].dst.tensor for k in node if isinstance(instrs[k], DmaStore)}
+    if any(isinstance(instrs[k], DmaLoad) and instrs[k].dst.space == "wgt" and instrs[k].src.tensor in made
+           for k in matmul):
         return False
     return len(_dma_legions(instrs, node)) < arch.legions
 

@@ -10,10 +10,13 @@ import math
 
 import numpy as np
 
-from isa.instructions import BY_MNEMONIC
-from dlegion_cc.lower.context import Lowering, lowers
-from dlegion_cc.lower.layout import Operand, contiguous_strides, whole
+from isa.fields import DramRef, View
+from isa.instructions import BY_MNEMONIC, DmaLoad, DmaStore
+from dlegion_cc.ir import DLEGION
+from dlegion_cc.lower.context import Lowering, lowers, row_view
+from dlegion_cc.lower.layout import Operand, broadcast, contiguous_strides, whole
 from dlegion_cc.lower.movement import nd_copy
+from dlegion_cc.lower.quant import ABSMAX_FLOOR, V, int_result
 from dlegion_cc.lower.rowwise import Arg, rowwise
 
 REDUCE = {"ReduceSum": "vrsum", "ReduceMean": "vrsum", "ReduceMax": "vrmax", "ReduceMin": "vrmin"}
@@ -118,3 +121,114 @@ def _softmax_rows(low: Lowering, src: Operand, dst: Operand, rows: int, n: int, 
         em.emit(BY_MNEMONIC["vdiv"](legion, v["out"], v["out"], stat, r, c))
     args = [Arg("x", src), Arg("out", dst, out=True), Arg("stat", col=True)]
     rowwise(low.em, (rows, n), args, body, keep_last=True, where=where)
+
+
+# --- attention's K and V quantized in place (passes/attnoperands.py) ------------------------
+
+@lowers("SmoothAbsmaxQuantize", domain=DLEGION, views=row_view)
+def smooth_absmax_quantize(low: Lowering, node) -> None:
+    """q = round(s / r) with s = x - mean, r = max(max|s|, floor) / 127 per row (int8), and r:
+    the instructions of Sub then AbsmaxQuantize, without storing s."""
+    (x, mean), (q, r) = node.inputs, node.outputs
+    shape = low.shape(x)
+
+    def body(e, l, v, rows, cols):
+        e.emit(V("vsub")(l, v["x"], v["x"], v["mean"], rows, cols))
+        _absmax_rows(e, l, v["q"], v["r"], v["x"], rows, cols)
+    r_op = low.result(r)
+    args = [Arg("x", low.operand(x)), Arg("mean", broadcast(low.operand(mean), low.shape(mean), shape)),
+            Arg("q", int_result(low, q), out=True),
+            Arg("r", Operand(r_op.tensor, r_op.offset, r_op.strides[:-1] + (0,)), out=True)]
+    rowwise(low.em, shape, args, body, keep_last=True, where=f"node '{node.name}': ")
+
+
+def _absmax_rows(e, legion: int, q, r, x, rows: int, cols: int) -> None:
+    """AbsmaxQuantize's instructions (``quant.absmax_quantize``) on a block of rows."""
+    e.emit(V("vabs")(legion, q, x, rows, cols))
+    e.emit(V("vrmax")(legion, r, q, rows, cols))
+    e.emit(V("vmax")(legion, r, r, ABSMAX_FLOOR, rows, 1))
+    e.emit(V("vdiv")(legion, r, r, 127.0, rows, 1))
+    e.emit(V("vdiv")(legion, q, x, r, rows, cols))
+    e.emit(V("vround")(legion, q, q, rows, cols))
+
+
+@lowers("ColumnAbsmaxQuantize", domain=DLEGION, views=row_view)
+def column_absmax_quantize(low: Lowering, node) -> None:
+    """q = round(x / r) with r = max(max|x|, floor) / 127 per column of each matrix of x
+    (int8, x's layout), and r [.., cols, 1]: AbsmaxQuantize of x's transpose, bit for bit, with
+    nothing transposed. Strips of columns as tall as the matrix: each column's maximum is a row
+    reduction of the strip read transposed in the scratchpad, and the quotients are row-wise
+    with r broadcast down the rows."""
+    x, (q, r) = node.inputs[0], node.outputs
+    shape = low.shape(x)
+    S, D = shape[-2:]
+    width = _strip_width(low.em, math.prod(shape[:-2]), S, D, f"node '{node.name}': ")
+    src, q_op, r_op = low.operand(x), int_result(low, q), low.result(r)
+    strips = _Strips(low.em, S, width)
+    for idx in np.ndindex(*shape[:-2]):
+        at = (src.at(idx), q_op.at(idx), r_op.at(idx))
+        for c0 in range(0, D, width):
+            strips.emit(*at, c0, min(width, D - c0))
+    strips.finish()
+
+
+def _strip_width(em, batches: int, S: int, D: int, where: str) -> int:
+    """Columns per strip: two strips of S x width fit the scratchpad with a temp (one loading
+    while one computes), and the busiest Legion's columns are fewest (wider first on a tie)."""
+    most = min(D, em.capacity("vec") // (3 * S + 2))
+    if most < 1 or S > em.extent():
+        raise ValueError(f"{where}columns of {S} elements do not fit a strip of the vector scratchpad")
+    legions = em.arch.legions
+    return min(range(most, 0, -1), key=lambda w: -(-batches * -(-D // w) // legions) * w)
+
+
+class _Strips:
+    """Strips of columns dealt to the Legions in turn; each Legion alternates two buffers. A
+    DMA queue runs in order, so a strip's stores are issued after the next strip's load (which
+    then streams in while the strip computes), and a buffer's next load waits for the stores
+    of the strip it held."""
+
+    def __init__(self, em, S: int, width: int):
+        self.em, self.S, self.width = em, S, width
+        self.size = S * width + width             # a strip, then its column scales
+        self.temp = 2 * self.size
+        self.used: dict = {}                      # (Legion, buffer) -> DMAs issued when its stores were
+        self.turns: dict = {}
+        self.stores: dict = {}                    # Legion -> (buffer, its pending stores)
+
+    def emit(self, src: Operand, q: Operand, r: Operand, c0: int, w: int) -> None:
+        em, S, W = self.em, self.S, self.width
+        legion = em.next_legion()
+        buf = self.turns.get(legion, 0)
+        self.turns[legion] = 1 - buf
+        xa = buf * self.size
+        ra, dma, vec = xa + S * W, (legion, "dma"), (legion, "vec")
+        x_view, t_view, r_col = View("vec", xa, W, 1), View("vec", self.temp, W, 1), View("vec", ra, 1, 0)
+        if (legion, buf) in self.used:
+            em.depend(dma, dma, upto=self.used[(legion, buf)])
+        em.emit(DmaLoad(legion, frozenset({legion}), x_view, DramRef(src.tensor, src.offset + c0, src.strides[0]), S, w))
+        loaded = em.issued[dma]
+        self._flush(legion)
+        em.depend(dma, vec, upto=loaded)
+        em.emit(V("vabs")(legion, t_view, x_view, S, w))
+        em.emit(V("vrmax")(legion, r_col, View("vec", self.temp, 1, W), w, S))
+        em.emit(V("vmax")(legion, r_col, r_col, ABSMAX_FLOOR, w, 1))
+        em.emit(V("vdiv")(legion, r_col, r_col, 127.0, w, 1))
+        em.emit(V("vdiv")(legion, x_view, x_view, View("vec", ra, 0, 1), S, w))
+        em.emit(V("vround")(legion, x_view, x_view, S, w))
+        self.stores[legion] = (buf, [DmaStore(legion, DramRef(q.tensor, q.offset + c0, q.strides[0]), x_view, S, w),
+                                     DmaStore(legion, DramRef(r.tensor, r.offset + c0 * r.strides[0], w),
+                                              View("vec", ra, w, 1), 1, w)])
+
+    def _flush(self, legion: int) -> None:
+        if legion not in self.stores:
+            return
+        buf, stores = self.stores.pop(legion)
+        self.em.depend((legion, "vec"), (legion, "dma"))
+        for store in stores:
+            self.em.emit(store)
+        self.used[(legion, buf)] = self.em.issued[(legion, "dma")]
+
+    def finish(self) -> None:
+        for legion in sorted(self.stores):
+            self._flush(legion)
