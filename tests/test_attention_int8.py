@@ -360,3 +360,24 @@ def test_the_race_check_finds_a_wait_removed_from_the_column_strips(tmp_path):
     run(program, WIDE, x, races=True)
     with pytest.raises(Trap, match=rf"instruction {k}: vabs: race on"):
         run(broken, WIDE, x, races=True)
+
+
+def test_a_reduction_over_the_tokens_reads_columns_in_place_with_the_same_bits(tmp_path):
+    """ReduceMean (K's mean) and ReduceMax over the next-to-last axis: strips of columns loaded
+    transposed into the scratchpad, no copy of the input through DRAM, and the sums bit for bit
+    those of each column made a contiguous row (numpy's pairwise order, as before)."""
+    S, D = 200, 40
+    nodes = [helper.make_node("ReduceMean", ["x"], ["m"], axes=[2], keepdims=1),
+             helper.make_node("ReduceMax", ["x"], ["z"], axes=[-2], keepdims=0)]
+    path = onnx.helper.make_model(helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TP.FLOAT, [2, 3, S, D])],
+        [helper.make_tensor_value_info("m", TP.FLOAT, [2, 3, 1, D]),
+         helper.make_tensor_value_info("z", TP.FLOAT, [2, 3, D])]), opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(path, tmp_path / "r.onnx")
+    _, program = compile_model(tmp_path / "r.onnx", Options(WIDE))
+    assert not [t for t in program.tensors if t.name.endswith("_moved")]
+    x = (np.random.default_rng(3).standard_normal((2, 3, S, D)) * 50 + 7).astype(np.float32)
+    out = run(program, WIDE, {"x": x}, races=True).outputs
+    rows = np.ascontiguousarray(np.swapaxes(x, -1, -2))
+    np.testing.assert_array_equal(out["m"][:, :, 0], np.sum(rows, axis=-1, dtype=np.float32) / np.float32(S))
+    np.testing.assert_array_equal(out["z"], rows.max(axis=-1))
