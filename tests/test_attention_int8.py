@@ -381,3 +381,30 @@ def test_a_reduction_over_the_tokens_reads_columns_in_place_with_the_same_bits(t
     rows = np.ascontiguousarray(np.swapaxes(x, -1, -2))
     np.testing.assert_array_equal(out["m"][:, :, 0], np.sum(rows, axis=-1, dtype=np.float32) / np.float32(S))
     np.testing.assert_array_equal(out["z"], rows.max(axis=-1))
+
+
+def test_q_is_quantized_in_its_rotary_kernel_with_the_same_bits(tmp_path, monkeypatch):
+    """Q's rotary halves are quantized in the row kernel that rotates them and stored int8
+    (passes/attnoperands.py QuantizeInRowKernel): the rotated Q never goes to DRAM in fp32, no
+    AbsmaxQuantize is left, and the layer computes the same bits as with it, race-checked;
+    without the wait before the kernel's first store, a race."""
+    from models.bitnet import build_bitnet, preset, save
+    path = tmp_path / "layer.onnx"
+    config = preset("2b4t", layers=1, seq=64, vocab=256, hidden=512, heads=4, kv_heads=2, ffn=256)
+    save(build_bitnet(config), path, external_data=True)
+    graph, fused = compile_model(path, Options(WIDE, attention="int8"))
+    assert not [n for n in graph.nodes if n.op == "AbsmaxQuantize"]
+    [cat] = [n for n in graph.nodes if n.op == "Concat" and graph.values[n.outputs[0]].dtype == np.int8]
+    kernel = graph.producer(cat.inputs[0])
+    assert kernel.op == "RowKernel" and [t.dtype for t in fused.tensors if t.io_name == cat.outputs[0]] == ["i8"]
+    x = random_inputs(fused, 0)
+    got = run(fused, WIDE, x, races=True).outputs["logits"]
+    monkeypatch.setattr(attnoperands.QuantizeInRowKernel, "run", lambda self, graph, options: None)
+    plain_graph, plain = compile_model(path, Options(WIDE, attention="int8"))
+    assert [n for n in plain_graph.nodes if n.op == "AbsmaxQuantize"]
+    np.testing.assert_array_equal(got, run(plain, WIDE, x, races=True).outputs["logits"])
+    region = next(m for name, m in regions_by_name(fused).items() if name.startswith(kernel.attrs["nodes"][0].name))
+    k = next(k for k in region if type(fused.instrs[k]).__name__ == "DmaStore" and fused.instrs[k].condition() is not None)
+    broken = replace(fused, instrs=[replace(i, wait=None) if j == k else i for j, i in enumerate(fused.instrs)])
+    with pytest.raises(Trap, match=rf"instruction {k}: dma.st: race on"):
+        run(broken, WIDE, x, races=True)
