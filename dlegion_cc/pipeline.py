@@ -15,6 +15,7 @@ from dlegion_cc.lower.context import Switches
 from dlegion_cc.lower.graph import lower_graph
 from dlegion_cc.lower.schedules import Schedules
 from dlegion_cc.passes.attention import QuantizeAttention
+from dlegion_cc.passes.attnoperands import QuantizeInRowKernel, QuantizeOperandsInPlace
 from dlegion_cc.passes.bitlinear import RecognizeBitLinear
 from dlegion_cc.passes.causal import CausalSkip
 from dlegion_cc.passes.fuse import FuseRowwise
@@ -40,7 +41,9 @@ PASSES = (
     SplitGroupedHeads(),        # query heads read their group's key/value head, not a copy of it
     SplitRotaryHalves(),        # rotary embeddings by halves of q, not a rotated copy
     QuantizeAttention(),        # float QK^T and PV -> int8 on the arrays (--attention int8)
+    QuantizeOperandsInPlace(),  # K smoothed and quantized in one pass, V by columns as it is
     FuseRowwise(),              # runs of row-local ops -> one kernel per row block
+    QuantizeInRowKernel(),      # Q's rotary halves quantized in their kernel, stored int8
     Legalize(),                 # every remaining node has a lowering and supported dtypes
 )
 PASS_NAMES = ("import",) + tuple(p.name for p in PASSES)

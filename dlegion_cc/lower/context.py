@@ -146,10 +146,12 @@ class Lowering:
         producer writes strided results (``lowers``' ``writes``): the Concat then copies
         nothing of it. None otherwise."""
         readers = self.graph.consumers(name)
-        if name in self.graph.outputs or len(readers) != 1 or name in self.int8:
+        if name in self.graph.outputs or len(readers) != 1:
             return None
         cat = readers[0]
         if (cat.op, cat.domain) != ("Concat", "") or cat.inputs.count(name) != 1:
+            return None
+        if (name in self.int8) != (cat.outputs[0] in self.int8):    # int8 parts of an int8 whole
             return None
         producer, out = self.graph.producer(name), cat.outputs[0]
         writes = VIEW_WRITERS.get((producer.domain, producer.op)) if producer is not None else None
@@ -269,12 +271,23 @@ def int8_activations(graph: Graph) -> set[str]:
             name = producers[name].inputs[0]        # a reshape of an int8 tensor is a view of it
         if name not in graph.outputs and _clipped_round(graph, producers, name):
             out.add(name)
+        elif name not in graph.outputs and _clipped_parts(graph, producers, name):
+            out.update([name, *producers[name].inputs])
     return out
 
 
 def _members(node: Node) -> list[Node]:
     """The ONNX nodes a node stands for: a fused kernel's, or itself."""
     return node.attrs["nodes"] if node.domain == DLEGION and node.op == "RowKernel" else [node]
+
+
+def _clipped_parts(graph: Graph, producers: dict, name: str) -> bool:
+    """A Concat of clipped rounds (``_clipped_round``), each read by it alone: its parts are
+    stored int8 where they go in it (``Lowering.in_concat``)."""
+    cat = producers.get(name)
+    return (cat is not None and cat.op == "Concat" and not cat.domain
+            and all(p not in graph.outputs and len(graph.consumers(p)) == 1
+                    and _clipped_round(graph, producers, p) for p in cat.inputs))
 
 
 def _clipped_round(graph: Graph, producers: dict, name: str) -> bool:

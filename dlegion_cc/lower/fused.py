@@ -153,6 +153,9 @@ def identity_clips(nodes: list[Node], scalars: dict) -> set[str]:
         lo, hi = _clip_bounds(n, scalars)
         if hi is None:
             continue
+        if n.attrs.get("within") == (lo, hi):     # a pass proved its input within the bounds
+            out.add(n.outputs[0])
+            continue
         rounded = made.get(n.inputs[0])
         if rounded is None or rounded.op != "Round":
             continue

@@ -37,7 +37,7 @@ from dataclasses import replace
 from isa.arch import Arch
 from isa.expand import absolute
 from isa.fields import QUEUES, Cond, DramRef
-from isa.instructions import Barrier, DmaLoad, Gather, MatMul, Wait
+from isa.instructions import Barrier, DmaLoad, DmaStore, Gather, MatMul, Wait
 from isa.program import Program
 from dlegion_cc.lower.overlap import _meet, footprint, layer_ends
 from runtime.costs import Env, cost
@@ -186,10 +186,19 @@ def _chain(instrs, arch: Arch, before: list[range], matmul: range, last_of_layer
             break
         if any(_touches_weights(instrs[k]) for k in node) or (chain and node.stop - 1 in last_of_layer):
             break
+        if _makes_weights(instrs, node, matmul):
+            break
         if len(_dma_legions(instrs, node, *chain)) >= arch.legions:
             break
         chain.insert(0, node)
     return chain
+
+
+def _makes_weights(instrs, node: range, matmul: range) -> bool:
+    """Weights the node computes (attention's quantized V, stored in place) wait for it."""
+    made = {instrs[k].dst.tensor for k in node if isinstance(instrs[k], DmaStore)}
+    return any(isinstance(instrs[k], DmaLoad) and instrs[k].dst.space == "wgt"
+               and instrs[k].src.tensor in made for k in matmul)
 
 
 def _regions(order: list, spans: list[range], old: list) -> list[tuple[int, str]]:

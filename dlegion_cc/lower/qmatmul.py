@@ -31,7 +31,7 @@ from isa.instructions import BY_MNEMONIC
 from dlegion_cc.ir import DLEGION
 from dlegion_cc.lower.context import Lowering, lowers
 from dlegion_cc.lower.emitter import Emitter
-from dlegion_cc.lower.layout import Operand, whole
+from dlegion_cc.lower.layout import Operand, is_contiguous, whole
 from dlegion_cc.lower.movement import nd_copy
 from dlegion_cc.lower.rowwise import Arg, rowwise
 from dlegion_cc.lower.qparts import part_widths, pick_width, row_parts, split_rows
@@ -321,6 +321,7 @@ def lower_run_time_weights(low: Lowering, a: str, b: str, out: str, ra: str | No
     if exact and em.tensors[dst.tensor].dtype != "i32":
         raise ValueError(f"output '{out}' is not stored as int32")
     per = M // batches
+    places = _row_places(dst, low.shape(out), batches, per)
     k_reach = _reach_of(zero_a, (per, K), batches, low.switches.sparsity)
     n_reach = _reach_of(dead, (per, N), batches, low.switches.sparsity)
     width, parts = low.schedules.deal(arch, per, lambda: row_parts(arch, per, n_pad))
@@ -329,7 +330,7 @@ def lower_run_time_weights(low: Lowering, a: str, b: str, out: str, ra: str | No
         batch = [Problem(a8, rscale, ((w, "w8"),), scales, 1, K, None, None, None, 0, "w8", None, exact, dst.tensor,
                          range(i * per + rows.start, i * per + rows.stop), K, N, n_pad, w_offset=w_offsets[i],
                          s_offset=s_offsets[i], legions=range(j * width, (j + 1) * width), k_reach=k_reach,
-                         n_reach=n_reach)
+                         n_reach=n_reach, o_offset=places[i][0], o_stride=places[i][1])
                  for i in range(batches)]
         if len(rows) not in plans:
             # The schedule searched for the product without its causal skips, which then skips
@@ -345,6 +346,25 @@ def lower_run_time_weights(low: Lowering, a: str, b: str, out: str, ra: str | No
 def _matrices_in_place(node, name: str, op: Operand) -> bool:
     """Attention's quantized K/V and their scales are read as views (``_distinct``)."""
     return name in node.inputs[2:]
+
+
+def _rows_in_place(node, name: str, op: Operand) -> bool:
+    """The product's rows are stored wherever a view puts them, each row's columns
+    consecutive: P.V's heads straight into the merged rows the projection after it reads."""
+    return bool(op.strides) and op.strides[-1] == 1
+
+
+def _row_places(dst: Operand, shape: tuple, batches: int, per: int) -> list[tuple[int, int]]:
+    """Per batch of ``per`` output rows, (offset, row stride) such that row m of the product
+    (counted over every batch) is stored at ``offset + m * stride``; (0, 0) for every batch of a
+    contiguous output, stored as the rows of one matrix."""
+    if is_contiguous(dst, shape) and dst.offset == 0:
+        return [(0, 0)] * batches
+    if math.prod(shape[:-2]) != batches:
+        raise ValueError(f"output of shape {list(shape)} is placed by a view but is not {batches} matrices")
+    stride = dst.strides[-2]
+    return [(dst.at(idx).offset - i * per * stride, stride)
+            for i, idx in enumerate(np.ndindex(*shape[:-2]))]
 
 
 def _distinct(low: Lowering, name: str, op: Operand, shape: tuple, width: int, dtype: str) -> tuple[int, list[int]]:
@@ -366,7 +386,7 @@ def _distinct(low: Lowering, name: str, op: Operand, shape: tuple, width: int, d
                for idx in np.ndindex(*batch)]
 
 
-@lowers("AttnMatMul", domain=DLEGION, views=_matrices_in_place)
+@lowers("AttnMatMul", domain=DLEGION, views=_matrices_in_place, writes=_rows_in_place)
 def attn_matmul(low: Lowering, node) -> None:
     """``a8 . b8`` scaled per row by ``ra`` and per column by ``rb`` (``passes/attention.py``)."""
     a8, ra, b8, rb = node.inputs

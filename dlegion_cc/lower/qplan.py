@@ -71,6 +71,10 @@ class Problem:
     # rest being dead (a causal QK^T: ``passes/causal.py``); None: all. A tile of dead columns
     # only is neither loaded, passed, drained nor stored.
     n_reach: np.ndarray | None = None
+    # Output row m is stored at DRAM element ``o_offset + m * o_stride`` of ``out`` (a batch of
+    # attention's P.V straight into its heads' place in the merged rows); 0: at ``m * N``.
+    o_offset: int = 0
+    o_stride: int = 0
 
 
 def legion_range(arch: Arch, p: Problem) -> range:

@@ -689,7 +689,8 @@ def _end_tile(st: _Tiles, b: int, t: int, g: Group, acc: int, rows: range) -> No
     ready = st.sync.mark(g, queue)
     for seg, j, col, cols in stores(p, st.plan, g.base, n0, nb):
         piece = View(src.space, src.addr + j, src.rs, 1)
-        store = DmaStore(g.base, DramRef(seg.tensor, m0 * seg.N + col, seg.N), piece, mb, cols,
+        stride = p.o_stride or seg.N
+        store = DmaStore(g.base, DramRef(seg.tensor, p.o_offset + m0 * stride + col, stride), piece, mb, cols,
                          lstride=seg.width if g.count > 1 else None)
         st.deferred[g].append((store, ready, space_slot))
 

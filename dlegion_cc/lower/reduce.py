@@ -7,13 +7,17 @@ merge into one row.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
-from isa.instructions import BY_MNEMONIC
-from dlegion_cc.lower.context import Lowering, lowers
-from dlegion_cc.lower.layout import Operand, contiguous_strides, whole
+from isa.fields import DramRef, View
+from isa.instructions import BY_MNEMONIC, DmaLoad, DmaStore
+from dlegion_cc.ir import DLEGION
+from dlegion_cc.lower.context import Lowering, lowers, row_view
+from dlegion_cc.lower.layout import Operand, broadcast, contiguous_strides, whole
 from dlegion_cc.lower.movement import nd_copy
+from dlegion_cc.lower.quant import ABSMAX_FLOOR, V, int_result
 from dlegion_cc.lower.rowwise import Arg, rowwise
 
 REDUCE = {"ReduceSum": "vrsum", "ReduceMean": "vrsum", "ReduceMax": "vrmax", "ReduceMin": "vrmin"}
@@ -70,6 +74,10 @@ def reduction(low: Lowering, node) -> None:
     if math.prod(shape) == 0:
         fill(low, out, EMPTY[node.op])
         return
+    if _down_columns(low, x, axes):
+        dst = low.result(out)
+        column_reduce(low, node, x, Operand(dst.tensor, dst.offset, contiguous_strides((*shape[:-2], shape[-1]))))
+        return
     src, (rows, n) = to_rows(low, x, axes, where)
     dst = low.result(out)      # the kept axes in order: the output's layout whether or not keepdims
     cls = BY_MNEMONIC[REDUCE[node.op]]
@@ -118,3 +126,168 @@ def _softmax_rows(low: Lowering, src: Operand, dst: Operand, rows: int, n: int, 
         em.emit(BY_MNEMONIC["vdiv"](legion, v["out"], v["out"], stat, r, c))
     args = [Arg("x", src), Arg("out", dst, out=True), Arg("stat", col=True)]
     rowwise(low.em, (rows, n), args, body, keep_last=True, where=where)
+
+
+# --- attention's K and V quantized in place (passes/attnoperands.py) ------------------------
+
+@lowers("SmoothAbsmaxQuantize", domain=DLEGION, views=row_view)
+def smooth_absmax_quantize(low: Lowering, node) -> None:
+    """q = round(s / r) with s = x - mean, r = max(max|s|, floor) / 127 per row (int8), and r:
+    the instructions of Sub then AbsmaxQuantize, without storing s."""
+    (x, mean), (q, r) = node.inputs, node.outputs
+    shape = low.shape(x)
+
+    def body(e, l, v, rows, cols):
+        e.emit(V("vsub")(l, v["x"], v["x"], v["mean"], rows, cols))
+        _absmax_rows(e, l, v["q"], v["r"], v["x"], rows, cols)
+    r_op = low.result(r)
+    args = [Arg("x", low.operand(x)), Arg("mean", broadcast(low.operand(mean), low.shape(mean), shape)),
+            Arg("q", int_result(low, q), out=True),
+            Arg("r", Operand(r_op.tensor, r_op.offset, r_op.strides[:-1] + (0,)), out=True)]
+    rowwise(low.em, shape, args, body, keep_last=True, where=f"node '{node.name}': ")
+
+
+def _absmax_rows(e, legion: int, q, r, x, rows: int, cols: int) -> None:
+    """AbsmaxQuantize's instructions (``quant.absmax_quantize``) on a block of rows."""
+    e.emit(V("vabs")(legion, q, x, rows, cols))
+    e.emit(V("vrmax")(legion, r, q, rows, cols))
+    e.emit(V("vmax")(legion, r, r, ABSMAX_FLOOR, rows, 1))
+    e.emit(V("vdiv")(legion, r, r, 127.0, rows, 1))
+    e.emit(V("vdiv")(legion, q, x, r, rows, cols))
+    e.emit(V("vround")(legion, q, q, rows, cols))
+
+
+@lowers("ColumnAbsmaxQuantize", domain=DLEGION, views=row_view)
+def column_absmax_quantize(low: Lowering, node) -> None:
+    """q = round(x / r) with r = max(max|x|, floor) / 127 per column of each matrix of x
+    (int8, x's layout), and r [.., cols, 1]: AbsmaxQuantize of x's transpose, bit for bit, with
+    nothing transposed. Each column's maximum is a row reduction of its strip read transposed in
+    the scratchpad (a maximum is the same in any order); the quotients are taken row by row, r
+    broadcast down the rows."""
+    x, (q, r) = node.inputs[0], node.outputs
+    q_op, r_op = int_result(low, q), low.result(r)
+
+    def body(e, legion, v, S, w):
+        col, t = View("vec", v.r, 1, 0), View("vec", v.temp, v.width, 1)
+        e.emit(V("vabs")(legion, t, v.x, S, w))
+        e.emit(V("vrmax")(legion, col, View("vec", v.temp, 1, v.width), w, S))
+        e.emit(V("vmax")(legion, col, col, ABSMAX_FLOOR, w, 1))
+        e.emit(V("vdiv")(legion, col, col, 127.0, w, 1))
+        e.emit(V("vdiv")(legion, v.x, v.x, View("vec", v.r, 0, 1), S, w))
+        e.emit(V("vround")(legion, v.x, v.x, S, w))
+
+    def stores(legion, v, idx, c0, S, w):
+        qb, rb = q_op.at(idx), r_op.at(idx)
+        return [DmaStore(legion, DramRef(qb.tensor, qb.offset + c0, qb.strides[0]), v.x, S, w),
+                _row_store(legion, rb, c0 * rb.strides[0], v.r, w)]
+    _strips(low, node, x, False, body, stores)
+
+
+def _down_columns(low: Lowering, x: str, axes: list[int]) -> bool:
+    """Whether a reduction of ``x`` over ``axes`` runs down the columns of its matrices, whose
+    rows are contiguous, in strips that fit the scratchpad (``column_reduce``)."""
+    shape, op = low.shape(x), low.operand(x)
+    rank = len(shape)
+    return (axes == [rank - 2] and shape[-1] > 1 and op.strides[-1] == 1
+            and 3 * shape[-2] + 2 <= low.em.capacity("vec") and shape[-2] <= low.em.extent())
+
+
+def column_reduce(low: Lowering, node, x: str, out: Operand) -> None:
+    """A reduction over the next-to-last axis of ``x`` (rows contiguous) into ``out`` [.., D]:
+    each strip of columns is loaded transposed into the scratchpad, where its columns are
+    contiguous rows, reduced as the copy through DRAM that ``to_rows`` makes would have them,
+    bit for bit, without that copy (K's mean over the tokens)."""
+    def body(e, legion, v, S, w):
+        col = View("vec", v.r, 1, 0)
+        e.emit(BY_MNEMONIC[REDUCE[node.op]](legion, col, v.x, w, S))
+        if node.op == "ReduceMean":
+            e.emit(BY_MNEMONIC["vdiv"](legion, col, col, float(S), w, 1))
+
+    def stores(legion, v, idx, c0, S, w):
+        return [_row_store(legion, out.at(idx), c0 * out.strides[-1], v.r, w)]
+    _strips(low, node, x, True, body, stores)
+
+
+def _row_store(legion: int, op: Operand, offset: int, addr: int, w: int) -> DmaStore:
+    """``w`` consecutive values of a strip's column vector to ``op`` from ``offset`` on."""
+    return DmaStore(legion, DramRef(op.tensor, op.offset + offset, w), View("vec", addr, w, 1), 1, w)
+
+
+@dataclass(frozen=True)
+class _Buffer:
+    """A strip's scratchpad: its values (``x``: rows of the strip, or of its columns when loaded
+    transposed), its column vector at ``r``, the temp shared by the Legion's strips."""
+
+    x: View
+    r: int
+    temp: int
+    width: int
+
+
+def _strips(low: Lowering, node, x: str, transposed: bool, body, stores) -> None:
+    """Run ``body`` on strips of whole columns of every matrix of ``x`` [.., S, D], then
+    ``stores(legion, buffer, batch index, first column, S, columns)``."""
+    shape, src = low.shape(x), low.operand(x)
+    S, D = shape[-2:]
+    width = _strip_width(low.em, math.prod(shape[:-2]), S, D, f"node '{node.name}': ")
+    strips = _Strips(low.em, S, width, transposed)
+    for idx in np.ndindex(*shape[:-2]):
+        for c0 in range(0, D, width):
+            strips.emit(src.at(idx), c0, min(width, D - c0), body,
+                        lambda legion, v, w, idx=idx, c0=c0: stores(legion, v, idx, c0, S, w))
+    strips.finish()
+
+
+def _strip_width(em, batches: int, S: int, D: int, where: str) -> int:
+    """Columns per strip: two strips of S x width fit the scratchpad with a temp (one loading
+    while one computes), and the busiest Legion's columns are fewest (wider first on a tie)."""
+    most = min(D, em.capacity("vec") // (3 * S + 2))
+    if most < 1 or S > em.extent():
+        raise ValueError(f"{where}columns of {S} elements do not fit a strip of the vector scratchpad")
+    legions = em.arch.legions
+    return min(range(most, 0, -1), key=lambda w: -(-batches * -(-D // w) // legions) * w)
+
+
+class _Strips:
+    """Strips of columns dealt to the Legions in turn; each Legion alternates two buffers. A
+    DMA queue runs in order, so a strip's stores are issued after the next strip's load (which
+    then streams in while the strip computes), and a buffer's next load waits for the stores
+    of the strip it held."""
+
+    def __init__(self, em, S: int, width: int, transposed: bool):
+        self.em, self.S, self.width, self.transposed = em, S, width, transposed
+        self.size = S * width + width             # a strip, then its column vector
+        self.used: dict = {}                      # (Legion, buffer) -> DMAs issued when its stores were
+        self.turns: dict = {}
+        self.stores: dict = {}                    # Legion -> (buffer, its pending stores)
+
+    def emit(self, src: Operand, c0: int, w: int, body, stores) -> None:
+        em, S, W = self.em, self.S, self.width
+        legion = em.next_legion()
+        buf = self.turns.get(legion, 0)
+        self.turns[legion] = 1 - buf
+        xa, dma = buf * self.size, (legion, "dma")
+        # Loaded transposed, column j of the strip is row j of the buffer.
+        into, x = (View("vec", xa, 1, S), View("vec", xa, S, 1)) if self.transposed else (View("vec", xa, W, 1),) * 2
+        v = _Buffer(x, xa + S * W, 2 * self.size, W)
+        if (legion, buf) in self.used:
+            em.depend(dma, dma, upto=self.used[(legion, buf)])
+        em.emit(DmaLoad(legion, frozenset({legion}), into, DramRef(src.tensor, src.offset + c0, src.strides[0]), S, w))
+        loaded = em.issued[dma]
+        self._flush(legion)
+        em.depend(dma, (legion, "vec"), upto=loaded)
+        body(em, legion, v, S, w)
+        self.stores[legion] = (buf, stores(legion, v, w))
+
+    def _flush(self, legion: int) -> None:
+        if legion not in self.stores:
+            return
+        buf, stores = self.stores.pop(legion)
+        self.em.depend((legion, "vec"), (legion, "dma"))
+        for store in stores:
+            self.em.emit(store)
+        self.used[(legion, buf)] = self.em.issued[(legion, "dma")]
+
+    def finish(self) -> None:
+        for legion in sorted(self.stores):
+            self._flush(legion)
