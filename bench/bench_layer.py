@@ -14,8 +14,8 @@ output at the DRAM rate (target: at most 1.25x); and the other attention mode be
 (the ablation), and the layer compiled the other way about overlap (``dlegion-cc --overlap``:
 nodes end in waits, not barriers; off by default, as in the compiler). ``--stack`` times the BitLinear stack instead (below). ``--error`` also emulates both programs on the same inputs and prints the
 relative L2 distance of the layer's output (the residual stream before the final norm) with
-int8 attention from the fp32-attention program's (target: at most 1e-2). ``--row-blocks``
-compiles with matmuls and row kernels pipelined by row blocks (``lower/rowblocks.py``). ``--kernels``
+int8 attention from the fp32-attention program's (target: at most 1e-2). ``--no-row-blocks``
+compiles without matmuls and row kernels pipelined by row blocks (``lower/rowblocks.py``). ``--kernels``
 prints the layer region by region (below).
 
 ``--stack`` (default sequence 256): the layer's six BitLinear projections without attention,
@@ -143,7 +143,7 @@ def _stack_model(seq: int, path: Path) -> None:
     save(b.model([tensor_info("x", FLOAT, [1, seq, h])], outs), path, external_data=True)
 
 
-def _stack(seq: int, machine, prefetch: bool, row_blocks: bool = False) -> None:
+def _stack(seq: int, machine, prefetch: bool, row_blocks: bool = True) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "stack.onnx"
         _stack_model(seq, path)
@@ -169,7 +169,8 @@ def _stack(seq: int, machine, prefetch: bool, row_blocks: bool = False) -> None:
 @click.option("--error", is_flag=True, help="Emulate both attention modes and print the int8 one's error.")
 @click.option("--stack", is_flag=True, help="Time the BitLinear stack without attention instead of the layer.")
 @click.option("--kernels", is_flag=True, help="Print the layer's regions with their rooflines.")
-@click.option("--row-blocks", is_flag=True, help="Pipeline matmuls and row kernels by row blocks (opt-in).")
+@click.option("--row-blocks/--no-row-blocks", default=True, show_default=True,
+              help="Pipeline matmuls and row kernels by row blocks (off: the ablation).")
 def main(seq: int | None, arch_name: str, prefetch: bool, attention: str, overlap: bool, error: bool,
          stack: bool, kernels: bool, row_blocks: bool) -> None:
     machine = arch_mod.load(arch_name)

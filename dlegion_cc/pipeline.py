@@ -57,10 +57,7 @@ class Options:
     fusion: bool = True           # off: no FuseSiblings (multi-matrix fusion) and no FuseRowwise
     prefetch: bool = True         # off: a matmul's first weights wait for the row kernel before it
     transfers: bool = True        # off: no activations forwarded Legion to Legion; read from DRAM again
-    # on: matmuls and the row kernels after them pipelined by row blocks (lower/rowblocks.py).
-    # Off by default: each matmul block's drains wait on the vector queue behind the row kernel
-    # of the block before, so at sequence 512 a 2B4T layer takes 1,152,947 cycles, not 1,085,089.
-    row_blocks: bool = False
+    row_blocks: bool = True       # off: no matmul and row kernel pipelined by row blocks (lower/rowblocks.py)
     # on: nodes end in waits for what the next ones share instead of barriers (lower/overlap.py).
     # Off by default until the pass is cheap at full size: at sequence 512 a 2B4T layer with its
     # 128,256-token lm_head took over 15x the compile time with it, for under 1% fewer cycles.

@@ -10,14 +10,16 @@ import numpy as np
 import pytest
 
 from isa import arch
-from isa.instructions import Barrier, DmaLoad
+from isa.instructions import Barrier, DmaLoad, DmaStore, MatMul, VBinary, VReduce, VUnary
 from dlegion_cc.lower.rowblocks import split
 from dlegion_cc.pipeline import Options, compile_model
 from models.bitnet import BitLinear, preset, save
 from models.decoder import relu2
 from models.graph import FLOAT, GraphBuilder, tensor_info
 from runtime.emulator import random_inputs, run
+from runtime.report import regions_by_name
 from runtime.state import Trap
+from runtime.timing import simulate
 
 EIGHT = arch.load("dlegion-8x8")
 SEQ = 256
@@ -55,22 +57,45 @@ def test_split_covers_the_rows_in_aligned_blocks():
 def test_the_chain_is_emitted_by_row_blocks_and_computes_the_same(tmp):
     program, plain = _compiled(tmp, True), _compiled(tmp, False)
     names = [name for _, name in program.regions]
-    # each node opens a region per row block, the blocks of one node apart
-    assert len(names) > len(set(names)) and names != sorted(set(names), key=names.index)
+    # a row kernel's block merged with the next matmul block: one region named after both
+    assert any("gate_proj" in n and " with /Relu" in n for n in names)
+    assert any(n.startswith("down_proj") and " with /Relu" in n for n in names)
     assert sum(isinstance(i, Barrier) for i in program.instrs) < sum(isinstance(i, Barrier) for i in plain.instrs)
     inputs = random_inputs(plain, 0)
     got, want = run(program, EIGHT, inputs).outputs, run(plain, EIGHT, inputs).outputs   # race-checked
     assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
 
 
+def _stored_then_loaded(program) -> list[int]:
+    """Loads, with a condition, of a scratch tensor an earlier store wrote: a row kernel reading
+    the rows a matmul block drained."""
+    written, out = set(), []
+    for k, i in enumerate(program.instrs):
+        if isinstance(i, DmaStore):
+            written.add(i.dst.tensor)
+        elif isinstance(i, DmaLoad) and i.src.tensor in written and i.condition() is not None:
+            out.append(k)
+    return out
+
+
 def test_the_race_check_finds_a_wait_removed_from_the_chain(tmp):
-    """The second row block's first load of the row kernel after gate/up waits for that
-    block's drains, stored by another queue: without the wait, a race."""
+    """The first load of a row kernel's block that reads what a matmul block stored waits for
+    that store, on another queue: without the wait, a race."""
     program = _compiled(tmp, True)
-    starts = [at for at, name in program.regions if "Relu" in name]
-    assert len(starts) > 1
-    k = next(k for k in range(starts[1], len(program.instrs)) if isinstance(program.instrs[k], DmaLoad)
-             and program.instrs[k].condition() is not None)
+    k = _stored_then_loaded(program)[0]
     broken = replace(program, instrs=[replace(i, wait=None) if j == k else i for j, i in enumerate(program.instrs)])
-    with pytest.raises(Trap, match=r"race on"):
+    with pytest.raises(Trap, match=rf"instruction {k}: dma.ld: race on"):
         run(broken, EIGHT, random_inputs(program, 0))
+
+
+def test_a_row_kernel_block_runs_while_the_arrays_multiply_the_next(tmp):
+    """Most of the vector work of the ReLU^2 * up kernel's first row block is done before the
+    arrays start the last pass of gate/up's second block (the two merged into one region)."""
+    timeline = simulate(_compiled(tmp, True), EIGHT)
+    tasks = timeline.program.instrs
+    name, members = next((n, m) for n, m in regions_by_name(timeline.program).items()
+                         if "gate_proj" in n and "with /Relu" in n)
+    passes = [k for k in members if isinstance(tasks[k], MatMul)]
+    vector = [k for k in members if isinstance(tasks[k], (VUnary, VBinary, VReduce))]
+    assert passes and vector
+    assert np.mean(timeline.done[vector] < timeline.start[passes].max()) > 0.5

@@ -104,10 +104,10 @@ def row_kernel(low: Lowering, node) -> None:
         pass
 
 
-def row_kernel_blocks(low: Lowering, node, blocks: list[range] | None = None):
+def row_kernel_blocks(low: Lowering, node, blocks: list[range] | None = None, resumed: bool = False):
     """``row_kernel``, a generator that emits the frame rows of each of ``blocks`` in turn (all
     of them when None; blocks need a frame of one matrix and no causal reach) and yields after
-    each (``rowblocks.py``)."""
+    each (``rowblocks.py``); ``resumed``: the outputs are where earlier blocks wrote them."""
     frame, values = node.attrs["frame"], node.attrs["values"]
     # A tiled input may come in as one row broadcast over the block: its slot is never reused.
     kinds = {n: shape_kind(v.shape, frame, tiled=True) for n, v in values.items()}
@@ -120,7 +120,7 @@ def row_kernel_blocks(low: Lowering, node, blocks: list[range] | None = None):
     reach = _reach(node, frame)
     slot, temps = _plan(node, kinds, scalars, set(ins), set(node.outputs), reach is not None)
     args = [Arg(n, _frame_operand(low.operand(n), values[n].shape, kinds[n], frame)) for n in ins]
-    args += [Arg(n, _frame_operand(low.result(n), values[n].shape, kinds[n], frame), out=True,
+    args += [Arg(n, _frame_operand(low.operands[n] if resumed else low.result(n), values[n].shape, kinds[n], frame), out=True,
                  alias=slot[n] if slot.get(n, n) != n else None) for n in node.outputs]
     args += temps
     widths = {n: (frame.cols if kinds.get(n) in ("full", "row") else 1) for n in values}

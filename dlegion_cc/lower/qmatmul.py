@@ -124,10 +124,10 @@ def qmatmul(low: Lowering, node) -> None:
         pass
 
 
-def qmatmul_blocks(low: Lowering, node, blocks: list[range] | None = None):
+def qmatmul_blocks(low: Lowering, node, blocks: list[range] | None = None, vec_room: int = 0):
     """``qmatmul``, a generator that emits the rows of each of ``blocks`` in turn (all the rows
     when None) and yields after each: a caller interleaves them with other nodes' row blocks
-    (``rowblocks.py``)."""
+    (``rowblocks.py``), whose kernels run in ``vec`` past the plans' ``vec_room`` (0: all)."""
     a = node.attrs
     q, s, zp = (node.inputs + ["", ""])[:3]
     scales = a.get("scales")
@@ -139,7 +139,7 @@ def qmatmul_blocks(low: Lowering, node, blocks: list[range] | None = None):
     requant = None if a.get("requant") is None else tuple(a["requant"])
     outs = [Output(o, requant) for o in node.outputs]
     yield from _qmatmul_steps(low, node.name, acts, weights, outs[0] if len(outs) == 1 else outs,
-                              a.get("segments"), blocks)
+                              a.get("segments"), blocks, vec_room)
 
 
 def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: Output | list[Output],
@@ -151,12 +151,12 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
     ``segments[i]`` columns of ``w``. The rows may be cut into parts, each on Legions of its
     own (``qparts``).
     """
-    for _ in _qmatmul_steps(low, name, acts, w, out, segments, None):
+    for _ in _qmatmul_steps(low, name, acts, w, out, segments, None, 0):
         pass
 
 
 def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out: Output | list[Output],
-                   segments: list[int] | None, blocks: list[range] | None):
+                   segments: list[int] | None, blocks: list[range] | None, vec_room: int):
     """``lower_qmatmul``, yielding after each of ``blocks`` (row ranges of a plain matmul, each
     scheduled for its own rows; the constants are made once)."""
     em, arch = low.em, low.em.arch
@@ -213,7 +213,7 @@ def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out:
             plans = {}          # a batch's own weights: its own plans
         weights, nonzero = made[b]
         p = Problem(a8, rscale, weights, scales, groups, block, bias, *corrs[b], out.requant, exact,
-                    dst.tensor, rows, K, N, n_pad, nonzero, segs)
+                    dst.tensor, rows, K, N, n_pad, nonzero, segs, vec_room=vec_room)
         _emit_parts(low, p, width, plans)
         yield rows
 
