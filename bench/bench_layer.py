@@ -14,7 +14,8 @@ output at the DRAM rate (target: at most 1.25x); and the other attention mode be
 (the ablation), and the layer compiled the other way about overlap (``dlegion-cc --overlap``:
 nodes end in waits, not barriers; off by default, as in the compiler). ``--stack`` times the BitLinear stack instead (below). ``--error`` also emulates both programs on the same inputs and prints the
 relative L2 distance of the layer's output (the residual stream before the final norm) with
-int8 attention from the fp32-attention program's (target: at most 1e-2). ``--kernels``
+int8 attention from the fp32-attention program's (target: at most 1e-2). ``--no-row-blocks``
+compiles without matmuls and row kernels pipelined by row blocks (``lower/rowblocks.py``). ``--kernels``
 prints the layer region by region (below).
 
 ``--stack`` (default sequence 256): the layer's six BitLinear projections without attention,
@@ -142,11 +143,12 @@ def _stack_model(seq: int, path: Path) -> None:
     save(b.model([tensor_info("x", FLOAT, [1, seq, h])], outs), path, external_data=True)
 
 
-def _stack(seq: int, machine, prefetch: bool) -> None:
+def _stack(seq: int, machine, prefetch: bool, row_blocks: bool = True) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "stack.onnx"
         _stack_model(seq, path)
-        runs = {ov: compile_model(path, Options(machine, prefetch=prefetch, overlap=ov)) for ov in (True, False)}
+        runs = {ov: compile_model(path, Options(machine, prefetch=prefetch, overlap=ov,
+                                                             row_blocks=row_blocks)) for ov in (True, False)}
     roofline = bound(runs[False][0], machine)["matmul"]
     cycles = {ov: simulate(program, machine).cycles for ov, (_, program) in runs.items()}
     print(f"2B4T BitLinear stack (Q, K, V, gate, up, down with absmax quantization, ReLU^2), sequence {seq}, "
@@ -167,11 +169,13 @@ def _stack(seq: int, machine, prefetch: bool) -> None:
 @click.option("--error", is_flag=True, help="Emulate both attention modes and print the int8 one's error.")
 @click.option("--stack", is_flag=True, help="Time the BitLinear stack without attention instead of the layer.")
 @click.option("--kernels", is_flag=True, help="Print the layer's regions with their rooflines.")
+@click.option("--row-blocks/--no-row-blocks", default=True, show_default=True,
+              help="Pipeline matmuls and row kernels by row blocks (off: the ablation).")
 def main(seq: int | None, arch_name: str, prefetch: bool, attention: str, overlap: bool, error: bool,
-         stack: bool, kernels: bool) -> None:
+         stack: bool, kernels: bool, row_blocks: bool) -> None:
     machine = arch_mod.load(arch_name)
     if stack:
-        _stack(seq or 256, machine, prefetch)
+        _stack(seq or 256, machine, prefetch, row_blocks)
         return
     seq = seq or 512
     other = "fp32" if attention == "int8" else "int8"
@@ -179,10 +183,10 @@ def main(seq: int | None, arch_name: str, prefetch: bool, attention: str, overla
         path = Path(tmp) / "layer.onnx"
         layer_out = _layer_model(seq, path)
         t_compile, (graph, program) = _median_time(
-            lambda: compile_model(path, Options(machine, prefetch=prefetch, attention=attention, overlap=overlap)), runs=1)
+            lambda: compile_model(path, Options(machine, prefetch=prefetch, attention=attention, overlap=overlap, row_blocks=row_blocks)), runs=1)
         other_graph, other_program = compile_model(path, Options(machine, prefetch=prefetch, attention=other,
-                                                                 overlap=overlap))
-        _, barriers = compile_model(path, Options(machine, prefetch=prefetch, attention=attention, overlap=not overlap))
+                                                                 overlap=overlap, row_blocks=row_blocks))
+        _, barriers = compile_model(path, Options(machine, prefetch=prefetch, attention=attention, overlap=not overlap, row_blocks=row_blocks))
     t_time, timeline = _median_time(lambda: simulate(program, machine))
     counts = Counter(family(type(i)) for i in program.instrs)
     n = len(program.instrs)

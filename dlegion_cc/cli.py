@@ -169,6 +169,8 @@ def _compile_program(model: str, options: Options, output: str, arch: str, emit:
                    "(at decode, while the kernel runs on one Legion).")
 @click.option("--no-transfers", is_flag=True,
               help="Ablation: activations a matmul reads again come from DRAM, not from another Legion (noc.mv).")
+@click.option("--no-row-blocks", is_flag=True,
+              help="Ablation: matmuls and the row kernels between them are not pipelined by row blocks.")
 @click.option("--overlap/--no-overlap", default=False, show_default=True,
               help="Nodes end in waits for what the next ones share, not in barriers, so one node's work "
                    "overlaps the next one's (costly to compile at full size, hence off by default).")
@@ -189,8 +191,8 @@ def _compile_program(model: str, options: Options, output: str, arch: str, emit:
 @click.option("-q", "--quiet", is_flag=True,
               help="No progress bars (shown only when stderr is a terminal), and no line on where the matmuls run.")
 def compile_command(model, output, arch, dims, inputs_path, emit, schedule_path, print_after, no_multicast,
-                    no_accumulators, no_sparsity, no_fusion, no_prefetch, no_transfers, overlap, objective, attention,
-                    quantize, quantize_skip, quiet):
+                    no_accumulators, no_sparsity, no_fusion, no_prefetch, no_transfers, no_row_blocks, overlap, objective,
+                    attention, quantize, quantize_skip, quiet):
     """Compile MODEL (ONNX) into a D-Legion program for ``dlegion-run``.
 
     Ends with a line saying how many of the model's matmuls run on the systolic arrays, in which
@@ -203,7 +205,7 @@ def compile_command(model, output, arch, dims, inputs_path, emit, schedule_path,
     _check_outputs(model, data_files, output, emit, schedule_path)
     options = Options(machine, bound, multicast=not no_multicast, accumulators=not no_accumulators,
                       sparsity=not no_sparsity, fusion=not no_fusion, prefetch=not no_prefetch,
-                      transfers=not no_transfers, overlap=overlap, objective=objective, attention=attention, quantize=quantize,
+                      transfers=not no_transfers, row_blocks=not no_row_blocks, overlap=overlap, objective=objective, attention=attention, quantize=quantize,
                       quantize_skip=tuple(quantize_skip),
                       schedules=schedules.read(schedule_path) if schedule_path else schedules.Schedules())
     hook, progress = _print_after(print_after), Progress.for_terminal(quiet)

@@ -60,6 +60,7 @@ class Options:
     fusion: bool = True           # off: no FuseSiblings (multi-matrix fusion) and no FuseRowwise
     prefetch: bool = True         # off: a matmul's first weights wait for the row kernel before it
     transfers: bool = True        # off: no activations forwarded Legion to Legion; read from DRAM again
+    row_blocks: bool = True       # off: no matmul and row kernel pipelined by row blocks (lower/rowblocks.py)
     # on: nodes end in waits for what the next ones share instead of barriers (lower/overlap.py).
     # Off by default until the pass is cheap at full size: at sequence 512 a 2B4T layer with its
     # 128,256-token lm_head took over 15x the compile time with it, for under 1% fewer cycles.
@@ -80,7 +81,8 @@ class Options:
 
     def switches(self) -> Switches:
         return Switches(self.multicast, self.accumulators, self.sparsity, self.prefetch,
-                        overlap=self.overlap, objective=self.objective, transfers=self.transfers)
+                        overlap=self.overlap, objective=self.objective, transfers=self.transfers,
+                        row_blocks=self.row_blocks)
 
 
 Hook = Callable[[str, Graph], None]

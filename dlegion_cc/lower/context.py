@@ -29,6 +29,7 @@ class Switches:
     overlap: bool = True          # nodes end in waits for what the next ones share, not barriers
     objective: str = "latency"    # fewest cycles; or fewest joules ("energy"), or their product ("edp")
     transfers: bool = True        # activations read once and forwarded Legion to Legion (noc.mv)
+    row_blocks: bool = True       # matmuls and row kernels pipelined by row blocks (rowblocks.py)
 
 
 Lowerer = Callable[["Lowering", Node], None]

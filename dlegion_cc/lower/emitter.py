@@ -72,6 +72,7 @@ class Emitter:
     data: ConstData = field(default_factory=ConstData)
     issued: dict = field(default_factory=dict)          # queue -> instructions issued on it
     pending: dict = field(default_factory=dict)         # queue -> (source, its count then, across)
+    reserved: dict = field(default_factory=dict)        # space -> elements from 0 kept for another kernel
     turn: int = 0                                       # round-robin position over Legions
     span: tuple[int, int] = (0, 1)                      # (base Legion, Legions) of what is emitted
     skipped: Counter = field(default_factory=Counter)   # work left out, by kind (Program.skipped)
@@ -196,7 +197,8 @@ class Emitter:
 
     # --- scratchpads ------------------------------------------------------------------------
     def capacity(self, space: str) -> int:
-        return self.arch.derived.spad_elems[space]
+        """Elements of ``space`` a kernel may use (less what ``reserved`` keeps for another)."""
+        return self.arch.derived.spad_elems[space] - self.reserved.get(space, 0)
 
     @staticmethod
     def extent() -> int:

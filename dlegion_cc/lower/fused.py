@@ -6,6 +6,7 @@ dies at that op, so a long chain needs only a few slots and blocks hold many row
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -99,6 +100,14 @@ def _plan(node: Node, kinds: dict, scalars: dict, inputs: set, outputs: set, spl
 
 @lowers("RowKernel", domain=DLEGION, views=frame_view, writes=frame_view)
 def row_kernel(low: Lowering, node) -> None:
+    for _ in row_kernel_blocks(low, node):
+        pass
+
+
+def row_kernel_blocks(low: Lowering, node, blocks: list[range] | None = None, resumed: bool = False):
+    """``row_kernel``, a generator that emits the frame rows of each of ``blocks`` in turn (all
+    of them when None; blocks need a frame of one matrix and no causal reach) and yields after
+    each (``rowblocks.py``); ``resumed``: the outputs are where earlier blocks wrote them."""
     frame, values = node.attrs["frame"], node.attrs["values"]
     # A tiled input may come in as one row broadcast over the block: its slot is never reused.
     kinds = {n: shape_kind(v.shape, frame, tiled=True) for n, v in values.items()}
@@ -111,7 +120,7 @@ def row_kernel(low: Lowering, node) -> None:
     reach = _reach(node, frame)
     slot, temps = _plan(node, kinds, scalars, set(ins), set(node.outputs), reach is not None)
     args = [Arg(n, _frame_operand(low.operand(n), values[n].shape, kinds[n], frame)) for n in ins]
-    args += [Arg(n, _frame_operand(low.result(n), values[n].shape, kinds[n], frame), out=True,
+    args += [Arg(n, _frame_operand(low.operands[n] if resumed else low.result(n), values[n].shape, kinds[n], frame), out=True,
                  alias=slot[n] if slot.get(n, n) != n else None) for n in node.outputs]
     args += temps
     widths = {n: (frame.cols if kinds.get(n) in ("full", "row") else 1) for n in values}
@@ -126,7 +135,24 @@ def row_kernel(low: Lowering, node) -> None:
             emit_op(em, legion, n, view, scalars, rows, cols, cols if widths[n.outputs[0]] > 1 else 1, frame.cols)
     keep = any(k in ("col", "row") for k in kinds.values()) or any(
         n.op in ROW_REDUCE or n.op == "Softmax" for n in node.attrs["nodes"])
-    rowwise(low.em, frame.shape, args, body, keep_last=keep, where=f"node '{node.name}': ", reach=reach)
+    where = f"node '{node.name}': "
+    if blocks is None:
+        rowwise(low.em, frame.shape, args, body, keep_last=keep, where=where, reach=reach)
+        return
+    if reach is not None or math.prod(frame.shape[:-2]) != 1:
+        raise ValueError(f"{where}row blocks of a frame {list(frame.shape)} with a causal reach or leading dimensions")
+    for j, rows in enumerate(blocks):
+        if j:
+            low.em.barrier()    # each block's rows reuse the scratchpad of the one before
+        shifted = [a if a.operand is None else replace(a, operand=_rows_from(a.operand, rows.start)) for a in args]
+        rowwise(low.em, (len(rows), frame.shape[-1]), shifted, body, keep_last=keep, where=where)
+        yield rows
+
+
+def _rows_from(op: Operand, r0: int) -> Operand:
+    """``op`` (framed: its last two strides walk rows and columns) from frame row ``r0`` on."""
+    row = op.strides[-2] if len(op.strides) > 1 else 0
+    return Operand(op.tensor, op.offset + r0 * row, op.strides[-2:] if len(op.strides) > 1 else op.strides)
 
 
 def _moved(em, legion: int, out, src, rows: int, cols: int) -> None:

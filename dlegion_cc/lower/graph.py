@@ -12,7 +12,7 @@ from isa.program import Program
 from isa.progress import SILENT, Progress
 from dlegion_cc.errors import UnsupportedNodes
 from dlegion_cc.ir import DLEGION, Graph, Node
-from dlegion_cc.lower import carry
+from dlegion_cc.lower import carry, rowblocks
 from dlegion_cc.lower import elementwise, fmatmul, fused, movement, qmatmul, quant, reduce  # noqa: F401
 from dlegion_cc.lower.context import LOWERINGS, Lowering, Switches
 from dlegion_cc.lower.emitter import ConstData, Emitter
@@ -31,9 +31,19 @@ def lower_graph(graph: Graph, arch: Arch, data_file: str | None, switches: Switc
     low.declare_inputs()
     problems, regions = [], []
     with progress.task("lowering", len(graph.nodes)) as advance:
-        for node in graph.nodes:
-            _lower_node(low, node, problems, regions)
-            advance()
+        at = 0
+        while at < len(graph.nodes):
+            chain, ranges = rowblocks.plan(low, graph.nodes, at) if switches.row_blocks else ([], [])
+            if chain:               # matmuls and row kernels pipelined by row blocks
+                rowblocks.lower_chain(low, chain, ranges, regions, region_name)
+                em.barrier()
+                for node in chain:
+                    _record_approximations(em, node)
+            else:
+                _lower_node(low, graph.nodes[at], problems, regions)
+            for _ in chain or [None]:
+                advance()
+            at += len(chain) or 1
     if problems:
         raise UnsupportedNodes(graph.source, problems)
     start = len(em.instrs)
@@ -70,13 +80,17 @@ def _lower_node(low: Lowering, node: Node, problems: list, regions: list) -> Non
         return
     if waiting and node.op == "MatMul" and not node.domain:
         carry.settle(low, waiting)  # what its loads did not carry (blocks a causal mask skips)
+    _record_approximations(em, node)
+    if len(em.instrs) > before:
+        em.barrier()
+        regions.append((before, region_name(node)))
+
+
+def _record_approximations(em: Emitter, node: Node) -> None:
     for name, value in _approximations(node):
         made = em.approximations.setdefault(name, [])
         if value is not None and value not in made:
             made.append(value)
-    if len(em.instrs) > before:
-        em.barrier()
-        regions.append((before, region_name(node)))
 
 
 def _approximations(node: Node) -> list[tuple[str, str | None]]:

@@ -263,8 +263,14 @@ class _Ledger:
 
 
 class _Rewrite:
-    def __init__(self, program: Program, arch: Arch, keep: set[int] = frozenset()):
-        self.program, self.arch, self.keep = program, arch, keep
+    """``order``, when given: the instructions (no barriers) in a new order, each after those its
+    own condition names; what it shares with the others is ordered as the new order has it
+    (``rowblocks.py`` interleaves kernels that share nothing)."""
+
+    def __init__(self, program: Program, arch: Arch, keep: set[int] = frozenset(), order: list[int] | None = None):
+        self.program, self.arch, self.keep, self.order = program, arch, keep, order
+        self.targets = None if order is None else _targets(program, arch)     # (k, Legion) -> (Legion, queue, k)
+        self.placed: dict = {}                      # (k, Legion) -> its new count on its queue
         self.nq = arch.legions * len(QUEUES)
         self.issued: Counter = Counter()            # new order: (Legion, queue) -> items
         self.old_issued: Counter = Counter()        # old order, barriers counted everywhere
@@ -292,6 +298,8 @@ class _Rewrite:
         return {s: (np.array(list(last)), np.array(list(last.values()))) for s, last in users.items()}
 
     def run(self) -> tuple[list, list[int]]:
+        if self.order is not None:
+            return self._run_in_order()
         starts = []
         for k, i in enumerate(self.program.instrs):
             starts.append(len(self.out))
@@ -303,6 +311,13 @@ class _Rewrite:
                 self._place(k, i)
             if k % _Ledger.PRUNE_EVERY == 0:
                 self._prune(k)
+        return self.out, starts
+
+    def _run_in_order(self) -> tuple[list, list[int]]:
+        starts = [0] * len(self.program.instrs)
+        for k in self.order:        # (not pruned: which queue touches a space later is of the old order)
+            starts[k] = len(self.out)
+            self._place(k, self.program.instrs[k])
         return self.out, starts
 
     def _barrier(self) -> None:
@@ -330,7 +345,7 @@ class _Rewrite:
     def _place(self, k: int, i) -> None:
         queue, span = i.queue(), _span(i)
         ranks = [i.legion + r for r in range(span)]
-        own = self._own_targets(i, ranks)
+        own = self._own_targets(k, i, ranks)
         needs, prints = [], [footprint(i, r, self.program.tensors) for r in range(span)]
         for r, legion in enumerate(ranks):
             q = self.qid(legion, queue)
@@ -356,13 +371,18 @@ class _Rewrite:
             self.old_issued[key] += 1
             self.renumber.setdefault(key, []).append(self.issued[key])
 
-    def _own_targets(self, i, ranks: list[int]) -> list[dict]:
+    def _own_targets(self, k: int, i, ranks: list[int]) -> list[dict]:
         """Per rank, the items (qid -> new count) its own condition waited for."""
         cond = i.condition()
         out = []
         for legion in ranks:
             need = {}
-            if cond is not None:
+            if self.targets is not None:
+                target = self.targets.get((k, legion))
+                if target is not None:
+                    tl, tq, tk = target
+                    need[self.qid(tl, tq)] = self.placed[(tk, tl)]     # KeyError: placed too early
+            elif cond is not None:
                 c = absolute(cond, legion, self.old_issued)
                 if c.count > 0:
                     new = self.renumber[(c.legion, c.queue)][c.count - 1]
@@ -412,6 +432,8 @@ class _Rewrite:
                 if c.count > 0:
                     np.maximum(known, self.done[self.qid(c.legion, c.queue)][c.count - 1], out=known)
             place = self.issued[(legion, queue)]
+            if k is not None:
+                self.placed[(k, legion)] = place + 1
             done = known.copy()
             done[q] = max(done[q], place + 1)
             self.done.setdefault(q, []).append(done)
@@ -442,3 +464,30 @@ class _Rewrite:
                     ledger.prune(self.start[later].min(axis=0))
                 else:
                     del self.ledgers[space]
+
+
+def _targets(program: Program, arch: Arch) -> dict:
+    """(k, Legion) -> (Legion, queue, k') of the instruction k' the condition of instruction k
+    names on that Legion, in program order (none when it names a barrier: what crossed a
+    barrier is ordered by the conflicts)."""
+    issued: Counter = Counter()
+    on: dict = {}                       # (Legion, queue) -> instructions in order, -1 a barrier
+    out = {}
+    for k, i in enumerate(program.instrs):
+        if isinstance(i, Barrier):
+            for key in ((legion, q) for legion in range(arch.legions) for q in QUEUES):
+                on.setdefault(key, []).append(-1)
+                issued[key] += 1
+            continue
+        cond, queue = i.condition(), i.queue()
+        ranks = [i.legion + r for r in range(_span(i))]
+        for legion in ranks:
+            if cond is not None:
+                c = absolute(cond, legion, issued)
+                if c.count > 0:
+                    t = on[(c.legion, c.queue)][c.count - 1]
+                    out[(k, legion)] = (c.legion, c.queue, t) if t >= 0 else None
+        for legion in ranks:
+            on.setdefault((legion, queue), []).append(k)
+            issued[(legion, queue)] += 1
+    return out

@@ -120,6 +120,14 @@ class Output:
 
 @lowers("QMatMul", domain=DLEGION)
 def qmatmul(low: Lowering, node) -> None:
+    for _ in qmatmul_blocks(low, node):
+        pass
+
+
+def qmatmul_blocks(low: Lowering, node, blocks: list[range] | None = None, vec_room: int = 0):
+    """``qmatmul``, a generator that emits the rows of each of ``blocks`` in turn (all the rows
+    when None) and yields after each: a caller interleaves them with other nodes' row blocks
+    (``rowblocks.py``), whose kernels run in ``vec`` past the plans' ``vec_room`` (0: all)."""
     a = node.attrs
     q, s, zp = (node.inputs + ["", ""])[:3]
     scales = a.get("scales")
@@ -130,7 +138,8 @@ def qmatmul(low: Lowering, node) -> None:
     weights = Weights(np.asarray(a["weight"]), scales, a.get("block", 0), a.get("bias"))
     requant = None if a.get("requant") is None else tuple(a["requant"])
     outs = [Output(o, requant) for o in node.outputs]
-    lower_qmatmul(low, node.name, acts, weights, outs[0] if len(outs) == 1 else outs, a.get("segments"))
+    yield from _qmatmul_steps(low, node.name, acts, weights, outs[0] if len(outs) == 1 else outs,
+                              a.get("segments"), blocks, vec_room)
 
 
 def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: Output | list[Output],
@@ -142,6 +151,14 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
     ``segments[i]`` columns of ``w``. The rows may be cut into parts, each on Legions of its
     own (``qparts``).
     """
+    for _ in _qmatmul_steps(low, name, acts, w, out, segments, None, 0):
+        pass
+
+
+def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out: Output | list[Output],
+                   segments: list[int] | None, blocks: list[range] | None, vec_room: int):
+    """``lower_qmatmul``, yielding after each of ``blocks`` (row ranges of a plain matmul, each
+    scheduled for its own rows; the constants are made once)."""
     em, arch = low.em, low.em.arch
     outs = out if isinstance(out, list) else [out]
     layouts = _Layouts(low, w, segments)
@@ -163,6 +180,10 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
     exact = (low.dtype(out.name) == np.int32 and em.tensors[dst.tensor].dtype == "i32"
              and rscale is None and w.scales is None and w.bias is None and out.requant is None)
     per = M // batches
+    if blocks is not None and batches > 1:
+        raise ValueError("row blocks of a batched matmul")
+    blocks = blocks or [range(b * per, (b + 1) * per) for b in range(batches)]
+    per = len(blocks[0])
     corr = None if zero_point(low, acts) == acts.offset else correction_shape(arch, values[0], block)
     shapes = _Shapes(low, layouts, segments, rscale, block, corr, out.requant, exact, per, K)
     width = low.schedules.width(arch, per, lambda: pick_width(arch, low.switches, shapes.widths(), shapes.part))
@@ -180,14 +201,21 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
     bias = None if w.bias is None else em.const(f"{name}_bias", _pad_cols(
         np.asarray(w.bias, np.float32).reshape(1, N), n_pad)[0], "f32")
     segs = () if lay is None else lay.segments(low, outs, dsts, segments)
-    for b, v in enumerate(values):
-        if b:
-            em.barrier()        # each batch's plan reuses the scratchpad slots of the one before
-        pieces, nonzero = layouts.pieces(width, b)
-        weights = tuple(_weight_const(em, f"{name}_w{b or ''}{i or ''}", piece) for i, piece in enumerate(pieces))
+    made, plans = {}, {}
+    for j, rows in enumerate(blocks):
+        b = j if batches > 1 else 0
+        if j:
+            em.barrier()        # each block's plan reuses the scratchpad slots of the one before
+        if b not in made:
+            pieces, nonzero = layouts.pieces(width, b)
+            made[b] = tuple(_weight_const(em, f"{name}_w{b or ''}{i or ''}", piece)
+                            for i, piece in enumerate(pieces)), nonzero
+            plans = {}          # a batch's own weights: its own plans
+        weights, nonzero = made[b]
         p = Problem(a8, rscale, weights, scales, groups, block, bias, *corrs[b], out.requant, exact,
-                    dst.tensor, range(b * per, (b + 1) * per), K, N, n_pad, nonzero, segs)
-        _emit_parts(low, p, width)
+                    dst.tensor, rows, K, N, n_pad, nonzero, segs, vec_room=vec_room)
+        _emit_parts(low, p, width, plans)
+        yield rows
 
 
 def _laid_out(w: Weights, segments: list[int] | None, legions: int, na: int) -> tuple:
@@ -234,10 +262,10 @@ def _pieces(low: Lowering, v: np.ndarray, n_pad: int) -> tuple[list, tuple]:
     return pieces, block_maps(pieces, low.em.arch.array) if low.switches.sparsity else ()
 
 
-def _emit_parts(low: Lowering, p: Problem, width: int) -> None:
+def _emit_parts(low: Lowering, p: Problem, width: int, plans: dict) -> None:
     """``p`` on all the Legions, or its rows in parts of ``width`` Legions each (one plan for
-    parts of the same rows)."""
-    arch, parts, plans = low.em.arch, low.em.arch.legions // width, {}
+    parts of the same rows, kept in ``plans`` by their count)."""
+    arch, parts = low.em.arch, low.em.arch.legions // width
     for j, rows in enumerate(split_rows(p.rows, parts)):
         part = p if parts == 1 else replace(p, rows=rows, legions=range(j * width, (j + 1) * width))
         if len(rows) not in plans:

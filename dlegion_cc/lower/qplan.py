@@ -75,6 +75,15 @@ class Problem:
     # attention's P.V straight into its heads' place in the merged rows); 0: at ``m * N``.
     o_offset: int = 0
     o_stride: int = 0
+    # Elements of ``vec`` the plan may take from address 0 (0: all); a row kernel interleaved
+    # with it runs in the rest (``rowblocks.py``).
+    vec_room: int = 0
+
+
+def room(arch: Arch, p: Problem) -> dict[str, int]:
+    """The scratchpad elements a plan of ``p`` may take, by space."""
+    cap = arch.derived.spad_elems
+    return {**cap, "vec": min(cap["vec"], p.vec_room)} if p.vec_room else cap
 
 
 def legion_range(arch: Arch, p: Problem) -> range:
@@ -439,7 +448,7 @@ def needs(p: Problem, plan: Plan) -> dict[str, int]:
 
 
 def fits(arch: Arch, p: Problem, plan: Plan) -> bool:
-    cap = arch.derived.spad_elems
+    cap = room(arch, p)
     return all(n <= cap[space] for space, n in needs(p, plan).items())
 
 
@@ -449,7 +458,7 @@ def _most_slots(cap: int, size: int, useful: int) -> int:
 
 def with_slots(arch: Arch, p: Problem, plan: Plan) -> Plan | None:
     """``plan`` with as many slots of each kind as fit and help, or None when one does not fit."""
-    cap = arch.derived.spad_elems
+    cap = room(arch, p)
     chunks = sum(len(u) for u in units(p, plan))
     tiles = -(-plan.per_legion // plan.cols)
     # Batches run in the same slots: the next one's chunks load into the slots left over.

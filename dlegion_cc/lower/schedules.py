@@ -20,7 +20,7 @@ from isa.arch import Arch
 from isa.files import check_readable
 from dlegion_cc.errors import CompileError
 from dlegion_cc.lower.context import Switches
-from dlegion_cc.lower.qplan import (ORDERS, Plan, Problem, columns_per_legion, correction_depth, estimate, forwards, needs,
+from dlegion_cc.lower.qplan import (ORDERS, Plan, Problem, columns_per_legion, correction_depth, estimate, forwards, needs, room,
                                     search, skips, split_for)
 
 FORMAT = 1
@@ -205,7 +205,7 @@ def _forward_problem(arch: Arch, p: Problem, plan: Plan) -> str | None:
 
 
 def _space_problem(arch: Arch, p: Problem, plan: Plan) -> str | None:
-    cap = arch.derived.spad_elems
+    cap = room(arch, p)
     for space, n in needs(p, plan).items():
         if n > cap[space]:
             return f"it needs {n:,} elements of {space}; {arch.name}'s {space} scratchpad holds {cap[space]:,}"

@@ -1,0 +1,320 @@
+"""Row blocks pipelined across nodes: the vector work of one row block runs while the arrays
+multiply the next.
+
+A row kernel after a quantized matmul needs whole rows of its output (an absmax over every
+column), which a matmul that streams all its rows through each weight tile finishes only at
+its end; with a barrier after every node the arrays then idle while the vector unit works.
+A *chain* is a run of quantized matmuls and row kernels over the same M rows, each reading
+rows of the ones before it only as the same rows (norm, quantize, matmul, ReLU^2 * up and
+quantize, matmul, residual). Its rows are cut into a few blocks and the nodes emitted so
+that one block's row kernels come before the next block of the matmul before them:
+
+    R(0) R(1) | Q(0) S(0) Q(1) S(1) | T(0) U(0) T(1) U(1)
+
+(row kernels before the first matmul first, then each matmul with the row kernels after
+it, block by block). The queues of a Legion run in order, so the vector queue then drains
+block 0, computes S(0) and drains block 1 while the arrays multiply block 1. The barriers
+between the steps are replaced by the waits that keep them ordered (``overlap.py``'s rewrite
+of the chain alone), which the race check proves. Each matmul re-reads its weights once per
+block: ``blocks`` weighs that against the vector work hidden.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+
+from dataclasses import fields, replace
+
+from isa.arch import MODE_BITS, Arch
+from isa.fields import View
+from isa.instructions import Barrier, Wait
+from isa.program import Program
+from dlegion_cc.errors import CompileError
+from dlegion_cc.ir import DLEGION, Node
+from dlegion_cc.lower import carry
+from dlegion_cc.lower.context import Lowering
+from dlegion_cc.lower.fused import row_kernel_blocks
+from dlegion_cc.lower.layout import whole
+from dlegion_cc.lower.overlap import _Rewrite, _span, footprint
+from dlegion_cc.lower.qmatmul import mode_for, pick_mode, qmatmul_blocks
+
+MATMUL, ROWS = (DLEGION, "QMatMul"), (DLEGION, "RowKernel")
+MOST_BLOCKS = 4
+# The matmuls of a chain plan in the first 1 / VEC_SHARE of ``vec``; the row kernels
+# interleaved with them run in the rest.
+VEC_SHARE = 2
+# The fewest rows of a block: below, each block's fill, drain and DRAM round trips cost more
+# than the vector work hidden (2B4T layer at sequence 128 on dlegion-8x8, in blocks of 64 rows:
+# 282,391 cycles instead of 269,811).
+FEWEST_ROWS = 128
+
+
+def plan(low: Lowering, nodes: list[Node], at: int) -> tuple[list[Node], list[range]]:
+    """The chain starting at ``nodes[at]`` and its row blocks; no nodes when there is no chain
+    or one block is best."""
+    chain = chain_at(low, nodes, at)
+    if not chain:
+        return [], []
+    arch, M = low.em.arch, _rows(low, chain[0])
+    count = blocks(arch, chain, M)
+    return (chain, split(M, count, arch.array)) if count > 1 else ([], [])
+
+
+def chain_at(low: Lowering, nodes: list[Node], at: int) -> list[Node]:
+    """The chain starting at ``nodes[at]`` (empty when there is none): the longest run of
+    matmuls and row kernels over the same rows, each but the first reading an output of the
+    run, with at least one matmul and one row kernel."""
+    rows = _rows(low, nodes[at])
+    if rows is None:
+        return []
+    chain, made = [nodes[at]], set(nodes[at].outputs)
+    for node in nodes[at + 1:]:
+        if _rows(low, node) != rows or not made & set(node.inputs) or carry.pending(low, node):
+            break
+        chain.append(node)
+        made |= set(node.outputs)
+    kinds = {(n.domain, n.op) for n in chain}
+    if carry.pending(low, chain[0]) or kinds != {MATMUL, ROWS}:
+        return []
+    return chain
+
+
+def _rows(low: Lowering, node: Node) -> int | None:
+    """The rows a chain node works on, None when it cannot be one."""
+    key = (node.domain, node.op)
+    if key == MATMUL:
+        w = node.attrs.get("weight")
+        if w is None or np.ndim(w) != 2 or not node.inputs or not low.shape(node.inputs[0]):
+            return None
+        rows = math.prod(low.shape(node.inputs[0])[:-1])
+        return rows if all(math.prod(low.shape(o)[:-1]) == rows for o in node.outputs) else None
+    if key == ROWS:
+        frame = node.attrs["frame"]
+        if len(frame.shape) < 2 or math.prod(frame.shape[:-2]) != 1 or _causal(node):
+            return None
+        if any(_frame_rows(node, n) not in (None, frame.shape[-2]) for n in node.inputs + node.outputs):
+            return None
+        return frame.shape[-2]
+    return None
+
+
+def _causal(node: Node) -> bool:
+    return any(n.op in ("Softmax", "Trilu") or "reach" in n.attrs for n in node.attrs["nodes"])
+
+
+def _frame_rows(node: Node, name: str) -> int | None:
+    """Rows of a kernel value that has the frame's rows (None: one row every row reads alike)."""
+    shape = node.attrs["values"][name].shape
+    return math.prod(shape[:-1]) if shape and math.prod(shape[:-1]) > 1 else None
+
+
+def blocks(arch: Arch, chain: list[Node], M: int) -> int:
+    """How many row blocks: the fewest cycles of max(passes, weight reads) of each matmul (the
+    weights read once per block) plus the vector work of the row kernels left unhidden (one
+    block's worth, the rest runs while the arrays multiply)."""
+    d = arch.derived
+    mats = [_matmul_cycles(arch, n, M) for n in chain if (n.domain, n.op) == MATMUL]
+    vector = sum(_vector_cycles(arch, n) for n in chain if (n.domain, n.op) == ROWS)
+
+    def cycles(b: int) -> float:
+        passes = sum(max(mac * (1 + b * d.pass_overhead / M), b * wgt) for mac, wgt in mats)
+        return passes + vector / b
+
+    fits = [b for b in range(1, MOST_BLOCKS + 1) if M // b >= FEWEST_ROWS]
+    return min(fits, key=cycles) if fits else 1
+
+
+def _matmul_cycles(arch: Arch, node: Node, M: int) -> tuple[float, float]:
+    """(cycles of the arrays at peak, cycles of reading the weights once) of a chain matmul."""
+    w = np.asarray(node.attrs["weight"])
+    mode = pick_mode(arch, mode_for(w) or "w8")
+    K, N = w.shape
+    d = arch.derived
+    return M * K * N / d.macs_per_cycle[mode], K * N * MODE_BITS[mode] / 8 / d.dram_bytes_per_cycle
+
+
+def _vector_cycles(arch: Arch, node: Node) -> float:
+    """The lane operations of a row kernel over every lane of every Legion: one a member op and
+    element of its frame."""
+    return len(node.attrs["nodes"]) * math.prod(node.attrs["frame"].shape) / (arch.vector_lanes * arch.legions)
+
+
+def split(M: int, count: int, align: int) -> list[range]:
+    """``count`` row ranges covering ``M``, all but the last a multiple of ``align`` rows."""
+    step = math.ceil(M / count / align) * align
+    return [range(r, min(r + step, M)) for r in range(0, M, step)]
+
+
+def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: list, region_name) -> None:
+    """Emit ``chain`` in the row blocks ``ranges`` (the module docstring), each step opening a
+    region named after its node, ordered by waits instead of barriers. A row kernel's block
+    followed by a matmul's block that shares nothing with it is interleaved with it: the
+    matmul is emitted first, the row kernel in the part of the vector scratchpad the matmul
+    leaves, and their instructions are merged, so that the matmul's drains do not wait behind
+    the whole row kernel on the vector queue."""
+    em, arch = low.em, low.em.arch
+    start, spans, pairs = len(em.instrs), [], {}
+    room = arch.derived.spad_elems["vec"] // VEC_SHARE
+    gens = {n.name: qmatmul_blocks(low, n, ranges, room) if (n.domain, n.op) == MATMUL else
+            row_kernel_blocks(low, n, ranges) for n in chain}
+    steps, done = list(_order(chain, ranges)), Counter()
+    s = 0
+    while s < len(steps):
+        node, after = steps[s], steps[s + 1] if s + 1 < len(steps) else None
+        if (node.domain, node.op) == ROWS and after is not None and _silent(low, after):
+            x = _step(low, after, gens, spans, done)
+            em.reserved["vec"] = _vec_end(em, spans[x]) if x is not None else 0
+            try:
+                r = _step(low, node, gens, spans, done)
+            except CompileError:            # its rows do not fit beside the matmul's: after it
+                em.reserved.pop("vec", 0)
+                gens[node.name] = row_kernel_blocks(low, node, ranges[done[node.name]:], resumed=True)
+                r = _step(low, node, gens, spans, done)
+            used = em.reserved.pop("vec", 0)
+            if x is not None and r is not None and used:
+                _shift_vec(em, spans[r], used)
+                pairs[x] = r
+            s += 2
+        else:
+            _step(low, node, gens, spans, done)
+            s += 1
+    for gen in gens.values():
+        for _ in gen:
+            raise AssertionError("a chain node has more row blocks than the chain")
+    program = Program(arch.name, list(em.tensors), em.instrs[start:])
+    order = _merged(program, spans, pairs, start)
+    out, starts = _Rewrite(program, arch, order=order).run()
+    em.instrs[start:] = out
+    merged = {r: x for x, r in pairs.items()}
+    for j, (node, lo, hi) in enumerate(spans):
+        if j in merged:
+            continue
+        name = region_name(node) + (f" with {region_name(spans[pairs[j]][0])}" if j in pairs else "")
+        ks = [k - start for k in range(lo, hi) if not isinstance(program.instrs[k - start], Barrier)]
+        regions.append((start + min(starts[k] for k in ks), name))
+
+
+def _step(low: Lowering, node: Node, gens: dict, spans: list, done: dict) -> int | None:
+    """Emit the next row block of ``node`` (``done``: blocks emitted, by node); the index of its
+    span in ``spans`` (None: nothing emitted)."""
+    em = low.em
+    at = len(em.instrs)
+    low.schedules.begin(node.name)
+    next(gens[node.name])
+    done[node.name] += 1
+    if len(em.instrs) == at:
+        return None
+    spans.append((node, at, len(em.instrs)))
+    em.barrier()
+    return len(spans) - 1
+
+
+def _silent(low: Lowering, node: Node) -> bool:
+    """Whether a matmul reads its activations as they are (no copy, no zero point: it emits
+    nothing before its row blocks that would read rows of a block not yet written)."""
+    if (node.domain, node.op) != MATMUL:
+        return False
+    a, q = node.attrs, node.inputs[0]
+    op = low.operands.get(q)
+    if op is None or a.get("act_offset", 0) or a.get("act_zero_point", 0) or node.inputs[2:3] != [""] * len(node.inputs[2:3]):
+        return False
+    return low.em.tensors[op.tensor].dtype == "i8" and op == whole(op.tensor, low.shape(q))
+
+
+def _vec_end(em, span) -> int:
+    """One past the last element of ``vec`` the instructions of ``span`` touch."""
+    _, lo, hi = span
+    end = 0
+    for i in em.instrs[lo:hi]:
+        if isinstance(i, (Barrier, Wait)):
+            continue
+        for r in range(_span(i)):
+            for space, win, _, _ in footprint(i, r, em.tensors):
+                if isinstance(space, tuple) and space[1] == "vec":
+                    end = max(end, win[1])
+    return end
+
+
+def _shift_vec(em, span, base: int) -> None:
+    """Move what the instructions of ``span`` keep in ``vec`` up by ``base`` elements."""
+    _, lo, hi = span
+    for k in range(lo, hi):
+        i = em.instrs[k]
+        moved = {f.name: _moved(getattr(i, f.name), base) for f in fields(i)}
+        em.instrs[k] = replace(i, **{n: v for n, v in moved.items() if v is not getattr(i, n)})
+
+
+def _moved(v, base: int):
+    if isinstance(v, View) and v.space == "vec":
+        return replace(v, addr=v.addr + base)
+    return v
+
+
+def _merged(program: Program, spans: list, pairs: dict, start: int) -> list[int]:
+    """The chain's instructions (not its barriers) span by span, each matmul span of ``pairs``
+    merged evenly with its row kernel's span."""
+    instrs, merged = program.instrs, set(pairs.values())
+
+    def own(span) -> list[int]:
+        _, lo, hi = span
+        return [k - start for k in range(lo, hi) if not isinstance(instrs[k - start], Barrier)]
+
+    order = []
+    for j, span in enumerate(spans):
+        if j in merged:
+            continue
+        mine = own(span)
+        if j in pairs:
+            other = own(spans[pairs[j]])
+            order += _even(mine, other) if _apart(program, mine, other) else mine + other
+        else:
+            order += mine
+    return order
+
+
+def _even(a: list[int], b: list[int]) -> list[int]:
+    """``a`` and ``b`` merged, each in its order, ``b``'s items spread evenly among ``a``'s."""
+    out, j = [], 0
+    for n, k in enumerate(a, 1):
+        out.append(k)
+        while j < len(b) and (j + 1) * len(a) <= n * len(b):
+            out.append(b[j])
+            j += 1
+    return out + b[j:]
+
+
+def _apart(program: Program, a: list[int], b: list[int]) -> bool:
+    """Whether no element is touched by an instruction of ``a`` and one of ``b``, one of them
+    writing (by the bounds of their windows)."""
+    def spans_of(ks):
+        out: dict = {}
+        for k in ks:
+            i = program.instrs[k]
+            for r in range(_span(i)):
+                for space, win, write, _ in footprint(i, r, program.tensors):
+                    out.setdefault(space, []).append((win[0], win[1], write))
+        return out
+    sa, sb = spans_of(a), spans_of(b)
+    for space in sa.keys() & sb.keys():
+        for lo, hi, write in sa[space]:
+            if any(lo < e and l2 < hi and (write or w2) for l2, e, w2 in sb[space]):
+                return False
+    return True
+
+
+def _order(chain: list[Node], ranges: list[range]):
+    """The chain's nodes, one for each row block step, in the pipelined order."""
+    first = next(k for k, n in enumerate(chain) if (n.domain, n.op) == MATMUL)
+    for n in chain[:first]:
+        for _ in ranges:
+            yield n
+    segment = []
+    for n in chain[first:] + [None]:
+        if segment and (n is None or (n.domain, n.op) == MATMUL):
+            for _ in ranges:
+                yield from segment
+            segment = []
+        if n is not None:
+            segment.append(n)

@@ -1,0 +1,101 @@
+"""Matmuls and row kernels pipelined by row blocks (dlegion_cc/lower/rowblocks.py): the chain's
+barriers give way to waits, the program computes what the plain one does (race-checked), and
+the race check finds a wait removed from it."""
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import lru_cache
+
+import numpy as np
+import pytest
+
+from isa import arch
+from isa.instructions import Barrier, DmaLoad, DmaStore, MatMul, VBinary, VReduce, VUnary
+from dlegion_cc.lower.rowblocks import split
+from dlegion_cc.pipeline import Options, compile_model
+from models.bitnet import BitLinear, preset, save
+from models.decoder import relu2
+from models.graph import FLOAT, GraphBuilder, tensor_info
+from runtime.emulator import random_inputs, run
+from runtime.report import regions_by_name
+from runtime.state import Trap
+from runtime.timing import simulate
+
+EIGHT = arch.load("dlegion-8x8")
+SEQ = 256
+
+
+@lru_cache(maxsize=None)
+def _stack(tmp: str) -> str:
+    """Gate/up on absmax-quantized rows, ReLU^2 * up quantized, down: one chain."""
+    config = preset("tiny", layers=1, seq=SEQ, hidden=128, ffn=256)
+    b, proj = GraphBuilder(), BitLinear(config, np.random.default_rng(0))
+    xq = proj.prepare(b, "x")
+    up = proj.project(b, xq, "up_proj", 128, 256)
+    hidden = b.op("Mul", relu2(b, proj.project(b, xq, "gate_proj", 128, 256)), up)
+    down = proj.project(b, proj.prepare(b, hidden), "down_proj", 256, 128)
+    path = f"{tmp}/stack.onnx"
+    save(b.model([tensor_info("x", FLOAT, [1, SEQ, 128])], [tensor_info(down, FLOAT, [1, SEQ, 128])]), path, external_data=False)
+    return path
+
+
+@lru_cache(maxsize=None)
+def _compiled(tmp: str, row_blocks: bool):
+    return compile_model(_stack(tmp), Options(EIGHT, row_blocks=row_blocks))[1]
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("rowblocks"))
+
+
+def test_split_covers_the_rows_in_aligned_blocks():
+    assert split(512, 3, 16) == [range(0, 176), range(176, 352), range(352, 512)]
+    assert split(256, 2, 16) == [range(0, 128), range(128, 256)]
+
+
+def test_the_chain_is_emitted_by_row_blocks_and_computes_the_same(tmp):
+    program, plain = _compiled(tmp, True), _compiled(tmp, False)
+    names = [name for _, name in program.regions]
+    # a row kernel's block merged with the next matmul block: one region named after both
+    assert any("gate_proj" in n and " with /Relu" in n for n in names)
+    assert any(n.startswith("down_proj") and " with /Relu" in n for n in names)
+    assert sum(isinstance(i, Barrier) for i in program.instrs) < sum(isinstance(i, Barrier) for i in plain.instrs)
+    inputs = random_inputs(plain, 0)
+    got, want = run(program, EIGHT, inputs).outputs, run(plain, EIGHT, inputs).outputs   # race-checked
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def _stored_then_loaded(program) -> list[int]:
+    """Loads, with a condition, of a scratch tensor an earlier store wrote: a row kernel reading
+    the rows a matmul block drained."""
+    written, out = set(), []
+    for k, i in enumerate(program.instrs):
+        if isinstance(i, DmaStore):
+            written.add(i.dst.tensor)
+        elif isinstance(i, DmaLoad) and i.src.tensor in written and i.condition() is not None:
+            out.append(k)
+    return out
+
+
+def test_the_race_check_finds_a_wait_removed_from_the_chain(tmp):
+    """The first load of a row kernel's block that reads what a matmul block stored waits for
+    that store, on another queue: without the wait, a race."""
+    program = _compiled(tmp, True)
+    k = _stored_then_loaded(program)[0]
+    broken = replace(program, instrs=[replace(i, wait=None) if j == k else i for j, i in enumerate(program.instrs)])
+    with pytest.raises(Trap, match=rf"instruction {k}: dma.ld: race on"):
+        run(broken, EIGHT, random_inputs(program, 0))
+
+
+def test_a_row_kernel_block_runs_while_the_arrays_multiply_the_next(tmp):
+    """The ReLU^2 * up kernel's first row block computes before the arrays start the last pass
+    of gate/up's second block (the two merged into one region); one after the other, none would."""
+    timeline = simulate(_compiled(tmp, True), EIGHT)
+    tasks = timeline.program.instrs
+    name, members = next((n, m) for n, m in regions_by_name(timeline.program).items()
+                         if "gate_proj" in n and "with /Relu" in n)
+    passes = [k for k in members if isinstance(tasks[k], MatMul)]
+    vector = [k for k in members if isinstance(tasks[k], (VUnary, VBinary, VReduce))]
+    assert passes and vector
+    assert timeline.done[vector].min() < timeline.start[passes].max()
