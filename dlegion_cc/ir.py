@@ -198,6 +198,11 @@ class Graph:
     def consumers(self, name: str) -> list[Node]:
         return [n for n in self.nodes if name in n.inputs]
 
+    def only_user(self, name: str) -> Node | None:
+        """The one node that reads ``name``, which is not a graph output; None otherwise."""
+        users = self.consumers(name)
+        return users[0] if len(users) == 1 and name not in self.outputs else None
+
     def fresh(self, base: str) -> str:
         """A value name not yet in the graph."""
         i = 0

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from isa.arch import MODE_BITS, Arch
-from isa.expand import NONE, Queues, Tasks, expand
+from isa.expand import NONE, Queues, Tasks, dram_of, expand
 from isa.fields import View
 from isa.fields import QUEUES
 from isa.instructions import (TRANSFER_CLASSES, Barrier, DmaLoad, DmaStore, Drain, Gather, Instr, MatMul, NocMove, VBinary,
@@ -166,10 +166,6 @@ def _end_problems(tasks: Tasks, ctx: Context, bad: np.ndarray) -> list:
     return out
 
 
-# The DRAM reference whose bounds move with a transfer's rank (None: no bounds to check).
-_RANK_DRAM = {DmaLoad: "src", DmaStore: "dst", Gather: None, NocMove: None}
-
-
 def _rank_fits(ins: Instr, rank: int, ctx: Context) -> bool:
     """Whether rank ``rank`` of a transfer whose first task has no problem has none either:
     it differs only by its Legion, destinations and DRAM offset, which move with the rank (the
@@ -180,14 +176,11 @@ def _rank_fits(ins: Instr, rank: int, ctx: Context) -> bool:
     dests = getattr(ins, "dests", None)
     if dests and max(dests) + rank >= legions:
         return False
-    field = _RANK_DRAM.get(type(ins), False)
-    if field is False:
-        return False                     # a class this shortcut does not know
-    if field is None or ins.rows <= 0 or ins.cols <= 0:
-        return True                      # a transfer without DRAM bounds (a gather's are checked as it runs)
-    ref = getattr(ins, field)
-    offset = ref.offset + rank * (ins.lstride or 0)
-    return 0 <= offset and offset + (ins.rows - 1) * ref.rs + ins.cols <= ctx.tensor(ref.tensor).storage_elems
+    # A gather's table bounds are checked as it runs; a NoC move has no DRAM side.
+    if isinstance(ins, (Gather, NocMove)) or ins.rows <= 0 or ins.cols <= 0:
+        return True
+    ref = dram_of(ins, rank)
+    return 0 <= ref.offset and ref.offset + (ins.rows - 1) * ref.rs + ins.cols <= ctx.tensor(ref.tensor).storage_elems
 
 
 def _condition_problems(tasks: Tasks, queues: Queues, ctx: Context, bad: np.ndarray) -> list:

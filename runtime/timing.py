@@ -379,9 +379,9 @@ def _counters(program: Program, costed: Costed, tasks, start: np.ndarray, free: 
     for c, n in times.values():
         for name, v in c.counters.items():
             counters[name] += v * n
-    index = {}                          # instruction class -> its family's index
-    fam_of = np.array([index[c] if (c := type(i)) in index else index.setdefault(c, FAMILIES.index(family(c)))
-                       for i in program.instrs.source], dtype=np.int64)
+    source = program.instrs.source
+    index = {c: FAMILIES.index(family(c)) for c in {type(i) for i in source}}   # class -> its family's
+    fam_of = np.array([index[type(i)] for i in source], dtype=np.int64)
     fam = fam_of[origin] if len(origin) else origin
     held = free - start
     count = np.bincount(fam, minlength=len(FAMILIES))

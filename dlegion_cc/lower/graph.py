@@ -41,9 +41,10 @@ def lower_graph(graph: Graph, arch: Arch, data_file: str | None, switches: Switc
                     _record_approximations(em, node)
             else:
                 _lower_node(low, graph.nodes[at], problems, regions)
-            for _ in chain or [None]:
+            lowered = len(chain) or 1
+            for _ in range(lowered):
                 advance()
-            at += len(chain) or 1
+            at += lowered
     if problems:
         raise UnsupportedNodes(graph.source, problems)
     start = len(em.instrs)

@@ -160,7 +160,7 @@ class _Passes:
 
 def _last_conflict(span: list, load: DmaLoad, rank: int, legion: int, tensors) -> int | None:
     """Where in ``span`` the last instruction touching what ``load`` writes on ``legion`` is
-    (-1: none)."""
+    (None: nowhere)."""
     mine = [w for space, w, *_ in footprint(load, rank, tensors) if space == (legion, "wgt")]
     last = -1
     for j, (_, i) in enumerate(span):

@@ -314,12 +314,7 @@ def absmax_quantize(low: Lowering, node) -> None:
     K = shape[-1]
 
     def body(e, l, v, rows, cols):
-        e.emit(V("vabs")(l, v["q"], v["x"], rows, cols))
-        e.emit(V("vrmax")(l, v["r"], v["q"], rows, cols))
-        e.emit(V("vmax")(l, v["r"], v["r"], ABSMAX_FLOOR, rows, 1))
-        e.emit(V("vdiv")(l, v["r"], v["r"], 127.0, rows, 1))
-        e.emit(V("vdiv")(l, v["q"], v["x"], v["r"], rows, cols))
-        e.emit(V("vround")(l, v["q"], v["q"], rows, cols))
+        absmax_rows(e, l, v["q"], v["r"], v["x"], rows, cols)
     src, q_op, r_op = low.operand(x), int_result(low, q), low.result(r)
     M = math.prod(shape[:-1])
     args = [Arg("x", Operand(src.tensor, src.offset, (K, 1))), Arg("q", Operand(q_op.tensor, 0, (K, 1)), out=True),
@@ -328,6 +323,21 @@ def absmax_quantize(low: Lowering, node) -> None:
 
 
 ABSMAX_FLOOR = float(np.float32(1e-30))   # keeps 127 / floor finite; an all-zero row stays 0
+
+
+def absmax_rows(e, legion: int, q, r, x, rows: int, cols: int) -> None:
+    """AbsmaxQuantize's instructions on a block of rows: q = round(x / r), r = its scale."""
+    e.emit(V("vabs")(legion, q, x, rows, cols))
+    e.emit(V("vrmax")(legion, r, q, rows, cols))
+    absmax_scale(e, legion, r, rows)
+    e.emit(V("vdiv")(legion, q, x, r, rows, cols))
+    e.emit(V("vround")(legion, q, q, rows, cols))
+
+
+def absmax_scale(e, legion: int, r, n: int) -> None:
+    """``n`` absolute maxima at ``r`` made their int8 scales: max(r, floor) / 127."""
+    e.emit(V("vmax")(legion, r, r, ABSMAX_FLOOR, n, 1))
+    e.emit(V("vdiv")(legion, r, r, 127.0, n, 1))
 
 
 @lowers("MatMulNBits", domain=MS)

@@ -17,7 +17,7 @@ from dlegion_cc.ir import DLEGION
 from dlegion_cc.lower.context import Lowering, lowers, row_view
 from dlegion_cc.lower.layout import Operand, broadcast, contiguous_strides, whole
 from dlegion_cc.lower.movement import nd_copy
-from dlegion_cc.lower.quant import ABSMAX_FLOOR, V, int_result
+from dlegion_cc.lower.quant import V, absmax_rows, absmax_scale, int_result
 from dlegion_cc.lower.rowwise import Arg, rowwise
 
 REDUCE = {"ReduceSum": "vrsum", "ReduceMean": "vrsum", "ReduceMax": "vrmax", "ReduceMin": "vrmin"}
@@ -139,22 +139,12 @@ def smooth_absmax_quantize(low: Lowering, node) -> None:
 
     def body(e, l, v, rows, cols):
         e.emit(V("vsub")(l, v["x"], v["x"], v["mean"], rows, cols))
-        _absmax_rows(e, l, v["q"], v["r"], v["x"], rows, cols)
+        absmax_rows(e, l, v["q"], v["r"], v["x"], rows, cols)
     r_op = low.result(r)
     args = [Arg("x", low.operand(x)), Arg("mean", broadcast(low.operand(mean), low.shape(mean), shape)),
             Arg("q", int_result(low, q), out=True),
             Arg("r", Operand(r_op.tensor, r_op.offset, r_op.strides[:-1] + (0,)), out=True)]
     rowwise(low.em, shape, args, body, keep_last=True, where=f"node '{node.name}': ")
-
-
-def _absmax_rows(e, legion: int, q, r, x, rows: int, cols: int) -> None:
-    """AbsmaxQuantize's instructions (``quant.absmax_quantize``) on a block of rows."""
-    e.emit(V("vabs")(legion, q, x, rows, cols))
-    e.emit(V("vrmax")(legion, r, q, rows, cols))
-    e.emit(V("vmax")(legion, r, r, ABSMAX_FLOOR, rows, 1))
-    e.emit(V("vdiv")(legion, r, r, 127.0, rows, 1))
-    e.emit(V("vdiv")(legion, q, x, r, rows, cols))
-    e.emit(V("vround")(legion, q, q, rows, cols))
 
 
 @lowers("ColumnAbsmaxQuantize", domain=DLEGION, views=row_view)
@@ -171,8 +161,7 @@ def column_absmax_quantize(low: Lowering, node) -> None:
         col, t = View("vec", v.r, 1, 0), View("vec", v.temp, v.width, 1)
         e.emit(V("vabs")(legion, t, v.x, S, w))
         e.emit(V("vrmax")(legion, col, View("vec", v.temp, 1, v.width), w, S))
-        e.emit(V("vmax")(legion, col, col, ABSMAX_FLOOR, w, 1))
-        e.emit(V("vdiv")(legion, col, col, 127.0, w, 1))
+        absmax_scale(e, legion, col, w)
         e.emit(V("vdiv")(legion, v.x, v.x, View("vec", v.r, 0, 1), S, w))
         e.emit(V("vround")(legion, v.x, v.x, S, w))
 

@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import fields, replace
 
 import numpy as np
-
-from dataclasses import fields, replace
 
 from isa.arch import MODE_BITS, Arch
 from isa.fields import View

@@ -119,11 +119,11 @@ def _softmax_of(graph: Graph, p: str) -> tuple[Node | None, Node | None]:
     """The softmax over the last axis that makes ``p``, when nothing else reads ``p``, and the
     Reshape that keeps the last axis between them, if any (the heads split by passes/gqa.py)."""
     node, reshape = graph.producer(p), None
-    if _only_user(graph, p) is None:
+    if graph.only_user(p) is None:
         return None, None
     if node is not None and node.op == "Reshape" and not node.domain:
         reshape, p = node, node.inputs[0]
-        if graph.values[p].shape[-1] != graph.values[reshape.outputs[0]].shape[-1] or _only_user(graph, p) is None:
+        if graph.values[p].shape[-1] != graph.values[reshape.outputs[0]].shape[-1] or graph.only_user(p) is None:
             return None, None
         node = graph.producer(p)
     if node is None or node.op != "Softmax" or node.domain:
@@ -234,23 +234,19 @@ def _smoothed(graph: Graph, kt: str) -> tuple[str, list[Node]]:
                  Node("Sub", graph.fresh(f"{kt}_smooth"), [kt, mean], [out])]
 
 
-def _only_user(graph: Graph, name: str) -> Node | None:
-    users = graph.consumers(name)
-    return users[0] if len(users) == 1 and name not in graph.outputs else None
-
 
 def _feeds_softmax(graph: Graph, scores: str) -> bool:
     """Whether ``scores`` reach nothing but a softmax over their last axis, through an optional
     Reshape that keeps the last axis, Mul by a scalar constant and Add of a constant (a mask):
     adding a constant to every score of a row is then invisible."""
-    node, name, seen = _only_user(graph, scores), scores, set()
+    node, name, seen = graph.only_user(scores), scores, set()
     while node is not None and node.op in ("Mul", "Add", "Reshape") and not node.domain and node.op not in seen:
         if node.op == "Reshape":        # rows stay rows (the heads split by passes/gqa.py, merged again)
             if graph.values[node.outputs[0]].shape[-1] != graph.values[name].shape[-1]:
                 return False
             seen.add(node.op)
             name = node.outputs[0]
-            node = _only_user(graph, name)
+            node = graph.only_user(name)
             continue
         other = node.inputs[1] if node.inputs[0] == name else node.inputs[0]
         c = graph.const(other)
@@ -260,7 +256,7 @@ def _feeds_softmax(graph: Graph, scores: str) -> bool:
             return False
         seen.add(node.op)
         name = node.outputs[0]
-        node = _only_user(graph, name)
+        node = graph.only_user(name)
     if node is None or node.op != "Softmax" or node.domain:
         return False
     rank = len(graph.values[name].shape)

@@ -36,17 +36,13 @@ class QuantizeOperandsInPlace:
                 _by_columns(graph, node) or _smoothed(graph, node)
 
 
-def _only_user(graph: Graph, name: str) -> Node | None:
-    users = graph.consumers(name)
-    return users[0] if len(users) == 1 and name not in graph.outputs else None
-
 
 def _by_columns(graph: Graph, node: Node) -> bool:
     """Transpose -> AbsmaxQuantize -> Transpose of its values: one ColumnAbsmaxQuantize."""
     x, (q, r) = node.inputs[0], node.outputs
     rank = len(graph.values[x].shape)
-    before, after = graph.producer(x), _only_user(graph, q)
-    if (not _swaps_last_two(before, rank) or _only_user(graph, x) is not node
+    before, after = graph.producer(x), graph.only_user(q)
+    if (not _swaps_last_two(before, rank) or graph.only_user(x) is not node
             or not _swaps_last_two(after, rank)):
         return False
     at = graph.nodes.index(node)
@@ -60,7 +56,7 @@ def _by_columns(graph: Graph, node: Node) -> bool:
 def _smoothed(graph: Graph, node: Node) -> bool:
     """Sub(k, ReduceMean(k) over the tokens) -> AbsmaxQuantize: one SmoothAbsmaxQuantize."""
     sub = graph.producer(node.inputs[0])
-    if sub is None or sub.op != "Sub" or sub.domain or _only_user(graph, node.inputs[0]) is not node:
+    if sub is None or sub.op != "Sub" or sub.domain or graph.only_user(node.inputs[0]) is not node:
         return False
     k, mean = sub.inputs
     m = graph.producer(mean)
@@ -98,12 +94,12 @@ class QuantizeInRowKernel:
 def _into_kernel(graph: Graph, quant: Node) -> bool:
     reshapes, name = [], quant.inputs[0]
     while (p := graph.producer(name)) is not None and p.op == "Reshape" and not p.domain:
-        if _only_user(graph, name) is None or graph.values[p.inputs[0]].shape[-1] != graph.values[name].shape[-1]:
+        if graph.only_user(name) is None or graph.values[p.inputs[0]].shape[-1] != graph.values[name].shape[-1]:
             return False
         reshapes.append(p)
         name = p.inputs[0]
     cat = graph.producer(name)
-    if cat is None or cat.op != "Concat" or cat.domain or _only_user(graph, name) is None:
+    if cat is None or cat.op != "Concat" or cat.domain or graph.only_user(name) is None:
         return False
     rank = len(graph.values[name].shape)
     kernel = graph.producer(cat.inputs[0])
@@ -113,7 +109,7 @@ def _into_kernel(graph: Graph, quant: Node) -> bool:
     if kernel is None or kernel.domain != DLEGION or kernel.op != "RowKernel":
         return False
     frame = kernel.attrs["frame"]
-    if (any(_only_user(graph, i) is not cat or graph.values[i].shape != frame.shape for i in cat.inputs)
+    if (any(graph.only_user(i) is not cat or graph.values[i].shape != frame.shape for i in cat.inputs)
             or quant.inputs[0] in graph.outputs or graph.values[name].shape[:-1] != frame.shape[:-1]):
         return False
     _quantize_parts(graph, kernel, cat, reshapes, quant)

@@ -48,23 +48,19 @@ class CausalSkip:
                 _mark(graph, node, finite)
 
 
-def _only_user(graph: Graph, name: str) -> Node | None:
-    users = graph.consumers(name)
-    return users[0] if len(users) == 1 and name not in graph.outputs else None
-
 
 def _mark(graph: Graph, softmax: Node, finite: "Finiteness") -> None:
     rank = len(graph.values[softmax.inputs[0]].shape)
     if softmax.attrs.get("axis", -1) % rank != rank - 1:
         return
     add = graph.producer(softmax.inputs[0])
-    if add is None or add.op != "Add" or _only_user(graph, add.outputs[0]) is not softmax:
+    if add is None or add.op != "Add" or graph.only_user(add.outputs[0]) is not softmax:
         return
     dead, scores = _mask_and_scores(graph, add)
     if dead is None or not dead.any():
         return
     qk = _through_scale(graph, scores)
-    if qk is None or qk.op != "MatMul" or qk.domain != "" or _only_user(graph, qk.outputs[0]) is None:
+    if qk is None or qk.op != "MatMul" or qk.domain != "" or graph.only_user(qk.outputs[0]) is None:
         return
     if graph.values[qk.outputs[0]].shape[-2:] != dead.shape:
         return
@@ -107,13 +103,13 @@ def _mask_and_scores(graph: Graph, add: Node):
 def _through_scale(graph: Graph, name: str) -> Node | None:
     """The producer of ``name``, looking through one Mul by a scalar constant."""
     node = graph.producer(name)
-    if node is None or node.op != "Mul" or _only_user(graph, name) is None:
+    if node is None or node.op != "Mul" or graph.only_user(name) is None:
         return node
     for i in (0, 1):
         c = graph.const(node.inputs[i])
         if c is not None and c.size == 1 and np.isfinite(c).all() and abs(float(c.reshape(()))) <= 1e3:
             inner = node.inputs[1 - i]
-            return graph.producer(inner) if _only_user(graph, inner) is node else None
+            return graph.producer(inner) if graph.only_user(inner) is node else None
     return None
 
 
