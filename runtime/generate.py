@@ -46,12 +46,15 @@ class CacheGraph:
     total_dim: str | None = None    # the attention mask's length (past + sequence), if it has one
     int_types: dict = field(default_factory=dict)   # attention_mask / position_ids -> numpy dtype
     fixed: dict = field(default_factory=dict)       # dims the graph itself sizes (a cache's head size)
+    # Every past input's past dim: torch.onnx names each layer's its own (s3, s5, ...), all one length.
+    past_dims: tuple = ()
 
     def dims(self, seq: int, past: int) -> dict[str, int]:
         """Every symbolic dim bound for a step of ``seq`` new tokens after ``past`` cached ones:
         the sequence, past and total dims, any other (the batch) 1."""
         named = {d for shape in self.inputs.values() for d in shape if isinstance(d, str)}
-        sizes = {**self.fixed, self.seq_dim: seq, self.past_dim: past, self.total_dim: past + seq}
+        sizes = {**self.fixed, **{d: past for d in self.past_dims or (self.past_dim,)},
+                 self.seq_dim: seq, self.total_dim: past + seq}
         return {d: sizes.get(d, 1) for d in sorted(named)}
 
     def empty_past(self) -> dict[str, np.ndarray]:
@@ -80,9 +83,9 @@ def cache_graph(path: str | Path) -> CacheGraph:
     total = _symbolic(path, inputs, MASK, 1, "attention mask") if MASK in inputs else None
     types = {i.name: onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)
              for i in model.graph.input if i.name in (MASK, POSITIONS)}
-    return CacheGraph(path, inputs, feeds, _symbolic(path, inputs, IDS, 1, "sequence"),
-                      _symbolic(path, inputs, next(iter(feeds.values())), PAST_AXIS, "past"), _vocab(model),
-                      total, types, cache_head_dims(model))
+    pasts = tuple(dict.fromkeys(_symbolic(path, inputs, name, PAST_AXIS, "past") for name in feeds.values()))
+    return CacheGraph(path, inputs, feeds, _symbolic(path, inputs, IDS, 1, "sequence"), pasts[0], _vocab(model),
+                      total, types, cache_head_dims(model), pasts)
 
 
 def _shape(value) -> tuple:

@@ -115,6 +115,32 @@ def test_real_export_generates_onnxruntimes_tokens(generate, tmp_path, name):
 
 # --- the fixes, each on its own -------------------------------------------------------------------
 
+def _past_dim_per_layer(folder: Path) -> Path:
+    """torch.onnx's export without named dims: layer 1's cache gets a past symbol of its own."""
+    import shutil
+    shutil.copy(model("torch_llama").with_suffix(".onnx.data"), folder / "model.onnx.data")
+    graph_model = onnx.load(model("torch_llama"), load_external_data=False)
+    for value in [*graph_model.graph.input, *graph_model.graph.output]:
+        if ".1." in value.name:
+            dim = value.type.tensor_type.shape.dim[2]
+            dim.dim_param = dim.dim_param.replace("past_sequence_length", "s7")
+    onnx.save(graph_model, folder / "model.onnx")
+    return folder / "model.onnx"
+
+
+def test_every_layers_past_symbol_is_bound(generate, tmp_path):
+    """Each layer's own past symbol gets the past length, so the loop (ours and onnxruntime's)
+    starts from an empty cache in every layer and generates onnxruntime's tokens."""
+    path = _past_dim_per_layer(tmp_path)
+    graph = cache_graph(path)
+    assert graph.dims(1, 5)["s7"] == graph.dims(1, 5)["past_sequence_length"] == 5
+    status, out, _ = generate(path, "--arch", "dlegion-tiny", "--prompt-len", 5, "-n", 4, "--check",
+                              "--json", tmp_path / "g.json", "-q")
+    assert status == 0, out
+    record = json.loads((tmp_path / "g.json").read_text())
+    assert record["tokens"] == onnxruntime_loop(graph, record["prompt"], 4)
+
+
 def test_a_sum_of_dims_is_computed():
     """Optimum names the mask's length 'past_sequence_length + sequence_length': binding its
     terms binds it; a size given for it that contradicts them is refused."""
