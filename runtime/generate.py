@@ -83,8 +83,9 @@ def cache_graph(path: str | Path) -> CacheGraph:
     total = _symbolic(path, inputs, MASK, 1, "attention mask") if MASK in inputs else None
     types = {i.name: onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)
              for i in model.graph.input if i.name in (MASK, POSITIONS)}
+    seq = _symbolic(path, inputs, IDS, 1, "sequence")
     pasts = tuple(dict.fromkeys(_symbolic(path, inputs, name, PAST_AXIS, "past") for name in feeds.values()))
-    return CacheGraph(path, inputs, feeds, _symbolic(path, inputs, IDS, 1, "sequence"), pasts[0], _vocab(model),
+    return CacheGraph(path, inputs, feeds, seq, pasts[0], _vocab(model),
                       total, types, cache_head_dims(model), pasts)
 
 
