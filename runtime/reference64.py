@@ -5,7 +5,8 @@ The copy is the same graph with every float32 tensor made float64: initializers,
 and outputs, intermediate types, ``Cast``/``ConstantOfShape``/``Constant`` targets; integer
 operators are unchanged, and so are the float32 scales and zero points of quantization operators,
 which have no float64 kernels: their float inputs are cast to float32 and their float outputs
-back to float64. Constant int8 MatMulInteger weights are shifted to uint8 as ``--reference
+back to float64. MatMulNBits with constant weights is the exception: it becomes a float64 MatMul by
+its dequantized weight, as its definition reads (``_dense_nbits``). Constant int8 MatMulInteger weights are shifted to uint8 as ``--reference
 exact`` does (``check.unsigned_integer_weights``), so no CPU's saturating kernel enters the
 yardstick. onnxruntime runs it (its CPU kernels take double for the operators
 LLM graphs use); a graph with an operator it has no double kernel for (Erf, so GELU; Softplus)
@@ -56,6 +57,11 @@ def float64_model(path: str | Path, approximations: bool = False, int8_attention
     for node in g.node:
         if approximations and (node.domain, node.op_type) in APPROXIMATIONS:
             nodes.extend(_absmax_rows(node, floats, model))
+        if node.op_type == "MatMulNBits" and node.domain == "com.microsoft":
+            dense = _dense_nbits(node, model)
+            if dense:
+                nodes.extend(dense)
+                continue
         if node.op_type == "MatMul" and node.output[0] in products:
             nodes.extend(_int8_product(node, products[node.output[0]], floats, model))
         nodes.extend(_kept_float32(node, floats) if node.op_type in FLOAT32_ONLY else [node])
@@ -130,6 +136,40 @@ def _reduce(op: str, x: str, out: str, axis: int, axes: str, model):
     if _opset(model) < 18:
         return helper.make_node(op, [x], [out], keepdims=1, axes=[axis])
     return helper.make_node(op, [x, axes], [out], keepdims=1)
+
+
+# --- MatMulNBits by its definition ---------------------------------------------------------------
+
+def _dense_nbits(node, model) -> list:
+    """A MatMulNBits with constant weights as its definition computes it, in float64: a MatMul by
+    the dequantized weight ``(q - zero_point) * scale`` (and its bias). onnxruntime's kernel is
+    float32 only, and at ``accuracy_level`` 4 it quantizes the activations itself, per block, so
+    the yardstick would carry onnxruntime's own approximation; it also computes zeros when the
+    scales reach it through a Cast, not as an initializer. [] when the weights are not constant
+    (the node then runs as onnxruntime's float32 kernel)."""
+    from onnx import helper, numpy_helper
+    from dlegion_cc.ir import Node
+    from dlegion_cc.passes.matmul_nbits import nbits_weights
+    inits = {t.name: t for t in model.graph.initializer}
+    attrs = {a.name: a.i for a in node.attribute}
+
+    class Consts:   # the one definition of the weights (the compiler's) reads a graph's constants
+        values = {node.input[0]: type("Activations", (), {"dtype": np.float32})}
+
+        def const(self, name):
+            return numpy_helper.to_array(inits[name]) if name in inits else None
+    try:
+        w = nbits_weights(Consts(), Node("MatMulNBits", node.name, list(node.input), list(node.output), attrs))
+    except (ValueError, KeyError):
+        return []
+    scale = np.repeat(w.scales.astype(np.float64), w.block, axis=0)[:w.values.shape[0]]
+    name = f"{node.name}/dequantized"
+    _constant(model, name, w.values.astype(np.float64) * scale)
+    if w.bias is None:
+        return [helper.make_node("MatMul", [node.input[0], name], list(node.output))]
+    _constant(model, f"{name}/bias", w.bias.astype(np.float64))
+    return [helper.make_node("MatMul", [node.input[0], name], [f"{name}/product"]),
+            helper.make_node("Add", [f"{name}/product", f"{name}/bias"], list(node.output))]
 
 
 # --- attention's float products in int8 (dlegion_cc/passes/attention.py) ----------------------
