@@ -58,7 +58,7 @@ def import_model(path: str | Path, dims: dict[str, int] | None = None, progress:
         _drop_unused(model)
         _check_domains(model, source)
         for _ in range(MAX_FOLD_ROUNDS):
-            model = _infer(model, source)
+            model = _infer(model, source, lazy)
             advance()
             if _fold(model, lazy, spill, source, Positions(given, dims or {})):
                 continue
@@ -66,7 +66,7 @@ def import_model(path: str | Path, dims: dict[str, int] | None = None, progress:
             if not changed:
                 break
         else:
-            model = _infer(model, source)       # the last round changed the model
+            model = _infer(model, source, lazy)  # the last round changed the model
         graph = _to_graph(model, lazy, source)
         _check_empty_outputs(graph, dims or {}, source)
         _check_nodes(graph, source)
@@ -411,14 +411,42 @@ def _has_contrib_ops(model: onnx.ModelProto) -> bool:
     return any(n.domain not in DEFAULT_DOMAINS for n in model.graph.node) or bool(missing_ops(model))
 
 
-def _infer(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
+def _infer(model: onnx.ModelProto, source: str, lazy: dict | None = None) -> onnx.ModelProto:
     try:
         if _has_contrib_ops(model):
-            return _onnxruntime_inference().infer_shapes(model, auto_merge=True)
+            return _stubs_as_inputs(model, set(lazy or ()),
+                                    lambda m: _onnxruntime_inference().infer_shapes(m, auto_merge=True))
         return shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
     except Exception as e:  # shape inference raises InferenceError and plain exceptions (an assert's is empty)
         why = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CompileError(f"{source}: shape inference failed: {why}") from None
+
+
+def _stubs_as_inputs(model: onnx.ModelProto, lazy: set[str], infer) -> onnx.ModelProto:
+    """``infer(model)`` with the lazy constants' stubs (a type and a shape, no elements) shown
+    to it as graph inputs: onnxruntime's inference reads every initializer's elements, and a
+    stub's are elsewhere (a GroupQueryAttention prompt's causal mask past 64 positions)."""
+    stubs = [t for t in model.graph.initializer if t.name in lazy]
+    if not stubs:
+        return infer(model)
+    kept = [t for t in model.graph.initializer if t.name not in lazy]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    model.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in stubs)
+    try:
+        inferred = infer(model)
+    finally:
+        _restore_stubs(model, stubs)
+    _restore_stubs(inferred, stubs)
+    return inferred
+
+
+def _restore_stubs(model: onnx.ModelProto, stubs: list) -> None:
+    names = {t.name for t in stubs}
+    inputs = [i for i in model.graph.input if i.name not in names]
+    del model.graph.input[:]
+    model.graph.input.extend(inputs)
+    model.graph.initializer.extend(stubs)
 
 
 def _onnxruntime_inference():

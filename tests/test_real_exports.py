@@ -237,6 +237,18 @@ def test_genai_int4_is_measured_from_matmul_nbits_definition(step):
         assert 1e-4 < row.fp64.reference < 3e-2 and row.fp64.approximation < 3e-2, row.as_json()
 
 
+def test_genai_prompt_past_64_positions_compiles():
+    """A GroupQueryAttention prompt of 100 tokens: its causal mask (100 x 100 fp32) is a lazy
+    constant, whose stub onnxruntime's shape inference read as elements ("cannot reshape array
+    of size 0"): shown to it as an input now, the prefill compiles and matches onnxruntime."""
+    path = model("genai_fp32")
+    options = Options(TINY, cache_graph(path).dims(100, 0))
+    _, program = compile_model(path, options)
+    inputs = step_inputs("genai_fp32", 100, 0)
+    verdict = judge(path, inputs, run(program, TINY, inputs).outputs)
+    assert verdict.ok and {r.name: r for r in verdict.rows}["logits"].rel_l2 < 1e-4, [r.as_json() for r in verdict.rows]
+
+
 def _mask_beside_scores() -> onnx.ModelProto:
     """torch.onnx's attention: the scaled keys [1, 4, 16, 6] and, next in the graph, the mask
     [1, 1, 1, 6] made with Where: a row-local run whose second output is broadcast over the rows."""
