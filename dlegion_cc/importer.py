@@ -342,7 +342,14 @@ def _bind_dims(model: onnx.ModelProto, dims: dict[str, int], source: str) -> Non
         # one entry a dim, however many inputs it shapes (a cache: two a layer)
         where = ", ".join(f"'{n}' of {_some_inputs(list(dict.fromkeys(inputs)))}" for n, inputs in unbound.items())
         raise CompileError(f"{source}: unbound symbolic dimension {where}; "
-                           f"pass {' '.join(f'--dim {n}=N' for n in sorted(unbound))} or --inputs")
+                           f"pass {' '.join(f'--dim {n}=N' for n in _to_give(unbound, dims))} or --inputs")
+
+
+def _to_give(unbound: dict, dims: dict[str, int]) -> list[str]:
+    """The dims to bind, sorted: a sum of dims ('past_sequence_length + sequence_length') is
+    computed from its terms, so its unbound terms are named instead of it."""
+    terms = lambda n: [t.strip() for t in n.split("+")] if SUM_OF_DIMS.match(n) else [n]  # noqa: E731
+    return sorted({t for n in unbound for t in terms(n) if not t.isdigit() and t not in dims})
 
 
 SUM_OF_DIMS = re.compile(r"^\s*[A-Za-z_][\w.]*(\s*\+\s*([A-Za-z_][\w.]*|\d+))+\s*$")

@@ -208,6 +208,18 @@ def test_a_sum_of_dims_is_computed():
         compile_model(path, Options(TINY, dims | {"past_sequence_length + sequence_length": 7}))
 
 
+@pytest.mark.parametrize("name", FORMS)
+def test_an_unbound_cache_says_which_dim_to_give(name):
+    """Every dim but the cache's past bound: the one error names the past dim of the cache's
+    inputs and the --dim to give, not a mask length Optimum computes from it."""
+    dims = {d: n for d, n in cache_graph(model(name)).dims(1, 5).items() if d != "past_sequence_length"
+            and "+" not in d}
+    with pytest.raises(CompileError) as e:
+        compile_model(model(name), Options(TINY, dims))
+    assert "'past_sequence_length' of inputs 'past_key_values.0.key'" in str(e.value)
+    assert str(e.value).endswith("pass --dim past_sequence_length=N or --inputs")
+
+
 def test_genai_cache_head_size_is_read_from_the_graph():
     """onnxruntime-genai names the cache's head size 'kv_cache_dim': it is the packed QKV
     projection's width over the heads (64 + 2 * 32 over 4 + 2 * 2), for MatMul and MatMulNBits."""
