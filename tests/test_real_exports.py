@@ -220,6 +220,16 @@ def test_an_unbound_cache_says_which_dim_to_give(name):
     assert str(e.value).endswith("pass --dim past_sequence_length=N or --inputs")
 
 
+def test_genai_past_beyond_its_rotary_table_is_refused():
+    """onnxruntime-genai's cos/sin cache has the model's 128 positions: a step reaching
+    position 128 is refused (each layer's attention named), one ending at 127 compiles."""
+    graph = cache_graph(model("genai_fp32"))
+    with pytest.raises(CompileError, match=r"\(GroupQueryAttention\): total_sequence_length 129 is past "
+                                           r"the model's 128 positions \(the rows of 'cos_cache'\)"):
+        compile_model(model("genai_fp32"), Options(TINY, graph.dims(1, 128)))
+    compile_model(model("genai_fp32"), Options(TINY, graph.dims(1, 127)))
+
+
 def test_genai_cache_head_size_is_read_from_the_graph():
     """onnxruntime-genai names the cache's head size 'kv_cache_dim': it is the packed QKV
     projection's width over the heads (64 + 2 * 32 over 4 + 2 * 2), for MatMul and MatMulNBits."""
