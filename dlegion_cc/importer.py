@@ -58,7 +58,7 @@ def import_model(path: str | Path, dims: dict[str, int] | None = None, progress:
         _drop_unused(model)
         _check_domains(model, source)
         for _ in range(MAX_FOLD_ROUNDS):
-            model = _infer(model, source)
+            model = _infer(model, source, lazy)
             advance()
             if _fold(model, lazy, spill, source, Positions(given, dims or {})):
                 continue
@@ -66,7 +66,7 @@ def import_model(path: str | Path, dims: dict[str, int] | None = None, progress:
             if not changed:
                 break
         else:
-            model = _infer(model, source)       # the last round changed the model
+            model = _infer(model, source, lazy)  # the last round changed the model
         graph = _to_graph(model, lazy, source)
         _check_empty_outputs(graph, dims or {}, source)
         _check_nodes(graph, source)
@@ -342,7 +342,14 @@ def _bind_dims(model: onnx.ModelProto, dims: dict[str, int], source: str) -> Non
         # one entry a dim, however many inputs it shapes (a cache: two a layer)
         where = ", ".join(f"'{n}' of {_some_inputs(list(dict.fromkeys(inputs)))}" for n, inputs in unbound.items())
         raise CompileError(f"{source}: unbound symbolic dimension {where}; "
-                           f"pass {' '.join(f'--dim {n}=N' for n in sorted(unbound))} or --inputs")
+                           f"pass {' '.join(f'--dim {n}=N' for n in _to_give(unbound, dims))} or --inputs")
+
+
+def _to_give(unbound: dict, dims: dict[str, int]) -> list[str]:
+    """The dims to bind, sorted: a sum of dims ('past_sequence_length + sequence_length') is
+    computed from its terms, so its unbound terms are named instead of it."""
+    terms = lambda n: [t.strip() for t in n.split("+")] if SUM_OF_DIMS.match(n) else [n]  # noqa: E731
+    return sorted({t for n in unbound for t in terms(n) if not t.isdigit() and t not in dims})
 
 
 SUM_OF_DIMS = re.compile(r"^\s*[A-Za-z_][\w.]*(\s*\+\s*([A-Za-z_][\w.]*|\d+))+\s*$")
@@ -411,14 +418,42 @@ def _has_contrib_ops(model: onnx.ModelProto) -> bool:
     return any(n.domain not in DEFAULT_DOMAINS for n in model.graph.node) or bool(missing_ops(model))
 
 
-def _infer(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
+def _infer(model: onnx.ModelProto, source: str, lazy: dict | None = None) -> onnx.ModelProto:
     try:
         if _has_contrib_ops(model):
-            return _onnxruntime_inference().infer_shapes(model, auto_merge=True)
+            return _stubs_as_inputs(model, set(lazy or ()),
+                                    lambda m: _onnxruntime_inference().infer_shapes(m, auto_merge=True))
         return shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
     except Exception as e:  # shape inference raises InferenceError and plain exceptions (an assert's is empty)
         why = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CompileError(f"{source}: shape inference failed: {why}") from None
+
+
+def _stubs_as_inputs(model: onnx.ModelProto, lazy: set[str], infer) -> onnx.ModelProto:
+    """``infer(model)`` with the lazy constants' stubs (a type and a shape, no elements) shown
+    to it as graph inputs: onnxruntime's inference reads every initializer's elements, and a
+    stub's are elsewhere (a GroupQueryAttention prompt's causal mask past 64 positions)."""
+    stubs = [t for t in model.graph.initializer if t.name in lazy]
+    if not stubs:
+        return infer(model)
+    kept = [t for t in model.graph.initializer if t.name not in lazy]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    model.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in stubs)
+    try:
+        inferred = infer(model)
+    finally:
+        _restore_stubs(model, stubs)
+    _restore_stubs(inferred, stubs)
+    return inferred
+
+
+def _restore_stubs(model: onnx.ModelProto, stubs: list) -> None:
+    names = {t.name for t in stubs}
+    inputs = [i for i in model.graph.input if i.name not in names]
+    del model.graph.input[:]
+    model.graph.input.extend(inputs)
+    model.graph.initializer.extend(stubs)
 
 
 def _onnxruntime_inference():

@@ -325,7 +325,17 @@ def _inferred(model):
     import onnx
     if any(n.domain not in ("", "ai.onnx") for n in model.graph.node):
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-        return SymbolicShapeInference.infer_shapes(model, auto_merge=True).graph
+        # Its handlers know ReduceSum's axes input (opset 18) but not ReduceMax's, whose output
+        # (the per-token absmax runtime/quantized64.py inserts) it leaves without a shape and then
+        # fails on: the inference sees ReduceSum there, of the same type and shape.
+        renamed = [n for n in model.graph.node if n.op_type == "ReduceMax" and n.domain in ("", "ai.onnx")]
+        for n in renamed:
+            n.op_type = "ReduceSum"
+        try:
+            return SymbolicShapeInference.infer_shapes(model, auto_merge=True).graph
+        finally:
+            for n in renamed:
+                n.op_type = "ReduceMax"
     return onnx.shape_inference.infer_shapes(model, data_prop=True).graph
 
 

@@ -46,6 +46,84 @@ def test_the_copy_computes_matmul_nbits_by_its_definition():
     assert dense.dtype == np.float64 and np.array_equal(dense, expected.T)
 
 
+def test_the_copy_keeps_quantization_operators_in_float32():
+    model = float64_model(MODELS / "llama_tiny_qdq.onnx")
+    casts = [n for n in model.graph.node if n.op_type == "Cast"]
+    dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
+    assert dq and all(any(i.endswith(f"/as_f32/{n.name}") for i in n.input) for n in dq)
+    assert {a.i for c in casts for a in c.attribute if a.name == "to"} >= {1, 11}
+    assert not [t.name for t in model.graph.initializer if t.data_type == 1]
+
+
+# --- MatMulNBits by its definition ---------------------------------------------------------------
+
+def _nbits_model(path, K=64, N=24, bits=4, block=32, zero_points=None, bias=None, level=4, seed=0):
+    """One MatMulNBits node with random codes packed lowest bits first, as the contrib operator's
+    documentation lays them out; also the weight [K, N] those bytes mean, computed here by
+    plain loops (the default zero point 2^(bits-1))."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    rng = np.random.default_rng(seed)
+    blocks, per = -(-K // block), 8 // bits
+    codes = rng.integers(0, 1 << bits, (N, blocks * block))
+    packed = np.zeros((N, blocks * block // per), np.uint8)
+    for j in range(blocks * block):
+        packed[:, j // per] |= (codes[:, j] << (bits * (j % per))).astype(np.uint8)
+    scales = rng.uniform(0.01, 0.05, (N, blocks)).astype(np.float32)
+    zp = np.full((N, blocks), 1 << (bits - 1)) if zero_points is None else zero_points
+    weight = np.array([[(codes[n, k] - zp[n, k // block]) * float(scales[n, k // block]) for n in range(N)]
+                       for k in range(K)])
+    inits = [numpy_helper.from_array(packed.reshape(N, blocks, -1), "B"), numpy_helper.from_array(scales, "scales")]
+    ins = ["x", "B", "scales", "", "", ""]
+    if zero_points is not None:      # packed as B is: N rows of ceil(blocks * bits / 8) bytes
+        zp_packed = np.zeros((N, -(-blocks * bits // 8)), np.uint8)
+        for j in range(blocks):
+            zp_packed[:, j // per] |= (zero_points[:, j] << (bits * (j % per))).astype(np.uint8)
+        inits.append(numpy_helper.from_array(zp_packed, "zp"))
+        ins[3] = "zp"
+    if bias is not None:
+        inits.append(numpy_helper.from_array(bias, "bias"))
+        ins[5] = "bias"
+    node = helper.make_node("MatMulNBits", ins, ["y"], domain="com.microsoft", name="nbits", K=K, N=N,
+                            bits=bits, block_size=block, accuracy_level=level)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, K])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, N])], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                      helper.make_opsetid("com.microsoft", 1)]), path)
+    return weight
+
+
+@pytest.mark.parametrize("case", ["4 bits, no zero points", "4 bits, zero points and bias", "2 bits", "8 bits"])
+def test_matmul_nbits_is_evaluated_by_its_definition(tmp_path, case):
+    """The float64 copy computes x @ W (+ bias) with W dequantized as documented (the default
+    zero point 2^(bits-1), which a 0 would shift by 8 scales): equal to the product in float64,
+    and onnxruntime's fp32 kernel at accuracy_level 0 (no quantized activations) within fp32's
+    rounding of it. The graphs' accuracy_level 4 does not enter the yardstick."""
+    bits = {"2 bits": 2, "8 bits": 8}.get(case, 4)
+    rng = np.random.default_rng(1)
+    zp = rng.integers(0, 1 << bits, (24, 2)) if "zero points" in case else None
+    bias = rng.standard_normal(24).astype(np.float32) if "bias" in case else None
+    weight = _nbits_model(tmp_path / "m.onnx", bits=bits, zero_points=zp, bias=bias)
+    _nbits_model(tmp_path / "exact.onnx", bits=bits, zero_points=zp, bias=bias, level=0)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    got = float64_outputs(tmp_path / "m.onnx", {"x": x})["y"]
+    want = x.astype(np.float64) @ weight + (0 if bias is None else bias.astype(np.float64))
+    assert got.dtype == np.float64
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    [fp32] = session(tmp_path / "exact.onnx", "onnxruntime").run(["y"], {"x": x})
+    assert rel_l2(fp32, got) < 1e-6
+
+
+def test_matmul_nbits_at_accuracy_level_4_is_measured_from_the_definition(tmp_path):
+    """onnxruntime's accuracy_level 4 kernel quantizes x to int8 per block: its distance from the
+    definition is int8's (about 1e-3 here), not 0 as when the yardstick ran that kernel too."""
+    _nbits_model(tmp_path / "m.onnx")
+    x = np.random.default_rng(2).standard_normal((3, 64)).astype(np.float32)
+    got = float64_outputs(tmp_path / "m.onnx", {"x": x})["y"]
+    [fp32] = session(tmp_path / "m.onnx", "onnxruntime").run(["y"], {"x": x})
+    assert 1e-4 < rel_l2(fp32, got) < 2e-2
+
+
 def test_an_operator_onnxruntime_has_no_double_kernel_for_is_evaluated_by_the_reference(tmp_path):
     # GELU's Erf has no float64 kernel in onnxruntime: onnx's reference evaluator runs the copy
     import math

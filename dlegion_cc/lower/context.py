@@ -14,6 +14,7 @@ from dlegion_cc.lower.layout import Operand, is_contiguous, reshaped, transposed
 
 DRAM_DTYPE = {np.dtype(np.float32): "f32", np.dtype(np.int64): "i64", np.dtype(np.int32): "i32",
               np.dtype(np.int8): "i8", np.dtype(np.uint8): "u8", np.dtype(np.bool_): "u8"}
+ATTENTION_MASK = "attention_mask"       # the name transformers' exporters give a decoder's mask input
 
 
 
@@ -247,9 +248,13 @@ class Lowering:
 
     def _index_range(self, name: str) -> tuple[int, int] | None:
         """Token ids: the rows of the table they index, so random inputs are valid; a bool
-        (stored as u8): 0 or 1."""
+        (stored as u8): 0 or 1; an integer attention mask: 1, one unpadded sequence as token
+        generation feeds it (onnxruntime-genai's graphs count its ones into GroupQueryAttention's
+        seqlens_k, which any other value makes invalid)."""
         if self.dtype(name) == np.bool_:
             return (0, 2)
+        if name == ATTENTION_MASK and np.issubdtype(self.dtype(name), np.integer):
+            return (1, 2)
         for n in self.graph.consumers(name):
             if n.op == "Gather" and n.inputs[1] == name:
                 return (0, self.shape(n.inputs[0])[n.attrs.get("axis", 0)])
