@@ -36,3 +36,17 @@ def test_few_heads_use_every_legion_and_give_numpys_product(tmp_path, heads, M, 
     got = run(program, EIGHT, inputs).outputs["c"]        # the race check runs too
     want = inputs["a"].astype(np.float64) @ inputs["b"].astype(np.float64)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4 * np.sqrt(K))
+
+
+def test_a_2b4t_decode_step_copying_its_cache_is_onnxruntimes(tmp_path):
+    """Without the cache bound in present, the products' loads carry its copy (lower/carry.py)
+    while each head's keys and values are cut across Legions: still onnxruntime's outputs."""
+    from models.bitnet import build_bitnet, preset, save
+    from runtime.check import compare, onnx_reference
+    path = tmp_path / "decode.onnx"
+    save(build_bitnet(preset("2b4t", layers=1, seq=1, vocab=512, past=64)), path, external_data=True)
+    _, program = compile_model(path, Options(EIGHT, cache_alias=False))
+    assert not program.aliases
+    inputs = random_inputs(program, 0)
+    got = run(program, EIGHT, inputs).outputs           # the race check runs too
+    assert all(r.ok for r in compare(got, onnx_reference(path, inputs)))
