@@ -61,6 +61,7 @@ class Options:
     prefetch: bool = True         # off: a matmul's first weights wait for the row kernel before it
     transfers: bool = True        # off: no activations forwarded Legion to Legion; read from DRAM again
     row_blocks: bool = True       # off: no matmul and row kernel pipelined by row blocks (lower/rowblocks.py)
+    cache_alias: bool = True      # off: a cache input is copied into its present output (lower/context.py)
     # on: nodes end in waits for what the next ones share instead of barriers (lower/overlap.py).
     # Off by default until the pass is cheap at full size: at sequence 512 a 2B4T layer with its
     # 128,256-token lm_head took over 15x the compile time with it, for under 1% fewer cycles.
@@ -82,7 +83,7 @@ class Options:
     def switches(self) -> Switches:
         return Switches(self.multicast, self.accumulators, self.sparsity, self.prefetch,
                         overlap=self.overlap, objective=self.objective, transfers=self.transfers,
-                        row_blocks=self.row_blocks)
+                        row_blocks=self.row_blocks, cache_alias=self.cache_alias)
 
 
 Hook = Callable[[str, Graph], None]

@@ -29,7 +29,7 @@ from isa.fields import (ADDR_BITS, QUEUES, SPACES, After, Cond, Dram, DramRef, K
 from isa.instructions import BY_MNEMONIC, INSTRUCTIONS, OPCODE_BITS, Instr, RowView
 from isa.program import Program, ProgramError, Tensor
 
-DIRECTIVES = (".arch", ".data", ".tensor", ".skipped", ".approximation", ".region")
+DIRECTIVES = (".arch", ".data", ".tensor", ".skipped", ".approximation", ".alias", ".region")
 ARCH_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 LEGION_SET_BITS = LegionSet.bits
 
@@ -87,6 +87,15 @@ class _Builder:
             if names.count(name) > 1:
                 raise self.error(v, f".approximation {tok} names {_quoted(name)} twice")
         self.p.approximations[str(tok)] = names
+
+    def add_alias(self, tok, out, offset, strides: tuple) -> None:
+        self._directive_first(tok, ".alias")
+        if str(tok) in self.p.aliases:
+            raise self.error(tok, f"a second .alias {tok}")
+        self.p.aliases[str(tok)] = (str(out), int(offset), strides)
+        why = encoding.alias_error(self.p)
+        if why:
+            raise self.error(tok, why)
 
     def add_region(self, tok) -> None:
         """A ``.region`` may come anywhere: it names the instructions that follow it."""
@@ -198,6 +207,9 @@ class _Callbacks:
 
     def approximation(self, ch):
         self.b.add_approximation(ch[0], ch[1:])
+
+    def alias(self, ch):
+        self.b.add_alias(*ch)
 
     def region(self, ch):
         self.b.add_region(ch[0])
@@ -677,6 +689,8 @@ def format_program(p: Program) -> str:
     lines += [f".skipped {kind} {count}" for kind, count in sorted(p.skipped.items())]
     lines += [" ".join([".approximation", name, *map(encoding.json_text, values)])
               for name, values in p.approximations.items()]
+    lines += [f".alias {name} {out} {offset} [{', '.join(map(str, strides))}]"
+              for name, (out, offset, strides) in p.aliases.items()]
     names, marks = p.names(), _region_lines(p)
     for n, i in enumerate(p.instrs):
         why = encoding.ref_error(i, len(names))

@@ -25,10 +25,11 @@ from isa.instructions import BY_OPCODE, INSTRUCTIONS, OPCODE_BITS, WORD_BITS, In
 from isa.program import DTYPES, KINDS, Program, ProgramError, Tensor
 
 MAGIC = b"DLGN"
-VERSION = 9          # 2: 320-bit words and progress-counter synchronization; 3: regions; 4: spans,
+VERSION = 10         # 2: 320-bit words and progress-counter synchronization; 3: regions; 4: spans,
                      # relative waits; 5: skipped work; 6: 26-bit scratchpad addresses;
                      # 7: the number of instructions in the header; 8: approximations;
-                     # 9: approximations name the model's values they are made in
+                     # 9: approximations name the model's values they are made in;
+                     # 10: inputs aliased into outputs (an "aliases" key when there are some)
 WORD_BYTES = WORD_BITS // 8
 PREFIX = struct.Struct("<4sHHI")
 NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -264,10 +265,36 @@ def approximations_error(p: Program) -> str | None:
     return None
 
 
+def alias_error(p: Program) -> str | None:
+    """Why ``p.aliases`` is malformed, or None: each an input of the program inside an output of
+    the same dtype, at distinct elements (a positive stride per axis longer than 1, larger than
+    the span of the axes after it)."""
+    tensors = {t.name: t for t in p.tensors}
+    for name, (out, offset, strides) in p.aliases.items():
+        t, o = tensors.get(name), tensors.get(out)
+        if t is None or t.kind != "input":
+            return f"alias {name!r} is not an input tensor"
+        if o is None or o.kind != "output":
+            return f"alias {name!r}: {out!r} is not an output tensor"
+        if o.dtype != t.dtype:
+            return f"alias {name!r}: dtype {t.dtype}, output {out!r} {o.dtype}"
+        if len(strides) != len(t.shape) or offset < 0:
+            return f"alias {name!r}: offset {offset} and strides {list(strides)} do not fit shape {list(t.shape)}"
+        span = 1
+        for n, s in sorted(((n, s) for n, s in zip(t.shape, strides) if n > 1), key=lambda a: a[1]):
+            if s < span:
+                return f"alias {name!r}: strides {list(strides)} overlap elements"
+            span = s * (n - 1) + span
+        last = offset + sum(s * (n - 1) for n, s in zip(t.shape, strides))
+        if t.numel and last >= o.numel:
+            return f"alias {name!r}: element {last} is outside output {out!r} of {o.numel}"
+    return None
+
+
 def check_regions(p: Program) -> None:
-    """Regions, skipped work and approximations, which the text and binary formats carry
-    alongside the words."""
-    why = region_error(p) or skipped_error(p) or approximations_error(p)
+    """Regions, skipped work, approximations and aliases, which the text and binary formats
+    carry alongside the words."""
+    why = region_error(p) or skipped_error(p) or approximations_error(p) or alias_error(p)
     if why:
         raise ProgramError(f"{p.source}: {why}")
 
@@ -505,7 +532,8 @@ def header(p: Program) -> dict:
     return {"arch": p.arch, "data_file": p.data_file, "tensors": tensors, "regions": regions,
             "skipped": dict(sorted(p.skipped.items())),
             "approximations": {k: list(v) for k, v in p.approximations.items()},
-            "instructions": len(p.instrs)}
+            "instructions": len(p.instrs),
+            **({"aliases": {k: [o, off, list(st)] for k, (o, off, st) in p.aliases.items()}} if p.aliases else {})}
 
 
 def json_text(value, **options) -> str:
@@ -615,6 +643,9 @@ def _typed(d, keys: dict, what: str, source: str) -> dict:
 
 
 def _program_from_header(head, source: str) -> Program:
+    aliases = head.pop("aliases", {}) if isinstance(head, dict) else {}    # only when there are some
+    if not isinstance(aliases, dict):
+        raise ProgramError(f"{source}: corrupt header: aliases {aliases!r}")
     head = _typed(head, _HEAD_KEYS, "header", source)
     p = Program(arch=head["arch"], data_file=head["data_file"], source=source)
     for d in head["tensors"]:
@@ -625,7 +656,19 @@ def _program_from_header(head, source: str) -> Program:
     p.regions = [tuple(r) if isinstance(r, list) else r for r in head["regions"]]
     p.skipped = head["skipped"]
     p.approximations = head["approximations"]
-    why = skipped_error(p) or approximations_error(p)
+    p.aliases = _aliases(aliases, source)
+    why = skipped_error(p) or approximations_error(p) or alias_error(p)
     if why:
         raise ProgramError(f"{source}: corrupt header: {why}")
     return p
+
+
+def _aliases(d: dict, source: str) -> dict:
+    out = {}
+    for name, a in d.items():
+        ok = (isinstance(a, list) and len(a) == 3 and isinstance(a[0], str) and type(a[1]) is int
+              and isinstance(a[2], list) and all(type(s) is int for s in a[2]))
+        if not ok:
+            raise ProgramError(f"{source}: corrupt header: alias {name!r}: {a!r}")
+        out[name] = (a[0], a[1], tuple(a[2]))
+    return out

@@ -80,6 +80,12 @@ class Program:
     # product not named kept fp32): ``dlegion-run --check`` judges the outputs with each one's
     # documented tolerance, and its float64 yardstick makes the same ones (runtime/check.py).
     approximations: dict[str, list[str]] = field(default_factory=dict)
+    # Inputs that live inside an output's storage, by input tensor name: (output tensor name,
+    # offset, strides), the input's element (i0, i1, ...) at ``offset + sum(i * stride)`` of the
+    # output (a decode step's key/value cache: ``past`` inside ``present = Concat(past, new)``).
+    # The host binds such an input into that region; the program reads it there and writes only
+    # the rest of the output.
+    aliases: dict[str, tuple[str, int, tuple[int, ...]]] = field(default_factory=dict)
     # Where each instruction came from, for messages; not part of a program's identity.
     lines: list[int] = field(default_factory=list, compare=False, repr=False)
     source: str = field(default="<program>", compare=False, repr=False)

@@ -23,6 +23,7 @@ from isa.fields import QUEUES
 from isa.instructions import (TRANSFER_CLASSES, Barrier, DmaLoad, DmaStore, Drain, Gather, Instr, MatMul, NocMove, VBinary,
                               VMatMul, VReduce, VSelect, VUnary, Wait)
 from isa.program import DTYPES, KINDS, LOADS, STORES, Program, ProgramError, Tensor
+from isa import encoding
 
 MAX_SHOWN = 20          # problems listed in a ProgramError before "... and N more"
 
@@ -511,6 +512,9 @@ def tensor_problems(program: Program) -> Problems:
         for io_name, n in bound.items():
             if n > 1:
                 yield f"{head}: {kind} name {io_name!r} is bound to {n} tensors"
+    why = encoding.alias_error(program)
+    if why:
+        yield f"{head}: {why}"
 
 
 def tensor_decl(t: Tensor, program: Program) -> Problems:

@@ -83,6 +83,7 @@ def _summarize(result) -> dict:
         "busy_cycles": {f: int(c[f"busy_{f}"]) for f in FAMILIES},
         "utilization": _utilization(result),
         "vector_ops": int(c["vector_ops"]),
+        "aliases": aliases(result.program),
     }
     numbers |= _roofline_numbers(result, macs_by_mode)
     numbers |= _energy_numbers(arch, c, macs_by_mode, seconds)
@@ -142,8 +143,16 @@ def _macs_by_mode(rows, key: str = "macs") -> dict:
 # --- roofline --------------------------------------------------------------------------------
 
 def compulsory_bytes(program) -> int:
-    """Bytes of the input and const tensors (read once) and the output tensors (written once)."""
-    return sum(t.nbytes for t in program.tensors if t.kind in COMPULSORY_KINDS)
+    """Bytes of the input and const tensors (read once) and the output tensors (written once),
+    but for the parts of outputs where an input lies (``Program.aliases``): nothing writes them."""
+    aliased = sum(t.nbytes for t in program.tensors if t.name in program.aliases)
+    return sum(t.nbytes for t in program.tensors if t.kind in COMPULSORY_KINDS) - aliased
+
+
+def aliases(program) -> dict[str, str]:
+    """Inputs bound inside outputs, by graph name: input -> output."""
+    io = {t.name: t.io_name or t.name for t in program.tensors}
+    return {io[name]: io[out] for name, (out, _, _) in program.aliases.items()}
 
 
 def roofline(arch, macs_by_mode: dict, nbytes: int) -> dict:
@@ -338,6 +347,9 @@ def print_report(n: dict, console: Console | None = None) -> None:
     console.print(_macs_lines(n))
     console.print(f"DRAM: read {_bytes(n['dram_read_bytes'])}, written {_bytes(n['dram_write_bytes'])}; "
                   f"multicast saved {_bytes(n['multicast_saved_bytes'])}")
+    if n["aliases"]:
+        console.print("inputs bound inside outputs (only the rest is written): "
+                      + ", ".join(f"{i} in {o}" for i, o in n["aliases"].items()))
     console.print(f"scratchpad traffic: {_bytes(n['spad_bytes'])}; accumulator (psum) traffic: "
                   f"{_bytes(n['psum_bytes'])}; vector elements: {n['vector_elems']:,}")
     sp = n["sparsity"]

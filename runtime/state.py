@@ -264,7 +264,15 @@ class Machine:
                                f"got {array.dtype}")
         if tuple(array.shape) != tuple(t.shape):
             raise ProgramError(f"{where} wants shape {list(t.shape)}, got {list(array.shape)}")
-        self.dram[index] = array.reshape(-1).copy()
+        alias = self.program.aliases.get(t.name)
+        if alias is None:
+            self.dram[index] = array.reshape(-1).copy()
+            return
+        out, offset, strides = alias       # the input lives in an output's storage (Program.aliases)
+        flat = self.dram[self.lookup(out, by=("name",))]
+        place = np.lib.stride_tricks.as_strided(flat[offset:], array.shape,
+                                                tuple(s * flat.itemsize for s in strides))
+        place[...] = array
 
     def get(self, key: str | int) -> np.ndarray:
         """A copy of a tensor in its declared shape (packed weights unpacked to int8); ``key``

@@ -1,6 +1,7 @@
 """A cache's copy into ``present`` carried by the loads of the float matmul that reads it
-(dlegion_cc/lower/carry.py): the past is read once, the outputs are onnxruntime's, and the
-race check accepts the program."""
+(dlegion_cc/lower/carry.py), when the cache is not bound inside ``present`` (``cache_alias``
+off; tests/test_cache_alias.py has the default): the past is read once, the outputs are
+onnxruntime's, and the race check accepts the program."""
 from __future__ import annotations
 
 import numpy as np
@@ -55,7 +56,7 @@ def test_the_past_is_read_once_and_the_outputs_are_onnxruntimes(tmp_path, also_a
     path = tmp_path / "carry.onnx"
     _attention(path, also_added)
     machine = arch.load("dlegion-tiny")
-    _, program = compile_model(path, Options(machine))
+    _, program = compile_model(path, Options(machine, cache_alias=False))
     # Carried: read once, by the products' loads. Else copied by the concat (read once too),
     # and the products read present.
     for past in ("past_k", "past_v"):

@@ -31,6 +31,7 @@ class Switches:
     objective: str = "latency"    # fewest cycles; or fewest joules ("energy"), or their product ("edp")
     transfers: bool = True        # activations read once and forwarded Legion to Legion (noc.mv)
     row_blocks: bool = True       # matmuls and row kernels pipelined by row blocks (rowblocks.py)
+    cache_alias: bool = True      # a concat's graph-input part lives inside the output (``Lowering.cache_alias``)
 
 
 Lowerer = Callable[["Lowering", Node], None]
@@ -244,7 +245,31 @@ class Lowering:
                 raise node_error(self.graph.source, name, "input", f"dtype {self.dtype(name)} is not supported")
             idx = self.em.tensor(name, dtype, self.shape(name), "input", io_name=name,
                                  rng=self._index_range(name))
-            self.operands[name] = whole(idx, self.shape(name))
+            self.operands[name] = self.cache_alias(name, idx) or whole(idx, self.shape(name))
+
+    def cache_alias(self, name: str, idx: int) -> Operand | None:
+        """Input ``name`` (tensor ``idx``) placed in its part of the graph output
+        ``present = Concat(..., name, ...)`` when that concat is its one reader: the host binds
+        it there (``Program.aliases``), so the concat copies nothing of it and the program writes
+        only the other parts of ``present``. A decode step's key/value cache: the past is read
+        where it lies and only the new token's rows are written, as deployed decoders share the
+        past and present buffers. None when it does not apply or the switch is off."""
+        readers = self.graph.consumers(name)
+        if not self.switches.cache_alias or name in self.graph.outputs or len(readers) != 1:
+            return None
+        cat = readers[0]
+        out = cat.outputs[0]
+        if ((cat.op, cat.domain) != ("Concat", "") or cat.inputs.count(name) != 1 or out not in self.graph.outputs
+                or self.dtype(out) != self.dtype(name) or DRAM_DTYPE.get(self.dtype(name)) != "f32"
+                or not math.prod(self.shape(name))):
+            return None
+        dst = self.destination(out)
+        axis = cat.attrs["axis"] % len(dst.strides)
+        pos = sum(self.shape(i)[axis] for i in cat.inputs[:cat.inputs.index(name)])
+        part = Operand(dst.tensor, dst.offset + pos * dst.strides[axis], dst.strides)
+        tensors = self.em.tensors
+        self.em.aliases[tensors[idx].name] = (tensors[dst.tensor].name, part.offset, tuple(part.strides))
+        return part
 
     def _index_range(self, name: str) -> tuple[int, int] | None:
         """Token ids: the rows of the table they index, so random inputs are valid; a bool

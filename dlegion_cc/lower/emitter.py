@@ -80,6 +80,7 @@ class Emitter:
     # (Program.approximations).
     approximations: dict = field(default_factory=dict)
     carried: list = field(default_factory=list)         # concat copies left to a matmul's loads (carry.py)
+    aliases: dict = field(default_factory=dict)         # inputs inside outputs (Program.aliases)
 
     # --- DRAM -----------------------------------------------------------------------------
     def tensor(self, name: str, dtype: str, shape, kind: str, io_name: str | None = None,
@@ -210,5 +211,6 @@ class Emitter:
         return Program(self.arch.name, list(self.tensors), list(self.instrs),
                        data_file if self.data else None, skipped=dict(self.skipped),
                        approximations=dict(sorted(self.approximations.items())),
+                       aliases=dict(self.aliases),
                        source=self.source,
                        data=self.data.bytes())

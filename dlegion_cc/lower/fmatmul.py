@@ -5,6 +5,7 @@ semantics ask for fp32, so they run on the vector lanes, not the int8 systolic a
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -253,15 +254,15 @@ class _Streams:
     """The open streams, one per span of Legions: a block on Legions an open stream of another
     span uses closes that one first (they would share scratchpad buffers)."""
 
-    def __init__(self, em: Emitter, lay: Layout):
-        self.em, self.lay, self.open = em, lay, {}
+    def __init__(self, em: Emitter, lay: Layout, defer: bool = False):
+        self.em, self.lay, self.open, self.defer = em, lay, {}, defer
 
     def add(self, job: _Job, count: int) -> None:
         legion = self.em.take_legions(count)
         here = set(range(legion, legion + count))
         for key in [k for k in self.open if k != (legion, count) and here & set(range(k[0], k[0] + k[1]))]:
             self.open.pop(key).flush()
-        self.open.setdefault((legion, count), _Stream(self.em, self.lay, legion, count)).add(job)
+        self.open.setdefault((legion, count), _Stream(self.em, self.lay, legion, count, self.defer)).add(job)
 
     def flush(self) -> None:
         for stream in self.open.values():
@@ -275,8 +276,11 @@ class _Stream:
     its own tiles: a multicast would have to wait for every Legion of the span to be done with
     the previous tile, which one condition cannot say."""
 
-    def __init__(self, em: Emitter, lay: Layout, legion: int, count: int):
+    def __init__(self, em: Emitter, lay: Layout, legion: int, count: int, defer: bool = False):
         self.em, self.lay, self.legion, self.count = em, lay, legion, count
+        # Stores of a block's result issued after the next chunk's loads, not before them: the
+        # DMA queue then runs its loads ahead while the product the store waits for runs.
+        self.defer, self.results = defer, None      # (vec count they wait for, the stores)
         self.loaded, self.done, self.stored = [], [], []   # DMA/vec/DMA counts after each chunk/product/block
         self.blocks = 0
         self.pending: _Chunk | None = None
@@ -298,6 +302,7 @@ class _Stream:
         with self.em.spanning(self.legion, self.count):
             if self.pending is not None:
                 self._product(self.pending)
+            self._store_results()
             self._store_carried()
         self.pending = None
 
@@ -323,6 +328,7 @@ class _Stream:
         va, sa = _load_matrix(em, legion, at, job.a, job.m0, k0, job.m, k, lstride=job.steps[0])
         vb, sb = _load_matrix(em, legion, at + job.m * k, job.b, k0, job.n0, k, job.n, lstride=job.steps[1])
         self.loaded.append(em.issued[(legion, "dma")])
+        self._store_results()
         self._store_carried()
         if sa or sb:
             self.carried = (self.loaded[-1], sa + sb)
@@ -348,12 +354,24 @@ class _Stream:
             em.skipped["causal_skipped_macs"] += self.count * left_out
         self.done.append(em.issued[(legion, "vec")])
         if c.last:
-            em.depend((legion, "vec"), (legion, "dma"))
+            self._store_results()          # a block before it no load came after (at a flush)
             rs = job.out.strides[-2]
-            for s in _stored(job):
-                ref = DramRef(job.out.tensor, job.out.offset + (job.m0 + s.r0) * rs + job.n0, rs)
-                em.emit(DmaStore(legion, ref, _rows(o, s.r0), s.rows, s.n, lstride=job.steps[2]))
-            self.stored.append(em.issued[(legion, "dma")])
+            self.results = (em.issued[(legion, "vec")], [
+                DmaStore(legion, DramRef(job.out.tensor, job.out.offset + (job.m0 + s.r0) * rs + job.n0, rs),
+                         _rows(o, s.r0), s.rows, s.n, lstride=job.steps[2]) for s in _stored(job)])
+            if not self.defer:
+                self._store_results()
+
+    def _store_results(self) -> None:
+        """Issue the stores of the last block's result, once its last product is done."""
+        if self.results is None:
+            return
+        upto, stores = self.results
+        self.results = None
+        self.em.depend((self.legion, "vec"), (self.legion, "dma"), upto=upto)
+        for i in stores:
+            self.em.emit(i)
+        self.stored.append(self.em.issued[(self.legion, "dma")])
 
 
 def _as_matrix(low: Lowering, name: str, batch: tuple[int, ...], vector_as_row: bool):
@@ -396,6 +414,10 @@ def matmul(low: Lowering, node) -> None:
         for idx in outer_indices(batch + (1, 1)):
             matmul_blocks(low.em, a.at(idx), b.at(idx), out.at(idx), M, K, N, skip)
         return
+    if _spread(low.em, M, batch[-1], skip):
+        for idx in outer_indices(batch[:-1] + (1, 1)):
+            spread_heads(low.em, a, b, out, idx, M, K, N, batch[-1])
+        return
     # The innermost batch dimension (attention's heads) goes to spans of Legions.
     inner = len(batch) - 1
     step = (a.strides[inner], b.strides[inner], out.strides[inner])
@@ -403,6 +425,42 @@ def matmul(low: Lowering, node) -> None:
         for h0, _, count in _runs(batch[-1], 1, low.em.arch.legions):
             at = idx + (h0,)
             matmul_blocks(low.em, a.at(at), b.at(at), out.at(at), M, K, N, skip, (count, step))
+
+
+def _spread(em: Emitter, M: int, heads: int, skip: Skip) -> bool:
+    """Whether a batched product goes to Legions by parts of its heads' columns: fewer heads
+    than Legions and rows that fit one block (a decode step's few query rows per key/value head),
+    where a span of one Legion per head would leave the others idle for the whole product."""
+    return heads < em.arch.legions and M <= TILE and not skip.any
+
+
+def spread_heads(em: Emitter, a: Operand, b: Operand, out: Operand, idx: tuple, M: int, K: int, N: int,
+                 heads: int) -> None:
+    """out[h] = a[h] @ b[h] for the ``heads`` matrices of batch index ``idx``, each head's output
+    columns cut into equal parts so that heads x parts is a multiple of the Legions (each then
+    sums as many), every part a block of its own on the next Legion in turn."""
+    legions = em.arch.legions
+    per = legions // math.gcd(heads, legions)
+    parts = per
+    while -(-N // parts) > TILE:
+        parts += per
+    width = -(-N // min(parts, N))
+    lay = _deeper(em, _layout(em, M, K, width))
+    streams = _Streams(em, lay, defer=True)
+    for h in range(heads):
+        at = idx + (h,)
+        ah, bh, oh = a.at(at), b.at(at), out.at(at)
+        for n0 in range(0, N, width):
+            streams.add(_job(em, lay, ah, bh, oh, 0, n0, M, K, min(width, N - n0), 1, (0, 0, 0)), 1)
+    streams.flush()
+
+
+def _deeper(em: Emitter, lay: Layout) -> Layout:
+    """``lay`` with a third buffer of each kind where the scratchpad holds it: a block's product
+    is short next to one DRAM latency, so two loads ahead keep the lanes fed."""
+    three = Layout(lay.mb, lay.nb, lay.size, 3)
+    fits = three.chunk(2) + (lay.mb + lay.nb) * lay.size <= em.capacity("vec")
+    return three if lay.buffers == 2 and fits else lay
 
 
 def _batch_shape(a_shape, b_shape) -> tuple[int, ...]:
