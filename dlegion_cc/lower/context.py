@@ -30,6 +30,7 @@ class Switches:
     objective: str = "latency"    # fewest cycles; or fewest joules ("energy"), or their product ("edp")
     transfers: bool = True        # activations read once and forwarded Legion to Legion (noc.mv)
     row_blocks: bool = True       # matmuls and row kernels pipelined by row blocks (rowblocks.py)
+    ksplit: bool = True           # K split over the Legions where it beats the searched plan (ksplit.py)
 
 
 Lowerer = Callable[["Lowering", Node], None]

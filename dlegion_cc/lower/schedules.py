@@ -19,6 +19,7 @@ from typing import Callable
 from isa.arch import Arch
 from isa.files import check_readable
 from dlegion_cc.errors import CompileError
+from dlegion_cc.lower import ksplit
 from dlegion_cc.lower.context import Switches
 from dlegion_cc.lower.qplan import (ORDERS, Plan, Problem, columns_per_legion, correction_depth, estimate, forwards, needs, room,
                                     search, skips, split_for)
@@ -95,6 +96,23 @@ class Schedules:
             e = estimate(arch, p, plan)
         self.chosen.append(entry(self.node, p, plan, e, self._deal))
         return plan
+
+    def k_split(self, arch: Arch, p: Problem, plan: Plan, switches: Switches, em) -> bool:
+        """Emit ``p`` as a K split over the Legions (``ksplit.py``) when the pinned entry's
+        ``k_split`` asks for it, or, unpinned, when it beats ``plan``; recorded in the entry."""
+        entries = self.pinned.get(self.node)
+        pinned = None if entries is None else bool(entries[self.asked[self.node] - 1].get("k_split"))
+        if not switches.ksplit and pinned is None:
+            pinned = False
+        ks = ksplit.choose(arch, p, self.chosen[-1]["predicted"]["cycles"], pinned)
+        if pinned and ks is None:
+            raise self._error(self.asked[self.node], "k_split: the matmul cannot be split over the Legions "
+                              "(int32 results only, each Legion's K range in its scratchpads)")
+        self.chosen[-1]["k_split"] = None if ks is None else {"parts": ks.parts,
+                                                              "cycles": ksplit.predict(arch, p, ks)}
+        if ks is not None:
+            ksplit.emit(em, p, ks)
+        return ks is not None
 
     def finish(self, model: str) -> None:
         """After lowering: every node the file names was a quantized matmul, and took every
