@@ -43,15 +43,16 @@ def split_k(arch: Arch, K: int, parts: int) -> KSplit:
     return KSplit(parts, tuple(edges))
 
 
-def eligible(arch: Arch, p: Problem) -> bool:
-    """Whether ``p`` is a plain int32 matmul whose K ranges fit the Legions' scratchpads."""
+def eligible(arch: Arch, p: Problem, parts: int) -> bool:
+    """Whether ``p`` is a plain int32 matmul whose K ranges over ``parts`` Legions fit their
+    scratchpads."""
     if not p.exact or p.corr_row is not None or p.groups != 1 or p.segments or len(p.weights) != 1:
         return False
     if p.k_reach is not None or p.n_reach is not None or p.o_offset or p.o_stride or p.batches != 1:
         return False
     if p.legions is not None and len(p.legions) != arch.legions:
         return False
-    ks = split_k(arch, p.K, arch.legions)
+    ks = split_k(arch, p.K, parts)
     if ks.parts < 2:
         return False
     kc = max(b - a for a, b in ks.ranges())
@@ -90,13 +91,14 @@ def predict(arch: Arch, p: Problem, ks: KSplit) -> int:
     return load + mm + len(steps(ks.parts)) * add + store
 
 
-def choose(arch: Arch, p: Problem, searched_cycles: int, pinned: bool | None = None) -> KSplit | None:
-    """The K split of ``p`` when it is eligible and ``pinned`` asks for it, or (``pinned`` None)
-    when its predicted cycles beat ``searched_cycles``, the searched plan's; else None."""
-    if pinned is False or not eligible(arch, p):
+def choose(arch: Arch, p: Problem, searched_cycles: int, parts: int | None = None) -> KSplit | None:
+    """The K split of ``p`` over ``parts`` Legions when it is eligible (0: none), or, with
+    ``parts`` None, over every Legion when its predicted cycles beat ``searched_cycles`` (the
+    searched plan's); else None."""
+    if parts == 0 or not eligible(arch, p, parts or arch.legions):
         return None
-    ks = split_k(arch, p.K, arch.legions)
-    if pinned or predict(arch, p, ks) < searched_cycles:
+    ks = split_k(arch, p.K, parts or arch.legions)
+    if parts or predict(arch, p, ks) < searched_cycles:
         return ks
     return None
 

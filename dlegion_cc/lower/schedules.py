@@ -100,14 +100,17 @@ class Schedules:
     def k_split(self, arch: Arch, p: Problem, plan: Plan, switches: Switches, em) -> bool:
         """Emit ``p`` as a K split over the Legions (``ksplit.py``) when the pinned entry's
         ``k_split`` asks for it, or, unpinned, when it beats ``plan``; recorded in the entry."""
-        entries = self.pinned.get(self.node)
-        pinned = None if entries is None else bool(entries[self.asked[self.node] - 1].get("k_split"))
-        if not switches.ksplit and pinned is None:
-            pinned = False
-        ks = ksplit.choose(arch, p, self.chosen[-1]["predicted"]["cycles"], pinned)
-        if pinned and ks is None:
-            raise self._error(self.asked[self.node], "k_split: the matmul cannot be split over the Legions "
-                              "(int32 results only, each Legion's K range in its scratchpads)")
+        entries, k = self.pinned.get(self.node), self.asked[self.node]
+        parts = None if switches.ksplit else 0
+        if entries is not None:
+            try:
+                parts = _k_split_parts(arch, entries[k - 1])
+            except ValueError as why:
+                raise self._error(k, str(why)) from None
+        ks = ksplit.choose(arch, p, self.chosen[-1]["predicted"]["cycles"], parts)
+        if parts and ks is None:
+            raise self._error(k, f"k_split over {parts} Legions: the matmul cannot be split (int32 results "
+                                 f"only, each Legion's K range in its scratchpads)")
         self.chosen[-1]["k_split"] = None if ks is None else {"parts": ks.parts,
                                                               "cycles": ksplit.predict(arch, p, ks)}
         if ks is not None:
@@ -243,6 +246,19 @@ def _deal_problem(arch: Arch, rows: int, width: int, parts: int, spread: bool) -
 def _deal_of(e: dict) -> tuple[int, int]:
     deal = _table(e, "deal")
     return _int(deal, "legions_per_part"), _int(deal, "parts")
+
+
+def _k_split_parts(arch: Arch, e: dict) -> int:
+    """The Legions a pinned entry's ``k_split`` splits K over (null or absent: 0, none)."""
+    ks = e.get("k_split")
+    if ks is None:
+        return 0
+    if not isinstance(ks, dict):
+        raise ValueError(f"'k_split' must be null or an object with 'parts', not {json.dumps(ks)}")
+    parts = _int(ks, "parts")
+    if not 2 <= parts <= arch.legions:
+        raise ValueError(f"k_split parts {parts}: {arch.name} splits K over 2 to {arch.legions} Legions")
+    return parts
 
 
 def _whole(arch: Arch, width: int) -> tuple[int, int]:
