@@ -193,3 +193,28 @@ def test_a_bad_pinned_k_split_is_one_line(tmp_path):
         with pytest.raises(ScheduleError, match=message) as e:
             _compiled(model, ARCH, [dict(entry, k_split=bad)])
         assert "\n" not in str(e.value)
+
+
+def test_a_split_between_nodes_under_overlap_is_race_free(tmp_path):
+    """Two int32 matmuls of one input and a Cast after the first, compiled with ``--overlap``
+    (nodes end in waits on what they share): the split's reductions are ordered by what they
+    read and write, and the results are onnxruntime's."""
+    import onnxruntime as ort
+    from dlegion_cc.pipeline import Options, compile_model
+    rng = np.random.default_rng(1)
+    inits = [numpy_helper.from_array(rng.integers(-128, 128, (2048, n)).astype(np.int8), f"w{n}") for n in (32, 16)]
+    nodes = [helper.make_node("MatMulInteger", ["x", "w32"], ["y1"], name="a"),
+             helper.make_node("MatMulInteger", ["x", "w16"], ["y2"], name="b"),
+             helper.make_node("Cast", ["y1"], ["f1"], to=TP.FLOAT)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TP.INT8, [1, 2048])],
+                              [helper.make_tensor_value_info("f1", TP.FLOAT, [1, 32]),
+                               helper.make_tensor_value_info("y2", TP.INT32, [1, 16])], inits)
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), path)
+    _, program = compile_model(path, Options(ARCH, overlap=True))
+    assert any(isinstance(i, NocAdd) for i in program.instrs)
+    x = rng.integers(-128, 128, (1, 2048)).astype(np.int8)
+    got = run(program, ARCH, {"x": x}, races=True).outputs
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_array_equal(got["f1"], want[0])
+    np.testing.assert_array_equal(got["y2"], want[1])
