@@ -3,7 +3,8 @@
 ``dlegion-cc --emit schedule`` writes, for every schedule a quantized matmul's lowering asks
 for, one JSON entry: the node, its shape and modes, the deal to the Legions, the loop order,
 the tile, the chunk, the scratchpad slots, how a pass splits over the cores, and the cost
-model's predicted cycles, DRAM bytes and instructions. ``--schedule FILE`` gives nodes
+model's predicted cycles, DRAM bytes and instructions, and ``k_split``: null, or the Legions
+its K is split over (``ksplit.py``) with that split's predicted cycles. ``--schedule FILE`` gives nodes
 schedules back: a node the file names skips the search and takes the file's entries, in their
 order, one per schedule its lowering asks for (one per batch of a batched matmul, one per
 size of the parts its rows are cut into); every entry is checked against the machine and
