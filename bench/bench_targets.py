@@ -17,6 +17,9 @@
    counts the array's compute cycles with its operands already in SRAM: that is our matrix
    queue's busy time; the whole program adds the DRAM transfers around it.
 3. The wall time of timing a --big cubed GEMM on ws-32 (target under a second), median of 3.
+4. The K split over Legions (``noc.add``): int32 GEMMs at M = 1 with ternary weights on
+   dlegion-8x8, searched and with ``--no-ksplit``: narrow ones split (N 64), 2B4T's k/v shape
+   (N 640, every Legion already has columns) not.
 """
 from __future__ import annotations
 
@@ -113,6 +116,19 @@ def gemm_model(n: int, path: Path) -> None:
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]), path)
 
 
+def narrow_cycles(M: int, K: int, N: int, arch, ksplit: bool) -> int:
+    """Cycles of an int32 GEMM of ternary weights (w2), K split allowed or not."""
+    rng = np.random.default_rng(0)
+    w = helper.make_tensor("w", TP.INT8, (K, N), rng.integers(-1, 2, (K, N)).astype(np.int8).tobytes(), raw=True)
+    node = helper.make_node("MatMulInteger", ["x", "w"], ["y"])
+    graph = helper.make_graph([node], "gemm", [helper.make_tensor_value_info("x", TP.INT8, [M, K])],
+                              [helper.make_tensor_value_info("y", TP.INT32, [M, N])], [w])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "narrow.onnx"
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]), path)
+        return simulate(compile_model(path, Options(arch, ksplit=ksplit))[1], arch).cycles
+
+
 def compiled_gemm(n: int, arch):
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "gemm.onnx"
@@ -167,6 +183,10 @@ def main(seqs, gemm, big) -> None:
         times.append(time.perf_counter() - t0)
     print(f"timing the {big}^3 GEMM on ws-32: {statistics.median(times):.3f} s median of 3 "
           f"({len(program.instrs):,} instructions, {tl.cycles:,} cycles; target under 1 s)")
+    for M, K, N in ((1, 2560, 64), (1, 6912, 64), (1, 2560, 640)):
+        split, plain = narrow_cycles(M, K, N, dlegion, True), narrow_cycles(M, K, N, dlegion, False)
+        print(f"K split over Legions, int32 GEMM {M}x{K}x{N} w2 on {dlegion.name}: {split:,} cycles, "
+              f"{plain:,} with --no-ksplit ({plain / split:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -169,6 +169,8 @@ def _compile_program(model: str, options: Options, output: str, arch: str, emit:
                    "(at decode, while the kernel runs on one Legion).")
 @click.option("--no-transfers", is_flag=True,
               help="Ablation: activations a matmul reads again come from DRAM, not from another Legion (noc.mv).")
+@click.option("--no-ksplit", is_flag=True,
+              help="Ablation: no matmul's K is split over the Legions with its partial sums reduced over the NoC (noc.add).")
 @click.option("--no-row-blocks", is_flag=True,
               help="Ablation: matmuls and the row kernels between them are not pipelined by row blocks.")
 @click.option("--no-cache-alias", is_flag=True,
@@ -193,7 +195,7 @@ def _compile_program(model: str, options: Options, output: str, arch: str, emit:
 @click.option("-q", "--quiet", is_flag=True,
               help="No progress bars (shown only when stderr is a terminal), and no line on where the matmuls run.")
 def compile_command(model, output, arch, dims, inputs_path, emit, schedule_path, print_after, no_multicast,
-                    no_accumulators, no_sparsity, no_fusion, no_prefetch, no_transfers, no_row_blocks, no_cache_alias, overlap, objective,
+                    no_accumulators, no_sparsity, no_fusion, no_prefetch, no_transfers, no_ksplit, no_row_blocks, no_cache_alias, overlap, objective,
                     attention, quantize, quantize_skip, quiet):
     """Compile MODEL (ONNX) into a D-Legion program for ``dlegion-run``.
 
@@ -207,7 +209,7 @@ def compile_command(model, output, arch, dims, inputs_path, emit, schedule_path,
     _check_outputs(model, data_files, output, emit, schedule_path)
     options = Options(machine, bound, multicast=not no_multicast, accumulators=not no_accumulators,
                       sparsity=not no_sparsity, fusion=not no_fusion, prefetch=not no_prefetch,
-                      transfers=not no_transfers, row_blocks=not no_row_blocks, cache_alias=not no_cache_alias, overlap=overlap, objective=objective, attention=attention, quantize=quantize,
+                      transfers=not no_transfers, ksplit=not no_ksplit, row_blocks=not no_row_blocks, cache_alias=not no_cache_alias, overlap=overlap, objective=objective, attention=attention, quantize=quantize,
                       quantize_skip=tuple(quantize_skip),
                       schedules=schedules.read(schedule_path) if schedule_path else schedules.Schedules())
     hook, progress = _print_after(print_after), Progress.for_terminal(quiet)

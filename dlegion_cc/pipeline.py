@@ -60,6 +60,7 @@ class Options:
     fusion: bool = True           # off: no FuseSiblings (multi-matrix fusion) and no FuseRowwise
     prefetch: bool = True         # off: a matmul's first weights wait for the row kernel before it
     transfers: bool = True        # off: no activations forwarded Legion to Legion; read from DRAM again
+    ksplit: bool = True           # off: no K split over the Legions (ksplit.py)
     row_blocks: bool = True       # off: no matmul and row kernel pipelined by row blocks (lower/rowblocks.py)
     cache_alias: bool = True      # off: a cache input is copied into its present output (lower/context.py)
     # on: nodes end in waits for what the next ones share instead of barriers (lower/overlap.py).
@@ -82,7 +83,7 @@ class Options:
 
     def switches(self) -> Switches:
         return Switches(self.multicast, self.accumulators, self.sparsity, self.prefetch,
-                        overlap=self.overlap, objective=self.objective, transfers=self.transfers,
+                        overlap=self.overlap, objective=self.objective, transfers=self.transfers, ksplit=self.ksplit,
                         row_blocks=self.row_blocks, cache_alias=self.cache_alias)
 
 

@@ -166,6 +166,13 @@ class NocMove(Instr):
     wait: object = WAIT()
 
 
+@dataclass(frozen=True)
+class NocAdd(NocMove):
+    """for l in dests, i < rows, j < cols: spad[l].dst(i, j) += spad[legion].src(i, j) in int32 (acc to acc, wrapping as the accumulators do); one send over the source Legion's NoC link, each receiver adding as the words arrive (the reduction of a K split's partial sums)"""
+
+    OPCODE, MNEMONIC, QUEUE = 0x05, "noc.add", "dma"
+
+
 # --- matrix queue ----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -390,14 +397,14 @@ VECTOR_FUNCS: list[type] = (
     + [_define(VReduce, n, 0xB0 + i, d, fn, t) for i, (n, d, fn, t) in enumerate(REDUCE)]
 )
 
-INSTRUCTIONS: tuple[type, ...] = (DmaLoad, DmaStore, Gather, NocMove, MatMul, Drain, VSelect, VMatMul,
+INSTRUCTIONS: tuple[type, ...] = (DmaLoad, DmaStore, Gather, NocMove, NocAdd, MatMul, Drain, VSelect, VMatMul,
                                   Wait, Barrier,
                                   *VECTOR_FUNCS)
 BY_MNEMONIC = {c.MNEMONIC: c for c in INSTRUCTIONS}
 BY_OPCODE = {c.OPCODE: c for c in INSTRUCTIONS}
 TRANSCENDENTAL = frozenset(c for c in VECTOR_FUNCS if c.TRANSCENDENTAL)
 DMA_CLASSES = frozenset({DmaLoad, DmaStore, Gather})      # DRAM transfers
-NOC_CLASSES = frozenset({NocMove})                         # Legion-to-Legion transfers, on the DMA queue
+NOC_CLASSES = frozenset({NocMove, NocAdd})                 # Legion-to-Legion transfers, on the DMA queue
 TRANSFER_CLASSES = DMA_CLASSES | NOC_CLASSES               # the DMA queue's instructions
 SYNC_CLASSES = frozenset({Wait, Barrier})
 VECTOR_CLASSES = frozenset({Drain, VSelect, VMatMul, *VECTOR_FUNCS})

@@ -20,7 +20,7 @@ from isa.arch import MODE_BITS, Arch
 from isa.expand import NONE, Queues, Tasks, dram_of, expand
 from isa.fields import View
 from isa.fields import QUEUES
-from isa.instructions import (TRANSFER_CLASSES, Barrier, DmaLoad, DmaStore, Drain, Gather, Instr, MatMul, NocMove, VBinary,
+from isa.instructions import (TRANSFER_CLASSES, Barrier, DmaLoad, DmaStore, Drain, Gather, Instr, MatMul, NocAdd, NocMove, VBinary,
                               VMatMul, VReduce, VSelect, VUnary, Wait)
 from isa.program import DTYPES, KINDS, LOADS, STORES, Program, ProgramError, Tensor
 from isa import encoding
@@ -361,6 +361,13 @@ def noc_move(ins: NocMove, ctx: Context) -> Problems:
         yield f"dst is in {ins.dst.space} but src in {ins.src.space}: a transfer moves elements, it does not convert them"
     yield from view("src", ins.src, ins.rows, ins.cols, arch)
     yield from view("dst", ins.dst, ins.rows, ins.cols, arch, dest=True)
+
+
+@register(NocAdd)
+def noc_add(ins: NocAdd, ctx: Context) -> Problems:
+    yield from noc_move(ins, ctx)
+    if ins.dst.space != "acc" or ins.src.space != "acc":
+        yield f"noc.add adds int32 partial sums: dst and src must be acc, not {ins.dst.space} and {ins.src.space}"
 
 
 @register(DmaStore)

@@ -46,7 +46,7 @@ from functools import lru_cache
 import numpy as np
 
 from isa.arch import ELEM_BYTES, MODE_TILES, Arch
-from isa.instructions import TRANSCENDENTAL, DmaLoad, DmaStore, Gather, Instr, NocMove, VMatMul, family
+from isa.instructions import TRANSCENDENTAL, DmaLoad, DmaStore, Gather, Instr, NocAdd, NocMove, VMatMul, family
 from isa.program import STORAGE
 
 ACC_BYTES = 4          # an accumulator scratchpad element is int32
@@ -119,6 +119,16 @@ def noc(i: Instr, arch: Arch, env: Env) -> Cost:
     nbytes = i.rows * i.cols * ELEM_BYTES[i.src.space]
     return Cost(cycles=ceil_cycles(nbytes / arch.derived.link_bytes_per_cycle),
                 counters={"noc_bytes": nbytes, "spad_bytes": nbytes * (1 + len(i.dests))})
+
+
+def noc_add(i: Instr, arch: Arch, env: Env) -> Cost:
+    """A reducing transfer: the link sends the partial sums as ``noc.mv`` does, and each
+    receiver's accumulator port reads and writes every word (a read-modify-write moves two)
+    as they arrive; the slower of the two sets its cycles."""
+    move = noc(i, arch, env)
+    words = i.rows * i.cols
+    cycles = max(move.cycles, psum_cycles(arch, 2 * words))
+    return Cost(cycles=cycles, counters={**move.counters, "psum_bytes": ACC_BYTES * 2 * words * len(i.dests)})
 
 
 def _spad_view(i: Instr):
@@ -267,7 +277,7 @@ def sync(i: Instr, arch: Arch, env: Env) -> Cost:
 
 # By family; a class listed in BY_CLASS has a formula of its own within its family.
 COSTS = {"dma": dma, "matrix": matmul, "drain": drain, "vector": vector, "sync": sync}
-BY_CLASS = {VMatMul: vector_matmul, NocMove: noc}
+BY_CLASS = {VMatMul: vector_matmul, NocMove: noc, NocAdd: noc_add}
 
 
 def cost(i: Instr, arch: Arch, env: Env) -> Cost:

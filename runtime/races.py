@@ -424,8 +424,11 @@ class RaceCheck:
         known, queue, place, k = self._known, self._queue, self._place, self._now
         if old.k == k and old.first == legion:
             return None                      # the same tasks' own earlier access
-        if self._own_known[self._origin[k]][queue[old.k] % len(QUEUES)] > self._top_place[self._origin[old.k]]:
-            return None                      # every rank knows every rank of old's done
+        # Every rank knows every rank of old's done: what a task knows of its own Legion's
+        # queues, so only when both run on the Legion they access (not a transfer's receiver).
+        if (queue[k] // len(QUEUES) == legion and queue[old.k] // len(QUEUES) == old.first
+                and self._own_known[self._origin[k]][queue[old.k] % len(QUEUES)] > self._top_place[self._origin[old.k]]):
+            return None
         for at in range(max(legion, old.first), min(end, old.end)):
             kn, ko = k + at - legion, old.k + at - old.first
             if known[at - legion][queue[ko]] > place[ko] or ko == kn:

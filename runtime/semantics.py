@@ -15,7 +15,7 @@ import numpy as np
 
 from isa.arch import MODE_BITS
 from isa.fields import SPACE_DTYPE, View
-from isa.instructions import (Barrier, DmaLoad, DmaStore, Drain, Gather, Instr, MatMul, NocMove, VBinary,
+from isa.instructions import (Barrier, DmaLoad, DmaStore, Drain, Gather, Instr, MatMul, NocAdd, NocMove, VBinary,
                               VMatMul, VReduce, VSelect, VUnary, Wait)
 from isa.program import LOADS, STORAGE, STORES, UNPACK, Tensor
 from runtime.fdot import rounded_matmul
@@ -91,6 +91,17 @@ def noc_move(m: Machine, i: NocMove) -> None:
     values = m.read(i.legion, i.src, i.rows, i.cols, span).reshape(span, i.rows, i.cols)
     for legion in sorted(i.dests):
         m.write(legion, i.dst, values)
+
+
+@handles(NocAdd)
+def noc_add(m: Machine, i: NocAdd) -> None:
+    # Each destination reads its own partial sums and adds the sent ones (int32 wraps, as the
+    # accumulators do): the reduction of a K split.
+    span = _span(i)
+    values = m.read(i.legion, i.src, i.rows, i.cols, span).reshape(span, i.rows, i.cols)
+    for legion in sorted(i.dests):
+        mine = m.read(legion, i.dst, i.rows, i.cols, span).reshape(span, i.rows, i.cols)
+        m.write(legion, i.dst, mine + values)
 
 
 @handles(DmaStore)

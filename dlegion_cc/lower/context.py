@@ -32,6 +32,7 @@ class Switches:
     transfers: bool = True        # activations read once and forwarded Legion to Legion (noc.mv)
     row_blocks: bool = True       # matmuls and row kernels pipelined by row blocks (rowblocks.py)
     cache_alias: bool = True      # a concat's graph-input part lives inside the output (``Lowering.cache_alias``)
+    ksplit: bool = True           # K split over the Legions where it beats the searched plan (ksplit.py)
 
 
 Lowerer = Callable[["Lowering", Node], None]

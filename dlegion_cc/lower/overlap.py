@@ -32,7 +32,7 @@ import numpy as np
 from isa.arch import MODE_BITS, Arch
 from isa.expand import absolute
 from isa.fields import QUEUES, Cond, View
-from isa.instructions import (Barrier, DmaLoad, DmaStore, Drain, Gather, MatMul, NocMove, VBinary, VMatMul,
+from isa.instructions import (Barrier, DmaLoad, DmaStore, Drain, Gather, MatMul, NocAdd, NocMove, VBinary, VMatMul,
                               VReduce, VSelect, VUnary, Wait)
 from isa.program import Program
 
@@ -135,6 +135,8 @@ def footprint(i, rank: int, tensors) -> list[tuple]:
     elif isinstance(i, NocMove):
         spad(L, i.src, i.rows, i.cols)
         for d in i.dests:
+            if isinstance(i, NocAdd):            # a reducing transfer reads what it adds to
+                spad(d + rank, i.dst, i.rows, i.cols)
             spad(d + rank, i.dst, i.rows, i.cols, write=True)
     elif isinstance(i, DmaStore):
         spad(L, i.src, i.rows, i.cols)

@@ -270,6 +270,8 @@ def _emit_parts(low: Lowering, p: Problem, width: int, plans: dict) -> None:
         part = p if parts == 1 else replace(p, rows=rows, legions=range(j * width, (j + 1) * width))
         if len(rows) not in plans:
             plans[len(rows)] = low.schedules.plan(arch, part, low.switches)
+        if low.schedules.k_split(arch, part, plans[len(rows)], low.switches, low.em):
+            continue
         emit_tiles(low.em, part, plans[len(rows)], low.written)
 
 

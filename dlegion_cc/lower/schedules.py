@@ -3,7 +3,8 @@
 ``dlegion-cc --emit schedule`` writes, for every schedule a quantized matmul's lowering asks
 for, one JSON entry: the node, its shape and modes, the deal to the Legions, the loop order,
 the tile, the chunk, the scratchpad slots, how a pass splits over the cores, and the cost
-model's predicted cycles, DRAM bytes and instructions. ``--schedule FILE`` gives nodes
+model's predicted cycles, DRAM bytes and instructions, and ``k_split``: null, or the Legions
+its K is split over (``ksplit.py``) with that split's predicted cycles. ``--schedule FILE`` gives nodes
 schedules back: a node the file names skips the search and takes the file's entries, in their
 order, one per schedule its lowering asks for (one per batch of a batched matmul, one per
 size of the parts its rows are cut into); every entry is checked against the machine and
@@ -19,6 +20,7 @@ from typing import Callable
 from isa.arch import Arch
 from isa.files import check_readable
 from dlegion_cc.errors import CompileError
+from dlegion_cc.lower import ksplit
 from dlegion_cc.lower.context import Switches
 from dlegion_cc.lower.qplan import (ORDERS, Plan, Problem, columns_per_legion, correction_depth, estimate, forwards, needs, room,
                                     search, skips, split_for)
@@ -95,6 +97,26 @@ class Schedules:
             e = estimate(arch, p, plan)
         self.chosen.append(entry(self.node, p, plan, e, self._deal))
         return plan
+
+    def k_split(self, arch: Arch, p: Problem, plan: Plan, switches: Switches, em) -> bool:
+        """Emit ``p`` as a K split over the Legions (``ksplit.py``) when the pinned entry's
+        ``k_split`` asks for it, or, unpinned, when it beats ``plan``; recorded in the entry."""
+        entries, k = self.pinned.get(self.node), self.asked[self.node]
+        parts = None if switches.ksplit else 0
+        if entries is not None:
+            try:
+                parts = _k_split_parts(arch, entries[k - 1])
+            except ValueError as why:
+                raise self._error(k, str(why)) from None
+        ks = ksplit.choose(arch, p, self.chosen[-1]["predicted"]["cycles"], parts)
+        if parts and ks is None:
+            raise self._error(k, f"k_split over {parts} Legions: the matmul cannot be split (int32 results "
+                                 f"only, each Legion's K range in its scratchpads)")
+        self.chosen[-1]["k_split"] = None if ks is None else {"parts": ks.parts,
+                                                              "cycles": ksplit.predict(arch, p, ks)}
+        if ks is not None:
+            ksplit.emit(em, p, ks)
+        return ks is not None
 
     def finish(self, model: str) -> None:
         """After lowering: every node the file names was a quantized matmul, and took every
@@ -225,6 +247,19 @@ def _deal_problem(arch: Arch, rows: int, width: int, parts: int, spread: bool) -
 def _deal_of(e: dict) -> tuple[int, int]:
     deal = _table(e, "deal")
     return _int(deal, "legions_per_part"), _int(deal, "parts")
+
+
+def _k_split_parts(arch: Arch, e: dict) -> int:
+    """The Legions a pinned entry's ``k_split`` splits K over (null or absent: 0, none)."""
+    ks = e.get("k_split")
+    if ks is None:
+        return 0
+    if not isinstance(ks, dict):
+        raise ValueError(f"'k_split' must be null or an object with 'parts', not {json.dumps(ks)}")
+    parts = _int(ks, "parts")
+    if not 2 <= parts <= arch.legions:
+        raise ValueError(f"k_split parts {parts}: {arch.name} splits K over 2 to {arch.legions} Legions")
+    return parts
 
 
 def _whole(arch: Arch, width: int) -> tuple[int, int]:
