@@ -263,11 +263,13 @@ class SpanAccess:
     """One instruction's access to a scratchpad window on Legions first..end-1: rank r (task
     k + r) touches it on Legion first + r."""
 
-    __slots__ = ("lo", "hi", "k", "first", "end", "write", "win", "rect")
+    __slots__ = ("lo", "hi", "k", "first", "end", "write", "win", "rect", "kind", "top")
 
-    def __init__(self, lo, hi, k, first, end, write, win, rect):
+    def __init__(self, lo, hi, k, first, end, write, win, rect, kind, top):
+        """``kind``: its tasks' queue kind; ``top``: their highest place on their queues
+        (Order._own_bounds), kept for the one-comparison test of a whole span."""
         self.lo, self.hi, self.k, self.first, self.end = lo, hi, k, first, end
-        self.write, self.win, self.rect = write, win, rect
+        self.write, self.win, self.rect, self.kind, self.top = write, win, rect, kind, top
 
 
 # Columns of WideLedger's table: an access's bounds, rectangle (row stride -1: none), queue,
@@ -365,6 +367,7 @@ class RaceCheck:
         self.spad_queues, self.dram_queues = _accessors(program, arch, self.order)
         self.head = np.zeros(self.order.nq, np.int64)   # per queue: its first task that may not have run
         self._now, self._span, self._known, self._ran = None, 0, None, []
+        self._own, self._top, self._kind = (), 0, 0      # the started instruction's (see start)
         self._queue, self._place = self.order.queue.tolist(), self.order.place.tolist()
         self._origin = self.order.origin.tolist()
         self._own_known, self._top_place = self.order.own_known, self.order.top_place
@@ -380,6 +383,8 @@ class RaceCheck:
             self._ran.extend(range(self._now, self._now + self._span))
         self._now, self._span = k, span
         self._known = self.order.known[k:k + span].tolist()
+        o = self._origin[k]
+        self._own, self._top, self._kind = self._own_known[o], self._top_place[o], self._queue[k] % len(QUEUES)
         if len(self._ran) >= PRUNE_EVERY:
             self._prune()
 
@@ -395,21 +400,24 @@ class RaceCheck:
             return
         win = (view.addr, rows, cols, view.rs, view.cs)
         lo, hi, rect = self._shape(win)
-        ledger, end = self.spads[view.space], legion + span
+        ledger, end, k, own = self.spads[view.space], legion + span, self._now, self._own
         replaced, unordered, items = [], [], ledger.items
+        # The tests that settle most pairs at once are inlined (this runs once per kept access
+        # met, the hottest loop of the check): the same tasks' own earlier access, and an
+        # instruction every rank of which knows every rank of ``old`` done (see Order._own_bounds).
         for n in ledger.meeting(lo, hi, rect, legion, end):
             old = items[n]
-            if write or old.write:
+            if (write or old.write) and not (old.k == k and old.first == legion) and own[old.kind] <= old.top:
                 r = self._first_unordered(old, write, legion, end)
                 if r is not None:
                     unordered.append((r, n))
-            if self._replaces_span(win, write, old, lo, hi, legion, end):
+            if legion <= old.first and old.end <= end and self._replaces_span(win, write, old, lo, hi, legion, end):
                 replaced.append(n)
         if unordered:
             self._raise_first_shared(win, sorted(unordered), items, legion, view.space)
         if replaced:
             ledger.drop(replaced)
-        ledger.add(SpanAccess(lo, hi, self._now, legion, end, write, win, rect))
+        ledger.add(SpanAccess(lo, hi, k, legion, end, write, win, rect, self._kind, self._top))
 
     def _shape(self, win: tuple) -> tuple:
         """A window's bounds and rectangle, computed once per window."""
@@ -424,7 +432,7 @@ class RaceCheck:
         known, queue, place, k = self._known, self._queue, self._place, self._now
         if old.k == k and old.first == legion:
             return None                      # the same tasks' own earlier access
-        if self._own_known[self._origin[k]][queue[old.k] % len(QUEUES)] > self._top_place[self._origin[old.k]]:
+        if self._own[old.kind] > old.top:
             return None                      # every rank knows every rank of old's done
         for at in range(max(legion, old.first), min(end, old.end)):
             kn, ko = k + at - legion, old.k + at - old.first
