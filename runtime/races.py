@@ -572,15 +572,18 @@ class RaceCheck:
 
     def _floor(self, queues: tuple, floors: dict) -> list:
         """Per queue, the count every next task of ``queues`` knows done."""
-        if queues in floors:
-            return floors[queues]
+        # Keyed by identity: the same few tuples of spad_queues and dram_queues come back
+        # for every access of a sweep, and hashing a tuple of queues each time costs more.
+        floor = floors.get(id(queues))
+        if floor is not None:
+            return floor
         order = self.order
         floor = np.full(order.nq, np.iinfo(np.int64).max)
         for q in queues:
             if self.head[q] < len(order.items[q]):
                 np.minimum(floor, order.known[order.items[q][self.head[q]]], out=floor)
-        floors[queues] = floor.tolist()
-        return floors[queues]
+        floors[id(queues)] = floor = floor.tolist()
+        return floor
 
     def _space_name(self, where: tuple | int) -> str:
         if isinstance(where, tuple):
