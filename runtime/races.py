@@ -237,7 +237,12 @@ class Ledger:
         items, out = self.items, []
         for n in range(bisect_left(self.los, lo - self.span), bisect_right(self.los, hi)):
             old = items[n]
-            if old.hi >= lo and old.first < end and first < old.end and not _apart(rect, old.rect):
+            if old.hi >= lo and old.first < end and first < old.end:
+                # _apart(rect, old.rect), inlined: this loop runs for every access checked
+                o = old.rect
+                if (rect is not None and o is not None and rect[0] == o[0]
+                        and (rect[2] <= o[1] or o[2] <= rect[1] or rect[4] <= o[3] or o[4] <= rect[3])):
+                    continue
                 out.append(n)
         return out
 
