@@ -387,11 +387,18 @@ class RaceCheck:
         if self._now is not None:
             self._ran.extend(range(self._now, self._now + self._span))
         self._now, self._span = k, span
-        self._known = self.order.known[k:k + span].tolist()
+        self._known = None       # the tasks' rows of Order.known, made when a pair needs them
         o = self._origin[k]
         self._own, self._top, self._kind = self._own_known[o], self._top_place[o], self._queue[k] % len(QUEUES)
         if len(self._ran) >= PRUNE_EVERY:
             self._prune()
+
+    def _known_rows(self) -> list:
+        """``Order.known`` of the tasks started, as lists (most instructions need none: the
+        shortcuts of :meth:`spad` settle all their pairs)."""
+        if self._known is None:
+            self._known = self.order.known[self._now:self._now + self._span].tolist()
+        return self._known
 
     def forget(self, tensor: int) -> None:
         """A tensor no later task touches (runtime/liveness.py) needs no ledger."""
@@ -434,7 +441,7 @@ class RaceCheck:
     def _first_unordered(self, old: SpanAccess, write: bool, legion: int, end: int) -> int | None:
         """The first rank of the tasks started (on Legions legion..end-1) that shares a Legion
         with ``old`` and is not ordered after its access there; None when all are."""
-        known, queue, place, k = self._known, self._queue, self._place, self._now
+        known, queue, place, k = self._known_rows(), self._queue, self._place, self._now
         if old.k == k and old.first == legion:
             return None                      # the same tasks' own earlier access
         if self._own[old.kind] > old.top:
@@ -526,7 +533,7 @@ class RaceCheck:
     def _access_ordered(self, r: int, old: Access, write: bool) -> bool:
         """Whether rank ``r`` of the tasks started is ordered after the kept access ``old``."""
         k = self._now + r
-        return old[2] == k or _ordered(self._known[r], old[3], old[4], old[5], write, self._queue[k], self._place[k])
+        return old[2] == k or _ordered(self._known_rows()[r], old[3], old[4], old[5], write, self._queue[k], self._place[k])
 
     def _check_ranks(self, made: list, tensor: int) -> None:
         """The ranks of one DMA store whose windows meet: a race unless ordered (they are not:
