@@ -373,6 +373,7 @@ class RaceCheck:
         self.head = np.zeros(self.order.nq, np.int64)   # per queue: its first task that may not have run
         self._now, self._span, self._known, self._ran = None, 0, None, []
         self._own, self._top, self._kind = (), 0, 0      # the started instruction's (see start)
+        self._next = np.zeros(0, np.int64)               # per queue, its next task (a sweep's)
         self._queue, self._place = self.order.queue.tolist(), self.order.place.tolist()
         self._origin = self.order.origin.tolist()
         self._own_known, self._top_place = self.order.own_known, self.order.top_place
@@ -557,6 +558,7 @@ class RaceCheck:
         after: those the next task of each queue that touches the space knows done (what a
         queue's tasks know only grows along it)."""
         self._advance_heads()
+        self._next = self._next_tasks()
         floors: dict = {}
         for space, ledger in self.spads.items():
             if ledger.items:
@@ -589,13 +591,24 @@ class RaceCheck:
         floor = floors.get(id(queues))
         if floor is not None:
             return floor
-        order = self.order
-        floor = np.full(order.nq, np.iinfo(np.int64).max)
-        for q in queues:
-            if self.head[q] < len(order.items[q]):
-                np.minimum(floor, order.known[order.items[q][self.head[q]]], out=floor)
-        floors[id(queues)] = floor = floor.tolist()
+        nxt = self._next[np.array(queues, np.int64)] if queues else self._next[:0]
+        nxt = nxt[nxt != NONE]
+        if len(nxt):
+            floor = self.order.known[nxt].min(axis=0).tolist()
+        else:
+            floor = [np.iinfo(np.int64).max] * self.order.nq
+        floors[id(queues)] = floor
         return floor
+
+    def _next_tasks(self) -> np.ndarray:
+        """Per queue, its next task that may not have run (``head``); NONE past its end."""
+        order = self.order
+        starts, flat = order._starts, order._flat
+        if not len(flat):
+            return np.full(order.nq, NONE, np.int64)
+        inside = self.head < np.diff(starts)
+        at = np.minimum(starts[:-1] + self.head, len(flat) - 1)
+        return np.where(inside, flat[at], NONE)
 
     def _space_name(self, where: tuple | int) -> str:
         if isinstance(where, tuple):
