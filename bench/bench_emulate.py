@@ -15,7 +15,8 @@ inputs. Both processes get one BLAS/OpenMP thread: the thread-count variables ar
 environment before numpy is imported, and threadpoolctl (when installed) limits the BLAS
 pools as well. Wall time is the median of ``--repeats`` runs; CPU time (user + system of the
 process over those runs, per run) is printed beside it, since a busy machine stretches wall
-time and not CPU time.
+time and not CPU time. The emulator's cycle count of each case is printed too: a change that
+only speeds the emulator up must leave it as it was.
 
 Targets: emulation within 3x onnxruntime's run time; peak RSS at most 2x onnxruntime's.
 """
@@ -66,8 +67,11 @@ def measure_emulator(program_path: str, repeats: int) -> dict:
     program = load(program_path)
     arch, inputs = arch_of(program), random_inputs(program, 0)
     limits = _one_blas_thread()
-    out = _times(lambda: run(program, arch, inputs, races=True, keep=False), repeats)
+    cycles = []
+    out = _times(lambda: cycles.append(run(program, arch, inputs, races=True, keep=False).timeline.cycles),
+                 repeats)
     del limits
+    out["cycles"] = cycles[0]     # printed, so that a change to the emulator shows it keeps them
     return out
 
 
@@ -144,7 +148,8 @@ def main() -> None:
 
 
 def _print_row(name, layers, seq, emu, ort) -> None:
-    print(f"{name}: emulator {emu['wall_s']:.2f} s ({emu['cpu_s']:.2f} s CPU), {emu['rss_mb']:.0f} MB; "
+    print(f"{name}: emulator {emu['wall_s']:.2f} s ({emu['cpu_s']:.2f} s CPU), {emu['rss_mb']:.0f} MB, "
+          f"{emu['cycles']} cycles; "
           f"onnxruntime {ort['wall_s']:.3f} s ({ort['cpu_s']:.3f} s CPU), {ort['rss_mb']:.0f} MB", flush=True)
 
 

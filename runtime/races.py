@@ -237,7 +237,12 @@ class Ledger:
         items, out = self.items, []
         for n in range(bisect_left(self.los, lo - self.span), bisect_right(self.los, hi)):
             old = items[n]
-            if old.hi >= lo and old.first < end and first < old.end and not _apart(rect, old.rect):
+            if old.hi >= lo and old.first < end and first < old.end:
+                # _apart(rect, old.rect), inlined: this loop runs for every access checked
+                o = old.rect
+                if (rect is not None and o is not None and rect[0] == o[0]
+                        and (rect[2] <= o[1] or o[2] <= rect[1] or rect[4] <= o[3] or o[4] <= rect[3])):
+                    continue
                 out.append(n)
         return out
 
@@ -263,11 +268,13 @@ class SpanAccess:
     """One instruction's access to a scratchpad window on Legions first..end-1: rank r (task
     k + r) touches it on Legion first + r."""
 
-    __slots__ = ("lo", "hi", "k", "first", "end", "write", "win", "rect")
+    __slots__ = ("lo", "hi", "k", "first", "end", "write", "win", "rect", "kind", "top")
 
-    def __init__(self, lo, hi, k, first, end, write, win, rect):
+    def __init__(self, lo, hi, k, first, end, write, win, rect, kind, top):
+        """``kind``: its tasks' queue kind; ``top``: their highest place on their queues
+        (Order._own_bounds), kept for the one-comparison test of a whole span."""
         self.lo, self.hi, self.k, self.first, self.end = lo, hi, k, first, end
-        self.write, self.win, self.rect = write, win, rect
+        self.write, self.win, self.rect, self.kind, self.top = write, win, rect, kind, top
 
 
 # Columns of WideLedger's table: an access's bounds, rectangle (row stride -1: none), queue,
@@ -365,6 +372,8 @@ class RaceCheck:
         self.spad_queues, self.dram_queues = _accessors(program, arch, self.order)
         self.head = np.zeros(self.order.nq, np.int64)   # per queue: its first task that may not have run
         self._now, self._span, self._known, self._ran = None, 0, None, []
+        self._own, self._top, self._kind = (), 0, 0      # the started instruction's (see start)
+        self._next = np.zeros(0, np.int64)               # per queue, its next task (a sweep's)
         self._queue, self._place = self.order.queue.tolist(), self.order.place.tolist()
         self._origin = self.order.origin.tolist()
         self._own_known, self._top_place = self.order.own_known, self.order.top_place
@@ -379,9 +388,18 @@ class RaceCheck:
         if self._now is not None:
             self._ran.extend(range(self._now, self._now + self._span))
         self._now, self._span = k, span
-        self._known = self.order.known[k:k + span].tolist()
+        self._known = None       # the tasks' rows of Order.known, made when a pair needs them
+        o = self._origin[k]
+        self._own, self._top, self._kind = self._own_known[o], self._top_place[o], self._queue[k] % len(QUEUES)
         if len(self._ran) >= PRUNE_EVERY:
             self._prune()
+
+    def _known_rows(self) -> list:
+        """``Order.known`` of the tasks started, as lists (most instructions need none: the
+        shortcuts of :meth:`spad` settle all their pairs)."""
+        if self._known is None:
+            self._known = self.order.known[self._now:self._now + self._span].tolist()
+        return self._known
 
     def forget(self, tensor: int) -> None:
         """A tensor no later task touches (runtime/liveness.py) needs no ledger."""
@@ -395,21 +413,26 @@ class RaceCheck:
             return
         win = (view.addr, rows, cols, view.rs, view.cs)
         lo, hi, rect = self._shape(win)
-        ledger, end = self.spads[view.space], legion + span
+        ledger, end, k, own, queue = self.spads[view.space], legion + span, self._now, self._own, self._queue
         replaced, unordered, items = [], [], ledger.items
+        here = queue[k] // len(QUEUES) == legion     # not a transfer into another Legion
+        # The tests that settle most pairs at once are inlined (this runs once per kept access
+        # met, the hottest loop of the check): the same tasks' own earlier access, and an
+        # instruction every rank of which knows every rank of ``old`` done (see Order._own_bounds).
         for n in ledger.meeting(lo, hi, rect, legion, end):
             old = items[n]
-            if write or old.write:
+            if (write or old.write) and not (old.k == k and old.first == legion) and (
+                    own[old.kind] <= old.top or not here or queue[old.k] // len(QUEUES) != old.first):
                 r = self._first_unordered(old, write, legion, end)
                 if r is not None:
                     unordered.append((r, n))
-            if self._replaces_span(win, write, old, lo, hi, legion, end):
+            if legion <= old.first and old.end <= end and self._replaces_span(win, write, old, lo, hi, legion, end):
                 replaced.append(n)
         if unordered:
             self._raise_first_shared(win, sorted(unordered), items, legion, view.space)
         if replaced:
             ledger.drop(replaced)
-        ledger.add(SpanAccess(lo, hi, self._now, legion, end, write, win, rect))
+        ledger.add(SpanAccess(lo, hi, k, legion, end, write, win, rect, self._kind, self._top))
 
     def _shape(self, win: tuple) -> tuple:
         """A window's bounds and rectangle, computed once per window."""
@@ -421,13 +444,13 @@ class RaceCheck:
     def _first_unordered(self, old: SpanAccess, write: bool, legion: int, end: int) -> int | None:
         """The first rank of the tasks started (on Legions legion..end-1) that shares a Legion
         with ``old`` and is not ordered after its access there; None when all are."""
-        known, queue, place, k = self._known, self._queue, self._place, self._now
+        known, queue, place, k = self._known_rows(), self._queue, self._place, self._now
         if old.k == k and old.first == legion:
             return None                      # the same tasks' own earlier access
         # Every rank knows every rank of old's done: what a task knows of its own Legion's
         # queues, so only when both run on the Legion they access (not a transfer's receiver).
         if (queue[k] // len(QUEUES) == legion and queue[old.k] // len(QUEUES) == old.first
-                and self._own_known[self._origin[k]][queue[old.k] % len(QUEUES)] > self._top_place[self._origin[old.k]]):
+                and self._own[old.kind] > old.top):
             return None
         for at in range(max(legion, old.first), min(end, old.end)):
             kn, ko = k + at - legion, old.k + at - old.first
@@ -516,7 +539,7 @@ class RaceCheck:
     def _access_ordered(self, r: int, old: Access, write: bool) -> bool:
         """Whether rank ``r`` of the tasks started is ordered after the kept access ``old``."""
         k = self._now + r
-        return old[2] == k or _ordered(self._known[r], old[3], old[4], old[5], write, self._queue[k], self._place[k])
+        return old[2] == k or _ordered(self._known_rows()[r], old[3], old[4], old[5], write, self._queue[k], self._place[k])
 
     def _check_ranks(self, made: list, tensor: int) -> None:
         """The ranks of one DMA store whose windows meet: a race unless ordered (they are not:
@@ -540,6 +563,7 @@ class RaceCheck:
         after: those the next task of each queue that touches the space knows done (what a
         queue's tasks know only grows along it)."""
         self._advance_heads()
+        self._next = self._next_tasks()
         floors: dict = {}
         for space, ledger in self.spads.items():
             if ledger.items:
@@ -567,15 +591,29 @@ class RaceCheck:
 
     def _floor(self, queues: tuple, floors: dict) -> list:
         """Per queue, the count every next task of ``queues`` knows done."""
-        if queues in floors:
-            return floors[queues]
+        # Keyed by identity: the same few tuples of spad_queues and dram_queues come back
+        # for every access of a sweep, and hashing a tuple of queues each time costs more.
+        floor = floors.get(id(queues))
+        if floor is not None:
+            return floor
+        nxt = self._next[np.array(queues, np.int64)] if queues else self._next[:0]
+        nxt = nxt[nxt != NONE]
+        if len(nxt):
+            floor = self.order.known[nxt].min(axis=0).tolist()
+        else:
+            floor = [np.iinfo(np.int64).max] * self.order.nq
+        floors[id(queues)] = floor
+        return floor
+
+    def _next_tasks(self) -> np.ndarray:
+        """Per queue, its next task that may not have run (``head``); NONE past its end."""
         order = self.order
-        floor = np.full(order.nq, np.iinfo(np.int64).max)
-        for q in queues:
-            if self.head[q] < len(order.items[q]):
-                np.minimum(floor, order.known[order.items[q][self.head[q]]], out=floor)
-        floors[queues] = floor.tolist()
-        return floors[queues]
+        starts, flat = order._starts, order._flat
+        if not len(flat):
+            return np.full(order.nq, NONE, np.int64)
+        inside = self.head < np.diff(starts)
+        at = np.minimum(starts[:-1] + self.head, len(flat) - 1)
+        return np.where(inside, flat[at], NONE)
 
     def _space_name(self, where: tuple | int) -> str:
         if isinstance(where, tuple):

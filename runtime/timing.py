@@ -173,15 +173,16 @@ class _Sim:
     def run(self) -> None:
         for q in self.queues.values():
             self._advance(q, 0.0)
+        events, dram, pop = self.events, self.dram, heapq.heappop
         while True:
-            t_event = self.events[0][0] if self.events else INF
-            t_flow = self.dram.next_end()
+            t_event = events[0][0] if events else INF
+            t_flow = dram.next_end() if dram.flows else INF
             if t_event == INF and t_flow == INF:
                 break
             if t_flow <= t_event:
                 self._flows_end(t_flow)
                 continue
-            t, k = heapq.heappop(self.events)
+            t, k = pop(events)
             self._complete(k, t)
 
     def stuck(self) -> list[tuple[int, _Queue]]:
@@ -213,9 +214,9 @@ class _Sim:
     # Issuing: run a queue as far as it can go at time t; progress may wake other queues.
 
     def _advance(self, q: _Queue, t: float) -> None:
-        work = [q]
+        work, step = [q], self._step
         while work:
-            work.extend(self._step(work.pop(), t))
+            work.extend(step(work.pop(), t))
 
     def _wake(self, q: _Queue, t: float) -> None:
         for waiting in list(self.waiters.pop(q.key, {}).values()):
@@ -230,15 +231,15 @@ class _Sim:
 
     def _step(self, q: _Queue, t: float) -> list[_Queue]:
         woken: list[_Queue] = []
-        conds, kinds = self.part.conds, self.part.kinds
-        while not q.busy and q.head < len(q.items):
-            k = q.items[q.head]
+        conds, kinds, handlers, items = self.part.conds, self.part.kinds, self.handlers, q.items
+        while not q.busy and q.head < len(items):
+            k = items[q.head]
             cond = conds[k]
             if cond is not None:
                 if not self._holds(q, cond):
                     break
                 q.ready = max(q.ready, self._met_at(cond))
-            if not self.handlers[kinds[k]](q, k, t, woken):
+            if not handlers[kinds[k]](q, k, t, woken):
                 break
             q.head += 1
         return woken
