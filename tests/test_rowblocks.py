@@ -99,3 +99,21 @@ def test_a_row_kernel_block_runs_while_the_arrays_multiply_the_next(tmp):
     vector = [k for k in members if isinstance(tasks[k], (VUnary, VBinary, VReduce))]
     assert passes and vector
     assert timeline.done[vector].min() < timeline.start[passes].max()
+
+
+def test_a_matmul_leaves_a_wide_row_kernel_before_it_a_row_of_vec(monkeypatch):
+    """A row kernel whose row needs more than half of ``vec`` (ReLU^2 * up of 2B4T) is
+    interleaved with the next matmul block only if the matmul plans in what the row leaves."""
+    from types import SimpleNamespace
+    from dlegion_cc.lower import rowblocks
+    machine = arch.load("dlegion-8x8")
+    vec = machine.derived.spad_elems["vec"]
+    wide, narrow = vec * 3 // 4, vec // 8
+    width = {"wide": wide, "narrow": narrow}
+    monkeypatch.setattr(rowblocks, "row_kernel_width", lambda n: width[n.name])
+    node = lambda name, kind: SimpleNamespace(name=name, domain=kind[0], op=kind[1])  # noqa: E731
+    steps = [node("a", rowblocks.MATMUL), node("narrow", rowblocks.ROWS), node("a", rowblocks.MATMUL),
+             node("b", rowblocks.MATMUL), node("wide", rowblocks.ROWS), node("b", rowblocks.MATMUL)]
+    rooms = rowblocks._vec_rooms(machine, steps)
+    assert rooms["a"] == vec // rowblocks.VEC_SHARE
+    assert rooms["b"] == vec - wide

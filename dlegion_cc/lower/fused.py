@@ -109,14 +109,7 @@ def row_kernel_blocks(low: Lowering, node, blocks: list[range] | None = None, re
     of them when None; blocks need a frame of one matrix and no causal reach) and yields after
     each (``rowblocks.py``); ``resumed``: the outputs are where earlier blocks wrote them."""
     frame, values = node.attrs["frame"], node.attrs["values"]
-    # A tiled input may come in as one row broadcast over the block: its slot is never reused.
-    kinds = {n: shape_kind(v.shape, frame, tiled=True) for n, v in values.items()}
-    scalars = {n: float(np.float32(v.const.reshape(()))) for n, v in values.items()
-               if v.const is not None and v.const.size == 1 and n not in _read_as_views(node)}
-    # A scalar the kernel computes (a reduction of a row every block reads alike, as Attention-23's
-    # test for an all-masked row at one query) is held as a column: the same value in every row.
-    kinds = {n: "col" if k == "scalar" and n not in scalars and n not in node.inputs else k for n, k in kinds.items()}
-    ins = [n for n in node.inputs if n not in scalars]
+    kinds, scalars, ins = _kinds(node)
     reach = _reach(node, frame)
     slot, temps = _plan(node, kinds, scalars, set(ins), set(node.outputs), reach is not None)
     args = [Arg(n, _frame_operand(low.operand(n), values[n].shape, kinds[n], frame)) for n in ins]
@@ -147,6 +140,33 @@ def row_kernel_blocks(low: Lowering, node, blocks: list[range] | None = None, re
         shifted = [a if a.operand is None else replace(a, operand=_rows_from(a.operand, rows.start)) for a in args]
         rowwise(low.em, (len(rows), frame.shape[-1]), shifted, body, keep_last=keep, where=where)
         yield rows
+
+
+def _kinds(node) -> tuple[dict, dict, list[str]]:
+    """The shape kind of each value of a row kernel, its constant scalars, and the inputs it
+    loads."""
+    frame, values = node.attrs["frame"], node.attrs["values"]
+    # A tiled input may come in as one row broadcast over the block: its slot is never reused.
+    kinds = {n: shape_kind(v.shape, frame, tiled=True) for n, v in values.items()}
+    scalars = {n: float(np.float32(v.const.reshape(()))) for n, v in values.items()
+               if v.const is not None and v.const.size == 1 and n not in _read_as_views(node)}
+    # A scalar the kernel computes (a reduction of a row every block reads alike, as Attention-23's
+    # test for an all-masked row at one query) is held as a column: the same value in every row.
+    kinds = {n: "col" if k == "scalar" and n not in scalars and n not in node.inputs else k for n, k in kinds.items()}
+    return kinds, scalars, [n for n in node.inputs if n not in scalars]
+
+
+def row_kernel_width(node) -> int:
+    """Vector elements one frame row of a row kernel holds at once, at most: a row of each
+    loaded input, output and full temp, one element of each column (what ``rowwise`` needs for
+    one row of a block, or more when an output is computed in place; ``rowblocks`` leaves it
+    beside a matmul)."""
+    kinds, scalars, ins = _kinds(node)
+    _, temps = _plan(node, kinds, scalars, set(ins), set(node.outputs), _reach(node, node.attrs["frame"]) is not None)
+    cols = node.attrs["frame"].cols
+    own = ins + list(node.outputs)
+    return (sum(cols if kinds.get(n) in ("full", "row") else 1 for n in own)
+            + sum(1 if t.col else cols for t in temps))
 
 
 def _rows_from(op: Operand, r0: int) -> Operand:

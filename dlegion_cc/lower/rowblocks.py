@@ -20,6 +20,7 @@ block: ``blocks`` weighs that against the vector work hidden.
 """
 from __future__ import annotations
 
+import bisect
 import math
 from collections import Counter
 from dataclasses import fields, replace
@@ -34,7 +35,7 @@ from dlegion_cc.errors import CompileError
 from dlegion_cc.ir import DLEGION, Node
 from dlegion_cc.lower import carry
 from dlegion_cc.lower.context import Lowering
-from dlegion_cc.lower.fused import row_kernel_blocks
+from dlegion_cc.lower.fused import row_kernel_blocks, row_kernel_width
 from dlegion_cc.lower.layout import whole
 from dlegion_cc.lower.overlap import _Rewrite, _span, footprint
 from dlegion_cc.lower.qmatmul import mode_for, pick_mode, qmatmul_blocks
@@ -44,6 +45,12 @@ MOST_BLOCKS = 4
 # The matmuls of a chain plan in the first 1 / VEC_SHARE of ``vec``; the row kernels
 # interleaved with them run in the rest.
 VEC_SHARE = 2
+# A matmul leaves a wide row kernel before it all of ``vec`` but a row of the kernel, down to
+# 1 / LEAST_VEC_SHARE of it: a kernel that does not fit beside the matmul's drains runs after it,
+# and the next block of the matmul waits for it in the in-order DMA queue (2B4T layer at
+# sequence 512 on dlegion-8x8: ReLU^2 * up needs 27,650 elements of 32,768, the gate/up
+# matmul's drains took 8,640).
+LEAST_VEC_SHARE = 8
 # The fewest rows of a block: below, each block's fill, drain and DRAM round trips cost more
 # than the vector work hidden (2B4T layer at sequence 128 on dlegion-8x8, in blocks of 64 rows:
 # 282,391 cycles instead of 269,811).
@@ -155,10 +162,10 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
     the whole row kernel on the vector queue."""
     em, arch = low.em, low.em.arch
     start, spans, pairs = len(em.instrs), [], {}
-    room = arch.derived.spad_elems["vec"] // VEC_SHARE
-    gens = {n.name: qmatmul_blocks(low, n, ranges, room) if (n.domain, n.op) == MATMUL else
-            row_kernel_blocks(low, n, ranges) for n in chain}
     steps, done = list(_order(chain, ranges)), Counter()
+    rooms = _vec_rooms(arch, steps)
+    gens = {n.name: qmatmul_blocks(low, n, ranges, rooms[n.name]) if (n.domain, n.op) == MATMUL else
+            row_kernel_blocks(low, n, ranges) for n in chain}
     s = 0
     while s < len(steps):
         node, after = steps[s], steps[s + 1] if s + 1 < len(steps) else None
@@ -193,6 +200,19 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
         name = region_name(node) + (f" with {region_name(spans[pairs[j]][0])}" if j in pairs else "")
         ks = [k - start for k in range(lo, hi) if not isinstance(program.instrs[k - start], Barrier)]
         regions.append((start + min(starts[k] for k in ks), name))
+
+
+def _vec_rooms(arch: Arch, steps: list[Node]) -> dict[str, int]:
+    """The part of ``vec`` each matmul of the chain plans in: half of it, less when a row
+    kernel interleaved with it (the step before it) needs more than the other half for a row."""
+    vec = arch.derived.spad_elems["vec"]
+    rooms = {n.name: vec // VEC_SHARE for n in steps if (n.domain, n.op) == MATMUL}
+    for before, node in zip(steps, steps[1:]):
+        if (before.domain, before.op) == ROWS and node.name in rooms:
+            left = vec - row_kernel_width(before)
+            if left < rooms[node.name]:
+                rooms[node.name] = max(left, vec // LEAST_VEC_SHARE)
+    return rooms
 
 
 def _step(low: Lowering, node: Node, gens: dict, spans: list, done: dict) -> int | None:
@@ -297,10 +317,33 @@ def _apart(program: Program, a: list[int], b: list[int]) -> bool:
         return out
     sa, sb = spans_of(a), spans_of(b)
     for space in sa.keys() & sb.keys():
+        # Sorted unions of b's windows and of its written ones: each window of a is then
+        # checked in log time, not against every window of b.
+        touched = _union([(lo, hi) for lo, hi, _ in sb[space]])
+        written = _union([(lo, hi) for lo, hi, w in sb[space] if w])
         for lo, hi, write in sa[space]:
-            if any(lo < e and l2 < hi and (write or w2) for l2, e, w2 in sb[space]):
+            if _meets(touched if write else written, lo, hi):
                 return False
     return True
+
+
+def _union(windows: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """The union of half-open windows as sorted disjoint (starts, ends)."""
+    starts, ends = [], []
+    for lo, hi in sorted(w for w in windows if w[0] < w[1]):
+        if ends and lo <= ends[-1]:
+            ends[-1] = max(ends[-1], hi)
+        else:
+            starts.append(lo)
+            ends.append(hi)
+    return starts, ends
+
+
+def _meets(union: tuple[list[int], list[int]], lo: int, hi: int) -> bool:
+    """Whether the window [lo, hi) shares an element with the union."""
+    starts, ends = union
+    k = bisect.bisect_right(starts, lo)
+    return lo < hi and ((k > 0 and ends[k - 1] > lo) or (k < len(starts) and starts[k] < hi))
 
 
 def _order(chain: list[Node], ranges: list[range]):
