@@ -11,7 +11,7 @@ import pytest
 
 from isa import arch
 from isa.instructions import Barrier, DmaLoad, DmaStore, MatMul, VBinary, VReduce, VUnary
-from dlegion_cc.lower.rowblocks import split
+from dlegion_cc.lower.rowblocks import FEWEST_ROWS, split
 from dlegion_cc.pipeline import Options, compile_model
 from models.bitnet import BitLinear, preset, save
 from models.decoder import relu2
@@ -117,3 +117,35 @@ def test_a_matmul_leaves_a_wide_row_kernel_before_it_a_row_of_vec(monkeypatch):
     rooms = rowblocks._vec_rooms(machine, steps)
     assert rooms["a"] == vec // rowblocks.VEC_SHARE
     assert rooms["b"] == vec - wide
+
+
+@lru_cache(maxsize=None)
+def _projection(tmp: str, row_blocks: bool):
+    """A norm-like absmax quantization of x and the one projection reading it: a chain whose
+    row kernel comes before its matmul."""
+    seq = 4 * FEWEST_ROWS           # four row blocks
+    config = preset("tiny", layers=1, seq=seq, hidden=128, ffn=256)
+    b, proj = GraphBuilder(), BitLinear(config, np.random.default_rng(1))
+    y = proj.project(b, proj.prepare(b, "x"), "q_proj", 128, 512)
+    path = f"{tmp}/projection.onnx"
+    save(b.model([tensor_info("x", FLOAT, [1, seq, 128])], [tensor_info(y, FLOAT, [1, seq, 512])]), path, external_data=False)
+    return compile_model(path, Options(EIGHT, row_blocks=row_blocks))[1]
+
+
+def test_a_row_kernel_before_a_matmul_runs_its_next_block_while_the_arrays_multiply(tmp):
+    """Each of the quantization's row blocks but the first is merged with the projection's block
+    before it (regions named after both) and computes before the arrays start the projection's
+    last pass; the kernel's blocks all before the matmul, only the last would be merged. The
+    same outputs, race-checked."""
+    program, plain = _projection(tmp, True), _projection(tmp, False)
+    assert sum(" with " in name for _, name in program.regions) == 3
+    timeline = simulate(program, EIGHT)
+    tasks = timeline.program.instrs
+    name, members = next((n, m) for n, m in regions_by_name(timeline.program).items() if "q_proj" in n and " with " in n)
+    vector = [k for k in members if isinstance(tasks[k], (VUnary, VBinary, VReduce))]
+    passes = [k for k, i in enumerate(tasks) if isinstance(i, MatMul)]
+    assert vector and passes
+    assert timeline.done[vector].max() < timeline.start[passes].max()
+    inputs = random_inputs(plain, 0)
+    got, want = run(program, EIGHT, inputs).outputs, run(plain, EIGHT, inputs).outputs   # race-checked
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)

@@ -349,9 +349,21 @@ def _meets(union: tuple[list[int], list[int]], lo: int, hi: int) -> bool:
 def _order(chain: list[Node], ranges: list[range]):
     """The chain's nodes, one for each row block step, in the pipelined order."""
     first = next(k for k, n in enumerate(chain) if (n.domain, n.op) == MATMUL)
-    for n in chain[:first]:
-        for _ in ranges:
-            yield n
+    after = next((k for k in range(first + 1, len(chain)) if (chain[k].domain, chain[k].op) == MATMUL), len(chain))
+    if first == 1 and after == first + 1:
+        # One row kernel before a matmul nothing follows in its segment (a norm and quantize
+        # before the projections): block b + 1 of the kernel comes right before matmul block b,
+        # which it is merged with, so the vector unit computes it while the arrays multiply.
+        yield chain[0]
+        for b in range(len(ranges)):
+            if b + 1 < len(ranges):
+                yield chain[0]
+            yield chain[1]
+        first = 2
+    else:
+        for n in chain[:first]:
+            for _ in ranges:
+                yield n
     segment = []
     for n in chain[first:] + [None]:
         if segment and (n is None or (n.domain, n.op) == MATMUL):
