@@ -371,14 +371,20 @@ class _Ring:
         kinds = [_shape_of(*strides[a.name], a.operand is None and a.col) for a in streamed]
         full = sum(1 for per_row, wide in kinds if per_row and wide)
         per_row = sum(1 for per_row, wide in kinds if per_row and not wide)
-        inputs = [a for a in _full_args(args, strides, resident) if a.operand is not None and not a.out]
+        wide = _full_args(args, strides, resident)
+        inputs = [a for a in wide if a.operand is not None and not a.out]
         if not inputs or full + per_row != len(streamed):
             return None
+        # The block in flight keeps the buffers its outputs are stored from (an aliased output's
+        # input included) until the next block has taken the spare and, once the body ran, the
+        # rest of its own: a spare for each of them.
+        kept = {a.alias or a.name for a in args if a.out} & {a.name for a in wide}
+        buffers = full + max(1, len(kept))
         room = em.capacity("vec") - resident.size
-        n = min(rows, room // ((full + 1) * cols + 2 * per_row), em.extent())
+        n = min(rows, room // (buffers * cols + 2 * per_row), em.extent())
         if n < 1 or n >= rows:
             return None
-        return cls(em, resident, n, cols, full + 1, per_row)
+        return cls(em, resident, n, cols, buffers, per_row)
 
     def add(self, args, at, strides, r0, n, count, cols, body, steps, width) -> None:
         em = self.em
