@@ -48,14 +48,14 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 
 from isa import arch as arch_mod                                   # noqa: E402
 from isa.console import table_console                            # noqa: E402
-from isa.normalize import EQUAL_PEAK, EQUAL_PES, PUBLISHED, footings  # noqa: E402
+from isa.normalize import EQUAL_PEAK, EQUAL_PES, PUBLISHED  # noqa: E402
 from dlegion_cc.dse import int_list                               # noqa: E402
+from dlegion_cc.dse_compare import PAIRS, REFERENCE, machines as compared_machines  # noqa: E402
+from dlegion_cc.dse_compare import add_ratios as ratios_to_reference, ratio_text as _x  # noqa: E402
 from dlegion_cc.dse_measure import config_of, evaluate            # noqa: E402
 from models.bitnet import PRESETS, BitLinear, BitNetConfig, save  # noqa: E402
 from models.graph import FLOAT, GraphBuilder, tensor_info         # noqa: E402
 
-# Each D-Legion machine and the baselines it is compared with.
-PAIRS = {"dlegion-8x8": ("ws-64", "dip-64", "adip-64"), "dlegion-32x8": ("tpuv4i",)}
 PROJECTIONS = ("q", "k", "v", "o")
 ABLATIONS = ("multicast", "accumulators", "sparsity", "fusion")
 TABLE_WIDTH = 200
@@ -126,13 +126,16 @@ def machines(pipelined: bool = False) -> list[tuple[str, str, str, object, dict]
         a = arch_mod.load(name)
         return dataclasses.replace(a, pass_overlap=True) if pipelined else a
     out = []
-    for ref_name, bases in PAIRS.items():
-        ref = load(ref_name)
-        out.append((ref_name, ref_name, "reference", ref, {}))
-        for base in bases:
-            out += [(m.name, ref_name, label, m, {}) for m, label in footings(load(base), ref)]
-        out += [(f"{ref_name} no-{off}", ref_name, "ablation", ref, {off: False}) for off in ABLATIONS]
-    return out
+    for m, ref_name, footing in compared_machines(load):
+        if footing == REFERENCE and out:        # the ablations of the D-Legion before follow its baselines
+            out += _ablations(out[0][1], load)
+        out.append((m.name, ref_name, footing, m, {}))
+    return out + _ablations(out[-1][1], load)
+
+
+def _ablations(ref_name: str, load) -> list[tuple[str, str, str, object, dict]]:
+    ref = load(ref_name)
+    return [(f"{ref_name} no-{off}", ref_name, "ablation", ref, {off: False}) for off in ABLATIONS]
 
 
 def run_all(workloads: list[tuple[str, int, str]], jobs: int, console: Console, pipelined: bool) -> list[dict]:
@@ -154,21 +157,8 @@ def run_all(workloads: list[tuple[str, int, str]], jobs: int, console: Console, 
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """Each machine's latency, DRAM and psum traffic, and latency x area, over its D-Legion's on
-    the same workload (> 1: D-Legion is faster, moves less, or does more per mm^2)."""
-    ok = {(r["shape"], r["seq"], r["kind"], r["name"]): r for r in rows if r["status"] == "ok"}
-    for r in rows:
-        ref = ok.get((r["shape"], r["seq"], r["kind"], r["ref"]))
-        if r["status"] == "ok":
-            r["time_area"] = r["time_us"] * r["area_mm2"]     # its inverse is work per second per mm^2
-        for key, ratio in (("time_us", "latency_x"), ("dram_bytes", "dram_x"), ("psum_bytes", "psum_x"),
-                           ("time_area", "per_mm2_x")):
-            good = r["status"] == "ok" and ref is not None and ref.get(key)
-            r[ratio] = r[key] / ref[key] if good else None
-
-
-def _x(v) -> str:
-    return f"{v:.2f}x" if v is not None else "-"
+    """Each machine's ratios to its D-Legion on the same workload."""
+    ratios_to_reference(rows, lambda r: (r["shape"], r["seq"], r["kind"]))
 
 
 def _mib(n: int) -> str:

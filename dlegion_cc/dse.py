@@ -24,6 +24,7 @@ from rich.table import Table
 
 from isa import arch as arch_mod
 from isa.console import check_not_inputs, no_empty_path, positive_int, printable, table_console, version_option
+from dlegion_cc import dse_compare
 from dlegion_cc.dse_exec import Job
 from dlegion_cc.dse_measure import COLUMNS, Config, config_of
 from dlegion_cc.dse_run import Sweep
@@ -209,6 +210,10 @@ SEARCH_HELP = ("grid: the cross product of --legions, --cores and --array. optun
 @click.option("--preset", "presets", multiple=True, metavar="NAME|FILE.toml", callback=no_empty_paths,
               help="Also evaluate this machine as it is. Repeatable. Presets: " + ", ".join(arch_mod.preset_names()))
 @click.option("--search", type=click.Choice(("grid", "optuna")), default="grid", show_default=True, help=SEARCH_HELP)
+@click.option("--compare", is_flag=True,
+              help="Instead of a sweep: dlegion-8x8 against ws-64, dip-64 and adip-64, and dlegion-32x8 against "
+                   "tpuv4i, each baseline as published, at D-Legion's PE count and at its peak w8 TOPS, "
+                   "with every figure's ratio to its D-Legion's.")
 @click.option("--trials", type=click.IntRange(min=1), default=50, show_default=True,
               help="Machines --search optuna measures.")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
@@ -235,8 +240,8 @@ SEARCH_HELP = ("grid: the cross product of --legions, --cores and --array. optun
 @click.option("--objective", type=click.Choice(OBJECTIVES), default="latency", show_default=True,
               help="What each quantized matmul's schedule is chosen for (as dlegion-cc --objective).")
 @click.pass_context
-def dse_command(ctx, model, dims, legions, cores, arrays, presets, search, trials, seed, sampler, executor, jobs,
-                address, db, export, out_dir, objective):
+def dse_command(ctx, model, dims, legions, cores, arrays, presets, search, compare, trials, seed, sampler, executor,
+                jobs, address, db, export, out_dir, objective):
     """Compile MODEL (ONNX) for many machine configurations, time each with the timing model,
     print them by latency and write JSON, CSV and plots.
 
@@ -250,12 +255,13 @@ def dse_command(ctx, model, dims, legions, cores, arrays, presets, search, trial
     from dlegion_cc.cli import _bound_dims, _parse_dims, model_files
     from dlegion_cc.importer import peek
     from isa.files import check_writable
-    _check_search_options(ctx, search, db, export)
+    _check_search_options(ctx, search, db, export, compare)
     if search == "optuna":
         _need("optuna", "--search optuna")
     base = arch_mod.load(BASE)
-    grid = sweep_configs(base, legions, cores, arrays) if search == "grid" else []
-    configs = unique(grid + _presets(presets))
+    grid = sweep_configs(base, legions, cores, arrays) if search == "grid" and not compare else []
+    compared = {m.name: (ref, footing) for m, ref, footing in dse_compare.machines()} if compare else {}
+    configs = unique(grid + [config_of(m) for m, _, _ in dse_compare.machines()] * compare + _presets(presets))
     _check_machines(configs)
     shapes, data_files = peek(model)
     bound = _bound_dims(model, shapes, None, _parse_dims(dims))      # as dlegion-cc: only dims the model has
@@ -277,6 +283,8 @@ def dse_command(ctx, model, dims, legions, cores, arrays, presets, search, trial
         if all(r["status"] != "ok" for r in rows):
             raise click.ClickException(_none_compiled(model, rows))
         print_table(rows, _stdout())
+        if compare:
+            _print_compared(rows, compared)
         meta = {"search": search} | ({"trials": trials, "seed": seed, "sampler": sampler} if search == "optuna" else {})
         paths = write_outputs(out, rows, model, bound, objective, meta)
         if export:
@@ -286,10 +294,24 @@ def dse_command(ctx, model, dims, legions, cores, arrays, presets, search, trial
     click.echo(printable(f"{len(rows)} configuration(s), {failed} failed; wrote {', '.join(map(str, paths))}"), err=True)
 
 
-def _check_search_options(ctx, search: str, db: str | None, export: str | None) -> None:
+def _print_compared(rows: list[dict], compared: dict) -> None:
+    """The rows of --compare's machines, each with its footing and ratios (also in dse.json)."""
+    mine = [r for r in rows if r["name"] in compared]
+    for r in mine:
+        r["ref"], r["footing"] = compared[r["name"]]
+    dse_compare.add_ratios(mine)
+    dse_compare.print_compare(mine, _stdout(), "each baseline against its D-Legion (ratios: baseline / D-Legion)")
+
+
+def _check_search_options(ctx, search: str, db: str | None, export: str | None, compare: bool = False) -> None:
     """Options that mean nothing with the others given are refused, not ignored."""
     given = {p: ctx.get_parameter_source(p) == click.core.ParameterSource.COMMANDLINE
              for p in ("legions", "cores", "arrays", "trials", "seed", "sampler")}
+    if compare:
+        wrong = [p for p in ("legions", "cores", "arrays") if given[p]] or (["search"] if search != "grid" else [])
+        if wrong:
+            option = "--array" if wrong[0] == "arrays" else f"--{wrong[0]}"
+            raise click.BadParameter("not with --compare, which runs its own machines", param_hint=option)
     wrong = [p for p in (("legions", "cores", "arrays") if search == "optuna" else ("trials", "seed", "sampler"))
              if given[p]]
     if wrong:
