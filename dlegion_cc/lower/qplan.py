@@ -141,11 +141,6 @@ class Plan:
     # each time a tile needs it, instead of being read from DRAM again.
     forward: bool = False
     homes: int = 0      # home slots of forwarded chunks in each Legion's ``act`` (``Homes``)
-    # Row pieces each tile's last drain is cut into, each into a result slot of its own: the
-    # passes keep ``rows`` rows (each pass pays its fill and drain once) where a whole tile
-    # would not fit the result slots (a matmul sharing ``vec`` with a row kernel). Only with
-    # one accumulation unit, whose drain is the tile's last.
-    pieces: int = 1
 
 
 # --- the schedule's shape, shared by the emitter and the model ------------------------------
@@ -242,10 +237,10 @@ def _reached_columns(p: Problem, m0: int, mb: int, tiles: list) -> list[int]:
 TAIL_PIECES = 4
 
 
-def tail_pieces(p: Problem, plan: Plan, rows: int, final: bool) -> list[range]:
+def tail_pieces(p: Problem, rows: int, final: bool) -> list[range]:
     """The row pieces a tile of ``rows`` rows is drained and stored in (``final``: a Legion's
     last tile; results stored straight from the accumulators are ready all at once)."""
-    size = -(-rows // max(plan.pieces, TAIL_PIECES if final and not p.exact else 1))
+    size = -(-rows // (TAIL_PIECES if final and not p.exact else 1))
     return [range(r, min(r + size, rows)) for r in range(0, rows, size)]
 
 
@@ -439,11 +434,6 @@ RS_SLOTS = 2
 CV_SLOTS = 2
 
 
-def res_slot_elems(plan: Plan) -> int:
-    """A result slot: a whole tile, or one of its row pieces (``Plan.pieces``)."""
-    return -(-plan.rows // plan.pieces) * plan.cols
-
-
 def vec_fixed(p: Problem, plan: Plan) -> int:
     """vec elements besides the results: the row-scale and column-vector buffers."""
     return RS_SLOTS * plan.rows + CV_SLOTS * (p.groups + 1) * plan.cols
@@ -454,7 +444,7 @@ def needs(p: Problem, plan: Plan) -> dict[str, int]:
     return {"wgt": plan.w_slots * wgt_slot_bytes(p, plan),
             "act": plan.a_slots * act_slot_elems(p, plan) + p.k2 + plan.homes * act_slot_elems(p, plan),
             "acc": plan.acc_slots * plan.rows * plan.cols,
-            "vec": plan.res_slots * res_slot_elems(plan) + vec_fixed(p, plan)}
+            "vec": plan.res_slots * plan.rows * plan.cols + vec_fixed(p, plan)}
 
 
 def fits(arch: Arch, p: Problem, plan: Plan) -> bool:
@@ -484,7 +474,7 @@ def with_slots(arch: Arch, p: Problem, plan: Plan) -> Plan | None:
                    a_slots=_most_slots(cap["act"] - p.k2 - homes * act_slot_elems(p, plan), act_slot_elems(p, plan),
                                        max(2, a_useful)),
                    acc_slots=_most_slots(cap["acc"], plan.rows * plan.cols, max(2, acc_useful)),
-                   res_slots=_most_slots(cap["vec"] - vec_fixed(p, plan), res_slot_elems(plan), 2 * plan.pieces))
+                   res_slots=_most_slots(cap["vec"] - vec_fixed(p, plan), plan.rows * plan.cols, 2))
     if min(plan.w_slots, plan.a_slots, plan.acc_slots, plan.res_slots) < 1:
         return None
     return replace(plan, corr_depth=correction_depth(p, plan))
@@ -561,20 +551,7 @@ def candidates(arch: Arch, p: Problem, switches: Switches) -> list[Plan]:
                     for whole in (True,) if depth >= p.K else (True, False):
                         plan = Plan(order, rows, cols, depth, whole, per_legion, 0, 0, 0, 0, split,
                                     switches.multicast, skips(p, switches))
-                        out += _fitting(arch, p, plan, switches.transfers) or _in_pieces(arch, p, plan, switches)
-    return out
-
-
-def _in_pieces(arch: Arch, p: Problem, plan: Plan, switches: Switches) -> list[Plan]:
-    """``plan`` with its tiles drained in row pieces (``Plan.pieces``, none below the array's
-    rows), each count that fits, where whole tiles do not fit the part of ``vec`` a row
-    kernel beside the matmul leaves it (``vec_room``)."""
-    if not p.vec_room or p.exact or len(units(p, plan)) > 1:
-        return []
-    out, pieces = [], 2
-    while -(-plan.rows // pieces) >= arch.array:
-        out += _fitting(arch, p, replace(plan, pieces=pieces), switches.transfers)
-        pieces *= 2
+                        out += _fitting(arch, p, plan, switches.transfers)
     return out
 
 
@@ -1036,18 +1013,14 @@ def _model_tile_end(m: _Model, st: _State, l: int, mb: int, tile: tuple, acc: in
     n0, nb = tile
     cols = sum(piece[3] for piece in stores(p, m.plan, l, n0, nb))
     slot = acc if p.exact else _res_slot(m, st, l)
-    for rows in tail_pieces(p, m.plan, mb, final):
-        if m.plan.pieces > 1:           # each piece in a result slot of its own
-            slot = _res_slot(m, st, l)
+    for rows in tail_pieces(p, mb, final):
         if not p.exact:
             _model_drain(m, st, l, len(rows) * nb, acc)
         if p.requant is not None:
             m.vec[l] += 4 * -(-len(rows) * nb // m.arch.vector_lanes)
         ready = m.mat[l] if p.exact else m.vec[l]
         st.stores[l].append((ready, len(rows) * cols * 4, slot))
-        if m.plan.pieces > 1:
-            st.next("res", l)
-    if not p.exact and m.plan.pieces == 1:
+    if not p.exact:
         st.next("res", l)
 
 

@@ -32,9 +32,8 @@ from isa.instructions import BY_MNEMONIC, DmaLoad, DmaStore, Drain, MatMul, NocM
 from dlegion_cc.lower.emitter import Emitter
 from dlegion_cc.lower.qplan import (CV_SLOTS, RS_SLOTS, Chunk, Group, Homes, Plan, Problem, RowScale, Segment, Slots,
                                     Switches, act_key, act_slot_elems, choose, chunk_blocks, dead_tile, find_weights,
-                                    groups, in_order, last_visit, legion_tiles, owners, reach_blocks, res_slot_elems,
-                                    row_blocks, stores, tail_pieces, tile_order, units, weight_key, weights_wait,
-                                    wgt_slot_bytes)
+                                    groups, in_order, last_visit, legion_tiles, owners, reach_blocks, row_blocks,
+                                    stores, tail_pieces, tile_order, units, weight_key, weights_wait, wgt_slot_bytes)
 
 __all__ = ["Plan", "Problem", "RowScale", "Segment", "emit_tiles", "plan_tiles"]
 
@@ -175,13 +174,13 @@ class _Tiles:
         self.units = units(p, plan)
         tile = plan.rows * plan.cols
         self.addr = {"act": act_slot_elems(p, plan), "wgt": wgt_slot_bytes(p, plan), "acc": tile,
-                     "res": res_slot_elems(plan)}
+                     "res": tile}
         self.corr_at = plan.a_slots * self.addr["act"]
         self.home_at = self.corr_at + p.k2
         self.homes = Homes(self.legions, plan.homes)
         self.home_loaded: dict = {}   # chunk key -> the mark of its copy into its home
         self.uncopied: dict = {}      # act slot -> (chunk key, view, rows, width) not yet copied home
-        self.rscale_at = plan.res_slots * self.addr["res"]
+        self.rscale_at = plan.res_slots * tile
         self.cv_at = self.rscale_at + RS_SLOTS * plan.rows
         self.cv_size = (p.groups + 1) * plan.cols
         who = [None] if plan.multicast else self.groups
@@ -474,7 +473,7 @@ def _emit_problem(st: _Tiles) -> None:
                 _finish_unit(st, b, t, u, g, acc[g], first[g], unit)
         for g in here:
             # The last unit's drain goes with the store: by row pieces in the group's last tile.
-            for rows in tail_pieces(p, plan, st.blocks[b][1], last[g] == k):
+            for rows in tail_pieces(p, st.blocks[b][1], last[g] == k):
                 if not p.exact:
                     _drain(st, b, t, len(st.units) - 1, g, acc[g], st.units[-1][0].group, rows)
                 _end_tile(st, b, t, g, acc[g], rows)
@@ -644,7 +643,7 @@ def _drain(st: _Tiles, b: int, t: int, u: int, g: Group, acc: int, grp: int, row
     """Rows ``rows`` of the tile's accumulators, scaled, into its result slot."""
     p = st.p
     nb = st.tiles[g][t][1]
-    if u == 0 and (rows.start == 0 or st.plan.pieces > 1):     # a piece has a slot of its own
+    if u == 0 and rows.start == 0:
         st.res_slot[g] = _next(st, "res", g)
     res = st.res_slot[g]
     cv = st.cv_slot[g]
@@ -659,7 +658,7 @@ def _drain(st: _Tiles, b: int, t: int, u: int, g: Group, acc: int, grp: int, row
     base = st.cv_at + cv * st.cv_size
     cscale = None if p.scales is None else base + grp * nb
     bias = base + p.groups * nb if p.bias is not None and u == 0 else None
-    at = _res_at(st, rows, nb)
+    at = rows.start * nb
     done = st.emit(g, Drain(legion=g.base, dst=View("vec", res * st.addr["res"] + at, nb, 1),
                             acc=View("acc", acc * st.addr["acc"] + at, nb, 1), M=len(rows), N=nb, zp=None,
                             rscale=rscale, cscale=cscale, bias=bias, accumulate="set" if u == 0 else "add"),
@@ -671,18 +670,12 @@ def _drain(st: _Tiles, b: int, t: int, u: int, g: Group, acc: int, grp: int, row
         st.read_by(("rs", owner, st.rs[owner].find(b)), done)
 
 
-def _res_at(st: _Tiles, rows: range, nb: int) -> int:
-    """Where rows ``rows`` of a tile start in its result slot (a piece fills a slot of its own)."""
-    return 0 if st.plan.pieces > 1 else rows.start * nb
-
-
 def _end_tile(st: _Tiles, b: int, t: int, g: Group, acc: int, rows: range) -> None:
     """Requantize rows ``rows`` of the tile on the vector unit, then store them (emitted later:
     see ``_flush``)."""
     p = st.p
     n0, nb = st.tiles[g][t]
-    m0, mb = st.blocks[b][0] + rows.start, len(rows)
-    at = rows.start * nb if p.exact else _res_at(st, rows, nb)
+    m0, mb, at = st.blocks[b][0] + rows.start, len(rows), rows.start * nb
     if p.exact:
         src, space_slot, queue = View("acc", acc * st.addr["acc"] + at, nb, 1), ("acc", g, acc), "mat"
     else:

@@ -23,7 +23,7 @@ from dlegion_cc.errors import CompileError
 from dlegion_cc.lower import ksplit
 from dlegion_cc.lower.context import Switches
 from dlegion_cc.lower.qplan import (ORDERS, Plan, Problem, columns_per_legion, correction_depth, estimate, forwards, needs, room,
-                                    search, skips, split_for, units)
+                                    search, skips, split_for)
 
 FORMAT = 1
 SLOTS = {"wgt": "w_slots", "act": "a_slots", "acc": "acc_slots", "vec": "res_slots"}
@@ -41,7 +41,7 @@ def entry(node: str, p: Problem, plan: Plan, e, deal: tuple[int, int]) -> dict:
             "modes": [mode for _, mode in p.weights],
             "deal": {"legions_per_part": deal[0], "parts": deal[1], "columns_per_legion": plan.per_legion},
             "loop_order": plan.order,
-            "tile": {"rows": plan.rows, "cols": plan.cols, "pieces": plan.pieces},
+            "tile": {"rows": plan.rows, "cols": plan.cols},
             "chunk": {"depth": plan.depth, "whole_rows": plan.whole_rows, "homes": plan.homes},
             "slots": {space: getattr(plan, name) for space, name in SLOTS.items()},
             "split": plan.split,
@@ -175,10 +175,10 @@ def plan_of(arch: Arch, p: Problem, switches: Switches, e: dict) -> Plan:
                 columns_per_legion(arch, p), *(_int(slots, space) for space in SLOTS), split,
                 switches.multicast, skips(p, switches))
     homes = _count(chunk, "homes")
-    plan = replace(plan, forward=homes > 0, homes=homes, pieces=_count(tile, "pieces") or 1)
+    plan = replace(plan, forward=homes > 0, homes=homes)
     given = _int(_table(e, "deal"), "columns_per_legion")
     why = (_shape_problem(arch, p, plan, given) or _order_problem(arch, switches, plan)
-           or _forward_problem(arch, p, plan) or _pieces_problem(p, plan) or _space_problem(arch, p, plan))
+           or _forward_problem(arch, p, plan) or _space_problem(arch, p, plan))
     if why:
         raise ValueError(why)
     return replace(plan, corr_depth=correction_depth(p, plan))
@@ -223,13 +223,6 @@ def _forward_problem(arch: Arch, p: Problem, plan: Plan) -> str | None:
     if plan.forward and not forwards(arch, p, replace(plan, a_slots=0)):
         return (f"homes {plan.homes}: activations are forwarded only when multicast to several Legions, "
                 f"in one batch, over more than one column tile")
-    return None
-
-
-def _pieces_problem(p: Problem, plan: Plan) -> str | None:
-    if plan.pieces > 1 and (p.exact or len(units(p, plan)) > 1 or plan.pieces > plan.rows):
-        return (f"pieces {plan.pieces}: a tile is drained in pieces only when it has one accumulation unit, "
-                f"results that are drained (not stored from the accumulators) and as many rows")
     return None
 
 
