@@ -149,3 +149,35 @@ def test_a_row_kernel_before_a_matmul_runs_its_next_block_while_the_arrays_multi
     inputs = random_inputs(plain, 0)
     got, want = run(program, EIGHT, inputs).outputs, run(plain, EIGHT, inputs).outputs   # race-checked
     assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+
+
+@lru_cache(maxsize=None)
+def _wide(tmp: str, row_blocks: bool):
+    """2B4T's MLP (gate/up, ReLU^2 * up, ffn_sub_norm and quantization, down): the kernel's row
+    (gate, up, the norm's weight, its quantized output in place of one of them) takes most of
+    ``vec``."""
+    from models.decoder import mlp
+    config = preset("2b4t", layers=1, seq=SEQ)
+    spec, b = config.spec(), GraphBuilder()
+    rng = np.random.default_rng(2)
+    out = mlp(b, "x", spec, BitLinear(config, rng), rng)
+    path = f"{tmp}/wide.onnx"
+    io = [tensor_info(name, FLOAT, [1, SEQ, spec.hidden]) for name in ("x", out)]
+    save(b.model(io[:1], io[1:]), path, external_data=False)
+    return compile_model(path, Options(EIGHT, row_blocks=row_blocks))[1]
+
+
+def test_a_wide_row_kernel_with_its_output_in_place_leaves_the_matmuls_whole_row_blocks(tmp):
+    """ReLU^2 * up's row counted with its output in place (as ``rowwise`` then lays it): the
+    matmuls beside it keep the row blocks' 128 rows a pass (counted with a row of its own,
+    gate/up and down were left room for passes of 64 rows, each paying its fill and drain),
+    the kernel's blocks still merged with the matmul blocks after them; the same outputs as
+    without row blocks, race-checked."""
+    program, plain = _wide(tmp, True), _wide(tmp, False)
+    names = [name for _, name in program.regions]
+    assert any("gate_proj" in n and " with mlp/Relu" in n for n in names)
+    assert any("down_proj" in n and " with mlp/Relu" in n for n in names)
+    assert {i.M for i in program.instrs if isinstance(i, MatMul)} == {SEQ // 2}
+    inputs = random_inputs(plain, 0)
+    got, want = run(program, EIGHT, inputs).outputs, run(plain, EIGHT, inputs).outputs   # race-checked
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)

@@ -158,13 +158,13 @@ def _kinds(node) -> tuple[dict, dict, list[str]]:
 
 def row_kernel_width(node) -> int:
     """Vector elements one frame row of a row kernel holds at once, at most: a row of each
-    loaded input, output and full temp, one element of each column (what ``rowwise`` needs for
-    one row of a block, or more when an output is computed in place; ``rowblocks`` leaves it
-    beside a matmul)."""
+    loaded input, output not computed in place and full temp, one element of each column (what
+    ``rowwise`` needs for one row of a block; ``rowblocks`` leaves it beside a matmul)."""
     kinds, scalars, ins = _kinds(node)
-    _, temps = _plan(node, kinds, scalars, set(ins), set(node.outputs), _reach(node, node.attrs["frame"]) is not None)
+    slot, temps = _plan(node, kinds, scalars, set(ins), set(node.outputs), _reach(node, node.attrs["frame"]) is not None)
     cols = node.attrs["frame"].cols
-    own = ins + list(node.outputs)
+    # An output computed in place lies in the slot of the value it replaced: no row of its own.
+    own = ins + [n for n in node.outputs if slot.get(n, n) == n]
     return (sum(cols if kinds.get(n) in ("full", "row") else 1 for n in own)
             + sum(1 if t.col else cols for t in temps))
 

@@ -91,7 +91,10 @@ def rowwise(em: Emitter, shape: tuple[int, ...], args: list[Arg], body: Body,
         _folded(em, args, shape2, bound, width, body, where)
         return
     resident = _Resident(args, bound, cols)
-    block = _rows_per_block(em, sized, strides, rows, width, where, resident)
+    # Where a row sized so does not fit (beside a matmul's buffers, ``rowblocks``), its outputs
+    # in place make it fit.
+    block = (_rows_per_block(em, sized, strides, rows, width, where, resident, strict=False)
+             or _rows_per_block(em, args, strides, rows, width, where, resident))
     if block >= rows and len(shape2) > 2:
         _whole_frames(em, args, shape2, bound, strides, body, resident, reach)
         return
