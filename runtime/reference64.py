@@ -24,7 +24,8 @@ import numpy as np
 _F32, _F64 = 1, 11          # onnx.TensorProto.FLOAT, DOUBLE
 # Operators whose float operands onnxruntime takes in float32 only.
 # onnxruntime's contrib operators (com.microsoft) have float32 kernels only, and opset 23's
-# RotaryEmbedding none in float64 either.
+# RotaryEmbedding none in float64 either. (A GroupQueryAttention whose products a program
+# quantized is first rewritten into plain ops, in float64 then: _expand_attention.)
 FLOAT32_ONLY = {"DequantizeLinear", "QuantizeLinear", "DynamicQuantizeLinear", "MatMulNBits", "QLinearMatMul",
                 "GroupQueryAttention", "RotaryEmbedding", "SimplifiedLayerNormalization",
                 "SkipSimplifiedLayerNormalization"}
@@ -243,9 +244,14 @@ def _recorded_products(model, recorded: set[str], input_shapes: dict[str, tuple]
     """The MatMuls the program records it quantized (``recorded``: their outputs, as
     passes/attention.py names them; it keeps fp32 a product of fewer rows than an array, or one
     a NaN or an infinity may reach, and does not name it), by output, each with whether its b
-    is smoothed. A contrib attention's products are MatMuls by now (``_expand_attention``)."""
+    is smoothed. A contrib attention's products are MatMuls by now (``_expand_attention``); a
+    recorded product the model holds no MatMul for is an error, which ``check.judge`` reports."""
     wanted = [n for n in model.graph.node if n.op_type == "MatMul" and n.domain in ("", "ai.onnx")
               and len(n.input) == 2 and n.output[0] in recorded]
+    missing = recorded - {n.output[0] for n in wanted}
+    if missing:     # evaluated unquantized, the yardstick would stand the attention's error away
+        raise ValueError(f"the program's int8 attention products {', '.join(sorted(missing))} are no MatMul "
+                         f"of the model")
     if not wanted:
         return {}
     shapes = _shapes(model, input_shapes)
