@@ -79,7 +79,7 @@ APPROXIMATIONS = {("com.microsoft", "MatMulNBits"): "float activations quantized
 ABSMAX_FLOOR = 1e-30        # as the compiler's: an all-zero row stays zero
 
 
-INT8_ATTENTION = "the MatMuls the program names: int8 per row of a and per column of b (K smoothed)"
+INT8_ATTENTION = "the MatMuls the program names: int8 per row of a and per column of b (K smoothed where its scores reach a softmax alone)"
 
 
 def approximations(path: str | Path, int8_attention: bool = False) -> list[str]:
