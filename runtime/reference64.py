@@ -24,7 +24,8 @@ import numpy as np
 _F32, _F64 = 1, 11          # onnx.TensorProto.FLOAT, DOUBLE
 # Operators whose float operands onnxruntime takes in float32 only.
 # onnxruntime's contrib operators (com.microsoft) have float32 kernels only, and opset 23's
-# RotaryEmbedding none in float64 either.
+# RotaryEmbedding none in float64 either. (A GroupQueryAttention whose products a program
+# quantized is first rewritten into plain ops, in float64 then: _expand_attention.)
 FLOAT32_ONLY = {"DequantizeLinear", "QuantizeLinear", "DynamicQuantizeLinear", "MatMulNBits", "QLinearMatMul",
                 "GroupQueryAttention", "RotaryEmbedding", "SimplifiedLayerNormalization",
                 "SkipSimplifiedLayerNormalization"}
@@ -42,6 +43,8 @@ def float64_model(path: str | Path, approximations: bool = False, int8_attention
     from runtime.check import unsigned_integer_weights
     model = onnx.load(str(path))
     unsigned_integer_weights(model)
+    if approximations and int8_attention:
+        _expand_attention(model, set(int8_attention), input_shapes or {})
     g = model.graph
     floats = _float32_values(model)
     products = _recorded_products(model, set(int8_attention), input_shapes or {}) if approximations else {}
@@ -76,7 +79,7 @@ APPROXIMATIONS = {("com.microsoft", "MatMulNBits"): "float activations quantized
 ABSMAX_FLOOR = 1e-30        # as the compiler's: an all-zero row stays zero
 
 
-INT8_ATTENTION = "the MatMuls the program names: int8 per row of a and per column of b (K smoothed)"
+INT8_ATTENTION = "the MatMuls the program names: int8 per row of a and per column of b (K smoothed where its scores reach a softmax alone)"
 
 
 def approximations(path: str | Path, int8_attention: bool = False) -> list[str]:
@@ -206,14 +209,49 @@ def _constant(model, name: str, value: np.ndarray) -> None:
     model.graph.initializer.append(numpy_helper.from_array(value, name))
 
 
+def _expand_attention(model, recorded: set[str], input_shapes: dict[str, tuple]) -> None:
+    """Replace, in place, each contrib attention (GroupQueryAttention) whose products the program
+    names by the plain ONNX ops the compiler rewrote it into (``dlegion_cc.canon``: the one
+    definition of the rewrite), so its QK^T and PV are MatMuls the yardstick can quantize. The
+    rewrite names its nodes after the attention node's, as it did in the compiler, so the
+    recorded names (``<node name>/MatMul_out``...) are those of its MatMuls here. It reads the
+    shapes the inputs bind and the constants they make (total_sequence_length), as the compiler
+    does once it has bound the dims and folded."""
+    from dlegion_cc.canon import EXPANSIONS
+    from dlegion_cc.canon.builder import Builder
+    from dlegion_cc.canon.gqa import MS
+    handler = EXPANSIONS[(MS, "GroupQueryAttention")]
+    named = [n for n in model.graph.node if n.domain == MS and n.op_type == "GroupQueryAttention"
+             and any(r.startswith(f"{n.name}/") for r in recorded)]
+    if not named:
+        return
+    bound = _bound(model, input_shapes)
+    inferred = _inferred(bound)
+    known = {n: v for n, v in _constants(bound, _shapes(model, input_shapes)).items() if v is not None}
+    b = Builder(model, {n.input[6]: known[n.input[6]] for n in named if n.input[6] in known})
+    b.types.update({vi.name: vi.type.tensor_type for vi in [*inferred.input, *inferred.value_info]
+                    if vi.type.tensor_type.HasField("shape")})
+    for node in list(model.graph.node):
+        if node in named:
+            b.at(node)
+            handler(node, b)
+        else:
+            b.keep(node)
+    b.finish()
+
+
 def _recorded_products(model, recorded: set[str], input_shapes: dict[str, tuple]) -> dict[str, bool]:
     """The MatMuls the program records it quantized (``recorded``: their outputs, as
     passes/attention.py names them; it keeps fp32 a product of fewer rows than an array, or one
     a NaN or an infinity may reach, and does not name it), by output, each with whether its b
-    is smoothed. A recorded product the model holds no MatMul for (one inside an operator the
-    compiler rewrote, such as a contrib attention) is evaluated as the model's operator."""
+    is smoothed. A contrib attention's products are MatMuls by now (``_expand_attention``); a
+    recorded product the model holds no MatMul for is an error, which ``check.judge`` reports."""
     wanted = [n for n in model.graph.node if n.op_type == "MatMul" and n.domain in ("", "ai.onnx")
               and len(n.input) == 2 and n.output[0] in recorded]
+    missing = recorded - {n.output[0] for n in wanted}
+    if missing:     # evaluated unquantized, the yardstick would stand the attention's error away
+        raise ValueError(f"the program's int8 attention products {', '.join(sorted(missing))} are no MatMul "
+                         f"of the model")
     if not wanted:
         return {}
     shapes = _shapes(model, input_shapes)
@@ -301,6 +339,16 @@ def _tensor(name: str, value: np.ndarray):
 def _shapes(model, input_shapes: dict[str, tuple]) -> dict[str, tuple]:
     """Each value's dimensions as shape inference gives them with the graph inputs' bound to
     ``input_shapes``, as the compiler binds them (a symbolic one left by its name)."""
+    graph = _inferred(_bound(model, input_shapes))
+    # An unknown dimension is None, not 0: a bound empty cache (past 0) is a known 0.
+    dim = lambda d: d.dim_param if d.HasField("dim_param") else d.dim_value if d.HasField("dim_value") else None  # noqa: E731
+    dims = lambda vi: tuple(dim(d) for d in vi.type.tensor_type.shape.dim)  # noqa: E731
+    return {vi.name: dims(vi) for vi in [*graph.input, *graph.output, *graph.value_info]
+            if vi.type.tensor_type.HasField("shape")}
+
+
+def _bound(model, input_shapes: dict[str, tuple]):
+    """A copy of ``model`` whose graph inputs have the dimensions of ``input_shapes``."""
     import onnx
     bound = onnx.ModelProto()
     bound.CopyFrom(model)
@@ -308,12 +356,7 @@ def _shapes(model, input_shapes: dict[str, tuple]) -> dict[str, tuple]:
         if vi.name in input_shapes:
             for d, n in zip(vi.type.tensor_type.shape.dim, input_shapes[vi.name]):
                 d.dim_value = int(n)
-    graph = _inferred(bound)
-    # An unknown dimension is None, not 0: a bound empty cache (past 0) is a known 0.
-    dim = lambda d: d.dim_param if d.HasField("dim_param") else d.dim_value if d.HasField("dim_value") else None  # noqa: E731
-    dims = lambda vi: tuple(dim(d) for d in vi.type.tensor_type.shape.dim)  # noqa: E731
-    return {vi.name: dims(vi) for vi in [*graph.input, *graph.output, *graph.value_info]
-            if vi.type.tensor_type.HasField("shape")}
+    return bound
 
 
 def _opset(model) -> int:

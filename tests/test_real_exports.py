@@ -5,6 +5,7 @@ for dlegion-tiny as a prefill (an empty past) and a decode step, matches onnxrun
 generates onnxruntime's 16 tokens. Also the fixes these graphs needed, each on its own."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from functools import cache
 from pathlib import Path
@@ -18,7 +19,7 @@ from dlegion_cc.canon.gqa import cache_head_dims
 from dlegion_cc.errors import CompileError
 from dlegion_cc.pipeline import Options, compile_model
 from isa import arch
-from runtime.check import judge
+from runtime.check import flip_one_weight, judge
 from runtime.emulator import run
 from runtime.generate import cache_graph, onnxruntime_loop
 
@@ -116,18 +117,16 @@ def test_real_export_generates_onnxruntimes_tokens(generate, tmp_path, name):
 # --- float exports quantized onto the arrays (dlegion-cc --quantize) ------------------------------
 
 # (matmuls on the arrays, all) of the prefill: the projections and lm_head; Optimum's rotary
-# inv_freq x positions product and the attention products of fewer rows than an array stay fp32.
-QUANTIZED_ON_ARRAYS = {"torch_llama": (17, 19), "optimum_llama": (15, 20), "genai_fp32": (11, 15)}
+# inv_freq x positions product and the attention products of fewer rows than an array stay fp32
+# (GroupQueryAttention's, rewritten into plain ops, have as many rows as the array: in int8).
+QUANTIZED_ON_ARRAYS = {"torch_llama": (17, 19), "optimum_llama": (15, 20), "genai_fp32": (15, 15)}
 
 
 @cache
-def quantized(name: str, mode: str):
-    """The prefill quantized to ``mode``. onnxruntime-genai's with fp32 attention: the float64
-    yardstick does not quantize the products inside GroupQueryAttention that the compiler
-    rewrote (a correct int8-attention program stands 2e-2 from it), so only the weights'
-    quantization is judged there."""
-    seq, past = STEPS["prefill"]
-    attention = "fp32" if name == "genai_fp32" else None
+def quantized(name: str, mode: str, step: str = "prefill", attention: str | None = None):
+    """The ``step`` quantized to ``mode``, with ``attention`` (default: int8 where the compiler
+    puts the products on the arrays)."""
+    seq, past = STEPS[step]
     options = Options(TINY, cache_graph(model(name)).dims(seq, past), quantize=mode, attention=attention)
     _, program = compile_model(model(name), options)
     inputs = step_inputs(name, seq, past)
@@ -154,6 +153,42 @@ def test_float_export_quantized_onto_the_arrays(name, mode):
         assert row.fp64.ours < 1e-5 and row.rel_l2 <= tolerance, row.as_json()
     logits = {r.name: r for r in verdict.rows}["logits"]
     assert logits.rel_l2 > 1e-3          # the quantization is there
+
+
+@pytest.mark.parametrize("mode", ["w8", "w4", "w2"])
+@pytest.mark.parametrize("step", STEPS)
+def test_genai_int8_attention_is_measured_with_its_products_quantized(step, mode):
+    """onnxruntime-genai's fp32 export in ``mode`` with int8 attention (the prefill's default; the
+    decode step's single query row asks for --attention int8): the yardstick rewrites each
+    GroupQueryAttention as the compiler did and quantizes the products the program names, so a
+    correct program is at fp32's distance from it, and one with a weight flipped fails. Judged
+    without the attention's quantization (as the yardstick once did), the same outputs stand
+    2e-2 away in w8."""
+    census, program, inputs, outputs = quantized("genai_fp32", mode, step, None if step == "prefill" else "int8")
+    assert len(program.approximations["int8_attention"]) == 4 and not census.fp32, census.line()
+    good = judge(model("genai_fp32"), inputs, outputs, program_approximations=program.approximations)
+    assert good.fp64 == "evaluated" and good.ok, [r.as_json() for r in good.rows]
+    for row in good.rows:
+        assert row.fp64.ours < 1e-5 < row.fp64.approximation, row.as_json()
+    data, which = flip_one_weight(program.data, program)
+    bad_out = run(dataclasses.replace(program, data=data), TINY, inputs).outputs
+    bad = judge(model("genai_fp32"), inputs, bad_out, program_approximations=program.approximations)
+    logits = {r.name: r for r in bad.rows}["logits"]
+    assert not bad.ok and logits.fp64.ours > 2 * logits.fp64.reference, (which, logits.as_json())
+    if mode == "w8":
+        weights_only = {a: v for a, v in program.approximations.items() if a != "int8_attention"}
+        blind = judge(model("genai_fp32"), inputs, outputs, program_approximations=weights_only)
+        assert {r.name: r for r in blind.rows}["logits"].fp64.ours > 1e-2
+
+
+def test_an_attention_product_the_yardstick_cannot_find_is_reported():
+    """A recorded int8 product that is no MatMul of the model, even once its GroupQueryAttention
+    is rewritten: the float64 evaluation says so instead of leaving the product unquantized."""
+    _, program, inputs, outputs = quantized("genai_fp32", "w8")
+    approximations = {**program.approximations, "int8_attention": ["/model/layers.0/attn/Elsewhere/MatMul_out"]}
+    verdict = judge(model("genai_fp32"), inputs, outputs, program_approximations=approximations)
+    assert verdict.fp64.startswith("failed (the program's int8 attention products "
+                                   "/model/layers.0/attn/Elsewhere/MatMul_out are no MatMul"), verdict.fp64
 
 
 def test_an_integer_attention_mask_takes_ones_as_random_input():
