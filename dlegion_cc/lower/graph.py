@@ -56,8 +56,8 @@ def lower_graph(graph: Graph, arch: Arch, data_file: str | None, switches: Switc
     _materialize_outputs(low, regions)
     program = em.program(data_file)
     program.regions = regions
-    program = prefetch_weights(program, arch) if switches.prefetch else program
     program = side_by_side(program, arch)
+    program = prefetch_weights(program, arch) if switches.prefetch else program
     return overlap(program, arch) if switches.overlap else program
 
 

@@ -37,7 +37,7 @@ from dataclasses import replace
 from isa.arch import Arch
 from isa.expand import absolute
 from isa.fields import QUEUES, Cond, DramRef
-from isa.instructions import Barrier, DmaLoad, DmaStore, Gather, MatMul, Wait
+from isa.instructions import Barrier, DmaLoad, DmaStore, Gather, MatMul, VMatMul, Wait
 from isa.program import Program
 from dlegion_cc.lower.overlap import _meet, footprint, layer_ends
 from runtime.costs import Env, cost
@@ -66,6 +66,7 @@ def reorder(program: Program, arch: Arch) -> tuple[list[tuple[int, object]], lis
         chain = _reach(program, arch, _chain(instrs, arch, spans[:r], matmul, last_of_layer), matmul)
         before = r - len(chain) - 1           # the region before the chain: a matmul's?
         kept = [(k, instrs[k]) for k in matmul]
+        kept = _into_busy(program, arch, order, spans[:before + 1], matmul, kept, last_of_layer)
         tail, kept, taken = _into_tail(program, arch, order, placed.get(before), kept)
         moved = []
         if chain:
@@ -79,6 +80,95 @@ def reorder(program: Program, arch: Arch) -> tuple[list[tuple[int, object]], lis
             placed[r] = range(len(order), len(order) + len(kept))
         order += kept
     return order, _regions(order, spans, old)
+
+
+# What part of a busy node's tail its Legions' shares of DRAM carry the next matmul's weights
+# for: the node's stores queue behind them. (2B4T decode step with a 512-token cache on
+# dlegion-8x8: 0.25 gives 39,615 cycles, 0.5 39,646, 0.75 39,697, 1.0 39,869; none 39,999.)
+TAIL_SHARE = 0.25
+
+
+def _into_busy(program: Program, arch: Arch, order: list, before: list[range], matmul: range,
+               items: list, last_of_layer: set[int]) -> list:
+    """The matmul's first weight loads that go into the tails of the float products before its
+    chain that keep every Legion's DMA queue busy (a decode step's QK^T and PV on the vector
+    lanes, which rather than DRAM set their time; a row kernel streams block after block): on each Legion,
+    just after the node's last load, what its share of DRAM carries in part of the work left
+    after it (``_tails``). Earlier nodes take the first loads. Returns the rest of ``items``."""
+    instrs = program.instrs
+    nodes = []
+    for node in reversed(before):
+        if not (len(node) and isinstance(instrs[node.stop - 1], Barrier)) or node.stop - 1 in last_of_layer:
+            break
+        if any(_touches_weights(instrs[k]) for k in node) or _makes_weights(instrs, node, matmul):
+            break
+        if len(_dma_legions(instrs, node)) == arch.legions and any(isinstance(instrs[k], VMatMul) for k in node):
+            nodes.insert(0, node)
+    for node in nodes:
+        pieces, items = _take(items, _tails(program, arch, node))
+        _interleave(order, node, pieces)
+    return items
+
+
+def _tails(program: Program, arch: Arch, node: range) -> dict[int, float]:
+    """Per Legion, ``TAIL_SHARE`` of the bytes its share of DRAM carries while the node's work
+    after its last load runs on it."""
+    env = Env(tuple(program.tensors), {})
+    work: Counter = Counter()
+    for k in node:
+        i = program.instrs[k]
+        if isinstance(i, (DmaLoad, Gather)):
+            for l in _legions(i):
+                work[l] = 0
+        elif not isinstance(i, (Barrier, Wait, DmaStore)):
+            c = cost(i, arch, env)
+            for l in _legions(i):
+                if l in work:
+                    work[l] += c.cycles
+    share = arch.derived.dram_bytes_per_cycle / arch.legions
+    return {l: work[l] * share * TAIL_SHARE for l in range(arch.legions)}
+
+
+def _take(items: list, room: dict) -> tuple[dict, list]:
+    """Per Legion, the first free weight loads of ``items`` (on that Legion alone, cut to whole
+    rows) up to ``room`` bytes, while its DMA queue has met nothing that waits; and the rest."""
+    open_ = {l: room[l] > 0 for l in room}
+    taken: dict = {l: [] for l in room}
+    rest = []
+    for k, i in items:
+        if isinstance(i, Barrier) or (i.queue() == "dma" and i.condition() is not None):
+            for l in (room if isinstance(i, Barrier) else _legions(i)):
+                open_[l] = False
+        if not (_free_weight_load(i) and any(open_[l] for l in _legions(i))):
+            rest.append((k, i))
+            continue
+        for run, move in _runs(i, open_):
+            if not move:
+                rest.append((k, _part(i, run)))
+                continue
+            for l in run:
+                part = _part(i, range(l, l + 1))
+                rows = max(0, min(part.rows, int(room[l] // part.cols)))
+                if rows < part.rows:
+                    open_[l] = False
+                    part, left = _cut(part, rows)
+                    rest.append((k, left))
+                if rows:
+                    taken[l].append((k, part))
+                    room[l] -= rows * part.cols
+    return taken, rest
+
+
+def _interleave(order: list, node: range, pieces: dict) -> None:
+    """Put each Legion's ``pieces`` in ``order`` just after the node's last load on that Legion."""
+    last = {}
+    for j, (k, i) in enumerate(order):
+        if k is not None and k in node and isinstance(i, (DmaLoad, Gather)):
+            for l in _legions(i):
+                last[l] = j + 1
+    inserts = [(last[l], l, item) for l, items in pieces.items() if l in last for item in items]
+    for j, _, item in sorted(inserts, key=lambda t: (-t[0], -t[1])):
+        order[j:j] = [item]
 
 
 def _into_tail(program: Program, arch: Arch, order: list, prev: range | None, items: list):
