@@ -82,10 +82,12 @@ def reorder(program: Program, arch: Arch) -> tuple[list[tuple[int, object]], lis
     return order, _regions(order, spans, old)
 
 
-# What part of a busy node's tail its Legions' shares of DRAM carry the next matmul's weights
-# for: the node's stores queue behind them. (2B4T decode step with a 512-token cache on
-# dlegion-8x8: 0.25 gives 39,615 cycles, 0.5 39,646, 0.75 39,697, 1.0 39,869; none 39,999.)
-TAIL_SHARE = 0.25
+# What part of a float product's tail its Legions' shares of DRAM carry the next matmul's
+# weights for: the product's last stores queue behind them. 2B4T decode step on dlegion-8x8, layer
+# cycles with a 256-, 512- and 1024-token cache: none 37,723, 39,999, 49,266; 0.25 37,463,
+# 39,615, 48,840; 0.35 37,361, 39,461, 48,670; 0.4 37,310, 39,384, 48,951; 0.45 at 512 39,673,
+# 1.0 39,869 (the stores wait).
+TAIL_SHARE = 0.35
 
 
 def _into_busy(program: Program, arch: Arch, order: list, before: list[range], matmul: range,
