@@ -388,9 +388,22 @@ def _everywhere(arch: Arch, queue: str, legion: int, until: str) -> Wait:
 
 
 def _gates(instrs, arch: Arch, node: range) -> list[tuple[None, Wait]]:
-    """Waits that hold every Legion's moved loads until the node's own loads have landed:
-    sharing DRAM with them would slow the node down."""
-    return [(None, _everywhere(arch, "dma", x, "dma")) for x in _dma_legions(instrs, node)]
+    """Waits that hold the moved loads until the node's own loads have landed: sharing DRAM
+    with them would slow the node down. But one idle Legion's go at once where DRAM serves its
+    flow and each of the node's at a full link's rate (``_free_issuer``)."""
+    free = _free_issuer(instrs, arch, node)
+    spans = [(0, arch.legions)] if free is None else [(0, free), (free + 1, arch.legions - free - 1)]
+    return [(None, Wait(base, "dma", Cond(x, "dma", None, 0), span=count if count > 1 else None))
+            for x in _dma_legions(instrs, node) for base, count in spans if count > 0]
+
+
+def _free_issuer(instrs, arch: Arch, node: range) -> int | None:
+    """The first Legion whose DMA queue the node leaves idle, when DRAM carries one flow more
+    than the node's (one per DMA queue it uses) at a full link's rate; else None."""
+    busy = _dma_legions(instrs, node)
+    d = arch.derived
+    idle = [l for l in range(arch.legions) if l not in busy]
+    return idle[0] if idle and (len(busy) + 1) * d.link_bytes_per_cycle <= d.dram_bytes_per_cycle else None
 
 
 def _tail(instrs, node: range) -> range:
