@@ -7,7 +7,9 @@ wait for nothing to just after the kernel's last load. Once the kernel's own loa
 (sharing DRAM with them would slow the kernel down), they stream while it computes and stores.
 
 - **How much.** As many bytes as DRAM carries in the kernel's time (``_window``), an equal
-  share for each Legion: a Legion that got less would hold up the whole matmul.
+  share for each Legion: a Legion that got less would hold up the whole matmul. They wait for
+  the kernel's own loads to land, but one idle Legion's, which start at once where DRAM serves
+  that flow and the kernel's at a full link's rate each (``_free_issuer``).
 - **The kernel's barrier** gives way to waits that do what it did but for the moved loads
   (``_hand_off``): every queue waits for every queue the kernel ran on. A barrier would hold
   everything until the moved loads had landed, a DRAM round trip in which DRAM idles.
@@ -24,6 +26,11 @@ wait for nothing to just after the kernel's last load. Once the kernel's own loa
   waits on the matrix queue for that read. No more is moved than leaves DRAM busy during the
   matmul's own passes (``_streaming``): at decode a pass of one row takes as long as one of
   sixteen, and weights all loaded early would leave its passes with DRAM idle.
+- **Into the products' tails.** At decode, attention's QK^T and PV run on the vector lanes,
+  which set their time, on every Legion: after each Legion's last load of such a product, its
+  lanes still work while DRAM idles, so a part of that time carries the next matmul's first
+  weights, on the Legion's own queue (``_into_busy``); the product's last stores queue behind
+  them, so only a part (``TAIL_SHARE``).
 - **Reports.** The moved loads form an entry of the matmul's region, so they count with it.
 
 Moving instructions changes what a relative condition (``dma~2``) stands for, so every one is
