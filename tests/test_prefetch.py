@@ -55,12 +55,25 @@ def test_each_projections_first_weights_load_during_the_kernel_before():
 
 def test_a_kernel_on_every_legion_leaves_no_time_to_fill(tmp_path):
     """With 16 rows of 256 on two Legions, each row kernel keeps both DMA queues busy: nothing
-    moves."""
+    moves into them. With attention's products in fp32 on the vector lanes, the next matmul's
+    first weights go into the products' tails only."""
     path = tmp_path / "bitnet.onnx"
     save(build_bitnet(preset("tiny", hidden=256, ffn=512, layers=1, seq=16, vocab=64)), path, False)
     tiny = arch.load("dlegion-tiny")
-    on, off = (compile_model(path, Options(tiny, prefetch=p, attention="fp32"))[1] for p in (True, False))
+    on, off = (compile_model(path, Options(tiny, prefetch=p, attention="int8"))[1] for p in (True, False))
     assert on.instrs == off.instrs and on.regions == off.regions
+    on, off = (compile_model(path, Options(tiny, prefetch=p, attention="fp32"))[1] for p in (True, False))
+    ends = [at for at, _ in on.regions[1:]] + [len(on.instrs)]
+    entries = [(name, range(at, end)) for (at, name), end in zip(on.regions, ends)]
+    inside = [n for n in range(1, len(entries) - 1) if entries[n - 1][0] == entries[n + 1][0]]
+    assert inside
+    for n in inside:
+        around = [on.instrs[k].MNEMONIC for k in entries[n - 1][1]]
+        assert "vmm" in around and "mm" not in around
+        assert all(isinstance(on.instrs[k], DmaLoad) and on.instrs[k].dst.space == "wgt" for k in entries[n][1])
+    # only loads moved: the rest is the same instructions in the same order
+    assert [i.MNEMONIC for i in on.instrs if not isinstance(i, DmaLoad)] == \
+        [i.MNEMONIC for i in off.instrs if not isinstance(i, DmaLoad)]
 
 
 def test_every_condition_still_covers_what_it_covered():

@@ -71,3 +71,25 @@ def test_the_step_is_race_free_onnxruntimes_and_faster(step):
     want = run(plain, EIGHT, inputs).outputs
     assert all(np.array_equal(outputs[k], want[k]) for k in want)
     assert simulate(program, EIGHT).cycles < simulate(plain, EIGHT).cycles
+
+
+def test_the_output_projections_weights_load_in_the_tails_of_attentions_products(step):
+    _, program = step()
+    entries = _entries(program)
+    inside = {}
+    for n, (name, span) in enumerate(entries[1:-1], 1):
+        around = entries[n - 1][0]
+        if "o_proj" in name and around == entries[n + 1][0] and "MatMul_5" in around:
+            loads = [program.instrs[k] for k in span]
+            assert all(isinstance(i, DmaLoad) and i.dst.space == "wgt" and i.wait is None for i in loads)
+            inside.setdefault(around, set()).update(i.legion for i in loads)
+    # in QK^T's and PV's nodes, on every Legion, each its own share on its own DMA queue
+    assert len(inside) == 2 and all(ls == set(range(EIGHT.legions)) for ls in inside.values())
+    # what moved is loaded once: the matmul's weight bytes are those of the program without it
+    _, plain = step(prefetch=False)
+    assert _weight_bytes(program) == _weight_bytes(plain)
+
+
+def _weight_bytes(program) -> int:
+    return sum(i.rows * i.cols * (i.span or 1) for i in program.instrs
+               if isinstance(i, DmaLoad) and i.dst.space == "wgt")

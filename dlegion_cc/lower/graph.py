@@ -15,6 +15,7 @@ from dlegion_cc.ir import DLEGION, Graph, Node
 from dlegion_cc.lower import carry, rowblocks
 from dlegion_cc.lower import elementwise, fmatmul, fused, movement, qmatmul, quant, reduce  # noqa: F401
 from dlegion_cc.lower.context import LOWERINGS, Lowering, Switches
+from dlegion_cc.lower.concurrent import side_by_side
 from dlegion_cc.lower.emitter import ConstData, Emitter
 from dlegion_cc.lower.movement import nd_copy
 from dlegion_cc.lower.overlap import overlap
@@ -55,6 +56,7 @@ def lower_graph(graph: Graph, arch: Arch, data_file: str | None, switches: Switc
     _materialize_outputs(low, regions)
     program = em.program(data_file)
     program.regions = regions
+    program = side_by_side(program, arch)
     program = prefetch_weights(program, arch) if switches.prefetch else program
     return overlap(program, arch) if switches.overlap else program
 

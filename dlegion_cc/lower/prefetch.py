@@ -7,7 +7,9 @@ wait for nothing to just after the kernel's last load. Once the kernel's own loa
 (sharing DRAM with them would slow the kernel down), they stream while it computes and stores.
 
 - **How much.** As many bytes as DRAM carries in the kernel's time (``_window``), an equal
-  share for each Legion: a Legion that got less would hold up the whole matmul.
+  share for each Legion: a Legion that got less would hold up the whole matmul. They wait for
+  the kernel's own loads to land, but one idle Legion's, which start at once where DRAM serves
+  that flow and the kernel's at a full link's rate each (``_free_issuer``).
 - **The kernel's barrier** gives way to waits that do what it did but for the moved loads
   (``_hand_off``): every queue waits for every queue the kernel ran on. A barrier would hold
   everything until the moved loads had landed, a DRAM round trip in which DRAM idles.
@@ -24,6 +26,11 @@ wait for nothing to just after the kernel's last load. Once the kernel's own loa
   waits on the matrix queue for that read. No more is moved than leaves DRAM busy during the
   matmul's own passes (``_streaming``): at decode a pass of one row takes as long as one of
   sixteen, and weights all loaded early would leave its passes with DRAM idle.
+- **Into the products' tails.** At decode, attention's QK^T and PV run on the vector lanes,
+  which set their time, on every Legion: after each Legion's last load of such a product, its
+  lanes still work while DRAM idles, so a part of that time carries the next matmul's first
+  weights, on the Legion's own queue (``_into_busy``); the product's last stores queue behind
+  them, so only a part (``TAIL_SHARE``).
 - **Reports.** The moved loads form an entry of the matmul's region, so they count with it.
 
 Moving instructions changes what a relative condition (``dma~2``) stands for, so every one is
@@ -37,7 +44,7 @@ from dataclasses import replace
 from isa.arch import Arch
 from isa.expand import absolute
 from isa.fields import QUEUES, Cond, DramRef
-from isa.instructions import Barrier, DmaLoad, DmaStore, Gather, MatMul, Wait
+from isa.instructions import Barrier, DmaLoad, DmaStore, Gather, MatMul, VMatMul, Wait
 from isa.program import Program
 from dlegion_cc.lower.overlap import _meet, footprint, layer_ends
 from runtime.costs import Env, cost
@@ -66,6 +73,7 @@ def reorder(program: Program, arch: Arch) -> tuple[list[tuple[int, object]], lis
         chain = _reach(program, arch, _chain(instrs, arch, spans[:r], matmul, last_of_layer), matmul)
         before = r - len(chain) - 1           # the region before the chain: a matmul's?
         kept = [(k, instrs[k]) for k in matmul]
+        kept = _into_busy(program, arch, order, spans[:before + 1], matmul, kept, last_of_layer)
         tail, kept, taken = _into_tail(program, arch, order, placed.get(before), kept)
         moved = []
         if chain:
@@ -79,6 +87,97 @@ def reorder(program: Program, arch: Arch) -> tuple[list[tuple[int, object]], lis
             placed[r] = range(len(order), len(order) + len(kept))
         order += kept
     return order, _regions(order, spans, old)
+
+
+# What part of a float product's tail its Legions' shares of DRAM carry the next matmul's
+# weights for: the product's last stores queue behind them. 2B4T decode step on dlegion-8x8, layer
+# cycles with a 256-, 512- and 1024-token cache: none 37,723, 39,999, 49,266; 0.25 37,463,
+# 39,615, 48,840; 0.35 37,361, 39,461, 48,670; 0.4 37,310, 39,384, 48,951; 0.45 at 512 39,673,
+# 1.0 39,869 (the stores wait).
+TAIL_SHARE = 0.35
+
+
+def _into_busy(program: Program, arch: Arch, order: list, before: list[range], matmul: range,
+               items: list, last_of_layer: set[int]) -> list:
+    """The matmul's first weight loads that go into the tails of the float products before its
+    chain that keep every Legion's DMA queue busy (a decode step's QK^T and PV on the vector
+    lanes, which rather than DRAM set their time; a row kernel streams block after block): on each Legion,
+    just after the node's last load, what its share of DRAM carries in part of the work left
+    after it (``_tails``). Earlier nodes take the first loads. Returns the rest of ``items``."""
+    instrs = program.instrs
+    nodes = []
+    for node in reversed(before):
+        if not (len(node) and isinstance(instrs[node.stop - 1], Barrier)) or node.stop - 1 in last_of_layer:
+            break
+        if any(_touches_weights(instrs[k]) for k in node) or _makes_weights(instrs, node, matmul):
+            break
+        if len(_dma_legions(instrs, node)) == arch.legions and any(isinstance(instrs[k], VMatMul) for k in node):
+            nodes.insert(0, node)
+    for node in nodes:
+        pieces, items = _take(items, _tails(program, arch, node))
+        _interleave(order, node, pieces)
+    return items
+
+
+def _tails(program: Program, arch: Arch, node: range) -> dict[int, float]:
+    """Per Legion, ``TAIL_SHARE`` of the bytes its share of DRAM carries while the node's work
+    after its last load runs on it."""
+    env = Env(tuple(program.tensors), {})
+    work: Counter = Counter()
+    for k in node:
+        i = program.instrs[k]
+        if isinstance(i, (DmaLoad, Gather)):
+            for l in _legions(i):
+                work[l] = 0
+        elif not isinstance(i, (Barrier, Wait, DmaStore)):
+            c = cost(i, arch, env)
+            for l in _legions(i):
+                if l in work:
+                    work[l] += c.cycles
+    share = arch.derived.dram_bytes_per_cycle / arch.legions
+    return {l: work[l] * share * TAIL_SHARE for l in range(arch.legions)}
+
+
+def _take(items: list, room: dict) -> tuple[dict, list]:
+    """Per Legion, the first free weight loads of ``items`` (on that Legion alone, cut to whole
+    rows) up to ``room`` bytes, while its DMA queue has met nothing that waits; and the rest."""
+    open_ = {l: room[l] > 0 for l in room}
+    taken: dict = {l: [] for l in room}
+    rest = []
+    for k, i in items:
+        if isinstance(i, Barrier) or (i.queue() == "dma" and i.condition() is not None):
+            for l in (room if isinstance(i, Barrier) else _legions(i)):
+                open_[l] = False
+        if not (_free_weight_load(i) and any(open_[l] for l in _legions(i))):
+            rest.append((k, i))
+            continue
+        for run, move in _runs(i, open_):
+            if not move:
+                rest.append((k, _part(i, run)))
+                continue
+            for l in run:
+                part = _part(i, range(l, l + 1))
+                rows = max(0, min(part.rows, int(room[l] // part.cols)))
+                if rows < part.rows:
+                    open_[l] = False
+                    part, left = _cut(part, rows)
+                    rest.append((k, left))
+                if rows:
+                    taken[l].append((k, part))
+                    room[l] -= rows * part.cols
+    return taken, rest
+
+
+def _interleave(order: list, node: range, pieces: dict) -> None:
+    """Put each Legion's ``pieces`` in ``order`` just after the node's last load on that Legion."""
+    last = {}
+    for j, (k, i) in enumerate(order):
+        if k is not None and k in node and isinstance(i, (DmaLoad, Gather)):
+            for l in _legions(i):
+                last[l] = j + 1
+    inserts = [(last[l], l, item) for l, items in pieces.items() if l in last for item in items]
+    for j, _, item in sorted(inserts, key=lambda t: (-t[0], -t[1])):
+        order[j:j] = [item]
 
 
 def _into_tail(program: Program, arch: Arch, order: list, prev: range | None, items: list):
@@ -296,9 +395,22 @@ def _everywhere(arch: Arch, queue: str, legion: int, until: str) -> Wait:
 
 
 def _gates(instrs, arch: Arch, node: range) -> list[tuple[None, Wait]]:
-    """Waits that hold every Legion's moved loads until the node's own loads have landed:
-    sharing DRAM with them would slow the node down."""
-    return [(None, _everywhere(arch, "dma", x, "dma")) for x in _dma_legions(instrs, node)]
+    """Waits that hold the moved loads until the node's own loads have landed: sharing DRAM
+    with them would slow the node down. But one idle Legion's go at once where DRAM serves its
+    flow and each of the node's at a full link's rate (``_free_issuer``)."""
+    free = _free_issuer(instrs, arch, node)
+    spans = [(0, arch.legions)] if free is None else [(0, free), (free + 1, arch.legions - free - 1)]
+    return [(None, Wait(base, "dma", Cond(x, "dma", None, 0), span=count if count > 1 else None))
+            for x in _dma_legions(instrs, node) for base, count in spans if count > 0]
+
+
+def _free_issuer(instrs, arch: Arch, node: range) -> int | None:
+    """The first Legion whose DMA queue the node leaves idle, when DRAM carries one flow more
+    than the node's (one per DMA queue it uses) at a full link's rate; else None."""
+    busy = _dma_legions(instrs, node)
+    d = arch.derived
+    idle = [l for l in range(arch.legions) if l not in busy]
+    return idle[0] if idle and (len(busy) + 1) * d.link_bytes_per_cycle <= d.dram_bytes_per_cycle else None
 
 
 def _tail(instrs, node: range) -> range:
