@@ -132,7 +132,9 @@ def test_rows_per_block_deal_full_rounds_where_they_can():
     from dlegion_cc.lower.rowwise import _balanced
     assert _balanced(20, 21, 8) == 20            # one block holds them: one Legion, the next kernel the next
     assert _balanced(256, 21, 8) == 16           # two full rounds of 8 blocks, not 12 blocks of 21 and a tail
-    assert _balanced(100, 21, 8) == 20           # one round of 5 equal blocks
+    assert _balanced(100, 21, 8) == 13           # one round: 8 Legions of 13 rows (the last 9), not 5 of 20
+    assert _balanced(20, 15, 8) == 3             # a decode step's softmax, 20 heads: 3 rows a Legion, not 4
+    assert _balanced(64, 21, 8) == 8             # full blocks where they are as even
     assert _balanced(257, 21, 8) == 17           # a prime: as even as it gets, one short block left
 
 

@@ -264,7 +264,10 @@ def _balanced(rows: int, most: int, legions: int) -> int:
         return rows
     rounds = -(-rows // (most * legions))
     block = -(-rows // (rounds * legions))
-    return next((d for d in range(block, most + 1) if rows % d == 0), block)
+    full = next((d for d in range(block, most + 1) if rows % d == 0), block)
+    # In a single round a shorter last block overlaps nothing anyway: full blocks only where they
+    # leave no Legion more rows (a decode step's softmax, 20 heads: 7 blocks of 3, not 5 of 4)
+    return block if rounds == 1 and full > block else full
 
 
 def _groups(rows: int, most: int, legions: int):
