@@ -43,13 +43,12 @@ def _rounded(a64: np.ndarray, b64: np.ndarray) -> np.ndarray:
 def _rounds_alike(s: np.ndarray, err: np.ndarray, out: np.ndarray) -> np.ndarray:
     """True where every value within ``err`` of ``s`` rounds to ``out``; also where ``s`` is
     not finite, as any order gives the same infinity or NaN from the same products."""
-    # out's fp32 gap away from zero is its spacing, and so is the gap toward zero unless out
-    # is a power of two. Where s is short of half the gap on its side by a margin far above
-    # fp64's rounding, the whole interval rounds to out: only the rest needs the midpoints.
-    r = out.astype(np.float64)
-    spacing = np.abs(np.spacing(out)).astype(np.float64)
-    alike = (np.abs(s - r) + err < spacing * _HALF_GAP) & (spacing < np.inf)
-    alike &= ((out.view(np.int32) & _MANTISSA) != 0) | ((s > r) == (out > 0))
+    # Rounding to fp32 is monotone: when both ends of the interval round to one value, so does
+    # every value between them (out, the rounded s, among them). The ends' own fp64 rounding
+    # is covered by err's margin (twice gamma_K). A tie on an end that err does not widen
+    # (zero) is left to the midpoints, as a tie is the exact sum's to settle.
+    lo, hi = s - err, s + err
+    alike = (lo.astype(np.float32) == hi.astype(np.float32)) & (err > 0)
     doubt = ~alike
     if doubt.any():
         alike[doubt] = _within_edges(s[doubt], err[doubt], out[doubt])
