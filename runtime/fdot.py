@@ -31,8 +31,12 @@ def _rounded(a64: np.ndarray, b64: np.ndarray) -> np.ndarray:
     out = s.astype(np.float32)
     if a64.shape[-1] <= 1 or out.size == 0:
         return out                       # one product is exact in fp64: nothing to round twice
-    # Twice gamma_K: room for the rounding of the bound itself.
-    err = (np.abs(a64) @ np.abs(b64)) * (2.0 * a64.shape[-1] * _UNIT)
+    # sum |a_k b_k| <= |a| |b| (Cauchy-Schwarz): one norm per row and column instead of a
+    # second product. Twice gamma_K: room for the rounding of the bound itself (the squares
+    # of fp32 values are exact in fp64, their sums within gamma_K).
+    rows = np.sqrt((a64 * a64).sum(axis=-1))[..., :, None]
+    cols = np.sqrt((b64 * b64).sum(axis=-2))[..., None, :]
+    err = (rows * cols) * (2.0 * a64.shape[-1] * _UNIT)
     batch = out.shape[:-2]
     a64, b64 = np.broadcast_to(a64, batch + a64.shape[-2:]), np.broadcast_to(b64, batch + b64.shape[-2:])
     for *batch, m, n in zip(*np.nonzero(~_rounds_alike(s, err, out))):
