@@ -15,8 +15,6 @@ import numpy as np
 
 _UNIT = 2.0 ** -53                       # fp64's unit roundoff
 _OVERFLOW = 2.0 ** 128 - 2.0 ** 103      # the smallest magnitude that rounds to fp32 infinity
-_HALF_GAP = 0.5 * (1 - 2.0 ** -20)       # half of a gap, less a margin for fp64 rounding
-_MANTISSA = (1 << 23) - 1                # an fp32's fraction bits
 
 
 def rounded_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
