@@ -23,6 +23,7 @@ compiler writes and are not tracked.)
 """
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left, bisect_right
 from operator import gt
 
@@ -66,15 +67,16 @@ class Order:
         comparison for the whole span instead of one per Legion."""
         n, kinds = len(self.queue), len(QUEUES)
         if not n:
-            self.own_known, self.top_place, self.own_by_kind = [], [], [[] for _ in QUEUES]
+            self.own_known, self.top_place, self.own_by_kind = [], [], [array("i") for _ in QUEUES]
             return
         own = (tasks.legion != NONE) & (tasks.queue >= 0) & (tasks.queue < kinds)
         cols = np.clip(tasks.legion, 0, None)[:, None] * kinds + np.arange(kinds)
         diag = np.take_along_axis(self.known, np.clip(cols, 0, self.nq - 1), axis=1).astype(np.int64)
         diag[~own] = -1                       # no shortcut for a task off the machine's queues
         self.own_known = np.minimum.reduceat(diag, tasks.first, axis=0).tolist()
-        # Per queue kind, per task: the count of that kind of queue of its own Legion it knows.
-        self.own_by_kind = [diag[:, q].tolist() for q in range(kinds)]
+        # Per queue kind, per task: the count of that kind of queue of its own Legion it knows
+        # (as machine integers: sliced like lists, without an int object per element).
+        self.own_by_kind = [array("i", np.ascontiguousarray(diag[:, q], np.int32).tobytes()) for q in range(kinds)]
         place = np.where(own, self.place, np.iinfo(np.int64).max)
         self.top_place = np.maximum.reduceat(place, tasks.first).tolist()
 
