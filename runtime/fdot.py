@@ -15,8 +15,6 @@ import numpy as np
 
 _UNIT = 2.0 ** -53                       # fp64's unit roundoff
 _OVERFLOW = 2.0 ** 128 - 2.0 ** 103      # the smallest magnitude that rounds to fp32 infinity
-_HALF_GAP = 0.5 * (1 - 2.0 ** -20)       # half of a gap, less a margin for fp64 rounding
-_MANTISSA = (1 << 23) - 1                # an fp32's fraction bits
 
 
 def rounded_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -31,8 +29,12 @@ def _rounded(a64: np.ndarray, b64: np.ndarray) -> np.ndarray:
     out = s.astype(np.float32)
     if a64.shape[-1] <= 1 or out.size == 0:
         return out                       # one product is exact in fp64: nothing to round twice
-    # Twice gamma_K: room for the rounding of the bound itself.
-    err = (np.abs(a64) @ np.abs(b64)) * (2.0 * a64.shape[-1] * _UNIT)
+    # sum |a_k b_k| <= |a| |b| (Cauchy-Schwarz): one norm per row and column instead of a
+    # second product. Twice gamma_K: room for the rounding of the bound itself (the squares
+    # of fp32 values are exact in fp64, their sums within gamma_K).
+    rows = np.sqrt((a64 * a64).sum(axis=-1))[..., :, None]
+    cols = np.sqrt((b64 * b64).sum(axis=-2))[..., None, :]
+    err = (rows * cols) * (2.0 * a64.shape[-1] * _UNIT)
     batch = out.shape[:-2]
     a64, b64 = np.broadcast_to(a64, batch + a64.shape[-2:]), np.broadcast_to(b64, batch + b64.shape[-2:])
     for *batch, m, n in zip(*np.nonzero(~_rounds_alike(s, err, out))):
@@ -43,13 +45,12 @@ def _rounded(a64: np.ndarray, b64: np.ndarray) -> np.ndarray:
 def _rounds_alike(s: np.ndarray, err: np.ndarray, out: np.ndarray) -> np.ndarray:
     """True where every value within ``err`` of ``s`` rounds to ``out``; also where ``s`` is
     not finite, as any order gives the same infinity or NaN from the same products."""
-    # out's fp32 gap away from zero is its spacing, and so is the gap toward zero unless out
-    # is a power of two. Where s is short of half the gap on its side by a margin far above
-    # fp64's rounding, the whole interval rounds to out: only the rest needs the midpoints.
-    r = out.astype(np.float64)
-    spacing = np.abs(np.spacing(out)).astype(np.float64)
-    alike = (np.abs(s - r) + err < spacing * _HALF_GAP) & (spacing < np.inf)
-    alike &= ((out.view(np.int32) & _MANTISSA) != 0) | ((s > r) == (out > 0))
+    # Rounding to fp32 is monotone: when both ends of the interval round to one value, so does
+    # every value between them (out, the rounded s, among them). The ends' own fp64 rounding
+    # is covered by err's margin (twice gamma_K). A tie on an end that err does not widen
+    # (zero) is left to the midpoints, as a tie is the exact sum's to settle.
+    lo, hi = s - err, s + err
+    alike = (lo.astype(np.float32) == hi.astype(np.float32)) & (err > 0)
     doubt = ~alike
     if doubt.any():
         alike[doubt] = _within_edges(s[doubt], err[doubt], out[doubt])

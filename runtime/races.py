@@ -23,7 +23,9 @@ compiler writes and are not tracked.)
 """
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left, bisect_right
+from operator import gt
 
 import numpy as np
 
@@ -65,13 +67,16 @@ class Order:
         comparison for the whole span instead of one per Legion."""
         n, kinds = len(self.queue), len(QUEUES)
         if not n:
-            self.own_known, self.top_place = [], []
+            self.own_known, self.top_place, self.own_by_kind = [], [], [array("i") for _ in QUEUES]
             return
         own = (tasks.legion != NONE) & (tasks.queue >= 0) & (tasks.queue < kinds)
         cols = np.clip(tasks.legion, 0, None)[:, None] * kinds + np.arange(kinds)
         diag = np.take_along_axis(self.known, np.clip(cols, 0, self.nq - 1), axis=1).astype(np.int64)
         diag[~own] = -1                       # no shortcut for a task off the machine's queues
         self.own_known = np.minimum.reduceat(diag, tasks.first, axis=0).tolist()
+        # Per queue kind, per task: the count of that kind of queue of its own Legion it knows
+        # (as machine integers: sliced like lists, without an int object per element).
+        self.own_by_kind = [array("i", np.ascontiguousarray(diag[:, q], np.int32).tobytes()) for q in range(kinds)]
         place = np.where(own, self.place, np.iinfo(np.int64).max)
         self.top_place = np.maximum.reduceat(place, tasks.first).tolist()
 
@@ -377,6 +382,7 @@ class RaceCheck:
         self._queue, self._place = self.order.queue.tolist(), self.order.place.tolist()
         self._origin = self.order.origin.tolist()
         self._own_known, self._top_place = self.order.own_known, self.order.top_place
+        self._own_by_kind = self.order.own_by_kind
         self._shapes: dict[tuple, tuple] = {}           # window -> its bounds and rectangle
         # Run in program order, a read after a tensor's last store meets no later write: it is
         # checked against the writes kept, and not kept itself.
@@ -416,13 +422,18 @@ class RaceCheck:
         ledger, end, k, own, queue = self.spads[view.space], legion + span, self._now, self._own, self._queue
         replaced, unordered, items = [], [], ledger.items
         here = queue[k] // len(QUEUES) == legion     # not a transfer into another Legion
+        by_kind, place = self._own_by_kind, self._place
         # The tests that settle most pairs at once are inlined (this runs once per kept access
-        # met, the hottest loop of the check): the same tasks' own earlier access, and an
-        # instruction every rank of which knows every rank of ``old`` done (see Order._own_bounds).
+        # met, the hottest loop of the check): the same tasks' own earlier access, and, when
+        # both run on the Legions they access, an instruction every rank of which knows every
+        # rank of ``old`` done (see Order._own_bounds), or each rank old's rank on its Legion.
         for n in ledger.meeting(lo, hi, rect, legion, end):
             old = items[n]
             if (write or old.write) and not (old.k == k and old.first == legion) and (
-                    own[old.kind] <= old.top or not here or queue[old.k] // len(QUEUES) != old.first):
+                    not here or queue[old.k] // len(QUEUES) != old.first or (
+                        own[old.kind] <= old.top and not all(map(
+                            gt, by_kind[old.kind][k + max(0, old.first - legion):k + min(end, old.end) - legion],
+                            place[old.k + max(0, legion - old.first):old.k + min(end, old.end) - old.first])))):
                 r = self._first_unordered(old, write, legion, end)
                 if r is not None:
                     unordered.append((r, n))

@@ -202,6 +202,27 @@ dma.st L0 @y[0,64] vec[64,64,1] rows=1 cols=64 span=8 lstride=64 wait=vec""")
     np.testing.assert_array_equal(out.outputs["y"], 2 * X8["x"])
 
 
+# Legions 2 and 3 load once more before the spanned load: its ranks sit at unequal places on
+# their queues, so no one bound covers the span and each rank is settled on its own Legion.
+UNEVEN = """dma.ld L2 {2} vec[128,64,1] @x[0,64] rows=1 cols=64 span=2 lstride=64
+dma.ld L0 {0} vec[0,64,1] @x[0,64] rows=1 cols=64 span=8 lstride=64
+"""
+
+
+def test_ranks_at_unequal_places_each_waiting_on_its_own_legion_are_ordered():
+    out = emulate8(UNEVEN + """vmul L0 vec[64,64,1] vec[0,64,1] #2 rows=1 cols=64 span=8 wait=dma
+dma.st L0 @y[0,64] vec[64,64,1] rows=1 cols=64 span=8 lstride=64 wait=vec""")
+    np.testing.assert_array_equal(out.outputs["y"], 2 * X8["x"])
+
+
+@pytest.mark.parametrize("first, wait, raced", [(0, "L0.dma>=1", 1), (2, "L2.dma>=2", 3), (1, "L1.dma>=1", 2)])
+def test_one_rank_not_waiting_on_its_own_legion_races_there(first, wait, raced):
+    """Each span waits for its first Legion's load only: its next rank reads before its own
+    Legion's load has landed."""
+    with pytest.raises(Trap, match=rf"race on L{raced} vec\[0\]: line 6 \(dma.ld\) wrote it"):
+        emulate8(UNEVEN + f"vmul L{first} vec[64,64,1] vec[0,64,1] #2 rows=1 cols=64 span=2 wait={wait}")
+
+
 def test_the_ranks_of_one_store_that_overlap_race():
     with pytest.raises(Trap, match=r"6: dma.st: race on @t\[32\]: line 6 \(dma.st\) wrote it"):
         emulate8("""dma.ld L0 {0} vec[0,64,1] @x[0,64] rows=1 cols=64 span=8 lstride=64
