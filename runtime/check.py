@@ -97,6 +97,8 @@ class Comparison:
     nonfinite: int = 0              # elements finite in one only
     fp64: Fp64 | None = None
     top1: Top1 | None = None
+    # an intermediate not compared: why the program's tensor under this name is not its value
+    not_the_value: str | None = None
 
     def as_json(self) -> dict:
         finite = lambda x: x if x is None or np.isfinite(x) else None     # noqa: E731 (JSON has no inf)
@@ -280,8 +282,21 @@ def compare_intermediates(model, inputs, result, tol: float = REL_L2_TOLERANCE,
         if name not in ref:
             continue
         want = ref[name]
+        why = not_the_value(value, want)
+        if why:
+            rows.append(Comparison(name, str(want.dtype), False, float("nan"), float("nan"), 0, True,
+                                   not_the_value=why))
+            continue
         rows.append(compare_one(name, value.astype(want.dtype, copy=False).reshape(want.shape), want, tol))
     return rows
+
+
+def not_the_value(ours: np.ndarray, ref: np.ndarray) -> str | None:
+    """Why a DRAM tensor bound to a model value cannot hold it, if it cannot: integer storage of
+    a float value that is not all integers (codes of it, such as a quantized copy)."""
+    if ours.dtype.kind in "iu" and np.issubdtype(ref.dtype, np.floating) and not np.array_equal(ref, np.round(ref)):
+        return f"the program holds it as {ours.dtype} while the model's values are not integers"
+    return None
 
 
 # --- the verdict of ``dlegion-run --check`` ----------------------------------------------------
