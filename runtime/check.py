@@ -97,6 +97,8 @@ class Comparison:
     nonfinite: int = 0              # elements finite in one only
     fp64: Fp64 | None = None
     top1: Top1 | None = None
+    # an intermediate not compared: why the program's tensor under this name is not its value
+    not_the_value: str | None = None
 
     def as_json(self) -> dict:
         finite = lambda x: x if x is None or np.isfinite(x) else None     # noqa: E731 (JSON has no inf)
@@ -252,6 +254,36 @@ def compare(ours: dict[str, np.ndarray], ref: dict[str, np.ndarray],
     return [compare_one(n, ours[n], ref[n], tol) for n in ref]
 
 
+REWRITTEN = "the program writes its tensor again in place after a reader: the run leaves another value there"
+
+
+def written_after_read(program) -> set[str]:
+    """Graph values whose DRAM tensor a store writes where a load of it has already read (in
+    program order): written in place after a reader, what the run leaves there is not the value
+    its producer left, so it cannot be compared as that value."""
+    from isa.expand import DRAM_FIELD, dram_of
+    from isa.instructions import DmaLoad, DmaStore
+    read = {i: np.zeros(t.numel, np.bool_) for i, t in enumerate(program.tensors)
+            if t.kind == "scratch" and t.io_name}
+    out = set()
+    for ins in getattr(program.instrs, "source", program.instrs):
+        field = DRAM_FIELD.get(type(ins))
+        if field is None or getattr(ins, field).tensor not in read:
+            continue
+        seen = read[getattr(ins, field).tensor]
+        for rank in range(getattr(ins, "span", None) or 1):
+            if not isinstance(ins, (DmaLoad, DmaStore)):       # a gather: rows chosen by the data
+                seen[:] = True
+                continue
+            ref = dram_of(ins, rank)
+            at = ref.offset + np.arange(ins.rows)[:, None] * ref.rs + np.arange(ins.cols)
+            if isinstance(ins, DmaLoad):
+                seen[at] = True
+            elif seen[at].any():
+                out.add(program.tensors[ref.tensor].io_name)
+    return out
+
+
 def intermediates(program, machine) -> dict[str, np.ndarray]:
     """Every DRAM tensor the compiler bound to a graph value, as the run left it."""
     out = {}
@@ -275,13 +307,27 @@ def compare_intermediates(model, inputs, result, tol: float = REL_L2_TOLERANCE,
     """Each surviving intermediate against onnxruntime's, in program order."""
     ours = intermediates(result.program, result.machine)
     ref = onnx_intermediates(model, inputs, list(ours), reference)
+    rewritten = written_after_read(result.program)
     rows = []
     for name, value in ours.items():
         if name not in ref:
             continue
         want = ref[name]
+        why = REWRITTEN if name in rewritten else not_the_value(value, want)
+        if why:
+            rows.append(Comparison(name, str(want.dtype), False, float("nan"), float("nan"), 0, True,
+                                   not_the_value=why))
+            continue
         rows.append(compare_one(name, value.astype(want.dtype, copy=False).reshape(want.shape), want, tol))
     return rows
+
+
+def not_the_value(ours: np.ndarray, ref: np.ndarray) -> str | None:
+    """Why a DRAM tensor bound to a model value cannot hold it, if it cannot: integer storage of
+    a float value that is not all integers (codes of it, such as a quantized copy)."""
+    if ours.dtype.kind in "iu" and np.issubdtype(ref.dtype, np.floating) and not np.array_equal(ref, np.round(ref)):
+        return f"the program holds it as {ours.dtype} while the model's values are not integers"
+    return None
 
 
 # --- the verdict of ``dlegion-run --check`` ----------------------------------------------------
