@@ -12,7 +12,7 @@ from isa.program import Program
 from isa.progress import SILENT, Progress
 from dlegion_cc.errors import UnsupportedNodes
 from dlegion_cc.ir import DLEGION, Graph, Node
-from dlegion_cc.lower import carry, rowblocks
+from dlegion_cc.lower import carry, heads, rowblocks
 from dlegion_cc.lower import elementwise, fmatmul, fused, movement, qmatmul, quant, reduce  # noqa: F401
 from dlegion_cc.lower.context import LOWERINGS, Lowering, Switches
 from dlegion_cc.lower.emitter import ConstData, Emitter
@@ -33,8 +33,16 @@ def lower_graph(graph: Graph, arch: Arch, data_file: str | None, switches: Switc
     with progress.task("lowering", len(graph.nodes)) as advance:
         at = 0
         while at < len(graph.nodes):
-            chain, ranges = rowblocks.plan(low, graph.nodes, at) if switches.row_blocks else ([], [])
-            if chain:               # matmuls and row kernels pipelined by row blocks
+            attention, groups = heads.plan(low, graph.nodes, at) if switches.head_groups else ({}, [])
+            chain, ranges = rowblocks.plan(low, graph.nodes, at) if switches.row_blocks and not attention else ([], [])
+            if attention:           # attention's products and softmax pipelined by head groups
+                heads.lower_attention(low, attention, groups, _lower_node, regions, region_name)
+                em.barrier()
+                for node in (attention["qk"], attention["softmax"], attention["pv"]):
+                    _record_approximations(em, node)
+                chain = [attention["qk"], attention["softmax"], attention["pv"],
+                         *attention["between"]["before"], *attention["between"]["after"]]
+            elif chain:               # matmuls and row kernels pipelined by row blocks
                 rowblocks.lower_chain(low, chain, ranges, regions, region_name)
                 em.barrier()
                 for node in chain:
