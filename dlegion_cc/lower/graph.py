@@ -36,8 +36,7 @@ def lower_graph(graph: Graph, arch: Arch, data_file: str | None, switches: Switc
             attention, groups = heads.plan(low, graph.nodes, at) if switches.head_groups else ({}, [])
             chain, ranges = rowblocks.plan(low, graph.nodes, at) if switches.row_blocks and not attention else ([], [])
             if attention:           # attention's products and softmax pipelined by head groups
-                heads.lower_attention(low, attention, groups, _lower_node, regions, region_name)
-                em.barrier()
+                _lower_attention(low, attention, groups, problems, regions)
                 for node in (attention["qk"], attention["softmax"], attention["pv"]):
                     _record_approximations(em, node)
                 chain = [attention["qk"], attention["softmax"], attention["pv"],
@@ -93,6 +92,20 @@ def _lower_node(low: Lowering, node: Node, problems: list, regions: list) -> Non
     if len(em.instrs) > before:
         em.barrier()
         regions.append((before, region_name(node)))
+
+
+def _lower_attention(low: Lowering, attention: dict, groups: list, problems: list, regions: list) -> None:
+    """``heads.lower_attention``, its failures reported as ``_lower_node`` reports a node's."""
+    try:
+        heads.lower_attention(low, attention, groups, _lower_node, regions, region_name)
+    except KeyError:
+        if not problems:
+            raise     # not a failed producer: a bug, which must not pass for a program
+        return        # an input whose producer already failed; that failure is reported
+    except (ValueError, MemoryError) as e:
+        problems.append((attention["qk"].name, attention["qk"].op, str(e)))
+        return
+    low.em.barrier()
 
 
 def _record_approximations(em: Emitter, node: Node) -> None:
