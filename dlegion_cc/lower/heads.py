@@ -8,7 +8,7 @@ softmax, and the softmax before P.V, the arrays idle while the vector unit compu
 (2B4T at sequence 512 on dlegion-8x8: 75k cycles of a 912k layer). Here the heads are cut into
 groups and the three nodes emitted group by group (S: QK^T, R: softmax, V: P.V):
 
-    S(0) | S(1) + R(0) | V(0) S(2) + R(1) | ... | V(G-2) + R(G-1) | V(G-1)
+    S(0) | S(1) + R(0) | S(2) V(0) + R(1) | ... | V(G-2) + R(G-1) | V(G-1)
 
 each ``+`` merging the instructions of the row kernel evenly with those of the matmuls before
 it, so the vector queue alternates between the matmuls' drains and the softmax. The matmuls
@@ -189,9 +189,10 @@ def _steps(program: Program, arch, spans: dict, count: int, start: int, others: 
     steps = [(key, own(key)) for key in others]
     steps.append((("qk",), own(("qk", 0))))
     for g in range(count):
-        mats = (own(("pv", g - 1)) if g else []) + (own(("qk", g + 1)) if g + 1 < count else [])
+        # The next group's QK^T first: the next softmax's input is ready the sooner.
+        mats = (own(("qk", g + 1)) if g + 1 < count else []) + (own(("pv", g - 1)) if g else [])
         rows = own(("softmax", g))
-        label = (("pv",) if g else ()) + (("qk",) if g + 1 < count else ()) + ("softmax",)
+        label = (("qk",) if g + 1 < count else ()) + (("pv",) if g else ()) + ("softmax",)
         steps.append((label, _timed(program, arch, mats, rows) if mats and _apart(program, mats, rows) else mats + rows))
     steps.append((("pv",), own(("pv", count - 1))))
     return steps
