@@ -55,7 +55,7 @@ from models.graph import FLOAT, GraphBuilder, tensor_info      # noqa: E402
 from runtime.emulator import run                              # noqa: E402
 from runtime.costs import Env, cost                           # noqa: E402
 from runtime.report import regions_by_name                    # noqa: E402
-from runtime.timing import simulate                           # noqa: E402
+from runtime.timing import _masks, simulate                           # noqa: E402
 
 BUDGET = 20_000
 STACK_TARGET = 1.12
@@ -214,7 +214,7 @@ def main(seq: int | None, arch_name: str, prefetch: bool, attention: str, overla
 
 def _print_kernels(timeline, machine) -> None:
     """The layer's regions in program order: cycles against each one's rooflines."""
-    tasks, env = timeline.program.instrs, Env(tuple(timeline.program.tensors), {})
+    tasks, env = timeline.program.instrs, Env(tuple(timeline.program.tensors), _masks(timeline.program))
     lanes, peak = machine.vector_lanes * machine.legions, machine.derived.macs_per_cycle
     print(f"  {'region':<58} {'cycles':>9} {'vec max':>9} {'vec roof':>9} {'DRAM MB':>8} {'DRAM roof':>9} "
           f"{'MAC roof':>9}")

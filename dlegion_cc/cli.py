@@ -173,6 +173,8 @@ def _compile_program(model: str, options: Options, output: str, arch: str, emit:
               help="Ablation: no matmul's K is split over the Legions with its partial sums reduced over the NoC (noc.add).")
 @click.option("--no-row-blocks", is_flag=True,
               help="Ablation: matmuls and the row kernels between them are not pipelined by row blocks.")
+@click.option("--no-head-groups", is_flag=True,
+              help="Ablation: attention's QK^T, softmax and P.V run over all heads at once, not by head groups.")
 @click.option("--no-cache-alias", is_flag=True,
               help="Ablation: a key/value cache input is not bound inside its present output; the program copies it there.")
 @click.option("--overlap/--no-overlap", default=False, show_default=True,
@@ -195,7 +197,7 @@ def _compile_program(model: str, options: Options, output: str, arch: str, emit:
 @click.option("-q", "--quiet", is_flag=True,
               help="No progress bars (shown only when stderr is a terminal), and no line on where the matmuls run.")
 def compile_command(model, output, arch, dims, inputs_path, emit, schedule_path, print_after, no_multicast,
-                    no_accumulators, no_sparsity, no_fusion, no_prefetch, no_transfers, no_ksplit, no_row_blocks, no_cache_alias, overlap, objective,
+                    no_accumulators, no_sparsity, no_fusion, no_prefetch, no_transfers, no_ksplit, no_row_blocks, no_head_groups, no_cache_alias, overlap, objective,
                     attention, quantize, quantize_skip, quiet):
     """Compile MODEL (ONNX) into a D-Legion program for ``dlegion-run``.
 
@@ -209,7 +211,7 @@ def compile_command(model, output, arch, dims, inputs_path, emit, schedule_path,
     _check_outputs(model, data_files, output, emit, schedule_path)
     options = Options(machine, bound, multicast=not no_multicast, accumulators=not no_accumulators,
                       sparsity=not no_sparsity, fusion=not no_fusion, prefetch=not no_prefetch,
-                      transfers=not no_transfers, ksplit=not no_ksplit, row_blocks=not no_row_blocks, cache_alias=not no_cache_alias, overlap=overlap, objective=objective, attention=attention, quantize=quantize,
+                      transfers=not no_transfers, ksplit=not no_ksplit, row_blocks=not no_row_blocks, head_groups=not no_head_groups, cache_alias=not no_cache_alias, overlap=overlap, objective=objective, attention=attention, quantize=quantize,
                       quantize_skip=tuple(quantize_skip),
                       schedules=schedules.read(schedule_path) if schedule_path else schedules.Schedules())
     hook, progress = _print_after(print_after), Progress.for_terminal(quiet)

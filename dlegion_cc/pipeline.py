@@ -62,6 +62,7 @@ class Options:
     transfers: bool = True        # off: no activations forwarded Legion to Legion; read from DRAM again
     ksplit: bool = True           # off: no K split over the Legions (ksplit.py)
     row_blocks: bool = True       # off: no matmul and row kernel pipelined by row blocks (lower/rowblocks.py)
+    head_groups: bool = True      # off: attention's products and softmax over all heads at once (lower/heads.py)
     cache_alias: bool = True      # off: a cache input is copied into its present output (lower/context.py)
     # on: nodes end in waits for what the next ones share instead of barriers (lower/overlap.py).
     # Off by default until the pass is cheap at full size: at sequence 512 a 2B4T layer with its
@@ -84,7 +85,7 @@ class Options:
     def switches(self) -> Switches:
         return Switches(self.multicast, self.accumulators, self.sparsity, self.prefetch,
                         overlap=self.overlap, objective=self.objective, transfers=self.transfers, ksplit=self.ksplit,
-                        row_blocks=self.row_blocks, cache_alias=self.cache_alias)
+                        row_blocks=self.row_blocks, head_groups=self.head_groups, cache_alias=self.cache_alias)
 
 
 Hook = Callable[[str, Graph], None]

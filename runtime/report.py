@@ -538,7 +538,8 @@ def _trace_args(program, owner: np.ndarray, i: int) -> dict:
 def lanes(spans: list[tuple[int, int]]) -> list[int]:
     """Per (start, end) span, taken in order of start, the lowest-numbered lane whose spans have
     all ended by its start: no two spans of a lane overlap, and there are as many lanes as the
-    most spans that overlap at one time."""
+    most spans that overlap at one time. A span of no length (a wait) overlaps none: with every
+    lane busy, it goes on the lowest, nested in that lane's span."""
     out = [0] * len(spans)
     free: list[int] = []                        # lanes whose spans have ended
     busy: list[tuple[int, int]] = []            # (end of its last span, lane)
@@ -546,6 +547,9 @@ def lanes(spans: list[tuple[int, int]]) -> list[int]:
         start, end = spans[k]
         while busy and busy[0][0] <= start:
             heapq.heappush(free, heapq.heappop(busy)[1])
+        if end <= start and busy and not free:
+            out[k] = min(lane for _, lane in busy)
+            continue
         out[k] = heapq.heappop(free) if free else len(busy)
         heapq.heappush(busy, (end, out[k]))
     return out

@@ -116,6 +116,13 @@ def test_pipelined_dmas_take_as_many_lanes_as_are_in_flight_at_once():
     assert order == sorted(order, key=["dma", "mat", "vec"].index)
 
 
+def test_a_span_of_no_length_takes_no_lane_of_its_own():
+    """A wait (no length) while every lane is busy nests in the lowest lane's span; with a lane
+    free, it takes that one."""
+    assert report.lanes([(0, 4), (1, 3), (2, 2)]) == [0, 1, 0]
+    assert report.lanes([(0, 4), (1, 3), (3, 3)]) == [0, 1, 1]
+
+
 def test_lanes_are_the_lowest_free_and_as_few_as_the_overlap():
     # [0,4) [1,3) [3,6) [4,5) [5,9) [2,8): at 2 three spans are open
     spans = [(0, 4), (1, 3), (3, 6), (4, 5), (5, 9), (2, 8)]

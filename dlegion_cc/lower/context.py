@@ -31,6 +31,7 @@ class Switches:
     objective: str = "latency"    # fewest cycles; or fewest joules ("energy"), or their product ("edp")
     transfers: bool = True        # activations read once and forwarded Legion to Legion (noc.mv)
     row_blocks: bool = True       # matmuls and row kernels pipelined by row blocks (rowblocks.py)
+    head_groups: bool = True      # attention's products and softmax pipelined by head groups (heads.py)
     cache_alias: bool = True      # a concat's graph-input part lives inside the output (``Lowering.cache_alias``)
     ksplit: bool = True           # K split over the Legions where it beats the searched plan (ksplit.py)
 

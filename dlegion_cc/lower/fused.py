@@ -108,6 +108,24 @@ def row_kernel_blocks(low: Lowering, node, blocks: list[range] | None = None, re
     """``row_kernel``, a generator that emits the frame rows of each of ``blocks`` in turn (all
     of them when None; blocks need a frame of one matrix and no causal reach) and yields after
     each (``rowblocks.py``); ``resumed``: the outputs are where earlier blocks wrote them."""
+    frame = node.attrs["frame"]
+    args, body, keep, reach, where = _kernel(low, node, resumed)
+    if blocks is None:
+        rowwise(low.em, frame.shape, args, body, keep_last=keep, where=where, reach=reach)
+        return
+    if reach is not None or math.prod(frame.shape[:-2]) != 1:
+        raise ValueError(f"{where}row blocks of a frame {list(frame.shape)} with a causal reach or leading dimensions")
+    for j, rows in enumerate(blocks):
+        if j:
+            low.em.barrier()    # each block's rows reuse the scratchpad of the one before
+        shifted = [a if a.operand is None else replace(a, operand=_rows_from(a.operand, rows.start)) for a in args]
+        rowwise(low.em, (len(rows), frame.shape[-1]), shifted, body, keep_last=keep, where=where)
+        yield rows
+
+
+def _kernel(low: Lowering, node, resumed: bool = False) -> tuple:
+    """(arguments, body, whether rows are kept whole, causal reach, error prefix) of a row
+    kernel; ``resumed``: its outputs are where earlier blocks wrote them."""
     frame, values = node.attrs["frame"], node.attrs["values"]
     kinds, scalars, ins = _kinds(node)
     reach = _reach(node, frame)
@@ -129,17 +147,34 @@ def row_kernel_blocks(low: Lowering, node, blocks: list[range] | None = None, re
     keep = any(k in ("col", "row") for k in kinds.values()) or any(
         n.op in ROW_REDUCE or n.op == "Softmax" for n in node.attrs["nodes"])
     where = f"node '{node.name}': "
-    if blocks is None:
-        rowwise(low.em, frame.shape, args, body, keep_last=keep, where=where, reach=reach)
-        return
-    if reach is not None or math.prod(frame.shape[:-2]) != 1:
-        raise ValueError(f"{where}row blocks of a frame {list(frame.shape)} with a causal reach or leading dimensions")
-    for j, rows in enumerate(blocks):
+    return args, body, keep, reach, where
+
+
+def head_axis(node) -> int | None:
+    """The one leading axis of a row kernel's frame longer than 1 (attention's heads), None
+    when there is not exactly one."""
+    lead = [d for d, n in enumerate(node.attrs["frame"].shape[:-2]) if n > 1]
+    return lead[0] if len(lead) == 1 else None
+
+
+def row_kernel_heads(low: Lowering, node, groups: list[range]):
+    """``row_kernel`` over the frame's matrices (its ``head_axis``) of each of ``groups`` in
+    turn, yielding after each (``heads.py``): each group is the kernel over the part of the
+    frame, its operands' views starting at the group's first matrix (a broadcast one stays)."""
+    frame, axis = node.attrs["frame"], head_axis(node)
+    args, body, keep, reach, where = _kernel(low, node)
+    for j, group in enumerate(groups):
         if j:
-            low.em.barrier()    # each block's rows reuse the scratchpad of the one before
-        shifted = [a if a.operand is None else replace(a, operand=_rows_from(a.operand, rows.start)) for a in args]
-        rowwise(low.em, (len(rows), frame.shape[-1]), shifted, body, keep_last=keep, where=where)
-        yield rows
+            low.em.barrier()    # each group's rows reuse the scratchpad of the one before
+        shape = frame.shape[:axis] + (len(group),) + frame.shape[axis + 1:]
+        part = [a if a.operand is None else replace(a, operand=_from_matrix(a.operand, axis, group.start)) for a in args]
+        cut = None if reach is None else np.take(reach, list(group), axis=axis)
+        rowwise(low.em, shape, part, body, keep_last=keep, where=where, reach=cut)
+        yield group
+
+
+def _from_matrix(op: Operand, axis: int, first: int) -> Operand:
+    return replace(op, offset=op.offset + first * op.strides[axis])
 
 
 def _kinds(node) -> tuple[dict, dict, list[str]]:

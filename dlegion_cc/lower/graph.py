@@ -12,7 +12,7 @@ from isa.program import Program
 from isa.progress import SILENT, Progress
 from dlegion_cc.errors import UnsupportedNodes
 from dlegion_cc.ir import DLEGION, Graph, Node
-from dlegion_cc.lower import carry, rowblocks
+from dlegion_cc.lower import carry, heads, rowblocks
 from dlegion_cc.lower import elementwise, fmatmul, fused, movement, qmatmul, quant, reduce  # noqa: F401
 from dlegion_cc.lower.context import LOWERINGS, Lowering, Switches
 from dlegion_cc.lower.concurrent import side_by_side
@@ -34,8 +34,15 @@ def lower_graph(graph: Graph, arch: Arch, data_file: str | None, switches: Switc
     with progress.task("lowering", len(graph.nodes)) as advance:
         at = 0
         while at < len(graph.nodes):
-            chain, ranges = rowblocks.plan(low, graph.nodes, at) if switches.row_blocks else ([], [])
-            if chain:               # matmuls and row kernels pipelined by row blocks
+            attention, groups = heads.plan(low, graph.nodes, at) if switches.head_groups else ({}, [])
+            chain, ranges = rowblocks.plan(low, graph.nodes, at) if switches.row_blocks and not attention else ([], [])
+            if attention:           # attention's products and softmax pipelined by head groups
+                _lower_attention(low, attention, groups, problems, regions)
+                for node in (attention["qk"], attention["softmax"], attention["pv"]):
+                    _record_approximations(em, node)
+                chain = [attention["qk"], attention["softmax"], attention["pv"],
+                         *attention["between"]["before"], *attention["between"]["after"]]
+            elif chain:               # matmuls and row kernels pipelined by row blocks
                 rowblocks.lower_chain(low, chain, ranges, regions, region_name)
                 em.barrier()
                 for node in chain:
@@ -87,6 +94,20 @@ def _lower_node(low: Lowering, node: Node, problems: list, regions: list) -> Non
     if len(em.instrs) > before:
         em.barrier()
         regions.append((before, region_name(node)))
+
+
+def _lower_attention(low: Lowering, attention: dict, groups: list, problems: list, regions: list) -> None:
+    """``heads.lower_attention``, its failures reported as ``_lower_node`` reports a node's."""
+    try:
+        heads.lower_attention(low, attention, groups, _lower_node, regions, region_name)
+    except KeyError:
+        if not problems:
+            raise     # not a failed producer: a bug, which must not pass for a program
+        return        # an input whose producer already failed; that failure is reported
+    except (ValueError, MemoryError) as e:
+        problems.append((attention["qk"].name, attention["qk"].op, str(e)))
+        return
+    low.em.barrier()
 
 
 def _record_approximations(em: Emitter, node: Node) -> None:

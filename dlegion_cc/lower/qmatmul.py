@@ -316,6 +316,15 @@ class _Shapes:
 def lower_run_time_weights(low: Lowering, a: str, b: str, out: str, ra: str | None = None,
                            rb: str | None = None, zero_a: np.ndarray | None = None,
                            dead: np.ndarray | None = None) -> None:
+    """``out = a . b``: ``run_time_weights_groups`` with every batch in one go."""
+    for _ in run_time_weights_groups(low, a, b, out, ra, rb, zero_a, dead):
+        pass
+
+
+def run_time_weights_groups(low: Lowering, a: str, b: str, out: str, ra: str | None = None,
+                            rb: str | None = None, zero_a: np.ndarray | None = None,
+                            dead: np.ndarray | None = None, groups: list[range] | None = None,
+                            vec_room: int = 0):
     """``out = a . b`` in int32 for int8 operands both computed at run time (a graph that
     quantizes attention's QK^T or PV): b's rows, as they are in DRAM, are the weight rows the
     arrays load in mode w8. Each batch of b multiplies its slice of a's rows; the weights'
@@ -325,7 +334,11 @@ def lower_run_time_weights(low: Lowering, a: str, b: str, out: str, ra: str | No
     [M / batches, K]: entries of each batch's a that are exact zeros (a causal P); the weight
     rows past a row block's last nonzero are neither loaded nor passed. ``dead`` [M / batches,
     N]: outputs nothing looks at (a causal QK^T); the weight columns past a row block's last
-    live output are neither loaded nor passed, nor its all-dead tiles drained or stored."""
+    live output are neither loaded nor passed, nor its all-dead tiles drained or stored.
+    A generator: it emits the batches of each of ``groups`` (equal ranges of batches; all of
+    them when None) in turn and yields after each, its drains planned in the first
+    ``vec_room`` elements of ``vec`` (0: all), so a caller interleaves them with row kernels
+    (``heads.py``)."""
     em, arch = low.em, low.em.arch
     shape, bshape = low.shape(a), low.shape(b)
     if len(bshape) < 2 or not shape or shape[-1] != bshape[-2]:
@@ -356,18 +369,29 @@ def lower_run_time_weights(low: Lowering, a: str, b: str, out: str, ra: str | No
     n_reach = _reach_of(dead, (per, N), batches, low.switches.sparsity)
     width, parts = low.schedules.deal(arch, per, lambda: row_parts(arch, per, n_pad))
     plans: dict = {}            # by the rows of a part: parts alike have one plan
+    for g, group in enumerate(groups or [range(batches)]):
+        if g:
+            em.barrier()        # each group's plans reuse the scratchpad slots of the one before
+        _emit_run_time_group(low, a8, rscale, w, w_offsets, scales, s_offsets, exact, dst, group, per, K, N, n_pad,
+                             places, k_reach, n_reach, width, parts, plans, vec_room)
+        yield group
+
+
+def _emit_run_time_group(low, a8, rscale, w, w_offsets, scales, s_offsets, exact, dst, group, per, K, N, n_pad,
+                         places, k_reach, n_reach, width, parts, plans, vec_room) -> None:
+    em, arch = low.em, low.em.arch
     for j, rows in enumerate(split_rows(range(per), parts)):
         batch = [Problem(a8, rscale, ((w, "w8"),), scales, 1, K, None, None, None, 0, "w8", None, exact, dst.tensor,
                          range(i * per + rows.start, i * per + rows.stop), K, N, n_pad, w_offset=w_offsets[i],
                          s_offset=s_offsets[i], legions=range(j * width, (j + 1) * width), k_reach=k_reach,
-                         n_reach=n_reach, o_offset=places[i][0], o_stride=places[i][1])
-                 for i in range(batches)]
+                         n_reach=n_reach, o_offset=places[i][0], o_stride=places[i][1], vec_room=vec_room)
+                 for i in group]
         if len(rows) not in plans:
             # The schedule searched for the product without its causal skips, which then skips
             # what it can: the cost model does not see what splitting the Legions' spans costs,
             # and the schedules it chose for the skips made the 2B4T layer slower (281,395 ->
             # 283,267 cycles at sequence 128; 1,197,565 -> 1,199,963 at 512).
-            dense = replace(batch[0], batches=batches, k_reach=None, n_reach=None)
+            dense = replace(batch[0], batches=len(group), k_reach=None, n_reach=None)
             plans[len(rows)] = replace(low.schedules.plan(arch, dense, low.switches),
                                        sparse=k_reach is not None or n_reach is not None)
         emit_tiles(em, batch[0], plans[len(rows)], low.written, more=tuple(batch[1:]))

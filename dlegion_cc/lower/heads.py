@@ -1,0 +1,225 @@
+"""Attention by head groups: the softmax of one group runs on the vector unit while the arrays
+multiply the next group's QK^T and the group before's P.V.
+
+The quantized attention of a layer is three nodes over all heads: QK^T and P.V on the arrays
+(``AttnMatMul``) and the causal softmax that quantizes P between them (a ``RowKernel``). The
+vector queue of a Legion runs in order, so with every head's QK^T drains queued before the
+softmax, and the softmax before P.V, the arrays idle while the vector unit computes the softmax
+(2B4T at sequence 512 on dlegion-8x8: 75k cycles of a 912k layer). Here the heads are cut into
+groups and the three nodes emitted group by group (S: QK^T, R: softmax, V: P.V):
+
+    S(0) | S(1) + R(0) | S(2) V(0) + R(1) | ... | V(G-2) + R(G-1) | V(G-1)
+
+each ``+`` merging the instructions of the row kernel evenly with those of the matmuls before
+it, so the vector queue alternates between the matmuls' drains and the softmax. The matmuls
+plan their drains in the first part of ``vec`` (``PRODUCTS_VEC``), the softmax runs in the rest,
+and the barriers between the steps are replaced by the waits that keep them ordered
+(``overlap.py``'s rewrite in the new order), which the race check proves. Nodes between the
+three that read none of them (the quantization of V) run first.
+"""
+from __future__ import annotations
+
+import math
+
+from dataclasses import replace
+
+import numpy as np
+
+from isa.instructions import Barrier, Wait
+from isa.program import Program
+from dlegion_cc.ir import DLEGION, Node
+from dlegion_cc.lower import carry
+from dlegion_cc.lower.context import Lowering
+from dlegion_cc.lower.fused import head_axis, row_kernel_heads, row_kernel_width
+from dlegion_cc.lower.overlap import _Rewrite, _span
+from dlegion_cc.lower.qmatmul import run_time_weights_groups
+from dlegion_cc.lower.rowblocks import _apart, _shift_vec
+from runtime.costs import Env, cost
+
+ATTN, ROWS = (DLEGION, "AttnMatMul"), (DLEGION, "RowKernel")
+# The fewest heads a group: the arrays' fill and drain and each group's DRAM round trips are
+# paid once a group.
+FEWEST_HEADS = 2
+# More groups hide more of the first QK^T and last P.V but pay each group's fill, drain and
+# DRAM round trips (2B4T layer at 512 on dlegion-8x8, 20 heads: 4 groups 890,586 cycles,
+# 5 groups 892,828; attention alone about the same with 2 or 10).
+MOST_GROUPS = 4
+# Ops between the three nodes that may read them: views, which emit nothing.
+VIEWS = ("Reshape", "Unsqueeze", "Squeeze", "Identity")
+MOST_BETWEEN = 8
+# The share of ``vec`` the products plan their drains in; the softmax runs in the rest, whose
+# blocks then hold more rows (2B4T layer at 512 on dlegion-8x8: a quarter 892,238 cycles,
+# three eighths 886,478, a half 890,586, five eighths 910,583).
+PRODUCTS_VEC = (3, 8)
+
+
+def products_room(arch) -> int:
+    """Elements of ``vec`` from 0 the products' plans may take."""
+    share, of = PRODUCTS_VEC
+    return arch.derived.spad_elems["vec"] * share // of
+
+
+def plan(low: Lowering, nodes: list[Node], at: int) -> tuple[dict, list[range]]:
+    """The attention at ``nodes[at]`` (``{"qk", "softmax", "pv", "between"}``: its nodes and
+    those between them) and its head groups; nothing when there is none or one group."""
+    found = _attention_at(low, nodes, at)
+    if not found:
+        return {}, []
+    heads = found["heads"]
+    count = max((g for g in range(2, MOST_GROUPS + 1) if heads % g == 0 and heads // g >= FEWEST_HEADS), default=1)
+    if count < 2:
+        return {}, []
+    per = heads // count
+    return found, [range(g * per, (g + 1) * per) for g in range(count)]
+
+
+def _attention_at(low: Lowering, nodes: list[Node], at: int) -> dict:
+    qk = nodes[at]
+    if (qk.domain, qk.op) != ATTN or carry.pending(low, qk):
+        return {}
+    made, between, sm = set(qk.outputs), {"before": [], "after": [], "views": set()}, None
+    for node in nodes[at + 1:]:
+        reads = bool(made & set(node.inputs))
+        if sm is None and (node.domain, node.op) == ROWS and reads:
+            sm = node
+        elif sm is not None and (node.domain, node.op) == ATTN and made & set(node.inputs[:1]):
+            return _checked(low, qk, sm, node, between)
+        elif reads and node.op not in VIEWS:
+            return {}
+        else:
+            between["after" if sm else "before"].append(node)
+            if reads:
+                between["views"].add(node.name)
+        if reads or node is sm:
+            made |= set(node.outputs)
+        if len(between["before"]) + len(between["after"]) > MOST_BETWEEN:
+            return {}
+    return {}
+
+
+def _checked(low: Lowering, qk: Node, sm: Node, pv: Node, between: list[Node]) -> dict:
+    """The attention found, if its three nodes agree on the heads and the softmax fits beside
+    the matmuls' drains."""
+    axis = head_axis(sm)
+    if axis is None or any(carry.pending(low, n) for n in (sm, pv)):
+        return {}
+    heads = sm.attrs["frame"].shape[axis]
+    for mm in (qk, pv):
+        if math.prod(low.shape(mm.outputs[0])[:-2]) != heads:
+            return {}
+    vec = low.em.arch.derived.spad_elems["vec"]
+    if row_kernel_width(sm) > vec - products_room(low.em.arch):
+        return {}
+    return {"qk": qk, "softmax": sm, "pv": pv, "between": between, "heads": heads}
+
+
+def lower_attention(low: Lowering, found: dict, groups: list[range], lower_node, regions: list,
+                    region_name) -> None:
+    """Emit the attention ``found`` by head ``groups`` (the module docstring); ``lower_node``
+    lowers a node between the three as the graph would."""
+    em, arch = low.em, low.em.arch
+    room = products_room(arch)
+    start, spans, own_regions = len(em.instrs), {}, []
+
+    def run(key, gen):
+        for g, _ in enumerate(groups):
+            at = len(em.instrs)
+            low.schedules.begin(key[1].name)
+            next(gen)
+            em.barrier()
+            spans[key[0], g] = (at, len(em.instrs))
+        for _ in gen:
+            raise AssertionError("more head groups than planned")
+
+    qk, sm, pv = found["qk"], found["softmax"], found["pv"]
+    run(("qk", qk), _attn(low, qk, groups, room))
+    for node in found["between"]["before"]:
+        _lower_between(low, node, lower_node, spans, own_regions, found["between"]["views"])
+    em.reserved["vec"] = room
+    try:
+        run(("softmax", sm), row_kernel_heads(low, sm, groups))
+    finally:
+        em.reserved.pop("vec", 0)
+    for g in range(len(groups)):
+        _shift_vec(em, (sm, *spans["softmax", g]), room)
+    for node in found["between"]["after"]:
+        _lower_between(low, node, lower_node, spans, own_regions, found["between"]["views"])
+    run(("pv", pv), _attn(low, pv, groups, room))
+    program = Program(arch.name, list(em.tensors), em.instrs[start:])
+    steps = _steps(program, arch, spans, len(groups), start, [k for k in spans if k[0] == "node"])
+    order = [k for _, ks in steps for k in ks]
+    out, starts = _Rewrite(program, arch, order=order).run()
+    em.instrs[start:] = out
+    names = {"qk": region_name(qk), "softmax": region_name(sm), "pv": region_name(pv)}
+    for label, ks in steps:
+        if ks:
+            name = own_regions[label[1]] if label[0] == "node" else " + ".join(names[p] for p in label)
+            regions.append((start + min(starts[k] for k in ks), name))
+
+
+def _attn(low: Lowering, node: Node, groups: list[range], room: int):
+    a8, ra, b8, rb = node.inputs
+    return run_time_weights_groups(low, a8, b8, node.outputs[0], ra, rb, node.attrs.get("zero_a"),
+                                   node.attrs.get("dead"), groups, room)
+
+
+def _lower_between(low, node, lower_node, spans, own_regions, views) -> None:
+    em = low.em
+    at, problems, regions = len(em.instrs), [], []
+    lower_node(low, node, problems, regions)
+    if problems:
+        raise ValueError(f"node '{node.name}' between attention's products: {problems[0][2]}")
+    if len(em.instrs) > at and node.name in views:
+        # It runs before the products (``_steps``): only what reads none of them may emit.
+        raise AssertionError(f"node '{node.name}' between attention's products is not a view")
+    if len(em.instrs) > at:
+        spans["node", len(own_regions)] = (at, len(em.instrs))
+        own_regions.append(regions[0][1] if regions else node.name)
+
+
+def _steps(program: Program, arch, spans: dict, count: int, start: int, others: list) -> list:
+    """The steps in order, each (label, its instructions in program order): the nodes between
+    first, then S(0), each softmax merged with the matmuls before it, the last P.V."""
+    def own(key) -> list[int]:
+        if key not in spans:
+            return []
+        lo, hi = spans[key]
+        return [k - start for k in range(lo, hi) if not isinstance(program.instrs[k - start], Barrier)]
+
+    steps = [(key, own(key)) for key in others]
+    steps.append((("qk",), own(("qk", 0))))
+    for g in range(count):
+        # The next group's QK^T first: the next softmax's input is ready the sooner.
+        mats = (own(("qk", g + 1)) if g + 1 < count else []) + (own(("pv", g - 1)) if g else [])
+        rows = own(("softmax", g))
+        label = (("qk",) if g + 1 < count else ()) + (("pv",) if g else ()) + ("softmax",)
+        steps.append((label, _timed(program, arch, mats, rows) if mats and _apart(program, mats, rows) else mats + rows))
+    steps.append((("pv",), own(("pv", count - 1))))
+    return steps
+
+
+def _timed(program: Program, arch, mats: list[int], rows: list[int]) -> list[int]:
+    """``mats`` and ``rows`` merged, each in its order, so that the row kernel's vector work is
+    spread over the matmuls' array time: each instruction placed at the share of its own
+    list's busiest-queue cycles done before it (``mat`` for the matmuls, ``vec`` for the row
+    kernel), a DMA with the instruction before it."""
+    a, b = _progress(program, arch, mats, "mat"), _progress(program, arch, rows, "vec")
+    keyed = sorted([(x, 0, n, k) for n, (k, x) in enumerate(zip(mats, a))] +
+                   [(x, 1, n, k) for n, (k, x) in enumerate(zip(rows, b))])
+    return [k for *_, k in keyed]
+
+
+def _progress(program: Program, arch, ks: list[int], queue: str) -> list[float]:
+    """For each of ``ks``, the share of its ``queue`` cycles done before it."""
+    env = Env(tuple(program.tensors), {})
+    cycles = []
+    for k in ks:
+        i = program.instrs[k]
+        if isinstance(i, Wait) or i.queue() != queue:
+            cycles.append(0)
+            continue
+        i = replace(i, mask=None) if getattr(i, "mask", None) is not None else i   # dense: an upper bound
+        cycles.append(cost(i, arch, env).cycles * _span(i))
+    total = sum(cycles) or 1
+    done = np.cumsum([0] + cycles[:-1]) / total
+    return done.tolist()

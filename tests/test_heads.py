@@ -1,0 +1,124 @@
+"""Attention by head groups (``dlegion_cc/lower/heads.py``): one group's softmax on the vector
+unit while the arrays multiply the next group's QK^T, the same bits as all heads at once."""
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import lru_cache
+
+import numpy as np
+import pytest
+
+from isa.instructions import DmaLoad, DmaStore, MatMul, VUnary, Wait
+from dlegion_cc.lower.heads import plan
+from dlegion_cc.pipeline import Options, compile_model
+from runtime.emulator import run
+from runtime.state import Trap
+from runtime.timing import simulate
+from test_attention_int8 import D, WIDE, _inputs, _onnxruntime, _rel, attention
+
+HEADS, SEQ, KV = 8, 128, 2
+
+
+@lru_cache(maxsize=None)
+def _compiled(tmp: str, head_groups: bool):
+    from pathlib import Path
+    path = Path(tmp) / "attn.onnx"
+    if not path.exists():
+        attention(path, HEADS, SEQ, KV)
+    return compile_model(path, Options(WIDE, attention="int8", head_groups=head_groups))[1]
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("heads"))
+
+
+def _qk_passes(program) -> list[int]:
+    """QK^T's passes: those whose contraction is a head's width (P.V's is the sequence)."""
+    return [k for k, i in enumerate(program.instrs) if isinstance(i, MatMul) and i.K <= D]
+
+
+def _exps(program) -> list[int]:
+    return [k for k, i in enumerate(program.instrs) if isinstance(i, VUnary) and i.MNEMONIC == "vexp"]
+
+
+def test_attention_by_head_groups_matches_all_heads_at_once_and_onnxruntime(tmp):
+    """The same bits as the program over all heads at once, both race-checked, and within the
+    int8 attention's bound of onnxruntime."""
+    grouped, plain = _compiled(tmp, True), _compiled(tmp, False)
+    assert any(" + " in name for _, name in grouped.regions)
+    assert not any(" + " in name for _, name in plain.regions)
+    x = _inputs(HEADS, SEQ, KV)
+    got = run(grouped, WIDE, x, races=True).outputs["o"]
+    np.testing.assert_array_equal(got, run(plain, WIDE, x, races=True).outputs["o"])
+    err = _rel(got, _onnxruntime(f"{tmp}/attn.onnx", x))
+    assert 1e-4 < err < 2e-2
+
+
+def test_a_groups_softmax_is_issued_and_runs_before_the_next_groups_last_qk_pass(tmp):
+    """In program order and in time, the first group's softmax (its first exp) comes before the
+    last QK^T pass; over all heads at once, after it."""
+    for head_groups in (True, False):
+        program = _compiled(tmp, head_groups)
+        exps, passes = _exps(program), _qk_passes(program)
+        assert exps and passes
+        assert (exps[0] < passes[-1]) == head_groups
+        timeline = simulate(program, WIDE)
+        tasks = timeline.program.instrs
+        qk = [k for k in range(len(timeline.start)) if isinstance(tasks[k], MatMul) and tasks[k].K <= D]
+        first_exp = min(k for k in range(len(timeline.start))
+                        if isinstance(tasks[k], VUnary) and tasks[k].MNEMONIC == "vexp")
+        assert (timeline.done[first_exp] < timeline.start[qk].max()) == head_groups
+
+
+def test_the_race_check_finds_a_wait_removed_between_a_softmax_and_its_pv(tmp):
+    """P.V's first loads wait (the waits its DMA queue issues right before them) for the softmax
+    that stored P on other Legions and for the QK^T drains merged before them that used their
+    slots: without those waits, a load races."""
+    program = _compiled(tmp, True)
+    p = next(t for t, tensor in enumerate(program.tensors) if tensor.name == "p_q_0")     # the quantized P
+    assert any(isinstance(i, DmaStore) and i.dst.tensor == p for i in program.instrs)
+    k = next(k for k, i in enumerate(program.instrs) if isinstance(i, DmaLoad) and i.src.tensor == p)
+    waits = _waits_before(program, k)
+    assert waits
+    broken = replace(program, instrs=[_unwaited(i, len(program.instrs)) if j in waits else i
+                                      for j, i in enumerate(program.instrs)])
+    run(program, WIDE, _inputs(HEADS, SEQ, KV), races=True)
+    with pytest.raises(Trap, match=r"dma.ld: race on"):
+        run(broken, WIDE, _inputs(HEADS, SEQ, KV), races=True)
+
+
+def _waits_before(program, k: int) -> list[int]:
+    """The waits, and the loads that wait, in the run of P.V's own loads (of P, its row scales,
+    V and its scales) and waits that ``k``'s Legion's DMA queue issues up to ``k``."""
+    i, out = program.instrs[k], []
+    for j in range(k, -1, -1):
+        w = program.instrs[j]
+        if w.legion != i.legion or w.queue() != "dma":
+            continue
+        if isinstance(w, Wait):
+            out.append(j)
+        elif isinstance(w, DmaLoad) and program.tensors[w.src.tensor].name.startswith(("p_", "v5_t_0")):
+            out += [j] if w.wait is not None else []
+        else:
+            break
+    return out
+
+
+def _unwaited(i, far: int):
+    """``i`` waiting for nothing: a Wait for all but the last ``far`` instructions of a queue."""
+    if isinstance(i, Wait):
+        return replace(i, until=replace(i.until, count=None, back=far))
+    return replace(i, wait=None)
+
+
+def test_a_single_head_is_not_grouped(tmp_path):
+    """Too few heads to give each group two: no groups, the attention as over all heads."""
+    from dlegion_cc.pipeline import graph_of
+    from dlegion_cc.lower.context import Lowering
+    from dlegion_cc.lower.emitter import Emitter
+    path = attention(tmp_path / "one.onnx", 1, 64)
+    graph = graph_of(path, Options(WIDE, attention="int8"))
+    low = Lowering(graph, Emitter(WIDE, graph.source))
+    at = next(k for k, n in enumerate(graph.nodes) if n.op == "AttnMatMul")
+    assert plan(low, graph.nodes, at) == ({}, [])
