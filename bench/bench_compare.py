@@ -128,7 +128,7 @@ def machines(pipelined: bool = False) -> list[tuple[str, str, str, object, dict]
     out = []
     for m, ref_name, footing in compared_machines(load):
         if footing == REFERENCE and out:        # the ablations of the D-Legion before follow its baselines
-            out += _ablations(out[0][1], load)
+            out += _ablations(out[-1][1], load)
         out.append((m.name, ref_name, footing, m, {}))
     return out + _ablations(out[-1][1], load)
 

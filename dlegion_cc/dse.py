@@ -260,8 +260,8 @@ def dse_command(ctx, model, dims, legions, cores, arrays, presets, search, compa
         _need("optuna", "--search optuna")
     base = arch_mod.load(BASE)
     grid = sweep_configs(base, legions, cores, arrays) if search == "grid" and not compare else []
-    compared = {m.name: (ref, footing) for m, ref, footing in dse_compare.machines()} if compare else {}
-    configs = unique(grid + [config_of(m) for m, _, _ in dse_compare.machines()] * compare + _presets(presets))
+    compared = dse_compare.machines() if compare else []
+    configs = unique(grid + [config_of(m) for m, _, _ in compared] + _presets(presets))
     _check_machines(configs)
     shapes, data_files = peek(model)
     bound = _bound_dims(model, shapes, None, _parse_dims(dims))      # as dlegion-cc: only dims the model has
@@ -294,11 +294,12 @@ def dse_command(ctx, model, dims, legions, cores, arrays, presets, search, compa
     click.echo(printable(f"{len(rows)} configuration(s), {failed} failed; wrote {', '.join(map(str, paths))}"), err=True)
 
 
-def _print_compared(rows: list[dict], compared: dict) -> None:
+def _print_compared(rows: list[dict], compared: list) -> None:
     """The rows of --compare's machines, each with its footing and ratios (also in dse.json)."""
-    mine = [r for r in rows if r["name"] in compared]
+    of = {m.name: (ref, footing) for m, ref, footing in compared}
+    mine = [r for r in rows if r["name"] in of]
     for r in mine:
-        r["ref"], r["footing"] = compared[r["name"]]
+        r["ref"], r["footing"] = of[r["name"]]
     dse_compare.add_ratios(mine)
     dse_compare.print_compare(mine, _stdout(), "each baseline against its D-Legion (ratios: baseline / D-Legion)")
 
@@ -307,16 +308,15 @@ def _check_search_options(ctx, search: str, db: str | None, export: str | None, 
     """Options that mean nothing with the others given are refused, not ignored."""
     given = {p: ctx.get_parameter_source(p) == click.core.ParameterSource.COMMANDLINE
              for p in ("legions", "cores", "arrays", "trials", "seed", "sampler")}
+    option = lambda p: "--array" if p == "arrays" else f"--{p}"      # noqa: E731
     if compare:
         wrong = [p for p in ("legions", "cores", "arrays") if given[p]] or (["search"] if search != "grid" else [])
         if wrong:
-            option = "--array" if wrong[0] == "arrays" else f"--{wrong[0]}"
-            raise click.BadParameter("not with --compare, which runs its own machines", param_hint=option)
+            raise click.BadParameter("not with --compare, which runs its own machines", param_hint=option(wrong[0]))
     wrong = [p for p in (("legions", "cores", "arrays") if search == "optuna" else ("trials", "seed", "sampler"))
              if given[p]]
     if wrong:
-        option = "--array" if wrong[0] == "arrays" else f"--{wrong[0]}"
-        raise click.BadParameter(f"not used by --search {search}", param_hint=option)
+        raise click.BadParameter(f"not used by --search {search}", param_hint=option(wrong[0]))
     if export and not db:
         raise click.BadParameter("exports the rows of a --db; give one", param_hint="--export")
 

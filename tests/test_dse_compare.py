@@ -1,22 +1,13 @@
 """``dlegion-dse --compare``: each baseline against its D-Legion on the three footings of
 isa/normalize.py, every row naming its footing, the ratios those of the timing model's rows."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from isa import arch
 from isa.normalize import EQUAL_PEAK, EQUAL_PES, PUBLISHED, pe_count
 from dlegion_cc.dse_compare import PAIRS, REFERENCE, add_ratios, machines
-
-MODEL = Path(__file__).parent.parent / "models" / "bitnet_tiny_relu2.onnx"
-
-
-def dlegion_dse(*args):
-    code = "import sys; from dlegion_cc.dse import main; sys.argv[0] = 'dlegion-dse'; main()"
-    return subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True)
+from test_dse import MODEL, dlegion_dse
 
 
 def test_every_baseline_stands_on_each_footing_once():

@@ -19,7 +19,7 @@ from dataclasses import replace
 from isa.arch import Arch
 from isa.instructions import Barrier
 from isa.program import Program
-from dlegion_cc.lower.overlap import _meet, footprint, layer_ends
+from dlegion_cc.lower.overlap import _meet, accesses, layer_ends
 from dlegion_cc.lower.prefetch import _Counts, _legions
 
 
@@ -80,12 +80,7 @@ class _Accesses:
         """Space -> [(window, write)], made when first asked for: most nodes use every Legion
         and never get that far."""
         if self._spaces is None:
-            self._spaces = {}
-            for k in self.node:
-                i = self.program.instrs[k]
-                for rank in range(0 if isinstance(i, Barrier) else i.span or 1):
-                    for space, window, write, _ in footprint(i, rank, self.program.tensors):
-                        self._spaces.setdefault(space, []).append((window, write))
+            self._spaces = accesses(self.program, self.node)
         return self._spaces
 
     def apart(self, other: "_Accesses") -> bool:

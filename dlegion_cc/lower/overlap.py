@@ -109,6 +109,18 @@ def _covers(new: tuple, old: tuple) -> bool:
             and rn[3] <= ro[3] and ro[4] <= rn[4])
 
 
+def accesses(program: Program, ks) -> dict:
+    """Space -> [(window, write)] of every access the instructions ``ks`` of ``program`` make,
+    rank by rank (``footprint``; a barrier makes none)."""
+    out: dict = {}
+    for k in ks:
+        i = program.instrs[k]
+        for r in range(0 if isinstance(i, Barrier) else _span(i)):
+            for space, win, write, _ in footprint(i, r, program.tensors):
+                out.setdefault(space, []).append((win, write))
+    return out
+
+
 def footprint(i, rank: int, tensors) -> list[tuple]:
     """Rank ``rank``'s accesses: (space, window, write, whole) where space is (Legion,
     scratchpad space) or a DRAM tensor's index (only those the program writes), window as

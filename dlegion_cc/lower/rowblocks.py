@@ -37,7 +37,7 @@ from dlegion_cc.lower import carry
 from dlegion_cc.lower.context import Lowering
 from dlegion_cc.lower.fused import row_kernel_blocks, row_kernel_width
 from dlegion_cc.lower.layout import whole
-from dlegion_cc.lower.overlap import _Rewrite, _span, footprint
+from dlegion_cc.lower.overlap import _Rewrite, _span, accesses, footprint
 from dlegion_cc.lower.qmatmul import mode_for, pick_mode, qmatmul_blocks
 
 MATMUL, ROWS = (DLEGION, "QMatMul"), (DLEGION, "RowKernel")
@@ -308,13 +308,8 @@ def _apart(program: Program, a: list[int], b: list[int]) -> bool:
     """Whether no element is touched by an instruction of ``a`` and one of ``b``, one of them
     writing (by the bounds of their windows)."""
     def spans_of(ks):
-        out: dict = {}
-        for k in ks:
-            i = program.instrs[k]
-            for r in range(_span(i)):
-                for space, win, write, _ in footprint(i, r, program.tensors):
-                    out.setdefault(space, []).append((win[0], win[1], write))
-        return out
+        return {space: [(win[0], win[1], write) for win, write in found]
+                for space, found in accesses(program, ks).items()}
     sa, sb = spans_of(a), spans_of(b)
     for space in sa.keys() & sb.keys():
         # Sorted unions of b's windows and of its written ones: each window of a is then
