@@ -99,6 +99,9 @@ class Comparison:
     top1: Top1 | None = None
     # an intermediate not compared: why the program's tensor under this name is not its value
     not_the_value: str | None = None
+    # an intermediate: the tolerance it is judged at, and the approximations it is computed from
+    tolerance: float | None = None
+    approximated: list[str] | None = None
 
     def as_json(self) -> dict:
         finite = lambda x: x if x is None or np.isfinite(x) else None     # noqa: E731 (JSON has no inf)
@@ -252,82 +255,6 @@ def compare(ours: dict[str, np.ndarray], ref: dict[str, np.ndarray],
             raise ValueError(f"output {n!r}: the program's shape {list(ours[n].shape)} is not "
                              f"the model's {list(ref[n].shape)}")
     return [compare_one(n, ours[n], ref[n], tol) for n in ref]
-
-
-REWRITTEN = "the program writes its tensor again in place after a reader: the run leaves another value there"
-
-
-def written_after_read(program) -> set[str]:
-    """Graph values whose DRAM tensor a store writes where a load of it has already read (in
-    program order): written in place after a reader, what the run leaves there is not the value
-    its producer left, so it cannot be compared as that value."""
-    from isa.expand import DRAM_FIELD, dram_of
-    from isa.instructions import DmaLoad, DmaStore
-    read = {i: np.zeros(t.numel, np.bool_) for i, t in enumerate(program.tensors)
-            if t.kind == "scratch" and t.io_name}
-    out = set()
-    for ins in getattr(program.instrs, "source", program.instrs):
-        field = DRAM_FIELD.get(type(ins))
-        if field is None or getattr(ins, field).tensor not in read:
-            continue
-        seen = read[getattr(ins, field).tensor]
-        for rank in range(getattr(ins, "span", None) or 1):
-            if not isinstance(ins, (DmaLoad, DmaStore)):       # a gather: rows chosen by the data
-                seen[:] = True
-                continue
-            ref = dram_of(ins, rank)
-            at = ref.offset + np.arange(ins.rows)[:, None] * ref.rs + np.arange(ins.cols)
-            if isinstance(ins, DmaLoad):
-                seen[at] = True
-            elif seen[at].any():
-                out.add(program.tensors[ref.tensor].io_name)
-    return out
-
-
-def intermediates(program, machine) -> dict[str, np.ndarray]:
-    """Every DRAM tensor the compiler bound to a graph value, as the run left it."""
-    out = {}
-    for t in program.tensors:
-        if t.kind == "scratch" and t.io_name:
-            out[t.io_name] = machine.get(t.name)
-    return out
-
-
-def onnx_intermediates(model: str | Path, inputs: dict[str, np.ndarray], names: list[str],
-                       reference: str = "onnxruntime") -> dict:
-    """onnxruntime's values of ``names``: the model is run with them added as graph outputs."""
-    sess = session(model, reference, names)
-    wanted = [n for n in names if n in {o.name for o in sess.get_outputs()}]
-    feeds = {i.name: inputs[i.name] for i in sess.get_inputs()}
-    return dict(zip(wanted, sess.run(wanted, feeds)))
-
-
-def compare_intermediates(model, inputs, result, tol: float = REL_L2_TOLERANCE,
-                          reference: str = "onnxruntime") -> list[Comparison]:
-    """Each surviving intermediate against onnxruntime's, in program order."""
-    ours = intermediates(result.program, result.machine)
-    ref = onnx_intermediates(model, inputs, list(ours), reference)
-    rewritten = written_after_read(result.program)
-    rows = []
-    for name, value in ours.items():
-        if name not in ref:
-            continue
-        want = ref[name]
-        why = REWRITTEN if name in rewritten else not_the_value(value, want)
-        if why:
-            rows.append(Comparison(name, str(want.dtype), False, float("nan"), float("nan"), 0, True,
-                                   not_the_value=why))
-            continue
-        rows.append(compare_one(name, value.astype(want.dtype, copy=False).reshape(want.shape), want, tol))
-    return rows
-
-
-def not_the_value(ours: np.ndarray, ref: np.ndarray) -> str | None:
-    """Why a DRAM tensor bound to a model value cannot hold it, if it cannot: integer storage of
-    a float value that is not all integers (codes of it, such as a quantized copy)."""
-    if ours.dtype.kind in "iu" and np.issubdtype(ref.dtype, np.floating) and not np.array_equal(ref, np.round(ref)):
-        return f"the program holds it as {ours.dtype} while the model's values are not integers"
-    return None
 
 
 # --- the verdict of ``dlegion-run --check`` ----------------------------------------------------

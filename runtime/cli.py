@@ -81,8 +81,9 @@ def _warn_unwritten(program) -> None:
 
 
 def _check(model: str, inputs, result, tol: float, check_all: bool = False, reference: str | None = None,
-           approximations=None):
-    """The verdict of --check (runtime.check.judge), printed; ``approximations``: the program's."""
+           approximations=None, intermediate_tol: float | None = None):
+    """The verdict of --check (runtime.check.judge), printed; ``approximations``: the program's;
+    ``intermediate_tol``: --check-all's for values no approximation reaches (default ``tol``)."""
     from runtime.check import integer_ops, judge
     from runtime.report import print_verdict
     try:
@@ -99,10 +100,12 @@ def _check(model: str, inputs, result, tol: float, check_all: bool = False, refe
         print("note: onnxruntime's uint8 x int8 kernels sum pairs of products in saturating int16 on CPUs "
               "without VNNI; --reference exact compares with its kernels that compute the operators' definition")
     if check_all:
-        from runtime.check import compare_intermediates
+        from runtime.intermediates import compare_intermediates
         from runtime.report import print_intermediates
+        at = tol if intermediate_tol is None else intermediate_tol
         try:
-            print_intermediates(compare_intermediates(model, inputs, result, tol, verdict.reference), tol)
+            print_intermediates(compare_intermediates(model, inputs, result, at, verdict.reference,
+                                                      approximations), at)
         except Exception as e:  # onnxruntime raises its own exception types
             raise Failure(f"{model}: onnxruntime failed on intermediates: {str(e).splitlines()[0]}") from None
     return verdict
@@ -189,7 +192,8 @@ def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
               help="Run onnxruntime on the same inputs and compare every graph output; exit 1 on mismatch.")
 @click.option("--check-all", is_flag=True,
               help="With --check: also compare every intermediate tensor that survives compilation "
-                   "and name the first that diverges.")
+                   "and name the first that diverges (a value computed from an approximation the program "
+                   "records is judged at its tolerance).")
 @click.option("--reference", type=click.Choice(REFERENCES), default=None,
               help="With --check: what to judge against. Default: onnxruntime's fp32 run (the 'exact' one on graphs "
                    "with integer operators) and the graph evaluated in float64, when the model's parameters take "
@@ -242,9 +246,10 @@ def run_command(ctx, program, arch, inputs_path, seed, out_path, check_model, ch
         numbers = rep.summarize(result)
         if report:
             rep.print_report(numbers)
+    given = tolerance       # --check-all judges values no approximation reaches at it
     if check_model and prog.approximations and not _given(ctx, "tolerance"):
         tolerance = _approximated(prog, tolerance, check_model, reference)
-    verdict = (_check(check_model, inputs, result, tolerance, check_all, reference, prog.approximations)
+    verdict = (_check(check_model, inputs, result, tolerance, check_all, reference, prog.approximations, given)
                if check_model else None)
     if verdict:
         numbers["check"] = verdict.as_json(tolerance) | {"program_approximations": list(prog.approximations)}

@@ -440,11 +440,13 @@ def print_comparisons(rows, tol: float, console: Console | None = None) -> None:
     console = console or report_console()
     t = Table(title=f"check against onnxruntime (float: relative L2 <= {tol:g}; integers exact)",
               title_justify="left")
-    for col in ("output", "dtype", "rel L2", "max |diff|", "mismatches", "result"):
+    own = any(r.tolerance not in (None, tol) for r in rows)     # some judged at an approximation's
+    for col in ("output", "dtype", "rel L2", "max |diff|", "mismatches", *(["tolerance"] if own else []), "result"):
         t.add_column(col)
     for r in rows:
         rel = "exact" if r.exact and r.ok else f"{r.rel_l2:.3e}"
-        t.add_row(r.name, r.dtype, rel, f"{r.max_abs:.3e}", str(r.mismatches),
+        at = [f"{r.tolerance if r.tolerance is not None else tol:g}"] if own else []
+        t.add_row(r.name, r.dtype, rel, f"{r.max_abs:.3e}", str(r.mismatches), *at,
                   "[green]ok[/green]" if r.ok else "[red]MISMATCH[/red]")
     print_table(t, console)
 
@@ -581,6 +583,9 @@ def print_intermediates(rows, tol: float, console: Console | None = None, most: 
         if r.not_the_value:
             console.print(f"intermediates: {r.name} not compared: {r.not_the_value}")
     rows = [r for r in rows if not r.not_the_value]
+    for kinds, at in sorted({(tuple(r.approximated), r.tolerance) for r in rows if r.approximated}):
+        n = sum(1 for r in rows if r.approximated and tuple(r.approximated) == kinds)
+        console.print(f"intermediates: {n} computed from {' and '.join(kinds)}, judged at relative L2 <= {at:g}")
     bad = [r for r in rows if not r.ok]
     if not bad:
         console.print(f"intermediates: all {len(rows)} within tolerance of onnxruntime")

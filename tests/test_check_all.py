@@ -11,7 +11,8 @@ import onnx
 
 from dlegion_cc.pipeline import Options, compile_model
 from isa import arch
-from runtime.check import PROGRAM_APPROXIMATIONS, compare_intermediates, not_the_value
+from runtime.check import PROGRAM_APPROXIMATIONS
+from runtime.intermediates import compare_intermediates, not_the_value
 from runtime.emulator import random_inputs, run
 from runtime.report import print_intermediates
 
@@ -53,6 +54,51 @@ def test_first_divergence_is_an_int8_attention_product():
     assert first > 0 and all(r.rel_l2 <= 1e-6 for r in compared[:first])
     assert compared[first].rel_l2 <= PROGRAM_APPROXIMATIONS["int8_attention"][1]
     assert set(products) & ancestors(onnx.load(MODEL), compared[first].name), (compared[first].name, products)
+
+
+def judged(program, inputs, result, perturb: str | None = None, by: float = 0.0):
+    """compare_intermediates with the program's approximations, ``perturb``'s tensor scaled by
+    1 + ``by`` in the run's memory first (a program that computed it that far off)."""
+    if not perturb:
+        return compare_intermediates(MODEL, inputs, result, approximations=program.approximations)
+    dram = result.machine.dram[next(i for i, t in enumerate(program.tensors) if t.io_name == perturb)]
+    kept = dram.copy()
+    dram *= np.float32(1 + by)
+    try:
+        return compare_intermediates(MODEL, inputs, result, approximations=program.approximations)
+    finally:
+        dram[...] = kept
+
+
+def test_values_after_an_approximation_are_judged_at_its_tolerance():
+    """With the program's approximations, every value computed from an int8 attention product is
+    judged at int8_attention's tolerance and every other at 1e-4: the program, right, shows no
+    divergence, where at 1e-4 throughout its first was the attention output."""
+    program, inputs, result = int8_attention()
+    rows = [r for r in judged(program, inputs, result) if not r.not_the_value]
+    after = {r.name for r in rows if r.approximated}
+    model = onnx.load(MODEL)
+    products = set(program.approximations["int8_attention"])
+    assert after and all(products & ancestors(model, n) for n in after)
+    assert all(r.tolerance == PROGRAM_APPROXIMATIONS["int8_attention"][1] for r in rows if r.name in after)
+    assert all(r.tolerance == 1e-4 for r in rows if r.name not in after)
+    assert all(r.ok for r in rows), [(r.name, r.rel_l2) for r in rows if not r.ok]
+
+
+def test_a_wrong_value_is_still_found_either_side_of_the_approximation(capsys):
+    """A value before the approximation 1e-3 off, or one after it 10% off (twice its tolerance),
+    is named as the first divergence, with the tolerance it was judged at."""
+    program, inputs, result = int8_attention()
+    rows = [r for r in judged(program, inputs, result) if not r.not_the_value]
+    before = next(r.name for r in rows if not r.approximated and r.dtype == "float32")
+    after = next(r.name for r in reversed(rows) if r.approximated and r.dtype == "float32")
+    for name, by in ((before, 1e-3), (after, 0.1)):
+        bad = [r for r in judged(program, inputs, result, name, by) if not r.ok]
+        assert [r.name for r in bad] == [name]
+        print_intermediates(bad, 1e-4)
+        out = capsys.readouterr().out
+        assert f"the first is {name}" in out and ("tolerance" in out) == (name == after)
+    assert all(r.ok for r in judged(program, inputs, result) if not r.not_the_value)     # restored
 
 
 def test_a_tensor_that_cannot_hold_its_value_is_not_compared_and_said(capsys):

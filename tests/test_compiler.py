@@ -243,7 +243,7 @@ def test_intermediates_skip_values_the_compiler_made():
     """The 4-bit model's per-row activation quantization makes values onnxruntime does not
     know (as do the grouped-heads and rotary passes): the intermediate check compares the
     model's own values and leaves those out, instead of failing on them."""
-    from runtime.check import compare_intermediates
+    from runtime.intermediates import compare_intermediates
     model = ROOT / "models" / "llama_tiny_nbits4.onnx"
     graph, program = compile_model(model, Options(TINY, {"sequence": 5}))
     inputs = random_inputs(program, 0)

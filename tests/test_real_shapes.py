@@ -13,7 +13,8 @@ import pytest
 from isa import arch
 from dlegion_cc.pipeline import Options, compile_model
 from models.bitnet import build_bitnet, preset, save
-from runtime.check import compare_intermediates, compare_one
+from runtime.check import compare_one
+from runtime.intermediates import compare_intermediates
 from runtime.emulator import random_inputs, run
 
 
