@@ -292,7 +292,10 @@ class _Rewrite:
         self.done: dict = {}                        # qid -> each item's known vector once done
         self.start = np.zeros((self.nq, self.nq), np.int64)   # what the next task of each queue knows
         self.ledgers: dict = {}
-        self.users = self._users()                  # space -> (queues touching it, last instruction of each)
+        # An instruction's place in the order the rewrite runs; space -> (queues touching it,
+        # the place of the last instruction of each there).
+        self.place = np.arange(len(program.instrs)) if order is None else _places(order, len(program.instrs))
+        self.users = self._users()
         self.out: list = []
 
     def qid(self, legion: int, queue: str) -> int:
@@ -308,7 +311,8 @@ class _Rewrite:
             for r in range(_span(i)):
                 q = self.qid(i.legion + r, i.queue())
                 for space in spaces:
-                    users.setdefault((space[0] + r, space[1]) if isinstance(space, tuple) else space, {})[q] = k
+                    last = users.setdefault((space[0] + r, space[1]) if isinstance(space, tuple) else space, {})
+                    last[q] = max(last.get(q, -1), self.place[k])
         return {s: (np.array(list(last)), np.array(list(last.values()))) for s, last in users.items()}
 
     def run(self) -> tuple[list, list[int]]:
@@ -329,9 +333,11 @@ class _Rewrite:
 
     def _run_in_order(self) -> tuple[list, list[int]]:
         starts = [0] * len(self.program.instrs)
-        for k in self.order:        # (not pruned: which queue touches a space later is of the old order)
+        for at, k in enumerate(self.order):
             starts[k] = len(self.out)
             self._place(k, self.program.instrs[k])
+            if at % _Ledger.PRUNE_EVERY == 0:
+                self._prune(at)
         return self.out, starts
 
     def _barrier(self) -> None:
@@ -466,18 +472,25 @@ class _Rewrite:
             ledger = self.ledgers[space] = _Ledger(size)
         return ledger
 
-    def _prune(self, k: int) -> None:
+    def _prune(self, at: int) -> None:
         """Drop, from the large ledgers, the accesses that the next task of every queue that
-        touches the space after instruction ``k`` knows done (what a queue's tasks know only
-        grows along it); a space none touches again, whole."""
+        touches the space after the instruction placed ``at``-th knows done (what a queue's
+        tasks know only grows along it); a space none touches again, whole."""
         for space, ledger in list(self.ledgers.items()):
             if len(ledger) > _Ledger.PRUNE_AT:
                 queues, last = self.users[space]
-                later = queues[last > k]
+                later = queues[last > at]
                 if len(later):
                     ledger.prune(self.start[later].min(axis=0))
                 else:
                     del self.ledgers[space]
+
+
+def _places(order: list[int], n: int) -> np.ndarray:
+    """Per instruction, its place in ``order`` (-1: a barrier, left out)."""
+    place = np.full(n, -1, np.int64)
+    place[np.asarray(order, np.int64)] = np.arange(len(order))
+    return place
 
 
 def _targets(program: Program, arch: Arch) -> dict:
