@@ -17,6 +17,7 @@ import json
 import operator
 import re
 import struct
+from dataclasses import replace
 from operator import attrgetter
 
 from isa.fields import (ADDR_BITS, QUEUES, SPACES, After, Cond, Dram, DramRef, Legion, OptTensor, OptUInt, UInt,
@@ -42,6 +43,17 @@ _TENSOR_OF = {Dram: lambda v: v.tensor, OptTensor: lambda v: v}
 TENSOR_FIELDS = {cls: tuple((name, _TENSOR_OF[type(kind)]) for name, kind in layout
                             if type(kind) in _TENSOR_OF)
                  for cls, layout in LAYOUT.items()}
+
+
+def renamed_tensors(i: Instr, rename) -> Instr:
+    """``i`` with each DRAM tensor index it names replaced by ``rename(index)``."""
+    changes = {}
+    for name, index in TENSOR_FIELDS.get(type(i), ()):
+        v = getattr(i, name)
+        t = index(v)
+        if t is not None:
+            changes[name] = rename(t) if isinstance(v, int) else replace(v, tensor=rename(t))
+    return replace(i, **changes) if changes else i
 
 
 def kind_entry(table: dict, kind):

@@ -30,6 +30,7 @@ from dataclasses import replace
 import numpy as np
 
 from isa.arch import MODE_BITS, Arch
+from isa.encoding import renamed_tensors
 from isa.expand import absolute
 from isa.fields import QUEUES, Cond, View
 from isa.instructions import (Barrier, DmaLoad, DmaStore, Drain, Gather, MatMul, NocAdd, NocMove, VBinary, VMatMul,
@@ -48,6 +49,29 @@ def overlap(program: Program, arch: Arch) -> Program:
     instrs, starts = _Rewrite(program, arch, layer_ends(program)).run()
     regions = [(starts[at] if at < len(starts) else len(instrs), name) for at, name in program.regions]
     return replace(program, instrs=instrs, regions=regions)
+
+
+def rewritten(program: Program, arch: Arch, order: list[int], seen: dict) -> tuple[list, list[int]]:
+    """``_Rewrite(program, arch, order=order).run()``: the instructions, and where each landed.
+    A program that repeats one met before (``seen``) but for the DRAM tensors it names (the
+    same kernels in each layer of a decoder) takes the earlier result with them renamed: the
+    rewrite sees of a tensor its kind and size, not its index."""
+    instrs, named = _renamed(program.instrs, None)
+    key = (instrs, tuple((program.tensors[t].kind, program.tensors[t].storage_elems) for t in named), tuple(order))
+    if key in seen:
+        out, starts = seen[key]
+        return list(_renamed(out, dict(enumerate(named)))[0]), starts
+    out, starts = _Rewrite(program, arch, order=order).run()
+    seen[key] = _renamed(out, {t: j for j, t in enumerate(named)})[0], starts
+    return out, starts
+
+
+def _renamed(instrs, rename: dict | None) -> tuple[tuple, list[int]]:
+    """``instrs`` with each DRAM tensor they name renamed by ``rename``, or (None) numbered in
+    the order of first use; and the tensors in that order."""
+    first: dict = {}
+    number = (lambda t: first.setdefault(t, len(first))) if rename is None else rename.__getitem__
+    return tuple(renamed_tensors(i, number) for i in instrs), list(first)
 
 
 LAYER = re.compile(r"(?:^|[./_])layers?[._](\d+)[./_]")

@@ -37,7 +37,7 @@ from dlegion_cc.lower import carry
 from dlegion_cc.lower.context import Lowering
 from dlegion_cc.lower.fused import row_kernel_blocks, row_kernel_width
 from dlegion_cc.lower.layout import whole
-from dlegion_cc.lower.overlap import _Rewrite, _span, accesses, footprint
+from dlegion_cc.lower.overlap import _span, accesses, footprint, rewritten
 from dlegion_cc.lower.qmatmul import mode_for, pick_mode, qmatmul_blocks
 
 MATMUL, ROWS = (DLEGION, "QMatMul"), (DLEGION, "RowKernel")
@@ -191,7 +191,7 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
             raise AssertionError("a chain node has more row blocks than the chain")
     program = Program(arch.name, list(em.tensors), em.instrs[start:])
     order = _merged(program, spans, pairs, start)
-    out, starts = _Rewrite(program, arch, order=order).run()
+    out, starts = rewritten(program, arch, order, low.rewrites)
     em.instrs[start:] = out
     merged = {r: x for x, r in pairs.items()}
     for j, (node, lo, hi) in enumerate(spans):
