@@ -1,5 +1,5 @@
 """The overlap rewrite of a kernel each decoder layer repeats runs once: the later layers take
-its result with their own DRAM tensors (``overlap.rewritten``), and the program is the one
+its result with their own DRAM tensors (``overlap.reused``), and the program is the one
 rewritten layer by layer."""
 from __future__ import annotations
 
@@ -32,13 +32,13 @@ def _compiled(model, monkeypatch, reuse: bool):
         ran.append(1)
         return run(self)
 
-    def rewritten(program, machine, order, seen):
+    def reused(program, seen, how, make):
         asked.append(1)
-        return overlap.rewritten(program, machine, order, seen if reuse else {})
+        return overlap.reused(program, seen if reuse else {}, how, make)
     with monkeypatch.context() as m:
         m.setattr(overlap._Rewrite, "run", counted)
-        m.setattr(heads, "rewritten", rewritten)
-        m.setattr(rowblocks, "rewritten", rewritten)
+        m.setattr(heads, "reused", reused)
+        m.setattr(rowblocks, "reused", reused)
         program = compile_model(model, Options(TINY, {}))[1]
     return program, len(asked), len(ran)
 

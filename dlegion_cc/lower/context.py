@@ -92,7 +92,7 @@ class Lowering:
         # the caller asked (the parallel accumulators are checked where splits are chosen).
         self.graph, self.em = graph, em
         self.schedules = schedules if schedules is not None else Schedules()     # quantized matmuls'
-        self.rewrites: dict = {}      # overlap.rewritten's: kernels each layer repeats
+        self.rewrites: dict = {}      # overlap.reused's: kernels each layer repeats
         self.switches = replace(switches, multicast=switches.multicast and em.arch.multicast)
         self.operands: dict[str, Operand] = {}
         self.int8 = int8_activations(graph)

@@ -31,7 +31,7 @@ from dlegion_cc.ir import DLEGION, Node
 from dlegion_cc.lower import carry
 from dlegion_cc.lower.context import Lowering
 from dlegion_cc.lower.fused import head_axis, row_kernel_heads, row_kernel_width
-from dlegion_cc.lower.overlap import _span, rewritten
+from dlegion_cc.lower.overlap import _Rewrite, _span, reused
 from dlegion_cc.lower.qmatmul import run_time_weights_groups
 from dlegion_cc.lower.rowblocks import _apart, _shift_vec
 from runtime.costs import Env, cost
@@ -146,9 +146,13 @@ def lower_attention(low: Lowering, found: dict, groups: list[range], lower_node,
         _lower_between(low, node, lower_node, spans, own_regions, found["between"]["views"])
     run(("pv", pv), _attn(low, pv, groups, room))
     program = Program(arch.name, list(em.tensors), em.instrs[start:])
-    steps = _steps(program, arch, spans, len(groups), start, [k for k in spans if k[0] == "node"])
-    order = [k for _, ks in steps for k in ks]
-    out, starts = rewritten(program, arch, order, low.rewrites)
+
+    def make(program):
+        steps = _steps(program, arch, spans, len(groups), start, [k for k in spans if k[0] == "node"])
+        out, starts = _Rewrite(program, arch, order=[k for _, ks in steps for k in ks]).run()
+        return out, (steps, starts)
+    how = (tuple(sorted((key, lo - start, hi - start) for key, (lo, hi) in spans.items())), len(groups))
+    out, (steps, starts) = reused(program, low.rewrites, how, make)
     em.instrs[start:] = out
     names = {"qk": region_name(qk), "softmax": region_name(sm), "pv": region_name(pv)}
     for label, ks in steps:

@@ -51,19 +51,22 @@ def overlap(program: Program, arch: Arch) -> Program:
     return replace(program, instrs=instrs, regions=regions)
 
 
-def rewritten(program: Program, arch: Arch, order: list[int], seen: dict) -> tuple[list, list[int]]:
-    """``_Rewrite(program, arch, order=order).run()``: the instructions, and where each landed.
+def reused(program: Program, seen: dict, how, make) -> tuple[list, object]:
+    """``make(program)``: the instructions of ``program`` rewritten (overlap's ``_Rewrite`` in
+    an order of the caller's) and what else the caller derives of them, naming no DRAM tensor.
     A program that repeats one met before (``seen``) but for the DRAM tensors it names (the
-    same kernels in each layer of a decoder) takes the earlier result with them renamed: the
-    rewrite sees of a tensor its kind and size, not its index."""
+    same kernels in each layer of a decoder), made the same way (``how``, hashable), takes the
+    earlier result with its own tensors: of a tensor, the rewrite and the costs that order it
+    see its kind, type and shape, not its index."""
     instrs, named = _renamed(program.instrs, None)
-    key = (instrs, tuple((program.tensors[t].kind, program.tensors[t].storage_elems) for t in named), tuple(order))
+    tensors = tuple((t.kind, t.dtype, t.shape) for t in map(program.tensors.__getitem__, named))
+    key = (instrs, tensors, how)
     if key in seen:
-        out, starts = seen[key]
-        return list(_renamed(out, dict(enumerate(named)))[0]), starts
-    out, starts = _Rewrite(program, arch, order=order).run()
-    seen[key] = _renamed(out, {t: j for j, t in enumerate(named)})[0], starts
-    return out, starts
+        out, derived = seen[key]
+        return list(_renamed(out, dict(enumerate(named)))[0]), derived
+    out, derived = make(program)
+    seen[key] = _renamed(out, {t: j for j, t in enumerate(named)})[0], derived
+    return out, derived
 
 
 def _renamed(instrs, rename: dict | None) -> tuple[tuple, list[int]]:

@@ -37,7 +37,7 @@ from dlegion_cc.lower import carry
 from dlegion_cc.lower.context import Lowering
 from dlegion_cc.lower.fused import row_kernel_blocks, row_kernel_width
 from dlegion_cc.lower.layout import whole
-from dlegion_cc.lower.overlap import _span, accesses, footprint, rewritten
+from dlegion_cc.lower.overlap import _Rewrite, _span, accesses, footprint, reused
 from dlegion_cc.lower.qmatmul import mode_for, pick_mode, qmatmul_blocks
 
 MATMUL, ROWS = (DLEGION, "QMatMul"), (DLEGION, "RowKernel")
@@ -190,8 +190,11 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
         for _ in gen:
             raise AssertionError("a chain node has more row blocks than the chain")
     program = Program(arch.name, list(em.tensors), em.instrs[start:])
-    order = _merged(program, spans, pairs, start)
-    out, starts = rewritten(program, arch, order, low.rewrites)
+
+    def make(program):
+        return _Rewrite(program, arch, order=_merged(program, spans, pairs, start)).run()
+    how = (tuple((lo - start, hi - start) for _, lo, hi in spans), tuple(sorted(pairs.items())))
+    out, starts = reused(program, low.rewrites, how, make)
     em.instrs[start:] = out
     merged = {r: x for x, r in pairs.items()}
     for j, (node, lo, hi) in enumerate(spans):
