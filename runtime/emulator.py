@@ -58,7 +58,7 @@ def _run(program: Program, arch: Arch, inputs: dict[str, np.ndarray], races: boo
     ordered = in_program_order(tasks, arch.legions)
     unchecked = (_repeated_segments(tasks.source, program) if races and ordered
                  else np.zeros(len(tasks.source), np.bool_))
-    if races is True and ordered:
+    if races and races != "each" and ordered:
         # Recorded, then proven ordered at once; else run again, checked access by access,
         # which stops at the first race, or raises what this run raised, as it always has.
         try:

@@ -153,3 +153,16 @@ def test_rectangles_are_those_of_the_check_by_access(wins):
     from runtime.races_bulk import _rectangles
     got = _rectangles(np.array(wins, np.int64)).tolist()
     assert got == [list(_rectangle(w) or (-1, got[n][1], got[n][2], got[n][3], got[n][4])) for n, w in enumerate(wins)]
+
+
+def test_a_race_before_a_trap_is_the_error():
+    """The recorded run goes past the race to the never-written read; the run again by access
+    stops at the race, as a run by access always has."""
+    body = """dma.ld L0 {0} vec[0,8,1] @x[0,8] rows=4 cols=8
+vadd L0 vec[64,8,1] vec[0,8,1] #1 rows=4 cols=8
+vadd L0 vec[96,8,1] vec[200,8,1] #1 rows=4 cols=8 wait=L0.dma>=1
+"""
+    with pytest.raises(Trap, match=r":4: vadd: race on L0 vec\[0\]: line 3 \(dma.ld\) wrote it"):
+        run(parse(".arch dlegion-tiny\n.tensor x f32[4,8] input \"x\"\n" + body), ARCH, X)
+    with pytest.raises(Trap, match=r"read of never-written L0 vec\[200\]"):
+        run(parse(".arch dlegion-tiny\n.tensor x f32[4,8] input \"x\"\n" + body), ARCH, X, races=False)
