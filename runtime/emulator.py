@@ -17,6 +17,7 @@ from isa.verify import verify
 from runtime import semantics
 from runtime.liveness import Liveness
 from runtime.races import RaceCheck, segment_key
+from runtime.races_bulk import AccessLog
 from runtime.state import Machine, Trap, host_array
 from runtime.timing import Timeline, simulate
 
@@ -34,12 +35,15 @@ class RunResult:
 PROGRESS_BLOCK = 1024
 
 
-def run(program: Program, arch: Arch, inputs: dict[str, np.ndarray], races: bool = True,
+def run(program: Program, arch: Arch, inputs: dict[str, np.ndarray], races: bool | str = True,
         keep: bool = True, progress: Progress = SILENT) -> RunResult:
     """Emulate ``program`` on ``arch``: its timing, and its functional results computed in an
     order that respects every dependency; ``races`` also checks that every two conflicting
     accesses are ordered (runtime/races.py), which makes the results those of any order the
-    machine may take; ``keep`` keeps every scratch tensor to the end, for the caller to read
+    machine may take. A run in program order is recorded and checked whole
+    (runtime/races_bulk.py); only when that finds a pair unordered, or the run traps, is it run
+    again and checked access by access, which names the first race, as ``races="each"`` always
+    does. ``keep`` keeps every scratch tensor to the end, for the caller to read
     (runtime/check.py); else each is freed after its last use (dlegion-run, unless --check-all)."""
     # The run makes many small objects and no cycles worth collecting: a collection of the
     # oldest generation walks the whole loaded program each time.
@@ -47,17 +51,35 @@ def run(program: Program, arch: Arch, inputs: dict[str, np.ndarray], races: bool
         return _run(program, arch, inputs, races, keep, progress)
 
 
-def _run(program: Program, arch: Arch, inputs: dict[str, np.ndarray], races: bool, keep: bool,
+def _run(program: Program, arch: Arch, inputs: dict[str, np.ndarray], races: bool | str, keep: bool,
          progress: Progress) -> RunResult:
     program = verify(program, arch)      # and expanded: one task per Legion of each span
-    machine = Machine(program, arch)
-    bind_inputs(machine, program, inputs)
     tasks = program.instrs
     ordered = in_program_order(tasks, arch.legions)
     unchecked = (_repeated_segments(tasks.source, program) if races and ordered
                  else np.zeros(len(tasks.source), np.bool_))
-    if races:
-        machine.watch = RaceCheck(program, arch, unchecked)
+    if races and races != "each" and ordered:
+        # Recorded, then proven ordered at once; else run again, checked access by access,
+        # which stops at the first race, or raises what this run raised, as it always has.
+        try:
+            result = _emulate(program, arch, inputs, keep, progress, ordered, AccessLog(program, arch, unchecked),
+                              unchecked)
+        except Exception:
+            result = None
+        if result is not None and result.machine.watch.ordered():
+            result.machine.watch = None
+            return result
+        result, progress = None, SILENT      # its memory given back before the run again
+    return _emulate(program, arch, inputs, keep, progress, ordered,
+                    RaceCheck(program, arch, unchecked) if races else None, unchecked)
+
+
+def _emulate(program: Program, arch: Arch, inputs: dict[str, np.ndarray], keep: bool, progress: Progress,
+             ordered: bool, watch, unchecked: np.ndarray) -> RunResult:
+    """One run of the emulator, its accesses told to ``watch`` (kept there, for the caller)."""
+    machine = Machine(program, arch)
+    bind_inputs(machine, program, inputs)
+    machine.watch = watch
     with progress.task("emulating", _executed(program)) as advance, np.errstate(all="ignore"):
         if ordered:
             timeline = simulate(program, arch)

@@ -93,14 +93,17 @@ barrier
 """
 
 
-def test_a_repeated_segment_is_race_checked_once(monkeypatch):
+@pytest.mark.parametrize("races", [True, "each"])
+def test_a_repeated_segment_is_race_checked_once(monkeypatch, races):
     from runtime.races import RaceCheck
+    from runtime.races_bulk import AccessLog
     started = []
-    original = RaceCheck.start
-    monkeypatch.setattr(RaceCheck, "start", lambda self, k, span=1: (started.append(k), original(self, k, span)))
+    check = AccessLog if races is True else RaceCheck      # the whole run's check, or by access
+    original = check.start
+    monkeypatch.setattr(check, "start", lambda self, k, span=1: (started.append(k), original(self, k, span)))
     p = parse(HEAD + ".tensor t f32[8,64] scratch\n" + SEGMENT * 3 + SEGMENT.replace("@y", "@t")
               + SEGMENT.replace("#2", "#3"))
-    run(p, L8, {"x": np.ones((8, 64), np.float32)})
+    run(p, L8, {"x": np.ones((8, 64), np.float32)}, races=races)
     # Checked: the first segment, the second (the first after a barrier) and the last, which
     # multiplies by another number; not the third, nor the fourth, the same with t for y.
     assert len(started) == 3 * 3

@@ -18,8 +18,8 @@ HEAD = """.arch dlegion-tiny
 X = {"x": np.arange(32, dtype=np.float32).reshape(4, 8)}
 
 
-def emulate(body: str):
-    return run(parse(HEAD + body), ARCH, X)
+def emulate(body: str, races=True):
+    return run(parse(HEAD + body), ARCH, X, races=races)
 
 
 @pytest.mark.parametrize("body", [
@@ -153,7 +153,7 @@ def _loop(rounds: int) -> str:
 
 
 def test_the_ledgers_stay_short_on_a_long_ordered_program():
-    result = emulate(_loop(200) + "dma.st L0 @y[0,8] vec[32,8,1] rows=4 cols=8 wait=L0.dma>=400\n")
+    result = emulate(_loop(200) + "dma.st L0 @y[0,8] vec[32,8,1] rows=4 cols=8 wait=L0.dma>=400\n", races="each")
     watch = result.machine.watch
     ledgers = list(watch.spads.values()) + list(watch.dram.values())
     assert max(len(ledger) for ledger in ledgers) <= 4       # 1,000 accesses made
@@ -272,6 +272,6 @@ def test_reads_after_a_tensors_last_store_are_checked_not_kept():
     result = emulate("""dma.ld L0 {0} vec[0,8,1] @x[0,8] rows=4 cols=8
 dma.st L0 @t[0,8] vec[0,8,1] rows=4 cols=8 wait=L0.dma>=1
 dma.ld L1 {1} vec[0,8,1] @t[0,8] rows=4 cols=8 wait=L0.dma>=2
-dma.st L1 @y[0,8] vec[0,8,1] rows=4 cols=8 wait=L1.dma>=1""")
+dma.st L1 @y[0,8] vec[0,8,1] rows=4 cols=8 wait=L1.dma>=1""", races="each")
     kept = result.machine.watch.dram[2].items                 # @t
     assert [access[5] for access in kept] == [True]           # the store's write alone

@@ -1,0 +1,155 @@
+"""The race check of a whole run at once: every access recorded as the emulator makes it, then
+every pair of them that shares an element, one of them writing, tested against
+:class:`runtime.races.Order` in a few numpy operations.
+
+This proves a run free of races, not where one is: when some pair is not ordered (or the run
+traps), the emulator runs again with :class:`runtime.races.RaceCheck`, which names the first
+race the way it always has. Its test of a pair is the same (``known[k, q]``, a task's own
+accesses, the DMA queue's order of transfers); where it compares an access only with the kept
+ones, which a later access may replace, this compares it with every earlier one, so whatever
+that check finds, this finds too."""
+from __future__ import annotations
+
+import numpy as np
+
+from isa.fields import QUEUES
+from runtime.races import DMA, Order, _first_shared
+
+# Columns of a recorded access: its first task, its space (a scratchpad space and first
+# Legion, or a DRAM tensor), how many ranks (tasks, Legions) it spans, how far each rank moves
+# in DRAM, its window, and whether it writes.
+K, SPACE, SPAN, LSTRIDE, ADDR, ROWS, COLS, RS, CS, WRITE = range(10)
+
+
+class AccessLog:
+    """The watch the machine tells of every access (as :class:`runtime.races.RaceCheck` is
+    told), recording them only; :meth:`ordered` checks them all."""
+
+    def __init__(self, program, arch, unchecked=None):
+        self.program, self.arch, self.unchecked = program, arch, unchecked
+        self.spaces = list(arch.derived.spad_elems)
+        self._space_id = {s: n for n, s in enumerate(self.spaces)}
+        self.tracked = {i for i, t in enumerate(program.tensors) if t.kind not in ("const", "input")}
+        self.rows: list[tuple] = []
+        self._now = 0
+
+    def start(self, k: int, span: int = 1) -> None:
+        self._now = k
+
+    def forget(self, tensor: int) -> None:
+        """No later task touches the tensor: nothing to do, no ledger is kept."""
+
+    def spad(self, legion: int, span: int, view, rows: int, cols: int, write: bool) -> None:
+        if rows and cols:
+            space = self._space_id[view.space] * self.arch.legions + legion
+            self.rows.append((self._now, space, span, 0, view.addr, rows, cols, view.rs, view.cs, write))
+
+    def dram_access(self, tensor: int, offset: int, rs: int, rows: int, cols: int, write: bool,
+                    span: int = 1, lstride: int = 0) -> None:
+        if rows and cols and tensor in self.tracked:
+            space = -1 - tensor          # DRAM tensors below the scratchpads' ids
+            self.rows.append((self._now, space, span, lstride, offset, rows, cols, rs, 1, write))
+
+    def ordered(self, order: Order | None = None) -> bool:
+        """Whether every two recorded accesses sharing an element, one writing, are ordered."""
+        if not self.rows:
+            return True
+        order = order or Order(self.program, self.arch, self.unchecked)
+        return _unordered_pairs(self._ranks(), order) == []
+
+    def _ranks(self) -> dict:
+        """One access per rank: its task, space (a scratchpad rank on Legion first + r, a DRAM
+        rank ``r * lstride`` further), time (the record's index), rank, window and bounds."""
+        t = np.array(self.rows, np.int64)
+        span = t[:, SPAN]
+        rec = np.repeat(np.arange(len(t)), span)
+        rank = np.arange(len(rec)) - np.repeat(np.cumsum(span) - span, span)
+        a = t[rec]
+        spad = a[:, SPACE] >= 0
+        addr = a[:, ADDR] + np.where(spad, 0, rank * a[:, LSTRIDE])
+        rows, cols, rs, cs = a[:, ROWS], a[:, COLS], a[:, RS], a[:, CS]
+        lo = addr + np.minimum(0, (rows - 1) * rs) + np.minimum(0, (cols - 1) * cs)
+        hi = addr + np.maximum(0, (rows - 1) * rs) + np.maximum(0, (cols - 1) * cs)
+        return {"task": a[:, K] + rank, "space": a[:, SPACE] + np.where(spad, rank, 0), "time": rec,
+                "rank": rank, "write": a[:, WRITE] != 0, "lo": lo, "hi": hi,
+                "win": np.stack([addr, rows, cols, rs, cs], axis=1)}
+
+
+def _unordered_pairs(acc: dict, order: Order) -> list[tuple[int, int]] | None:
+    """(earlier, later) rank accesses sharing an element, one writing, the later not ordered
+    after the earlier; None when they cannot be found this way (see :func:`_not_known_done`)."""
+    pairs = _not_known_done(acc, order)
+    if pairs is None:
+        return None
+    a, b = pairs
+    write = acc["write"]
+    keep = write[a] | write[b]
+    a, b = a[keep], b[keep]
+    ka, kb = acc["task"][a], acc["task"][b]
+    qa, qb = order.queue[ka], order.queue[kb]
+    count, place = order.place[ka] + 1, order.place[kb]
+    meet = (acc["hi"][a] >= acc["lo"][b]) & (acc["lo"][a] <= acc["hi"][b])
+    ordered = (ka == kb) | ~meet | (
+        (qa == qb) & (qb % len(QUEUES) == DMA) & (~write[a] | write[b]) & (count <= place))
+    a, b = a[~ordered], b[~ordered]
+    if not len(a):
+        return []
+    a, b = _not_apart(acc, a, b)
+    wins = acc["win"]
+    return [(x, y) for x, y in zip(a.tolist(), b.tolist())
+            if _first_shared(tuple(wins[y].tolist()), tuple(wins[x].tolist())) is not None]
+
+
+def _not_known_done(acc: dict, order: Order) -> tuple[np.ndarray, np.ndarray] | None:
+    """Every (earlier, later) pair of rank accesses of one space, one of them writing, where
+    the later one's task does not know the earlier one's done. Per space, queue and kind
+    (read or write), the accesses in time order are in order on the queue too: those a task
+    does not know done are a run of them, from the first at or past what it knows done on
+    that queue to the last before it (None if they were not in order: a run out of program
+    order, which the emulator does not check this way)."""
+    write = acc["write"].astype(np.int64)
+    kind = acc["space"] * 2 + write             # a space's reads, then its writes
+    queue, place = order.queue[acc["task"]], order.place[acc["task"]]
+    by = np.lexsort((np.arange(len(kind)), queue, kind))         # by space, kind, queue, then time
+    s, q = kind[by], queue[by]
+    new = np.concatenate([[True], (s[1:] != s[:-1]) | (q[1:] != q[:-1])])
+    group = np.cumsum(new) - 1                 # per sorted access, its (space, kind, queue) group
+    g_kind, g_queue = s[new], q[new]
+    # the groups each access may conflict with, a run of them: a write's, every group of its
+    # space; a read's, those of the space's writes
+    first_group = np.searchsorted(g_kind, np.where(write == 1, kind - 1, kind + 1), side="left")
+    groups = np.searchsorted(g_kind, kind - write + 1, side="right") - first_group
+    b = np.repeat(np.arange(len(kind)), groups)
+    g = np.arange(groups.sum()) - np.repeat(np.cumsum(groups) - groups, groups) + np.repeat(first_group, groups)
+    known = order.known[acc["task"][b], g_queue[g]]
+    by_place = (group << 32) + place[by]
+    if np.any(by_place[1:] < by_place[:-1]):
+        return None                # not in order on their queue: no run to search for
+    by_time = (group << 32) + by
+    lo = np.searchsorted(by_place, (g << 32) + known, side="left")
+    hi = np.searchsorted(by_time, (g << 32) + b, side="left")
+    count = np.maximum(hi - lo, 0)
+    pair_b = np.repeat(b, count)
+    at = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count) + np.repeat(lo, count)
+    return by[at], pair_b
+
+
+def _not_apart(acc: dict, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The pairs not told apart by their rectangles (runtime/races.py's _apart)."""
+    ra, rb = _rectangles(acc["win"][a]), _rectangles(acc["win"][b])
+    apart = (ra[:, 0] >= 0) & (ra[:, 0] == rb[:, 0]) & (
+        (ra[:, 2] <= rb[:, 1]) | (rb[:, 2] <= ra[:, 1]) | (ra[:, 4] <= rb[:, 3]) | (rb[:, 4] <= ra[:, 3]))
+    return a[~apart], b[~apart]
+
+
+def _rectangles(wins: np.ndarray) -> np.ndarray:
+    """runtime/races.py's _rectangle of each window (rows of ``wins``), a row stride of -1 for
+    None."""
+    addr, rows, cols, rs, cs = wins.T
+    one_row = rows == 1
+    stride = np.where(one_row, 0, rs)
+    safe = np.maximum(stride, 1)
+    row, col = np.where(one_row, 0, addr // safe), np.where(one_row, addr, addr % safe)
+    none = ((cols > 1) & (cs != 1)) | (~one_row & ((rs <= 0) | (addr % safe + cols > rs)))
+    out = np.stack([np.where(none, -1, stride), row, row + rows, col, col + cols], axis=1)
+    return out
