@@ -13,7 +13,7 @@ from isa import arch
 from isa.instructions import Barrier, DmaLoad, DmaStore, MatMul, VBinary, VReduce, VUnary
 from dlegion_cc.lower.rowblocks import FEWEST_ROWS, split
 from dlegion_cc.pipeline import Options, compile_model
-from models.bitnet import BitLinear, preset, save
+from models.bitnet import BitLinear, build_bitnet, preset, save
 from models.decoder import relu2
 from models.graph import FLOAT, GraphBuilder, tensor_info
 from runtime.emulator import random_inputs, run
@@ -180,4 +180,33 @@ def test_a_wide_row_kernel_with_its_output_in_place_leaves_the_matmuls_whole_row
     assert {i.M for i in program.instrs if isinstance(i, MatMul)} == {SEQ // 2}
     inputs = random_inputs(plain, 0)
     got, want = run(program, EIGHT, inputs).outputs, run(plain, EIGHT, inputs).outputs   # race-checked
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+
+
+@lru_cache(maxsize=None)
+def _layer(tmp: str, row_blocks: bool):
+    """A tiny BitNet layer at two row blocks: the projections' chain, then the query's rotary
+    over its heads through views."""
+    path = f"{tmp}/layer.onnx"
+    save(build_bitnet(preset("tiny", layers=1, seq=SEQ)), path, external_data=False)
+    return compile_model(path, Options(EIGHT, row_blocks=row_blocks))[1]
+
+
+def test_the_rotary_after_the_projections_runs_beside_their_last_block(tmp):
+    """The query's rotary (a row kernel over heads, a chain's tail) computes the rows before the
+    projections' last block while the arrays multiply that block: its first vector work is done
+    before their last pass starts, in the one region named after both; the rest follows in a
+    region of its own. The layer computes what the plain program does (race-checked)."""
+    program, plain = _layer(tmp, True), _layer(tmp, False)
+    timeline = simulate(program, EIGHT)
+    tasks, regions = timeline.program.instrs, regions_by_name(timeline.program)
+    name, members = next((n, m) for n, m in regions.items()
+                         if n.startswith("model.layers.0.self_attn.q_proj") and " with model.layers.0.self_attn/Add_36" in n)
+    passes = [k for k in members if isinstance(tasks[k], MatMul)]
+    vector = [k for k in members if isinstance(tasks[k], (VUnary, VBinary, VReduce))]
+    assert passes and vector
+    assert timeline.done[vector].min() < timeline.start[passes].max()
+    assert any(n.startswith("model.layers.0.self_attn/Add_36") for n in regions)
+    inputs = random_inputs(plain, 0)
+    got, want = run(program, EIGHT, inputs).outputs, run(plain, EIGHT, inputs).outputs
     assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)

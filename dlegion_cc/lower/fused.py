@@ -106,20 +106,23 @@ def row_kernel(low: Lowering, node) -> None:
 
 def row_kernel_blocks(low: Lowering, node, blocks: list[range] | None = None, resumed: bool = False):
     """``row_kernel``, a generator that emits the frame rows of each of ``blocks`` in turn (all
-    of them when None; blocks need a frame of one matrix and no causal reach) and yields after
-    each (``rowblocks.py``); ``resumed``: the outputs are where earlier blocks wrote them."""
+    of them when None; blocks need no causal reach, and cut the frame's second last axis: of
+    each matrix of a frame with leading dimensions, as a rotary's heads) and yields after each
+    (``rowblocks.py``); ``resumed``: the outputs are where earlier blocks wrote them."""
     frame = node.attrs["frame"]
     args, body, keep, reach, where = _kernel(low, node, resumed)
     if blocks is None:
         rowwise(low.em, frame.shape, args, body, keep_last=keep, where=where, reach=reach)
         return
-    if reach is not None or math.prod(frame.shape[:-2]) != 1:
-        raise ValueError(f"{where}row blocks of a frame {list(frame.shape)} with a causal reach or leading dimensions")
+    if reach is not None:
+        raise ValueError(f"{where}row blocks of a frame {list(frame.shape)} with a causal reach")
+    lead = frame.shape[:-2] if math.prod(frame.shape[:-2]) != 1 else ()
     for j, rows in enumerate(blocks):
         if j:
             low.em.barrier()    # each block's rows reuse the scratchpad of the one before
-        shifted = [a if a.operand is None else replace(a, operand=_rows_from(a.operand, rows.start)) for a in args]
-        rowwise(low.em, (len(rows), frame.shape[-1]), shifted, body, keep_last=keep, where=where)
+        shifted = [a if a.operand is None else replace(a, operand=_rows_from(a.operand, rows.start, len(lead)))
+                   for a in args]
+        rowwise(low.em, (*lead, len(rows), frame.shape[-1]), shifted, body, keep_last=keep, where=where)
         yield rows
 
 
@@ -204,10 +207,12 @@ def row_kernel_width(node) -> int:
             + sum(1 if t.col else cols for t in temps))
 
 
-def _rows_from(op: Operand, r0: int) -> Operand:
-    """``op`` (framed: its last two strides walk rows and columns) from frame row ``r0`` on."""
+def _rows_from(op: Operand, r0: int, lead: int = 0) -> Operand:
+    """``op`` (framed: its last two strides walk rows and columns) from frame row ``r0`` on,
+    keeping the strides of its ``lead`` leading axes (of every matrix of the frame)."""
     row = op.strides[-2] if len(op.strides) > 1 else 0
-    return Operand(op.tensor, op.offset + r0 * row, op.strides[-2:] if len(op.strides) > 1 else op.strides)
+    kept = op.strides[-2 - lead:] if len(op.strides) > 1 else op.strides
+    return Operand(op.tensor, op.offset + r0 * row, kept)
 
 
 def _moved(em, legion: int, out, src, rows: int, cols: int) -> None:

@@ -43,7 +43,7 @@ def lower_graph(graph: Graph, arch: Arch, data_file: str | None, switches: Switc
                 chain = [attention["qk"], attention["softmax"], attention["pv"],
                          *attention["between"]["before"], *attention["between"]["after"]]
             elif chain:               # matmuls and row kernels pipelined by row blocks
-                rowblocks.lower_chain(low, chain, ranges, regions, region_name)
+                rowblocks.lower_chain(low, chain, ranges, regions, region_name, _lower_node)
                 em.barrier()
                 for node in chain:
                     _record_approximations(em, node)

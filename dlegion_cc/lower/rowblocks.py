@@ -51,6 +51,9 @@ VEC_SHARE = 2
 # sequence 512 on dlegion-8x8: ReLU^2 * up needs 27,650 elements of 32,768, the gate/up
 # matmul's drains took 8,640).
 LEAST_VEC_SHARE = 8
+# Ops between a chain and the row kernel of its tail (``_tail``): views, which emit nothing.
+VIEWS = ("Reshape", "Transpose", "Slice", "Unsqueeze", "Squeeze", "Identity")
+MOST_VIEWS = 16
 # The fewest rows of a block: below, each block's fill, drain and DRAM round trips cost more
 # than the vector work hidden (2B4T layer at sequence 128 on dlegion-8x8, in blocks of 64 rows:
 # 282,391 cycles instead of 269,811).
@@ -65,7 +68,7 @@ def plan(low: Lowering, nodes: list[Node], at: int) -> tuple[list[Node], list[ra
         return [], []
     arch, M = low.em.arch, _rows(low, chain[0])
     count = blocks(arch, chain, M)
-    return (chain, split(M, count, arch.array)) if count > 1 else ([], [])
+    return (chain + _tail(low, nodes, at + len(chain), chain, M), split(M, count, arch.array)) if count > 1 else ([], [])
 
 
 def chain_at(low: Lowering, nodes: list[Node], at: int) -> list[Node]:
@@ -104,6 +107,36 @@ def _rows(low: Lowering, node: Node) -> int | None:
             return None
         return frame.shape[-2]
     return None
+
+
+def _tail(low: Lowering, nodes: list[Node], at: int, chain: list[Node], M: int) -> list[Node]:
+    """The views and the row kernel after a chain that ends in a matmul, when the kernel works
+    on the matrices of heads (leading dimensions) of M rows each, reading the matmul's outputs
+    through the views (a query's rotary): its rows before the last block run while the arrays
+    multiply the last block (``lower_chain``). Nothing when there is none."""
+    if (chain[-1].domain, chain[-1].op) != MATMUL:
+        return []
+    made, views = set(chain[-1].outputs), []
+    for node in nodes[at:at + MOST_VIEWS + 1]:
+        if node.op in VIEWS and not node.domain:
+            views.append(node)
+            if made & set(node.inputs):
+                made |= set(node.outputs)
+            continue
+        frame = node.attrs.get("frame") if (node.domain, node.op) == ROWS else None
+        if (frame is None or len(frame.shape) < 3 or math.prod(frame.shape[:-2]) == 1 or frame.shape[-2] != M
+                or _causal(node) or not made & set(node.inputs) or carry.pending(low, node)):
+            return []
+        return views + [node]
+    return []
+
+
+def _split_tail(chain: list[Node]) -> tuple[list[Node], list[Node], Node | None]:
+    """(the chain proper, the views after it, the row kernel after them) of ``plan``'s nodes."""
+    at = next((k for k, n in enumerate(chain) if n.op in VIEWS and not n.domain), None)
+    if at is None:
+        return chain, [], None
+    return chain[:at], chain[at:-1], chain[-1]
 
 
 def _causal(node: Node) -> bool:
@@ -153,22 +186,34 @@ def split(M: int, count: int, align: int) -> list[range]:
     return [range(r, min(r + step, M)) for r in range(0, M, step)]
 
 
-def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: list, region_name) -> None:
+def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: list, region_name,
+                lower_node=None) -> None:
     """Emit ``chain`` in the row blocks ``ranges`` (the module docstring), each step opening a
     region named after its node, ordered by waits instead of barriers. A row kernel's block
     followed by a matmul's block that shares nothing with it is interleaved with it: the
     matmul is emitted first, the row kernel in the part of the vector scratchpad the matmul
     leaves, and their instructions are merged, so that the matmul's drains do not wait behind
-    the whole row kernel on the vector queue."""
+    the whole row kernel on the vector queue. A tail (``_tail``: views, then a row kernel over
+    heads) runs its rows before the last block so beside the matmul's last block, the rest
+    after it; ``lower_node`` lowers its views as the graph would."""
     em, arch = low.em, low.em.arch
+    chain, views, tail = _split_tail(chain)
     start, spans, pairs = len(em.instrs), [], {}
     steps, done = list(_order(chain, ranges)), Counter()
+    cuts = {n.name: ranges for n in chain}
+    if tail is not None:
+        last = len(steps) - 1
+        steps[last:] = [tail, steps[last]]
+        cuts[tail.name] = [range(0, ranges[-1].start), ranges[-1]]
     rooms = _vec_rooms(arch, steps)
     gens = {n.name: qmatmul_blocks(low, n, ranges, rooms[n.name]) if (n.domain, n.op) == MATMUL else
-            row_kernel_blocks(low, n, ranges) for n in chain}
+            row_kernel_blocks(low, n, cuts[n.name]) for n in [*chain, *([tail] if tail else [])]}
     s = 0
     while s < len(steps):
         node, after = steps[s], steps[s + 1] if s + 1 < len(steps) else None
+        if node is tail and views:
+            _lower_views(low, views, lower_node, spans)
+            views = []
         if (node.domain, node.op) == ROWS and after is not None and _silent(low, after):
             x = _step(low, after, gens, spans, done)
             em.reserved["vec"] = _vec_end(em, spans[x]) if x is not None else 0
@@ -176,7 +221,7 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
                 r = _step(low, node, gens, spans, done)
             except CompileError:            # its rows do not fit beside the matmul's: after it
                 em.reserved.pop("vec", 0)
-                gens[node.name] = row_kernel_blocks(low, node, ranges[done[node.name]:], resumed=True)
+                gens[node.name] = row_kernel_blocks(low, node, cuts[node.name][done[node.name]:], resumed=True)
                 r = _step(low, node, gens, spans, done)
             used = em.reserved.pop("vec", 0)
             if x is not None and r is not None and used:
@@ -186,9 +231,6 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
         else:
             _step(low, node, gens, spans, done)
             s += 1
-    for gen in gens.values():
-        for _ in gen:
-            raise AssertionError("a chain node has more row blocks than the chain")
     program = Program(arch.name, list(em.tensors), em.instrs[start:])
 
     def make(program):
@@ -203,6 +245,31 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
         name = region_name(node) + (f" with {region_name(spans[pairs[j]][0])}" if j in pairs else "")
         ks = [k - start for k in range(lo, hi) if not isinstance(program.instrs[k - start], Barrier)]
         regions.append((start + min(starts[k] for k in ks), name))
+    if tail is not None:
+        # The tail's last rows, after the barrier: none of the chain's waits need tracking them.
+        em.barrier()
+        at = len(em.instrs)
+        low.schedules.begin(tail.name)
+        next(gens[tail.name])
+        if len(em.instrs) > at:
+            regions.append((at, region_name(tail)))
+    for gen in gens.values():
+        for _ in gen:
+            raise AssertionError("a chain node has more row blocks than the chain")
+
+
+def _lower_views(low: Lowering, views: list[Node], lower_node, spans: list) -> None:
+    """The views before a chain's tail, each a step of its own should it emit (a copy)."""
+    em = low.em
+    for node in views:
+        at, problems = len(em.instrs), []
+        lower_node(low, node, problems, [])
+        if problems:
+            raise ValueError(f"node '{node.name}' before a chain's tail: {problems[0][2]}")
+        if len(em.instrs) > at:
+            if not isinstance(em.instrs[-1], Barrier):
+                em.barrier()
+            spans.append((node, at, len(em.instrs)))
 
 
 def _vec_rooms(arch: Arch, steps: list[Node]) -> dict[str, int]:
