@@ -19,12 +19,15 @@ This pass issues them in the kernel, so they land before the barrier.
   loads, which the kernel's round trip waits for.
 - **How much.** What the issuing queues carry between the kernel's last load and its stores:
   the loads' round trip and the work after them, at each queue's share of DRAM.
+- **When not.** A kernel that loads on every Legion (a prefill kernel, block after block)
+  keeps DRAM busy: there is no time to fill.
 - **The kernel's own Legions.** Where the kernel's scratchpad holds the product's first slice
   (the rotary and that slice share the space), the loads the product's first pass there reads
   go last, on that Legion's queue (after the kernel's transfers there, which read or land
-  before a later one starts), waiting for its vector unit: they hold the barrier back by a
-  round trip, but the product's first pass on that Legion, which sets its end, no longer
-  waits for them after it.
+  before a later one starts), waiting for its vector unit. They hold the barrier back by a
+  round trip, so only where the product's passes there, not its transfers, set its pace
+  (``_paced``): the first pass, which the rest follow back to back, then waits for them no
+  more after the barrier.
 
 The barrier at the kernel's end orders the moved loads before everything of the product, as
 before; relative conditions are rewritten for the new order (``prefetch._Counts``).
@@ -54,6 +57,8 @@ def load_early(program: Program, arch: Arch) -> Program:
     for n in range(1, len(nodes)):
         kernel, product = nodes[n - 1], nodes[n]
         if kernel.stop - 1 in ends or not _is_product(program, product) or _is_matmul(program, kernel):
+            continue
+        if len(_room(program, arch, kernel)) == arch.legions:   # DRAM busy through the kernel: no time to fill
             continue
         pieces, after, kept = _pick(program, arch, kernel, product)
         if any(pieces.values()) or any(after.values()):
@@ -95,7 +100,7 @@ def _pick(program: Program, arch: Arch, kernel: range, product: range) -> tuple[
     env = Env(tuple(tensors), {})
     room = _room(program, arch, kernel)
     open_ = dict.fromkeys(range(arch.legions), bool(room))
-    first = _first_reads(program, product, room)
+    first = _first_reads(program, product, _paced(program, arch, product, room))
     kernel_seen = _Seen(accesses(program, kernel))
     seen = _Seen({})
     pieces: dict = {l: [] for l in room}
@@ -109,21 +114,23 @@ def _pick(program: Program, arch: Arch, kernel: range, product: range) -> tuple[
             seen.add(i, tensors)
             kept.append((k, i))
             continue
-        for run, ok in _runs(i, open_):
-            for l in run:
-                part = _part(i, range(l, l + 1))
-                if not ok or seen.meets(part, tensors):
-                    kept.append((k, part))
-                elif not kernel_seen.meets(part, tensors):
-                    left = _issue(part, l, room, pieces, cost(part, arch, env).flow_bytes // part.rows, k)
-                    if left is not None:
-                        open_[l] = False
-                        kept.append((k, left))
-                elif _meets_any(part, first.get(l, []), tensors) and _after_ok(program, kernel, part, l):
-                    after[l].append((k, replace(part, wait=Cond(None, "vec", None, 0))))
-                else:
-                    kept.append((k, part))
-                seen.add(part, tensors)
+        stays = {}                          # Legion -> whether its part stays whole in the product
+        for l in _legions(i):
+            part = _part(i, range(l, l + 1))
+            stays[l] = not open_[l] or seen.meets(part, tensors)
+            if stays[l]:
+                pass
+            elif not kernel_seen.meets(part, tensors):
+                left = _issue(part, l, room, pieces, cost(part, arch, env).flow_bytes // part.rows, k)
+                if left is not None:
+                    open_[l] = False
+                    kept.append((k, left))
+            elif _meets_any(part, first.get(l, []), tensors) and _after_ok(program, kernel, part, l):
+                after[l].append((k, replace(part, wait=Cond(None, "vec", None, 0))))
+            else:
+                stays[l] = True
+        kept += [(k, _part(i, run)) for run, stay in _runs(i, stays) if stay]
+        seen.add(i, tensors)
     return pieces, after, kept
 
 
@@ -139,6 +146,26 @@ def _first_reads(program: Program, product: range, legions) -> dict[int, list]:
             if l in legions and l not in out:
                 out[l] = [(space, win) for space, win, write, _ in footprint(i, r, program.tensors) if not write]
     return out
+
+
+def _paced(program: Program, arch: Arch, product: range, legions) -> set[int]:
+    """The Legions whose work in the product takes longer than their share of DRAM needs for
+    the product's own transfers there: their passes, not DRAM, set when the product ends."""
+    env = Env(tuple(program.tensors), {})
+    share = arch.derived.dram_bytes_per_cycle / arch.legions
+    work: dict = dict.fromkeys(legions, 0.0)
+    dram: dict = dict.fromkeys(legions, 0.0)
+    for k in product:
+        i = program.instrs[k]
+        if isinstance(i, (Barrier, Wait)) or (isinstance(i, DmaLoad) and i.dst.space != "vec"):
+            continue                    # another matmul's weights, loaded early
+        c = cost(i, arch, env)
+        for l in _legions(i):
+            if l in work and c.flow_bytes is not None:
+                dram[l] += c.flow_bytes / share
+            elif l in work:
+                work[l] += c.cycles
+    return {l for l in legions if work[l] > dram[l]}
 
 
 def _meets_any(load: DmaLoad, reads: list, tensors) -> bool:
