@@ -58,7 +58,7 @@ class Options:
     accumulators: bool = True     # off: schedule as if the parallel accumulators were absent
     sparsity: bool = True         # off: dense schedule, no block masks
     fusion: bool = True           # off: no FuseSiblings (multi-matrix fusion) and no FuseRowwise
-    prefetch: bool = True         # off: a matmul's first weights wait for the row kernel before it
+    prefetch: bool = True         # off: a matmul's first weights (a float product's first loads) wait for the row kernel before it
     transfers: bool = True        # off: no activations forwarded Legion to Legion; read from DRAM again
     ksplit: bool = True           # off: no K split over the Legions (ksplit.py)
     row_blocks: bool = True       # off: no matmul and row kernel pipelined by row blocks (lower/rowblocks.py)

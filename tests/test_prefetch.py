@@ -99,8 +99,10 @@ def test_a_kernels_barrier_gives_way_to_waits_and_its_legions_loads_to_the_other
     program, plain = _compiled(True), _compiled(False)
     count = lambda p: sum(isinstance(i, Barrier) for i in p.instrs)
     assert count(program) == count(plain) - 8          # one per projection
+    # (a float product's first loads issued by another Legion go to the vector scratchpad, and the
+    # kernel's barrier, which stays, orders them: lower/earlyloads.py)
     foreign = [i for i in program.instrs if isinstance(i, DmaLoad) and i.dests != frozenset({i.legion})
-               and len(i.dests) == 1]
+               and len(i.dests) == 1 and i.dst.space != "vec"]
     assert foreign and all(i.dst.space == "wgt" for i in foreign)
     for receiver in {next(iter(i.dests)) for i in foreign}:
         waits = [i for i in program.instrs if isinstance(i, Wait) and i.legion == receiver

@@ -40,15 +40,16 @@ def _dropped(program: Program) -> set[int]:
     instrs, old = program.instrs, program.regions
     ends = [at for at, _ in old[1:]] + [len(instrs)]
     keep = layer_ends(program)
-    dropped, run = set(), None
+    dropped, run, start = set(), None, 0
     for (at, _), end in zip(old, ends):
-        node = range(at, end)
-        if not (len(node) and isinstance(instrs[end - 1], Barrier)):
+        if not (end > at and isinstance(instrs[end - 1], Barrier)):
             run = None
             continue
+        # the node since the last barrier: later passes leave a node in several region entries
+        node, start = range(start, end), end
         mine = _Accesses(program, node)
         if run is not None and not run.legions & mine.legions and run.apart(mine):
-            dropped.add(at - 1)
+            dropped.add(node.start - 1)
             run.add(mine)
         else:
             run = mine

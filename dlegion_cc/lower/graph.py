@@ -16,6 +16,7 @@ from dlegion_cc.lower import carry, heads, rowblocks
 from dlegion_cc.lower import elementwise, fmatmul, fused, movement, qmatmul, quant, reduce  # noqa: F401
 from dlegion_cc.lower.context import LOWERINGS, Lowering, Switches
 from dlegion_cc.lower.concurrent import side_by_side
+from dlegion_cc.lower.earlyloads import load_early
 from dlegion_cc.lower.emitter import ConstData, Emitter
 from dlegion_cc.lower.movement import nd_copy
 from dlegion_cc.lower.overlap import overlap
@@ -65,6 +66,7 @@ def lower_graph(graph: Graph, arch: Arch, data_file: str | None, switches: Switc
     program.regions = regions
     program = side_by_side(program, arch)
     program = prefetch_weights(program, arch) if switches.prefetch else program
+    program = load_early(program, arch) if switches.prefetch else program
     return overlap(program, arch) if switches.overlap else program
 
 
