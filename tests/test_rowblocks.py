@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from isa import arch
-from isa.instructions import Barrier, DmaLoad, DmaStore, MatMul, VBinary, VReduce, VUnary
+from isa.instructions import Barrier, DmaLoad, DmaStore, MatMul, NocMove, VBinary, VReduce, VUnary
 from dlegion_cc.lower.rowblocks import FEWEST_ROWS, split
 from dlegion_cc.pipeline import Options, compile_model
 from models.bitnet import BitLinear, build_bitnet, preset, save
@@ -210,3 +210,32 @@ def test_the_rotary_after_the_projections_runs_beside_their_last_block(tmp):
     inputs = random_inputs(plain, 0)
     got, want = run(program, EIGHT, inputs).outputs, run(plain, EIGHT, inputs).outputs
     assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def _passes_after_next_block_loads(program) -> dict[int, int]:
+    """Per int8 tensor the passes read from ``act``: how many passes of its first row block
+    (rows below ``SEQ // 2``) come in program order after a load of its second block's rows.
+    Each ``act`` window holds what the last load (or transfer) into it brought."""
+    held, late, seen = {}, {}, set()
+    for i in program.instrs:
+        if isinstance(i, DmaLoad) and i.dst.space == "act":
+            first = i.src.offset // i.src.rs
+            held[i.dst.addr] = (i.src.tensor, first)
+            if first >= SEQ // 2:
+                seen.add(i.src.tensor)
+        elif isinstance(i, NocMove) and i.dst.space == "act":
+            held[i.dst.addr] = held.get(i.src.addr)
+        elif isinstance(i, MatMul) and held.get(i.act.addr) is not None:
+            tensor, first = held[i.act.addr]
+            late[tensor] = late.get(tensor, 0) + (first < SEQ // 2 and tensor in seen)
+    return late
+
+
+def test_a_row_block_loads_its_first_rows_before_the_last_pass_of_the_block_before(tmp):
+    """Each matmul of the chain takes its next row block's first activations into slots the
+    block before has done with, and loads them before that block's last pass: left behind its
+    last stores in the in-order DMA queue, they would cross DRAM while the arrays idle. The
+    same outputs as without row blocks (``test_the_chain_is_emitted_by_row_blocks_...``)."""
+    late = _passes_after_next_block_loads(_compiled(tmp, True))
+    assert len(late) == 2 and all(n > 0 for n in late.values())
+    assert not any(_passes_after_next_block_loads(_compiled(tmp, False)).values())

@@ -201,7 +201,7 @@ def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out:
     bias = None if w.bias is None else em.const(f"{name}_bias", _pad_cols(
         np.asarray(w.bias, np.float32).reshape(1, N), n_pad)[0], "f32")
     segs = () if lay is None else lay.segments(low, outs, dsts, segments)
-    made, plans = {}, {}
+    made, plans, rings = {}, {}, {}
     for j, rows in enumerate(blocks):
         b = j if batches > 1 else 0
         if j:
@@ -214,7 +214,7 @@ def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out:
         weights, nonzero = made[b]
         p = Problem(a8, rscale, weights, scales, groups, block, bias, *corrs[b], out.requant, exact,
                     dst.tensor, rows, K, N, n_pad, nonzero, segs, vec_room=vec_room)
-        _emit_parts(low, p, width, plans)
+        _emit_parts(low, p, width, plans, rings if batches == 1 else None)
         yield rows
 
 
@@ -262,9 +262,10 @@ def _pieces(low: Lowering, v: np.ndarray, n_pad: int) -> tuple[list, tuple]:
     return pieces, block_maps(pieces, low.em.arch.array) if low.switches.sparsity else ()
 
 
-def _emit_parts(low: Lowering, p: Problem, width: int, plans: dict) -> None:
+def _emit_parts(low: Lowering, p: Problem, width: int, plans: dict, rings: dict | None = None) -> None:
     """``p`` on all the Legions, or its rows in parts of ``width`` Legions each (one plan for
-    parts of the same rows, kept in ``plans`` by their count)."""
+    parts of the same rows, kept in ``plans`` by their count; ``rings``: the slots the row block
+    before left, by part, ``emit_tiles``)."""
     arch, parts = low.em.arch, low.em.arch.legions // width
     for j, rows in enumerate(split_rows(p.rows, parts)):
         part = p if parts == 1 else replace(p, rows=rows, legions=range(j * width, (j + 1) * width))
@@ -272,7 +273,8 @@ def _emit_parts(low: Lowering, p: Problem, width: int, plans: dict) -> None:
             plans[len(rows)] = low.schedules.plan(arch, part, low.switches)
         if low.schedules.k_split(arch, part, plans[len(rows)], low.switches, low.em):
             continue
-        emit_tiles(low.em, part, plans[len(rows)], low.written)
+        emit_tiles(low.em, part, plans[len(rows)], low.written,
+                   rings=None if rings is None else rings.setdefault(j, {}))
 
 
 @dataclass(frozen=True)

@@ -207,6 +207,24 @@ class _Tiles:
         for ring in (*self.a.values(), *self.w.values(), *self.rs.values(), *self.cv.values()):
             ring.forget()
 
+    def rings(self) -> dict:
+        """Which slot of each ring the next block should take first, and the accumulator and
+        result turns: the block's state that ``continue_rings`` hands on."""
+        out = {"turn": dict(self.turn)}
+        for kind in ("a", "w", "rs", "cv"):
+            out[kind] = {}
+            for owner, ring in getattr(self, kind).items():
+                ring.forget()
+                out[kind][owner] = list(ring.free)
+        return out
+
+    def continue_rings(self, rings: dict) -> None:
+        self.turn.update({k: v for k, v in rings["turn"].items() if k in self.turn})
+        for kind in ("a", "w", "rs", "cv"):
+            for owner, ring in getattr(self, kind).items():
+                if owner in rings[kind]:
+                    ring.free = list(rings[kind][owner])
+
     def lstride(self, g: Group, bits: int | None = None) -> int | None:
         """DRAM elements from one Legion's columns to the next one's: ``per_legion`` columns,
         in bytes for weights packed at ``bits`` a weight."""
@@ -436,19 +454,26 @@ def _runs(row: np.ndarray) -> list[tuple[int, int]]:
 # --- the schedule ---------------------------------------------------------------------------
 
 def emit_tiles(em: Emitter, p: Problem, plan: Plan, written: dict | None = None, spans: bool = True,
-               more: tuple = ()) -> None:
+               more: tuple = (), rings: dict | None = None) -> None:
     """Emit ``p`` as ``plan`` cuts it; ``written`` (kept across matmuls) records which
     scratchpad bytes earlier instructions wrote. ``spans=False`` emits every Legion's work on
     its own (the program the spans stand for). ``more``: further problems of ``p``'s shapes
     (the batches of one matmul), emitted after it in the same slots: each one's first loads
-    wait only for the slots they reuse, and go ahead of the last stores of the one before."""
+    wait only for the slots they reuse, and go ahead of the last stores of the one before.
+    ``rings``, kept across the row blocks of one matmul emitted apart (``rowblocks.py``): a
+    block takes first the slots the block before it used least recently, not those its last
+    passes and drains still read, so that its first loads can run ahead of them."""
     st = _Tiles(em, p, plan, {} if written is None else written, spans)
+    if rings is not None and rings.get("plan") == plan:
+        st.continue_rings(rings)
     for i, problem in enumerate((p, *more)):
         if i:
             st.next_problem(problem)
         _emit_problem(st)
     for g in st.groups:
         _flush(st, g)
+    if rings is not None:
+        rings.update(st.rings(), plan=plan)
 
 
 def _emit_problem(st: _Tiles) -> None:
