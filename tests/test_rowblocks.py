@@ -215,19 +215,23 @@ def test_the_rotary_after_the_projections_runs_beside_their_last_block(tmp):
 def _passes_after_next_block_loads(program) -> dict[int, int]:
     """Per int8 tensor the passes read from ``act``: how many passes of its first row block
     (rows below ``SEQ // 2``) come in program order after a load of its second block's rows.
-    Each ``act`` window holds what the last load (or transfer) into it brought."""
+    Each Legion's ``act`` window holds what the last load (or transfer) into it brought."""
     held, late, seen = {}, {}, set()
+    ranks = lambda i: range(i.span or 1)                # noqa: E731
     for i in program.instrs:
         if isinstance(i, DmaLoad) and i.dst.space == "act":
             first = i.src.offset // i.src.rs
-            held[i.dst.addr] = (i.src.tensor, first)
+            held.update({(legion + r, i.dst.addr): (i.src.tensor, first) for r in ranks(i) for legion in i.dests})
             if first >= SEQ // 2:
                 seen.add(i.src.tensor)
         elif isinstance(i, NocMove) and i.dst.space == "act":
-            held[i.dst.addr] = held.get(i.src.addr)
-        elif isinstance(i, MatMul) and held.get(i.act.addr) is not None:
-            tensor, first = held[i.act.addr]
-            late[tensor] = late.get(tensor, 0) + (first < SEQ // 2 and tensor in seen)
+            held.update({(legion + r, i.dst.addr): held.get((i.legion + r, i.src.addr))
+                         for r in ranks(i) for legion in i.dests})
+        elif isinstance(i, MatMul):
+            for r in ranks(i):
+                tensor, first = held.get((i.legion + r, i.act.addr), (None, 0))
+                if tensor is not None:
+                    late[tensor] = late.get(tensor, 0) + (first < SEQ // 2 and tensor in seen)
     return late
 
 

@@ -124,10 +124,13 @@ def qmatmul(low: Lowering, node) -> None:
         pass
 
 
-def qmatmul_blocks(low: Lowering, node, blocks: list[range] | None = None, vec_room: int = 0):
+def qmatmul_blocks(low: Lowering, node, blocks: list[range] | None = None, vec_room: int = 0,
+                   rings: dict | None = None):
     """``qmatmul``, a generator that emits the rows of each of ``blocks`` in turn (all the rows
     when None) and yields after each: a caller interleaves them with other nodes' row blocks
-    (``rowblocks.py``), whose kernels run in ``vec`` past the plans' ``vec_room`` (0: all)."""
+    (``rowblocks.py``), whose kernels run in ``vec`` past the plans' ``vec_room`` (0: all).
+    ``rings``: the scratchpad slots the matmul emitted before it left (``emit_tiles``), handed
+    on from block to block and to the matmul after it."""
     a = node.attrs
     q, s, zp = (node.inputs + ["", ""])[:3]
     scales = a.get("scales")
@@ -139,7 +142,7 @@ def qmatmul_blocks(low: Lowering, node, blocks: list[range] | None = None, vec_r
     requant = None if a.get("requant") is None else tuple(a["requant"])
     outs = [Output(o, requant) for o in node.outputs]
     yield from _qmatmul_steps(low, node.name, acts, weights, outs[0] if len(outs) == 1 else outs,
-                              a.get("segments"), blocks, vec_room)
+                              a.get("segments"), blocks, vec_room, rings)
 
 
 def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: Output | list[Output],
@@ -156,7 +159,8 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
 
 
 def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out: Output | list[Output],
-                   segments: list[int] | None, blocks: list[range] | None, vec_room: int):
+                   segments: list[int] | None, blocks: list[range] | None, vec_room: int,
+                   rings: dict | None = None):
     """``lower_qmatmul``, yielding after each of ``blocks`` (row ranges of a plain matmul, each
     scheduled for its own rows; the constants are made once)."""
     em, arch = low.em, low.em.arch
@@ -201,7 +205,7 @@ def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out:
     bias = None if w.bias is None else em.const(f"{name}_bias", _pad_cols(
         np.asarray(w.bias, np.float32).reshape(1, N), n_pad)[0], "f32")
     segs = () if lay is None else lay.segments(low, outs, dsts, segments)
-    made, plans, rings = {}, {}, {}
+    made, plans, rings = {}, {}, {} if rings is None else rings
     for j, rows in enumerate(blocks):
         b = j if batches > 1 else 0
         if j:

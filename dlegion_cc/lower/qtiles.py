@@ -218,6 +218,22 @@ class _Tiles:
                 out[kind][owner] = list(ring.free)
         return out
 
+    def act_windows(self) -> list[tuple[int, int]]:
+        """The ``act`` windows of the activation slots, the least recently used first."""
+        size = self.addr["act"]
+        order = [s for ring in self.a.values() for s in ring.free + list(ring.held.values())]
+        return [(s * size, (s + 1) * size) for s in dict.fromkeys(order)]
+
+    def act_after(self, windows: list[tuple[int, int]]) -> None:
+        """Take first the activation slots that meet none of ``windows`` (another plan's, the
+        least recently used first) or only those it used least recently."""
+        size = self.addr["act"]
+        def last_use(s: int) -> int:
+            met = [n for n, (lo, hi) in enumerate(windows) if lo < (s + 1) * size and s * size < hi]
+            return max(met, default=-1)
+        for ring in self.a.values():
+            ring.free.sort(key=last_use)
+
     def continue_rings(self, rings: dict) -> None:
         self.turn.update({k: v for k, v in rings["turn"].items() if k in self.turn})
         for kind in ("a", "w", "rs", "cv"):
@@ -466,6 +482,8 @@ def emit_tiles(em: Emitter, p: Problem, plan: Plan, written: dict | None = None,
     st = _Tiles(em, p, plan, {} if written is None else written, spans)
     if rings is not None and rings.get("plan") == plan:
         st.continue_rings(rings)
+    elif rings is not None and "act" in rings:
+        st.act_after(rings["act"])
     for i, problem in enumerate((p, *more)):
         if i:
             st.next_problem(problem)
@@ -473,7 +491,8 @@ def emit_tiles(em: Emitter, p: Problem, plan: Plan, written: dict | None = None,
     for g in st.groups:
         _flush(st, g)
     if rings is not None:
-        rings.update(st.rings(), plan=plan)
+        windows = st.act_windows()
+        rings.update(st.rings(), plan=plan, act=windows)
 
 
 def _emit_problem(st: _Tiles) -> None:

@@ -59,9 +59,11 @@ MOST_VIEWS = 16
 # 282,391 cycles instead of 269,811).
 FEWEST_ROWS = 128
 # A row kernel merged with a matmul step ends before the step's last this many passes (2B4T
-# BitLinear stack at 256 on dlegion-8x8: 1 pass 295,324 cycles, 2 293,668, 3 293,134, 4 293,151,
-# 5 294,551).
+# BitLinear stack at 256 on dlegion-8x8: 2 passes 292,237 cycles, 3 291,590, 4 291,535).
 KERNEL_AHEAD = 3
+# A step's loads for its first passes up to this one (from 0) go ahead of the last pass of the
+# step before it (``_hoisted``; the same stack: 0 293,134 cycles, 1 291,993, 2 291,590, 4 291,632).
+HOISTED_PASSES = 2
 
 
 def plan(low: Lowering, nodes: list[Node], at: int) -> tuple[list[Node], list[range]]:
@@ -210,7 +212,8 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
         steps[last:] = [tail, steps[last]]
         cuts[tail.name] = [range(0, ranges[-1].start), ranges[-1]]
     rooms = _vec_rooms(arch, steps)
-    gens = {n.name: qmatmul_blocks(low, n, ranges, rooms[n.name]) if (n.domain, n.op) == MATMUL else
+    rings: dict = {}                # the slots each matmul block leaves the next (``emit_tiles``)
+    gens = {n.name: qmatmul_blocks(low, n, ranges, rooms[n.name], rings) if (n.domain, n.op) == MATMUL else
             row_kernel_blocks(low, n, cuts[n.name]) for n in [*chain, *([tail] if tail else [])]}
     s = 0
     while s < len(steps):
@@ -379,27 +382,28 @@ def _before_last_passes(program: Program, mine: list[int], kernel: list[int]) ->
 
 
 def _hoisted(program: Program, arch: Arch, steps: list[list[int]]) -> list[list[int]]:
-    """``steps`` with what each step with passes emits before its first pass (its first
-    activation and weight loads, the row kernel's first rows) moved before the last pass of
-    the step before it, where it shares nothing with what it passes over (nor with what stays
+    """``steps`` with what each step with passes emits before its pass ``HOISTED_PASSES`` (its
+    first activation and weight loads, the row kernel's first rows; not its passes) moved
+    before the last pass of the step before it, where it shares nothing with what it passes over (nor with what stays
     behind it, nor waits for either): the queues run in order, and left after that step's last
     stores, which wait for its last pass and drain, the loads would start only then and the
     arrays idle while they cross DRAM. What the moved loads fill is free by then: a matmul's
     next row block takes the slots its block before used least recently (``emit_tiles``'
     ``rings``), and a row kernel merged with a step stores its rows before the step's last
     passes (``_before_last_passes``). 2B4T BitLinear stack at 256 on dlegion-8x8: 296,938 ->
-    293,134 cycles; the layer at 512: 884,395 -> 876,742."""
+    291,590 cycles; the layer at 512: 884,395 -> 874,677."""
     is_pass = lambda k: isinstance(program.instrs[k], MatMul)       # noqa: E731
     out, targets = [list(step) for step in steps], _targets(program, arch)
     for before, step in zip(out, out[1:]):
         passes = [n for n, k in enumerate(before) if is_pass(k)]
-        first = next((n for n, k in enumerate(step) if is_pass(k)), None)
+        own = [n for n, k in enumerate(step) if is_pass(k)]
+        first = own[min(len(own) - 1, HOISTED_PASSES)] if own else None
         if not passes or not first:
             continue
         over, moved, kept = before[passes[-1]:], [], []
         for k in step[:first]:
             after = {t[2] for t in (targets.get((k, l)) for l in range(arch.legions)) if t}
-            free = not after & set(over + kept) and _apart(program, [k], over + kept)
+            free = not is_pass(k) and not after & set(over + kept) and _apart(program, [k], over + kept)
             (moved if free else kept).append(k)
         before[passes[-1]:passes[-1]] = moved
         step[:first] = kept
