@@ -15,8 +15,9 @@ that one block's row kernels come before the next block of the matmul before the
 it, block by block). The queues of a Legion run in order, so the vector queue then drains
 block 0, computes S(0) and drains block 1 while the arrays multiply block 1. The barriers
 between the steps are replaced by the waits that keep them ordered (``overlap.py``'s rewrite
-of the chain alone), which the race check proves. Each matmul re-reads its weights once per
-block: ``blocks`` weighs that against the vector work hidden.
+of the chain alone), which the race check proves. A step's first loads go ahead of the last
+pass of the step before it (``_hoisted``). Each matmul re-reads its weights once per block:
+``blocks`` weighs that against the vector work hidden.
 """
 from __future__ import annotations
 
@@ -59,10 +60,10 @@ MOST_VIEWS = 16
 # 282,391 cycles instead of 269,811).
 FEWEST_ROWS = 128
 # A row kernel merged with a matmul step ends before the step's last this many passes (2B4T
-# BitLinear stack at 256 on dlegion-8x8: 2 passes 292,237 cycles, 3 291,590, 4 291,535).
+# BitLinear stack at 256 on dlegion-8x8: 2 passes 291,747 cycles, 3 291,186, 4 291,170).
 KERNEL_AHEAD = 3
 # A step's loads for its first passes up to this one (from 0) go ahead of the last pass of the
-# step before it (``_hoisted``; the same stack: 0 293,134 cycles, 1 291,993, 2 291,590, 4 291,632).
+# step before it (``_hoisted``; the same stack: 0 292,856 cycles, 1 291,894, 2 291,186, 4 291,243).
 HOISTED_PASSES = 2
 
 
@@ -391,7 +392,7 @@ def _hoisted(program: Program, arch: Arch, steps: list[list[int]]) -> list[list[
     next row block takes the slots its block before used least recently (``emit_tiles``'
     ``rings``), and a row kernel merged with a step stores its rows before the step's last
     passes (``_before_last_passes``). 2B4T BitLinear stack at 256 on dlegion-8x8: 296,938 ->
-    291,590 cycles; the layer at 512: 884,395 -> 874,677."""
+    291,186 cycles; the layer at 512: 884,395 -> 873,391."""
     is_pass = lambda k: isinstance(program.instrs[k], MatMul)       # noqa: E731
     out, targets = [list(step) for step in steps], _targets(program, arch)
     for before, step in zip(out, out[1:]):
