@@ -243,3 +243,18 @@ def test_a_row_block_loads_its_first_rows_before_the_last_pass_of_the_block_befo
     late = _passes_after_next_block_loads(_compiled(tmp, True))
     assert len(late) == 2 and all(n > 0 for n in late.values())
     assert not any(_passes_after_next_block_loads(_compiled(tmp, False)).values())
+
+
+def test_with_pipelined_passes_a_chain_matmul_passes_its_row_blocks_whole(tmp):
+    """With ``pass_overlap`` the cost model, which times a matmul alone, finds tiles of a few
+    rows hardly slower than tiles of all of them; in a chain they drain and store more often
+    behind the row kernel's work. There each tile takes all the rows of its row block (gate/up
+    128, down 64 in each of its two parts of the Legions; 32 would be chosen otherwise), and the
+    outputs are those of the plain program, race-checked."""
+    piped = replace(EIGHT, pass_overlap=True)
+    program = compile_model(_stack(tmp), Options(piped))[1]
+    plain = compile_model(_stack(tmp), Options(piped, row_blocks=False))[1]
+    assert {i.M for i in program.instrs if isinstance(i, MatMul)} == {SEQ // 2, SEQ // 4}
+    inputs = random_inputs(plain, 0)
+    got, want = run(program, piped, inputs).outputs, run(plain, piped, inputs).outputs
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)

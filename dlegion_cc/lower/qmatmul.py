@@ -183,7 +183,7 @@ def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out:
     dst, out = dsts[0], outs[0]
     exact = (low.dtype(out.name) == np.int32 and em.tensors[dst.tensor].dtype == "i32"
              and rscale is None and w.scales is None and w.bias is None and out.requant is None)
-    per = M // batches
+    per, chained = M // batches, blocks is not None
     if blocks is not None and batches > 1:
         raise ValueError("row blocks of a batched matmul")
     blocks = blocks or [range(b * per, (b + 1) * per) for b in range(batches)]
@@ -217,7 +217,7 @@ def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out:
             plans = {}          # a batch's own weights: its own plans
         weights, nonzero = made[b]
         p = Problem(a8, rscale, weights, scales, groups, block, bias, *corrs[b], out.requant, exact,
-                    dst.tensor, rows, K, N, n_pad, nonzero, segs, vec_room=vec_room)
+                    dst.tensor, rows, K, N, n_pad, nonzero, segs, vec_room=vec_room, row_block=chained)
         _emit_parts(low, p, width, plans, rings if batches == 1 else None)
         yield rows
 
