@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from isa import arch
-from isa.instructions import Barrier, DmaLoad, DmaStore, MatMul, VBinary, VReduce, VUnary
+from isa.instructions import Barrier, DmaLoad, DmaStore, MatMul, NocMove, VBinary, VReduce, VUnary
 from dlegion_cc.lower.rowblocks import FEWEST_ROWS, split
 from dlegion_cc.pipeline import Options, compile_model
 from models.bitnet import BitLinear, build_bitnet, preset, save
@@ -209,4 +209,52 @@ def test_the_rotary_after_the_projections_runs_beside_their_last_block(tmp):
     assert any(n.startswith("model.layers.0.self_attn/Add_36") for n in regions)
     inputs = random_inputs(plain, 0)
     got, want = run(program, EIGHT, inputs).outputs, run(plain, EIGHT, inputs).outputs
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def _passes_after_next_block_loads(program) -> dict[int, int]:
+    """Per int8 tensor the passes read from ``act``: how many passes of its first row block
+    (rows below ``SEQ // 2``) come in program order after a load of its second block's rows.
+    Each Legion's ``act`` window holds what the last load (or transfer) into it brought."""
+    held, late, seen = {}, {}, set()
+    ranks = lambda i: range(i.span or 1)                # noqa: E731
+    for i in program.instrs:
+        if isinstance(i, DmaLoad) and i.dst.space == "act":
+            first = i.src.offset // i.src.rs
+            held.update({(legion + r, i.dst.addr): (i.src.tensor, first) for r in ranks(i) for legion in i.dests})
+            if first >= SEQ // 2:
+                seen.add(i.src.tensor)
+        elif isinstance(i, NocMove) and i.dst.space == "act":
+            held.update({(legion + r, i.dst.addr): held.get((i.legion + r, i.src.addr))
+                         for r in ranks(i) for legion in i.dests})
+        elif isinstance(i, MatMul):
+            for r in ranks(i):
+                tensor, first = held.get((i.legion + r, i.act.addr), (None, 0))
+                if tensor is not None:
+                    late[tensor] = late.get(tensor, 0) + (first < SEQ // 2 and tensor in seen)
+    return late
+
+
+def test_a_row_block_loads_its_first_rows_before_the_last_pass_of_the_block_before(tmp):
+    """Each matmul of the chain takes its next row block's first activations into slots the
+    block before has done with, and loads them before that block's last pass: left behind its
+    last stores in the in-order DMA queue, they would cross DRAM while the arrays idle. The
+    same outputs as without row blocks (``test_the_chain_is_emitted_by_row_blocks_...``)."""
+    late = _passes_after_next_block_loads(_compiled(tmp, True))
+    assert len(late) == 2 and all(n > 0 for n in late.values())
+    assert not any(_passes_after_next_block_loads(_compiled(tmp, False)).values())
+
+
+def test_with_pipelined_passes_a_chain_matmul_passes_its_row_blocks_whole(tmp):
+    """With ``pass_overlap`` the cost model, which times a matmul alone, finds tiles of a few
+    rows hardly slower than tiles of all of them; in a chain they drain and store more often
+    behind the row kernel's work. There each tile takes all the rows of its row block (gate/up
+    128, down 64 in each of its two parts of the Legions; 32 would be chosen otherwise), and the
+    outputs are those of the plain program, race-checked."""
+    piped = replace(EIGHT, pass_overlap=True)
+    program = compile_model(_stack(tmp), Options(piped))[1]
+    plain = compile_model(_stack(tmp), Options(piped, row_blocks=False))[1]
+    assert {i.M for i in program.instrs if isinstance(i, MatMul)} == {SEQ // 2, SEQ // 4}
+    inputs = random_inputs(plain, 0)
+    got, want = run(program, piped, inputs).outputs, run(plain, piped, inputs).outputs
     assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)

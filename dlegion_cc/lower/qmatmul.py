@@ -124,10 +124,13 @@ def qmatmul(low: Lowering, node) -> None:
         pass
 
 
-def qmatmul_blocks(low: Lowering, node, blocks: list[range] | None = None, vec_room: int = 0):
+def qmatmul_blocks(low: Lowering, node, blocks: list[range] | None = None, vec_room: int = 0,
+                   rings: dict | None = None):
     """``qmatmul``, a generator that emits the rows of each of ``blocks`` in turn (all the rows
     when None) and yields after each: a caller interleaves them with other nodes' row blocks
-    (``rowblocks.py``), whose kernels run in ``vec`` past the plans' ``vec_room`` (0: all)."""
+    (``rowblocks.py``), whose kernels run in ``vec`` past the plans' ``vec_room`` (0: all).
+    ``rings``: the scratchpad slots the matmul emitted before it left (``emit_tiles``), handed
+    on from block to block and to the matmul after it."""
     a = node.attrs
     q, s, zp = (node.inputs + ["", ""])[:3]
     scales = a.get("scales")
@@ -139,7 +142,7 @@ def qmatmul_blocks(low: Lowering, node, blocks: list[range] | None = None, vec_r
     requant = None if a.get("requant") is None else tuple(a["requant"])
     outs = [Output(o, requant) for o in node.outputs]
     yield from _qmatmul_steps(low, node.name, acts, weights, outs[0] if len(outs) == 1 else outs,
-                              a.get("segments"), blocks, vec_room)
+                              a.get("segments"), blocks, vec_room, rings)
 
 
 def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: Output | list[Output],
@@ -156,7 +159,8 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
 
 
 def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out: Output | list[Output],
-                   segments: list[int] | None, blocks: list[range] | None, vec_room: int):
+                   segments: list[int] | None, blocks: list[range] | None, vec_room: int,
+                   rings: dict | None = None):
     """``lower_qmatmul``, yielding after each of ``blocks`` (row ranges of a plain matmul, each
     scheduled for its own rows; the constants are made once)."""
     em, arch = low.em, low.em.arch
@@ -179,7 +183,7 @@ def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out:
     dst, out = dsts[0], outs[0]
     exact = (low.dtype(out.name) == np.int32 and em.tensors[dst.tensor].dtype == "i32"
              and rscale is None and w.scales is None and w.bias is None and out.requant is None)
-    per = M // batches
+    per, chained = M // batches, blocks is not None
     if blocks is not None and batches > 1:
         raise ValueError("row blocks of a batched matmul")
     blocks = blocks or [range(b * per, (b + 1) * per) for b in range(batches)]
@@ -201,7 +205,7 @@ def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out:
     bias = None if w.bias is None else em.const(f"{name}_bias", _pad_cols(
         np.asarray(w.bias, np.float32).reshape(1, N), n_pad)[0], "f32")
     segs = () if lay is None else lay.segments(low, outs, dsts, segments)
-    made, plans = {}, {}
+    made, plans, rings = {}, {}, {} if rings is None else rings
     for j, rows in enumerate(blocks):
         b = j if batches > 1 else 0
         if j:
@@ -213,8 +217,8 @@ def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out:
             plans = {}          # a batch's own weights: its own plans
         weights, nonzero = made[b]
         p = Problem(a8, rscale, weights, scales, groups, block, bias, *corrs[b], out.requant, exact,
-                    dst.tensor, rows, K, N, n_pad, nonzero, segs, vec_room=vec_room)
-        _emit_parts(low, p, width, plans)
+                    dst.tensor, rows, K, N, n_pad, nonzero, segs, vec_room=vec_room, row_block=chained)
+        _emit_parts(low, p, width, plans, rings if batches == 1 else None)
         yield rows
 
 
@@ -262,9 +266,10 @@ def _pieces(low: Lowering, v: np.ndarray, n_pad: int) -> tuple[list, tuple]:
     return pieces, block_maps(pieces, low.em.arch.array) if low.switches.sparsity else ()
 
 
-def _emit_parts(low: Lowering, p: Problem, width: int, plans: dict) -> None:
+def _emit_parts(low: Lowering, p: Problem, width: int, plans: dict, rings: dict | None = None) -> None:
     """``p`` on all the Legions, or its rows in parts of ``width`` Legions each (one plan for
-    parts of the same rows, kept in ``plans`` by their count)."""
+    parts of the same rows, kept in ``plans`` by their count; ``rings``: the slots the row block
+    before left, by part, ``emit_tiles``)."""
     arch, parts = low.em.arch, low.em.arch.legions // width
     for j, rows in enumerate(split_rows(p.rows, parts)):
         part = p if parts == 1 else replace(p, rows=rows, legions=range(j * width, (j + 1) * width))
@@ -272,7 +277,8 @@ def _emit_parts(low: Lowering, p: Problem, width: int, plans: dict) -> None:
             plans[len(rows)] = low.schedules.plan(arch, part, low.switches)
         if low.schedules.k_split(arch, part, plans[len(rows)], low.switches, low.em):
             continue
-        emit_tiles(low.em, part, plans[len(rows)], low.written)
+        emit_tiles(low.em, part, plans[len(rows)], low.written,
+                   rings=None if rings is None else rings.setdefault(j, {}))
 
 
 @dataclass(frozen=True)

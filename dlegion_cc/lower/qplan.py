@@ -78,6 +78,9 @@ class Problem:
     # Elements of ``vec`` the plan may take from address 0 (0: all); a row kernel interleaved
     # with it runs in the rest (``rowblocks.py``).
     vec_room: int = 0
+    # One row block of a chain (``rowblocks.py``), whose row kernels share the matmul's vector
+    # queue and DRAM: with ``pass_overlap`` its tiles take all its rows (``tile_rows``).
+    row_block: bool = False
 
 
 def room(arch: Arch, p: Problem) -> dict[str, int]:
@@ -529,6 +532,19 @@ def skips(p: Problem, switches: Switches) -> bool:
     return switches.sparsity and (bool(p.nonzero) or p.k_reach is not None or p.n_reach is not None)
 
 
+def tile_rows(arch: Arch, p: Problem, most: list[int]) -> list[int]:
+    """The rows a tile may have: parts of ``p``'s rows, each at most one of ``most``. With
+    pipelined passes (``pass_overlap``) tiles of a few rows cost the arrays hardly more than
+    tiles of all of them, and the model, which times the matmul alone, may pick them; in a
+    chain's row block (``Problem.row_block``) their many drains and stores then wait behind the
+    row kernel's on the vector and DMA queues (2B4T BitLinear stack at 256 on dlegion-8x8 with
+    ``pass_overlap``: tiles of 32 to 64 rows 297,431 cycles, of the block's 128 rows 275,766).
+    There the tiles take all the block's rows where they fit."""
+    rows = sorted({r for m in most for r in _even_parts(len(p.rows), m)})
+    whole = [r for r in rows if r >= len(p.rows)]
+    return whole if p.row_block and arch.pass_overlap and whole else rows
+
+
 def candidates(arch: Arch, p: Problem, switches: Switches) -> list[Plan]:
     na, cap = arch.array, arch.derived.spad_elems
     window = na * max(MODE_TILES[m] for _, m in p.weights)
@@ -542,7 +558,7 @@ def candidates(arch: Arch, p: Problem, switches: Switches) -> list[Plan]:
         # Exact results are stored straight from the accumulators: tiles of half of them let
         # one slot's store overlap the other's passes.
         most = [cap["acc"] // cols] + ([cap["acc"] // cols // 2] if p.exact else [])
-        for rows in sorted({r for m in most for r in _even_parts(len(p.rows), m)}):
+        for rows in tile_rows(arch, p, most):
             # With one row block or one column tile per Legion the two orders are the same
             # schedule, and so are both activation slot shapes when one chunk is all of K.
             one = rows >= len(p.rows) or cols >= per_legion

@@ -207,6 +207,40 @@ class _Tiles:
         for ring in (*self.a.values(), *self.w.values(), *self.rs.values(), *self.cv.values()):
             ring.forget()
 
+    def rings(self) -> dict:
+        """Which slot of each ring the next block should take first, and the accumulator and
+        result turns: the block's state that ``continue_rings`` hands on."""
+        out = {"turn": dict(self.turn)}
+        for kind in ("a", "w", "rs", "cv"):
+            out[kind] = {}
+            for owner, ring in getattr(self, kind).items():
+                ring.forget()
+                out[kind][owner] = list(ring.free)
+        return out
+
+    def act_windows(self) -> list[tuple[int, int]]:
+        """The ``act`` windows of the activation slots, the least recently used first."""
+        size = self.addr["act"]
+        order = [s for ring in self.a.values() for s in ring.free + list(ring.held.values())]
+        return [(s * size, (s + 1) * size) for s in dict.fromkeys(order)]
+
+    def act_after(self, windows: list[tuple[int, int]]) -> None:
+        """Take first the activation slots that meet none of ``windows`` (another plan's, the
+        least recently used first) or only those it used least recently."""
+        size = self.addr["act"]
+        def last_use(s: int) -> int:
+            met = [n for n, (lo, hi) in enumerate(windows) if lo < (s + 1) * size and s * size < hi]
+            return max(met, default=-1)
+        for ring in self.a.values():
+            ring.free.sort(key=last_use)
+
+    def continue_rings(self, rings: dict) -> None:
+        self.turn.update({k: v for k, v in rings["turn"].items() if k in self.turn})
+        for kind in ("a", "w", "rs", "cv"):
+            for owner, ring in getattr(self, kind).items():
+                if owner in rings[kind]:
+                    ring.free = list(rings[kind][owner])
+
     def lstride(self, g: Group, bits: int | None = None) -> int | None:
         """DRAM elements from one Legion's columns to the next one's: ``per_legion`` columns,
         in bytes for weights packed at ``bits`` a weight."""
@@ -436,19 +470,29 @@ def _runs(row: np.ndarray) -> list[tuple[int, int]]:
 # --- the schedule ---------------------------------------------------------------------------
 
 def emit_tiles(em: Emitter, p: Problem, plan: Plan, written: dict | None = None, spans: bool = True,
-               more: tuple = ()) -> None:
+               more: tuple = (), rings: dict | None = None) -> None:
     """Emit ``p`` as ``plan`` cuts it; ``written`` (kept across matmuls) records which
     scratchpad bytes earlier instructions wrote. ``spans=False`` emits every Legion's work on
     its own (the program the spans stand for). ``more``: further problems of ``p``'s shapes
     (the batches of one matmul), emitted after it in the same slots: each one's first loads
-    wait only for the slots they reuse, and go ahead of the last stores of the one before."""
+    wait only for the slots they reuse, and go ahead of the last stores of the one before.
+    ``rings``, kept across the row blocks of one matmul emitted apart (``rowblocks.py``): a
+    block takes first the slots the block before it used least recently, not those its last
+    passes and drains still read, so that its first loads can run ahead of them."""
     st = _Tiles(em, p, plan, {} if written is None else written, spans)
+    if rings is not None and rings.get("plan") == plan:
+        st.continue_rings(rings)
+    elif rings is not None and "act" in rings:
+        st.act_after(rings["act"])
     for i, problem in enumerate((p, *more)):
         if i:
             st.next_problem(problem)
         _emit_problem(st)
     for g in st.groups:
         _flush(st, g)
+    if rings is not None:
+        windows = st.act_windows()
+        rings.update(st.rings(), plan=plan, act=windows)
 
 
 def _emit_problem(st: _Tiles) -> None:

@@ -15,8 +15,9 @@ that one block's row kernels come before the next block of the matmul before the
 it, block by block). The queues of a Legion run in order, so the vector queue then drains
 block 0, computes S(0) and drains block 1 while the arrays multiply block 1. The barriers
 between the steps are replaced by the waits that keep them ordered (``overlap.py``'s rewrite
-of the chain alone), which the race check proves. Each matmul re-reads its weights once per
-block: ``blocks`` weighs that against the vector work hidden.
+of the chain alone), which the race check proves. A step's first loads go ahead of the last
+pass of the step before it (``_hoisted``). Each matmul re-reads its weights once per block:
+``blocks`` weighs that against the vector work hidden.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import numpy as np
 
 from isa.arch import MODE_BITS, Arch
 from isa.fields import View
-from isa.instructions import Barrier, Wait
+from isa.instructions import Barrier, MatMul, Wait
 from isa.program import Program
 from dlegion_cc.errors import CompileError
 from dlegion_cc.ir import DLEGION, Node
@@ -37,7 +38,7 @@ from dlegion_cc.lower import carry
 from dlegion_cc.lower.context import Lowering
 from dlegion_cc.lower.fused import row_kernel_blocks, row_kernel_width
 from dlegion_cc.lower.layout import whole
-from dlegion_cc.lower.overlap import _Rewrite, _span, accesses, footprint, reused
+from dlegion_cc.lower.overlap import _Rewrite, _span, _targets, accesses, footprint, reused
 from dlegion_cc.lower.qmatmul import mode_for, pick_mode, qmatmul_blocks
 
 MATMUL, ROWS = (DLEGION, "QMatMul"), (DLEGION, "RowKernel")
@@ -58,6 +59,12 @@ MOST_VIEWS = 16
 # than the vector work hidden (2B4T layer at sequence 128 on dlegion-8x8, in blocks of 64 rows:
 # 282,391 cycles instead of 269,811).
 FEWEST_ROWS = 128
+# A row kernel merged with a matmul step ends before the step's last this many passes (2B4T
+# BitLinear stack at 256 on dlegion-8x8: 2 passes 291,747 cycles, 3 291,186, 4 291,170).
+KERNEL_AHEAD = 3
+# A step's loads for its first passes up to this one (from 0) go ahead of the last pass of the
+# step before it (``_hoisted``; the same stack: 0 292,856 cycles, 1 291,894, 2 291,186, 4 291,243).
+HOISTED_PASSES = 2
 
 
 def plan(low: Lowering, nodes: list[Node], at: int) -> tuple[list[Node], list[range]]:
@@ -206,7 +213,8 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
         steps[last:] = [tail, steps[last]]
         cuts[tail.name] = [range(0, ranges[-1].start), ranges[-1]]
     rooms = _vec_rooms(arch, steps)
-    gens = {n.name: qmatmul_blocks(low, n, ranges, rooms[n.name]) if (n.domain, n.op) == MATMUL else
+    rings: dict = {}                # the slots each matmul block leaves the next (``emit_tiles``)
+    gens = {n.name: qmatmul_blocks(low, n, ranges, rooms[n.name], rings) if (n.domain, n.op) == MATMUL else
             row_kernel_blocks(low, n, cuts[n.name]) for n in [*chain, *([tail] if tail else [])]}
     s = 0
     while s < len(steps):
@@ -234,7 +242,7 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
     program = Program(arch.name, list(em.tensors), em.instrs[start:])
 
     def make(program):
-        return _Rewrite(program, arch, order=_merged(program, spans, pairs, start)).run()
+        return _Rewrite(program, arch, order=_merged(program, arch, spans, pairs, start)).run()
     how = (tuple((lo - start, hi - start) for _, lo, hi in spans), tuple(sorted(pairs.items())))
     out, starts = reused(program, low.rewrites, how, make)
     em.instrs[start:] = out
@@ -341,26 +349,66 @@ def _moved(v, base: int):
     return v
 
 
-def _merged(program: Program, spans: list, pairs: dict, start: int) -> list[int]:
+def _merged(program: Program, arch: Arch, spans: list, pairs: dict, start: int) -> list[int]:
     """The chain's instructions (not its barriers) span by span, each matmul span of ``pairs``
-    merged evenly with its row kernel's span."""
+    merged evenly with its row kernel's span, each step's loads before its first pass hoisted
+    into the step before it (``_hoisted``)."""
     instrs, merged = program.instrs, set(pairs.values())
 
     def own(span) -> list[int]:
         _, lo, hi = span
         return [k - start for k in range(lo, hi) if not isinstance(instrs[k - start], Barrier)]
 
-    order = []
+    steps = []
     for j, span in enumerate(spans):
         if j in merged:
             continue
         mine = own(span)
         if j in pairs:
             other = own(spans[pairs[j]])
-            order += _even(mine, other) if _apart(program, mine, other) else mine + other
+            steps.append(_before_last_passes(program, mine, other) if _apart(program, mine, other) else mine + other)
         else:
-            order += mine
-    return order
+            steps.append(mine)
+    return [k for step in _hoisted(program, arch, steps) for k in step]
+
+
+def _before_last_passes(program: Program, mine: list[int], kernel: list[int]) -> list[int]:
+    """``kernel`` spread evenly over the matmul step ``mine`` up to its last ``KERNEL_AHEAD``
+    passes (all but its first pass, when it has fewer), so that its last rows are stored while the arrays still multiply and the next
+    step's loads of them can go ahead of this step's last pass (``_hoisted``)."""
+    passes = [n for n, k in enumerate(mine) if isinstance(program.instrs[k], MatMul)]
+    ahead = min(KERNEL_AHEAD, len(passes) - 1)      # the first pass runs beside it, at least
+    cut = passes[-ahead] if ahead > 0 else len(mine)
+    return _even(mine[:cut], kernel) + mine[cut:]
+
+
+def _hoisted(program: Program, arch: Arch, steps: list[list[int]]) -> list[list[int]]:
+    """``steps`` with what each step with passes emits before its pass ``HOISTED_PASSES`` (its
+    first activation and weight loads, the row kernel's first rows; not its passes) moved
+    before the last pass of the step before it, where it shares nothing with what it passes over (nor with what stays
+    behind it, nor waits for either): the queues run in order, and left after that step's last
+    stores, which wait for its last pass and drain, the loads would start only then and the
+    arrays idle while they cross DRAM. What the moved loads fill is free by then: a matmul's
+    next row block takes the slots its block before used least recently (``emit_tiles``'
+    ``rings``), and a row kernel merged with a step stores its rows before the step's last
+    passes (``_before_last_passes``). 2B4T BitLinear stack at 256 on dlegion-8x8: 296,938 ->
+    291,186 cycles; the layer at 512: 869,618 -> 858,735."""
+    is_pass = lambda k: isinstance(program.instrs[k], MatMul)       # noqa: E731
+    out, targets = [list(step) for step in steps], _targets(program, arch)
+    for before, step in zip(out, out[1:]):
+        passes = [n for n, k in enumerate(before) if is_pass(k)]
+        own = [n for n, k in enumerate(step) if is_pass(k)]
+        first = own[min(len(own) - 1, HOISTED_PASSES)] if own else None
+        if not passes or not first:
+            continue
+        over, moved, kept = before[passes[-1]:], [], []
+        for k in step[:first]:
+            after = {t[2] for t in (targets.get((k, l)) for l in range(arch.legions)) if t}
+            free = not is_pass(k) and not after & set(over + kept) and _apart(program, [k], over + kept)
+            (moved if free else kept).append(k)
+        before[passes[-1]:passes[-1]] = moved
+        step[:first] = kept
+    return out
 
 
 def _even(a: list[int], b: list[int]) -> list[int]:
