@@ -149,6 +149,18 @@ def gather(m: Machine, i: Gather) -> None:
 # copies faster than a row or a void record.
 _WEIGHT_LUT = {mode: np.ascontiguousarray(UNPACK[mode], np.int8).view(f"u{UNPACK[mode].shape[1]}").ravel()
                for mode in ("w4", "w2")}
+
+
+def _pair_table(mode: str) -> np.ndarray:
+    """The weights two consecutive bytes pack (a little-endian u2, the first byte's lowest), as
+    one unsigned integer per pair: half the indices of :data:`_WEIGHT_LUT`'s take."""
+    pair = np.arange(1 << 16)
+    rows = np.ascontiguousarray(np.concatenate([UNPACK[mode][pair & 0xFF], UNPACK[mode][pair >> 8]], axis=1), np.int8)
+    return rows.view(f"u{rows.shape[1]}").ravel()
+
+
+_PAIR_LUT = {mode: _pair_table(mode) for mode in ("w4", "w2")}
+
 # Every integer of magnitude up to 2**24 is an fp32 value.
 FP32_EXACT = 2 ** 24
 # Rows from which a spanned matmul with shared activations runs as one wide product.
@@ -161,8 +173,28 @@ def _weights(m: Machine, i: MatMul) -> np.ndarray:
     packed = m.read(i.legion, i.wgt, i.K, row_bytes, _span(i))
     if i.mode == "w8":
         return packed.view(np.int8)
-    w = _WEIGHT_LUT[i.mode].take(packed).view(np.int8)
+    w = unpack_weights(packed, i.mode, m.unpacked)
     return w.reshape(packed.shape[0], i.K, -1)[:, :, :i.N]
+
+
+def unpack_weights(packed: np.ndarray, mode: str, buffers: dict | None = None) -> np.ndarray:
+    """``packed`` (... x row bytes, u8) unpacked to int8, 8/bits per byte (rows padded as packed),
+    into ``buffers``' array of its shape when given (made there the first time): the caller
+    reads the result before it unpacks again.
+
+    Weights are read once each and unpacked into fresh memory, whose first touch costs as much
+    as the take; a reused buffer is taken into directly (``mode="clip"``: a table of 256 or
+    65,536 entries has no index out of range, and "raise" would buffer ``out``). Byte pairs
+    take half the indices where a row has an even count of bytes."""
+    pairs = packed.shape[-1] % 2 == 0 and packed.strides[-1] == 1
+    lut, index = (_PAIR_LUT[mode], packed.view("<u2")) if pairs else (_WEIGHT_LUT[mode], packed)
+    if buffers is None:
+        return lut.take(index).view(np.int8)
+    key = (index.shape, lut.dtype)
+    out = buffers.get(key)
+    if out is None:
+        out = buffers[key] = np.empty(index.shape, lut.dtype)
+    return lut.take(index, out=out, mode="clip").view(np.int8)
 
 
 def _kept_blocks(m: Machine, i: MatMul) -> np.ndarray | None:

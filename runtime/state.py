@@ -219,6 +219,7 @@ class Machine:
         elems = arch.derived.spad_elems
         self.banks = {s: Bank(s, arch.legions, elems[s]) for s in SPACES}
         self.watch = None         # told of every access instructions make (runtime/races.py)
+        self.unpacked: dict = {}  # a matmul's unpacked weights, by shape (runtime/semantics.py)
 
     def _initial(self, t: Tensor) -> np.ndarray:
         dtype = STORAGE[t.dtype]

@@ -10,7 +10,7 @@ from isa.fields import Cond, DramRef, View
 from isa.instructions import (BY_MNEMONIC, INSTRUCTIONS, VECTOR_FUNCS, Barrier, DmaLoad, DmaStore,
                               Drain, Gather, Instr, MatMul, VBinary, VMatMul, VSelect, Wait)
 from isa.program import ProgramError, pack, unpack
-from runtime.semantics import execute, handler_for
+from runtime.semantics import execute, handler_for, unpack_weights
 from runtime.state import Trap, overlaps
 from progbuild import Builder
 
@@ -103,6 +103,26 @@ def test_matmul_ragged_shapes(mode):
     m, acc, ref = matmul_case(np.random.default_rng(8), mode, True, "add", M=3, K=13, N=10)
     run(m)
     np.testing.assert_array_equal(spad(m, L0, "acc", acc.addr, acc.rs, *ref.shape), ref)
+
+
+@pytest.mark.parametrize("mode", ["w4", "w2"])
+@pytest.mark.parametrize("row_bytes", [512, 7])
+def test_unpack_weights_matches_unpack(mode, row_bytes):
+    """By byte pairs (an even row) or bytes (an odd one), on every byte value in both places of
+    a pair, on rows of a wider window, a broadcast (zero-stride) span and rows in reverse
+    order, into fresh memory or a buffer kept by shape (the same one for the third)."""
+    rng = np.random.default_rng(row_bytes)
+    every = np.stack([np.arange(256), rng.permutation(256)], axis=1).reshape(-1)
+    packed = np.concatenate([every, rng.integers(0, 256, 3 * 1024)]).astype(np.uint8)
+    rows = packed[:5 * (row_bytes + 3)].reshape(5, row_bytes + 3)[:, 1:row_bytes + 1]
+    buffers = {}
+    for span in (rows[None], np.broadcast_to(rows, (3, *rows.shape)), rows[None, ::-1]):
+        ref = unpack(np.ascontiguousarray(span), mode)
+        np.testing.assert_array_equal(unpack_weights(span, mode), ref)
+        np.testing.assert_array_equal(unpack_weights(span, mode, buffers), ref)   # the first's buffer again
+    assert len(buffers) == 2
+    whole = packed[:len(packed) // 2 * 2].reshape(1, 1, -1)
+    np.testing.assert_array_equal(unpack_weights(whole, mode, buffers), unpack(whole, mode))
 
 
 @pytest.mark.parametrize("K", [1100, 1101, 3001])
