@@ -113,6 +113,17 @@ class Segment:
     src: np.ndarray     # ... and the simulated task (its position in ``order``) they take them from
     part: object        # () -> the Part to simulate
 
+    def in_order(self, completed: list) -> np.ndarray:
+        """The tasks ``completed`` (simulated tasks, by position in ``order``) stand for, in
+        that order, each one's in task order: what :meth:`copies` lists, as one sort."""
+        at = np.full(len(self.order), -1, dtype=np.int64)
+        at[np.asarray(completed, dtype=np.int64)] = np.arange(len(completed))
+        task = np.concatenate([self.order, self.dst])
+        rank = at[np.concatenate([np.arange(len(self.order)), self.src])]
+        keep = rank >= 0
+        task, rank = task[keep], rank[keep]
+        return task[np.lexsort((task, rank))]
+
     def copies(self) -> list[list[int]]:
         """Per simulated task, in order, the tasks it stands for (itself included)."""
         out = [[k] for k in self.order.tolist()]

@@ -86,6 +86,7 @@ class _Dram:
         self.served = 0.0
         self.active = 0                               # flows, each counted with its multiplicity
         self.flows: list[tuple[float, int, int]] = []  # (served level at which it ends, task, multiplicity)
+        self.due: float | None = None                 # next_end, until flows start or end
 
     def rate(self) -> float:
         return min(self.link, self.total / self.active) if self.active else 0.0
@@ -93,6 +94,7 @@ class _Dram:
     def advance(self, t: float) -> None:
         self.served += self.rate() * (t - self.t)
         self.t = t
+        self.due = None                                # add and finish change the flows next
 
     def add(self, k: int, nbytes: int, t: float, mult: int) -> None:
         self.advance(t)
@@ -102,7 +104,9 @@ class _Dram:
     def next_end(self) -> float:
         if not self.flows:
             return INF
-        return self.t + max(0.0, self.flows[0][0] - self.served) / self.rate()
+        if self.due is None:      # the same state gives the same time: computed once per change
+            self.due = self.t + max(0.0, self.flows[0][0] - self.served) / self.rate()
+        return self.due
 
     def finish(self, t: float) -> list[int]:
         """Flows ending at ``t`` (the first is due by construction; others within rounding)."""
@@ -139,51 +143,58 @@ def machine_queues(arch: Arch) -> list[tuple[int, str]]:
 
 class _Sim:
     """The event loop over a :class:`~runtime.lockstep.Part`: its tasks' start, free and done
-    times from 0, and the order in which the non-sync ones complete."""
+    times from 0, and the order in which the non-sync ones complete. It runs once per task
+    of every segment not timed before, so its inner steps work on local lists and inline the
+    common case (a task issued on its queue); times are Python floats until :meth:`run` ends."""
 
     def __init__(self, part, arch: Arch):
         n = len(part.kinds)
         self.part = part
-        self.start, self.free, self.done = (np.full(n, np.nan) for _ in range(3))
+        self.start, self.free, self.done = ([INF * 0] * n for _ in range(3))
         self.order: list[int] = []                  # tasks in completion order (not waits, barriers)
         self.is_done = [False] * n
+        self.is_flow = [flow is not None for _, _, flow in part.timing]
         self.queues: dict[tuple, _Queue] = {k: _Queue(k) for k in part.parties}
         # An instruction on a Legion the machine lacks (an unverified program) gets a queue of
         # its own, which holds no barrier.
         self.parties = list(self.queues.values())
         self.queue_of: list[_Queue] = []
+        queues, queue_of = self.queues, self.queue_of
         for k, (key, kind) in enumerate(zip(part.keys, part.kinds)):
             if kind == BARRIER:
                 for q in self.parties:
                     q.items.append(k)
-                self.queue_of.append(self.parties[0])
+                queue_of.append(self.parties[0])
                 continue
-            if key not in self.queues:
-                self.queues[key] = _Queue(key)
-            q = self.queues[key]
+            q = queues.get(key)
+            if q is None:
+                q = queues[key] = _Queue(key)
             q.items.append(k)
-            self.queue_of.append(q)
-        self.waiters: dict[tuple, dict] = defaultdict(dict)   # queue key -> queues waiting on it
+            queue_of.append(q)
+        self.waiters: dict[tuple, dict] = {}                  # queue key -> queues waiting on it
         self.arrived: dict[int, set] = defaultdict(set)        # barrier -> queues that reached it
         self.events: list[tuple[float, int]] = []              # (done time, instruction)
         self.dram = _Dram(arch.derived.dram_bytes_per_cycle, arch.derived.link_bytes_per_cycle)
         self.latency = arch.dram_latency_cycles
-        self.handlers = {TASK: self._issue, WAIT: self._wait, BARRIER: self._barrier}
+        self.handlers = {WAIT: self._wait, BARRIER: self._barrier}
 
     def run(self) -> None:
         for q in self.queues.values():
             self._advance(q, 0.0)
         events, dram, pop = self.events, self.dram, heapq.heappop
+        flows, flows_end, complete = dram.flows, self._flows_end, self._complete
         while True:
-            t_event = events[0][0] if events else INF
-            t_flow = dram.next_end() if dram.flows else INF
-            if t_event == INF and t_flow == INF:
+            if flows:
+                t_flow = dram.next_end()
+                if not events or t_flow <= events[0][0]:
+                    flows_end(t_flow)
+                    continue
+            elif not events:
                 break
-            if t_flow <= t_event:
-                self._flows_end(t_flow)
-                continue
             t, k = pop(events)
-            self._complete(k, t)
+            complete(k, t)
+        self.start, self.free, self.done = (np.array(x, dtype=np.float64)
+                                            for x in (self.start, self.free, self.done))
 
     def stuck(self) -> list[tuple[int, _Queue]]:
         """The task at the head of each queue that did not finish, in task order."""
@@ -194,73 +205,73 @@ class _Sim:
     # scheduled after that one completed, so the completion order is always a valid order.
 
     def _flows_end(self, t: float) -> None:
+        latency, events, queue_of, free = self.latency, self.events, self.queue_of, self.free
         for k in self.dram.finish(t):
-            q = self.queue_of[k]
-            self.free[k] = t
+            q = queue_of[k]
+            free[k] = t
             q.busy = False
-            heapq.heappush(self.events, (t + self.latency, k))
+            heapq.heappush(events, (t + latency, k))
             self._advance(q, t)
 
     def _complete(self, k: int, t: float) -> None:
         q = self.queue_of[k]
         self.done[k] = t
-        if self.part.timing[k][2] is None:
+        if not self.is_flow[k]:
             q.busy = False
         self.order.append(k)
-        self._finish(k)
+        is_done, items, n = self.is_done, q.items, len(q.items)
+        is_done[k] = True                   # a task, not a barrier: only its queue's prefix moves
+        while q.prefix < n and is_done[items[q.prefix]]:
+            q.prefix += 1
         self._advance(q, t)
-        self._wake(q, t)
+        waiting = self.waiters.pop(q.key, None)
+        if waiting:
+            for other in list(waiting.values()):
+                self._advance(other, t)
 
     # Issuing: run a queue as far as it can go at time t; progress may wake other queues.
 
     def _advance(self, q: _Queue, t: float) -> None:
         work, step = [q], self._step
         while work:
-            work.extend(step(work.pop(), t))
-
-    def _wake(self, q: _Queue, t: float) -> None:
-        for waiting in list(self.waiters.pop(q.key, {}).values()):
-            self._advance(waiting, t)
+            woken = step(work.pop(), t)
+            if woken:
+                work.extend(woken)
 
     def _finish(self, k: int) -> None:
         """Mark ``k`` done and move the completed prefix of its queue(s)."""
-        self.is_done[k] = True
+        is_done = self.is_done
+        is_done[k] = True
         for q in self.parties if self.part.kinds[k] == BARRIER else (self.queue_of[k],):
-            while q.prefix < len(q.items) and self.is_done[q.items[q.prefix]]:
+            items, n = q.items, len(q.items)
+            while q.prefix < n and is_done[items[q.prefix]]:
                 q.prefix += 1
 
     def _step(self, q: _Queue, t: float) -> list[_Queue]:
+        """Issue from ``q`` while it is idle and its head's condition holds; the queues a
+        passed wait or a released barrier woke are returned."""
         woken: list[_Queue] = []
-        conds, kinds, handlers, items = self.part.conds, self.part.kinds, self.handlers, q.items
-        while not q.busy and q.head < len(items):
+        part, items = self.part, q.items
+        conds, kinds, n = part.conds, part.kinds, len(items)
+        while not q.busy and q.head < n:
             k = items[q.head]
             cond = conds[k]
             if cond is not None:
-                if not self._holds(q, cond):
+                key, count = cond
+                target = self.queues.get(key)
+                if target is None or target.prefix < count:
+                    if target is not None:         # woken when the named queue progresses
+                        self.waiters.setdefault(key, {})[q.key] = q
                     break
-                q.ready = max(q.ready, self._met_at(cond))
-            if not handlers[kinds[k]](q, k, t, woken):
+                if count:                          # queues complete in order: when its count-th did
+                    q.ready = max(q.ready, self.done[target.items[count - 1]])
+            kind = kinds[k]
+            if kind == TASK:
+                self._issue(q, k, t)
+            elif not self.handlers[kind](q, k, t, woken):
                 break
             q.head += 1
         return woken
-
-    def _holds(self, q: _Queue, cond) -> bool:
-        """True when ``cond`` holds; else ``q`` is woken when the named queue progresses."""
-        key, count = cond
-        target = self.queues.get(key)
-        if target is not None and target.prefix >= count:
-            return True
-        if target is not None:
-            self.waiters[key][q.key] = q
-        return False
-
-    def _met_at(self, cond) -> float:
-        """When a condition that holds came true: queues complete in order, so when the
-        count-th instruction of the named queue did."""
-        key, count = cond
-        if not count:
-            return 0.0
-        return float(self.done[self.queues[key].items[count - 1]])
 
     def _mark(self, k: int, t: float) -> None:
         self.start[k] = self.free[k] = self.done[k] = t
@@ -286,18 +297,17 @@ class _Sim:
                 woken.append(other)
         return True
 
-    def _issue(self, q: _Queue, k: int, t: float, woken: list) -> bool:
+    def _issue(self, q: _Queue, k: int, t: float) -> None:
         cycles, lead, flow = self.part.timing[k]
         self.start[k] = t
         q.busy = True
         ready, q.ready = q.ready, 0.0
         if flow is not None:
             self.dram.add(k, flow, t, self.part.mult[k])
-            return True
+            return
         end = max(t, ready + lead) + cycles
         self.free[k] = end
         heapq.heappush(self.events, (end, k))
-        return True
 
 
 def _deadlock(program: Program, sim: _Sim) -> Deadlock:
@@ -470,10 +480,8 @@ def _by_segment(program: Program, arch: Arch, tasks, times: tuple, execute, prog
             out[seg.order] = rel + t0
             out[seg.dst] = rel[seg.src] + t0
         if execute is not None:
-            copies = seg.copies()
-            for j in got[3]:
-                for k in copies[j]:
-                    execute(k)
+            for k in seg.in_order(got[3]).tolist():
+                execute(k)
         if progress is not None:
             progress(int(np.count_nonzero(tasks.kind[seg.lo:seg.hi] == TASK)))
         if seg.hi > seg.lo:

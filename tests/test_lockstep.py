@@ -126,3 +126,16 @@ def test_a_legion_waiting_on_another_is_not_in_lockstep_with_its_twins():
     t = simulate(program, ARCH)
     np.testing.assert_allclose(t.done, done, rtol=1e-12)
     assert t.start[4] > t.start[5]          # L1's vadd starts after the long load
+
+
+@settings(max_examples=60, deadline=None)
+@given(programs())
+def test_tasks_in_completion_order_are_the_copies_of_each_completed_task(program):
+    flat = timing.expand(program, ARCH.legions).program
+    tasks = lockstep.tasks_of(flat, timing._costs(flat, ARCH))
+    for seg in lockstep.segments(tasks, ARCH.legions, timing.machine_queues(ARCH)):
+        sim = timing._Sim(seg.part(), ARCH)
+        sim.run()
+        copies = seg.copies()
+        want = [k for j in sim.order for k in copies[j]]
+        assert seg.in_order(sim.order).tolist() == want
