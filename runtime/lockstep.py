@@ -92,15 +92,16 @@ def _part(tasks: Tasks, order: np.ndarray, cond: np.ndarray, rep, size, parties:
     """The tasks ``order`` for the event loop, with conditions ``cond`` (a row for each);
     ``rep`` and ``size`` map a Legion to its class's representative and member count."""
     legion = tasks.legion[order].tolist()
-    queue = tasks.queue[order].tolist()
-    c = cond.tolist()
+    names = list(tasks.names) + ["*"]           # a barrier's queue, NONE, names the last
+    keys = [(l, names[q]) for l, q in zip(legion, tasks.queue[order].tolist())]
+    on = cond[:, 0]
+    if rep is not None and len(on):
+        on = np.where(on == NONE, NONE, np.asarray(rep, dtype=np.int64)[on])
+    conds = [None if cl == NONE else ((cl, names[cq]), count)
+             for cl, cq, count in zip(on.tolist(), cond[:, 1].tolist(), cond[:, 2].tolist())]
     timings = tasks.timings
-    part = Part([], tasks.kind[order].tolist(), [], [timings[t] for t in tasks.timing[order].tolist()],
+    return Part(keys, tasks.kind[order].tolist(), conds, [timings[t] for t in tasks.timing[order].tolist()],
                 [1] * len(legion) if size is None else [size[l] for l in legion], parties)
-    for l, q, (cl, cq, count) in zip(legion, queue, c):
-        part.keys.append((l, tasks.names[q] if q >= 0 else "*"))
-        part.conds.append(None if cl == NONE else ((cl if rep is None else rep[cl], tasks.names[cq]), count))
-    return part
 
 
 @dataclass

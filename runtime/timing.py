@@ -232,11 +232,35 @@ class _Sim:
     # Issuing: run a queue as far as it can go at time t; progress may wake other queues.
 
     def _advance(self, q: _Queue, t: float) -> None:
-        work, step = [q], self._step
+        """Issue from ``q`` while it is idle and its head's condition holds, then from the
+        queues a passed wait or a released barrier woke (one function: it runs per event)."""
+        part, queues, waiters, done = self.part, self.queues, self.waiters, self.done
+        conds, kinds, timing, handlers = part.conds, part.kinds, part.timing, self.handlers
+        work, woken = [q], []
         while work:
-            woken = step(work.pop(), t)
+            q = work.pop()
+            items, n = q.items, len(q.items)
+            while not q.busy and q.head < n:
+                k = items[q.head]
+                cond = conds[k]
+                if cond is not None:
+                    key, count = cond
+                    target = queues.get(key)
+                    if target is None or target.prefix < count:
+                        if target is not None:         # woken when the named queue progresses
+                            waiters.setdefault(key, {})[q.key] = q
+                        break
+                    if count:                          # queues complete in order: when its count-th did
+                        q.ready = max(q.ready, done[target.items[count - 1]])
+                kind = kinds[k]
+                if kind == TASK:
+                    self._issue(q, k, t, timing[k])
+                elif not handlers[kind](q, k, t, woken):
+                    break
+                q.head += 1
             if woken:
                 work.extend(woken)
+                woken.clear()
 
     def _finish(self, k: int) -> None:
         """Mark ``k`` done and move the completed prefix of its queue(s)."""
@@ -246,32 +270,6 @@ class _Sim:
             items, n = q.items, len(q.items)
             while q.prefix < n and is_done[items[q.prefix]]:
                 q.prefix += 1
-
-    def _step(self, q: _Queue, t: float) -> list[_Queue]:
-        """Issue from ``q`` while it is idle and its head's condition holds; the queues a
-        passed wait or a released barrier woke are returned."""
-        woken: list[_Queue] = []
-        part, items = self.part, q.items
-        conds, kinds, n = part.conds, part.kinds, len(items)
-        while not q.busy and q.head < n:
-            k = items[q.head]
-            cond = conds[k]
-            if cond is not None:
-                key, count = cond
-                target = self.queues.get(key)
-                if target is None or target.prefix < count:
-                    if target is not None:         # woken when the named queue progresses
-                        self.waiters.setdefault(key, {})[q.key] = q
-                    break
-                if count:                          # queues complete in order: when its count-th did
-                    q.ready = max(q.ready, self.done[target.items[count - 1]])
-            kind = kinds[k]
-            if kind == TASK:
-                self._issue(q, k, t)
-            elif not self.handlers[kind](q, k, t, woken):
-                break
-            q.head += 1
-        return woken
 
     def _mark(self, k: int, t: float) -> None:
         self.start[k] = self.free[k] = self.done[k] = t
@@ -297,8 +295,8 @@ class _Sim:
                 woken.append(other)
         return True
 
-    def _issue(self, q: _Queue, k: int, t: float) -> None:
-        cycles, lead, flow = self.part.timing[k]
+    def _issue(self, q: _Queue, k: int, t: float, timing: tuple) -> None:
+        cycles, lead, flow = timing
         self.start[k] = t
         q.busy = True
         ready, q.ready = q.ready, 0.0
