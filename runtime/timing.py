@@ -171,7 +171,7 @@ class _Sim:
                 q = queues[key] = _Queue(key)
             q.items.append(k)
             queue_of.append(q)
-        self.waiters: dict[tuple, dict] = {}                  # queue key -> queues waiting on it
+        self.waiters: dict[tuple, dict] = {}   # queue key -> {key: (queue waiting on it, for what count)}
         self.arrived: dict[int, set] = defaultdict(set)        # barrier -> queues that reached it
         self.events: list[tuple[float, int]] = []              # (done time, instruction)
         self.dram = _Dram(arch.derived.dram_bytes_per_cycle, arch.derived.link_bytes_per_cycle)
@@ -224,9 +224,12 @@ class _Sim:
         while q.prefix < n and is_done[items[q.prefix]]:
             q.prefix += 1
         self._advance(q, t)
-        waiting = self.waiters.pop(q.key, None)
-        if waiting:
-            for other in list(waiting.values()):
+        waiting = self.waiters.get(q.key)
+        if waiting:               # only the queues whose count it reached: the others would wait on
+            due = [other for other, count in waiting.values() if count <= q.prefix]
+            for other in due:
+                del waiting[other.key]
+            for other in due:
                 self._advance(other, t)
 
     # Issuing: run a queue as far as it can go at time t; progress may wake other queues.
@@ -248,7 +251,7 @@ class _Sim:
                     target = queues.get(key)
                     if target is None or target.prefix < count:
                         if target is not None:         # woken when the named queue progresses
-                            waiters.setdefault(key, {})[q.key] = q
+                            waiters.setdefault(key, {})[q.key] = (q, count)
                         break
                     if count:                          # queues complete in order: when its count-th did
                         q.ready = max(q.ready, done[target.items[count - 1]])
@@ -277,7 +280,7 @@ class _Sim:
     def _wait(self, q: _Queue, k: int, t: float, woken: list) -> bool:
         self._mark(k, t)
         self._finish(k)
-        woken.extend(self.waiters.pop(q.key, {}).values())
+        woken.extend(other for other, _ in self.waiters.pop(q.key, {}).values())
         return True
 
     def _barrier(self, q: _Queue, k: int, t: float, woken: list) -> bool:
