@@ -157,17 +157,12 @@ class Order:
             table[n + k] = row
         return table[:n]
 
-    def _barrier(self, table: np.ndarray, k: int, exact: bool = False) -> None:
+    def _barrier(self, table: np.ndarray, k: int) -> None:
         """A barrier knows done what the last item of every queue knew once done; once done
-        itself, every queue up to it. ``exact``: after a segment left uncomputed, in a
-        program that waits only on earlier work, where that is every queue's items before it
-        (each last item counts itself, and no task counts work after it)."""
+        itself, every queue up to it."""
         n = len(self.queue)
         deps = [d for d, _ in self._deps(k)]
-        if exact:
-            table[k] = self.bar_place[self.bar_index[k]]
-        else:
-            table[k] = table[np.array(deps, np.int64) + n].max(axis=0) if deps else 0
+        table[k] = table[np.array(deps, np.int64) + n].max(axis=0) if deps else 0
         table[n + k] = np.maximum(table[k], self.bar_place[self.bar_index[k]] + 1)
 
 
