@@ -34,6 +34,7 @@ from isa.expand import DRAM_FIELD, NONE, Tasks, in_program_order
 from isa.fields import QUEUES, View
 from isa.instructions import DmaStore
 from isa.program import Program
+from runtime.races_chains import known_by_chains
 from runtime.state import Trap
 
 DMA = QUEUES.index("dma")
@@ -129,64 +130,39 @@ class Order:
         return deps + ([] if self.target[k] == NONE else [(int(self.target[k]), True)])
 
     def _knowledge(self, tasks: Tasks, legions: int) -> np.ndarray:
-        """``known``, computed in a table of 2n + 1 rows: what each task knows done when it
-        starts (rows 0..n-1), once it is done (rows n..2n-1: its queue(s) up to it as well),
-        and nothing (row 2n, for an absent dependency)."""
+        """``known``. A compiled program waits only for earlier instructions: program order is
+        an order to compute in, by chains (runtime/races_chains.py). A hand-written one may
+        wait for a later one: task by task, depth first then, in a table of 2n + 1 rows: what
+        each task knows done when it starts (rows 0..n-1), once it is done (rows n..2n-1: its
+        queue(s) up to it as well), and nothing (row 2n, for an absent dependency)."""
+        if (ordered := in_program_order(tasks, legions)):
+            self.in_program_order = ordered
+            return known_by_chains(self, tasks)
+        self.in_program_order = False
         n = len(self.queue)
         table = np.zeros((2 * n + 1, self.nq), np.int32)
         # A task reads its queue's item before it as started or done, and its condition's as done.
         via_prev = np.where(self.prev == NONE, 2 * n, self.prev + n * self.prev_done)
         via_target = np.where(self.target == NONE, 2 * n, self.target + n)
-        # A compiled program waits only for earlier instructions: program order is an order
-        # to compute in, an instruction's tasks at once. A hand-written one may wait for a
-        # later one: task by task, depth first then.
-        ordered = self.in_program_order = in_program_order(tasks, legions)
-        if not ordered:
-            deps = [self._deps(k) for k in range(n)]
-            spans = [(k, k + 1) for k in _depth_first(deps)]
-        else:
-            ends = np.append(tasks.first[1:], n)
-            spans = list(zip(tasks.first.tolist(), ends.tolist()))
         own = self.queue != NONE
         place = np.where(own, self.place + 1, 0)
-        los, his = (np.array(x, np.int64) for x in zip(*spans)) if spans else (np.zeros(0, np.int64),) * 2
-        # A task's own queue in its row, as an index into its span's rows laid end to end.
-        at = np.where(own, self.queue, 0) + (np.arange(n) - np.repeat(los, his - los)) * self.nq \
-            if ordered else np.where(own, self.queue, 0)
-        skip = np.zeros(len(los), np.bool_)
-        if self.unchecked is not None and ordered:
-            skip = self.unchecked[tasks.origin[los]] & own[los]
-        # A barrier after a skipped segment has its row set exactly; the spans skipped are
-        # not visited at all.
-        after_skip = np.concatenate([[False], skip[:-1]]).tolist()
-        # Most tasks have no condition: their row is their queue predecessor's alone.
-        waited = np.concatenate([[0], np.cumsum(via_target != 2 * n)])
-        conditioned = waited[his] > waited[los]
-        todo = np.flatnonzero(~skip)
-        for j, lo, hi, cond in zip(todo.tolist(), los[todo].tolist(), his[todo].tolist(), conditioned[todo].tolist()):
-            if not own[lo]:
-                self._barrier(table, lo, exact=after_skip[j])
+        at = np.where(own, self.queue, 0)
+        for k in _depth_first([self._deps(k) for k in range(n)]):
+            if not own[k]:
+                self._barrier(table, k)
                 continue
-            row = table[via_prev[lo:hi]]
-            if cond:
-                np.maximum(row, table[via_target[lo:hi]], out=row)
-            table[lo:hi] = row
-            flat, mine = row.reshape(-1), at[lo:hi]
-            flat[mine] = np.maximum(flat[mine], place[lo:hi])
-            table[n + lo:n + hi] = row
+            row = np.maximum(table[via_prev[k]], table[via_target[k]])
+            table[k] = row
+            row[at[k]] = max(row[at[k]], place[k])
+            table[n + k] = row
         return table[:n]
 
-    def _barrier(self, table: np.ndarray, k: int, exact: bool = False) -> None:
+    def _barrier(self, table: np.ndarray, k: int) -> None:
         """A barrier knows done what the last item of every queue knew once done; once done
-        itself, every queue up to it. ``exact``: after a segment left uncomputed, in a
-        program that waits only on earlier work, where that is every queue's items before it
-        (each last item counts itself, and no task counts work after it)."""
+        itself, every queue up to it."""
         n = len(self.queue)
         deps = [d for d, _ in self._deps(k)]
-        if exact:
-            table[k] = self.bar_place[self.bar_index[k]]
-        else:
-            table[k] = table[np.array(deps, np.int64) + n].max(axis=0) if deps else 0
+        table[k] = table[np.array(deps, np.int64) + n].max(axis=0) if deps else 0
         table[n + k] = np.maximum(table[k], self.bar_place[self.bar_index[k]] + 1)
 
 
