@@ -15,7 +15,6 @@ import tempfile
 from pathlib import Path
 
 import onnx
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import helper
