@@ -104,6 +104,11 @@ class Program:
     def names(self) -> list[str]:
         return [t.name for t in self.tensors]
 
+    def region_ranges(self) -> list[range]:
+        """The instructions of each region: from its start to the next region's."""
+        ends = [at for at, _ in self.regions[1:]] + [len(self.instrs)]
+        return [range(at, end) for (at, _), end in zip(self.regions, ends)]
+
     def where(self, i: int) -> str:
         """Location of instruction ``i`` for messages: ``file:line`` or ``file: instruction i``."""
         if self.origin is not None:

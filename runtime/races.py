@@ -38,6 +38,7 @@ from runtime.races_chains import known_by_chains
 from runtime.state import Trap
 
 DMA = QUEUES.index("dma")
+UNTRACKED = ("const", "input")      # tensors no program writes: no ordering to prove
 
 
 class Order:
@@ -349,7 +350,7 @@ class RaceCheck:
     def __init__(self, program: Program, arch: Arch, unchecked=None):
         self.program, self.order = program, Order(program, arch, unchecked)
         self.spads = {s: Ledger() for s in arch.derived.spad_elems}
-        self.dram = {i: WideLedger() for i, t in enumerate(program.tensors) if t.kind not in ("const", "input")}
+        self.dram = {i: WideLedger() for i, t in enumerate(program.tensors) if t.kind not in UNTRACKED}
         self.spad_queues, self.dram_queues = _accessors(program, arch, self.order)
         self.head = np.zeros(self.order.nq, np.int64)   # per queue: its first task that may not have run
         self._now, self._span, self._known, self._ran = None, 0, None, []
@@ -773,7 +774,7 @@ def segment_key(instrs: list, tensors: list, ids: list | None = None) -> tuple:
 
     def local(tensor: int) -> tuple:
         kind = tensors[tensor].kind
-        return names.setdefault(tensor, (len(names), kind not in ("const", "input")))
+        return names.setdefault(tensor, (len(names), kind not in UNTRACKED))
 
     out = []
     for j, ins in enumerate(instrs):

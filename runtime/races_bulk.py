@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from isa.fields import QUEUES
-from runtime.races import DMA, Order, _first_shared
+from runtime.races import DMA, UNTRACKED, Order, _first_shared
 
 # Columns of a recorded access: its first task, its space (a scratchpad space and first
 # Legion, or a DRAM tensor), how many ranks (tasks, Legions) it spans, how far each rank moves
@@ -29,7 +29,7 @@ class AccessLog:
         self.program, self.arch, self.unchecked = program, arch, unchecked
         self.spaces = list(arch.derived.spad_elems)
         self._space_id = {s: n for n, s in enumerate(self.spaces)}
-        self.tracked = {i for i, t in enumerate(program.tensors) if t.kind not in ("const", "input")}
+        self.tracked = {i for i, t in enumerate(program.tensors) if t.kind not in UNTRACKED}
         self.rows: list[tuple] = []
         self._now = 0
 

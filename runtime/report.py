@@ -198,8 +198,7 @@ def region_of(program) -> np.ndarray:
 
 def region_ranges(program) -> list[range]:
     """The instructions of each region: from its start to the next region's."""
-    ends = [at for at, _ in program.regions[1:]] + [len(program.instrs)]
-    return [range(at, end) for (at, _), end in zip(program.regions, ends)]
+    return program.region_ranges()
 
 
 def regions_by_name(program) -> dict[str, list[int]]:

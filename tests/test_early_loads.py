@@ -3,16 +3,14 @@ before them (dlegion_cc/lower/earlyloads.py): the past keys while the rotaries r
 values while the softmax runs. The step stays race-free and gives onnxruntime's outputs."""
 from functools import lru_cache
 
-import numpy as np
 import pytest
 
 from isa import arch
 from isa.instructions import Barrier, DmaLoad, DmaStore, VMatMul
 from dlegion_cc.pipeline import Options, compile_model
 from models.bitnet import build_bitnet, preset, save
-from runtime.check import compare, onnx_reference
-from runtime.emulator import random_inputs, run
 from runtime.timing import simulate
+from test_prefetch_decode import assert_race_free_onnxruntimes_and_plains
 
 EIGHT = arch.load("dlegion-8x8")
 PAST = 512          # long enough that QK^T's passes, not DRAM, set its pace on every Legion
@@ -89,11 +87,7 @@ def test_the_past_values_load_while_the_softmax_runs(step):
 def test_the_step_is_race_free_and_onnxruntimes(step):
     path, program = step()
     _, plain = step(prefetch=False)
-    inputs = random_inputs(program, 0)
-    outputs = run(program, EIGHT, inputs).outputs          # the race check runs too
-    assert all(r.ok for r in compare(outputs, onnx_reference(path, inputs)))
-    want = run(plain, EIGHT, inputs).outputs
-    assert all(np.array_equal(outputs[k], want[k]) for k in want)
+    assert_race_free_onnxruntimes_and_plains(path, program, plain)
     # every cache byte is still loaded once: the moved slices are the product's, not more
     for name in ("present_0_key", "present_0_value"):
         assert _bytes(program, _tensor(program, name)) == _bytes(plain, _tensor(plain, name))

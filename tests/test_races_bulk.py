@@ -41,13 +41,16 @@ MENU = [
 ]
 
 
-@st.composite
-def racy_programs(draw):
-    """A prologue, then random instructions, each waiting for a random count (at most what is
-    issued before it: the program stays in program order) of a random queue, or not."""
+def random_lines(draw, most: int, barriers: bool = False) -> str:
+    """After the prologue, up to ``most`` random instructions (and barriers, when asked), each
+    waiting for a random count (at most what is issued before it: the program stays in program
+    order) of a random queue, or not."""
     issued = {(a, q): 2 if q == "dma" else 0 for a in (0, 1) for q in ("dma", "vec")}
     lines = []
-    for _ in range(draw(st.integers(1, 8))):
+    for _ in range(draw(st.integers(1, most))):
+        if barriers and draw(st.integers(0, 7)) == 0:
+            lines.append("barrier\n")
+            continue
         queue, text = draw(st.sampled_from(MENU))
         a = draw(st.integers(0, 1))
         line = text.format(a=a, v=draw(st.sampled_from([0, 16, 32])), w=draw(st.sampled_from([0, 16, 32])),
@@ -57,7 +60,13 @@ def racy_programs(draw):
             line += f" wait=L{on}.{q}>={draw(st.integers(0, issued[(on, q)]))}"
         issued[(a, queue)] += 1
         lines.append(line + "\n")
-    return parse(HEAD + PROLOGUE + "".join(lines))
+    return HEAD + PROLOGUE + "".join(lines)
+
+
+@st.composite
+def racy_programs(draw):
+    """A prologue, then random instructions (``random_lines``)."""
+    return parse(random_lines(draw, 8))
 
 
 def verdicts(program, arch, inputs):

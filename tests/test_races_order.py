@@ -18,7 +18,7 @@ from runtime.emulator import _repeated_segments
 from runtime.races import Order
 
 from races_oracle import known_by_instructions
-from test_races_bulk import HEAD, MENU, PROLOGUE
+from test_races_bulk import random_lines
 
 ARCH = load("dlegion-tiny")
 MODELS = Path(__file__).parent.parent / "models"
@@ -26,24 +26,8 @@ MODELS = Path(__file__).parent.parent / "models"
 
 @st.composite
 def waiting_programs(draw):
-    """Random loads, vector ops, stores and barriers, each waiting for a random count (at most
-    what is issued before it) of a random queue, or not."""
-    issued = {(a, q): 2 if q == "dma" else 0 for a in (0, 1) for q in ("dma", "vec")}
-    lines = []
-    for _ in range(draw(st.integers(1, 24))):
-        if draw(st.integers(0, 7)) == 0:
-            lines.append("barrier\n")
-            continue
-        queue, text = draw(st.sampled_from(MENU))
-        a = draw(st.integers(0, 1))
-        line = text.format(a=a, v=draw(st.sampled_from([0, 16, 32])), w=draw(st.sampled_from([0, 16, 32])),
-                           d=draw(st.sampled_from([0, 16, 32])))
-        if draw(st.booleans()):
-            on, q = draw(st.integers(0, 1)), draw(st.sampled_from(["dma", "vec"]))
-            line += f" wait=L{on}.{q}>={draw(st.integers(0, issued[(on, q)]))}"
-        issued[(a, queue)] += 1
-        lines.append(line + "\n")
-    return verify(parse(HEAD + PROLOGUE + "".join(lines)), ARCH)
+    """Random loads, vector ops, stores and barriers (``random_lines``)."""
+    return verify(parse(random_lines(draw, 24, barriers=True)), ARCH)
 
 
 def assert_as_by_instructions(program, arch, unchecked) -> None:

@@ -19,7 +19,7 @@ from dataclasses import replace
 from isa.arch import Arch
 from isa.instructions import Barrier
 from isa.program import Program
-from dlegion_cc.lower.overlap import _meet, accesses, layer_ends
+from dlegion_cc.lower.overlap import accesses, conflicting, layer_ends
 from dlegion_cc.lower.prefetch import _Counts, _legions
 
 
@@ -37,18 +37,17 @@ def side_by_side(program: Program, arch: Arch) -> Program:
 def _dropped(program: Program) -> set[int]:
     """The barriers to drop: each ends a node whose successor shares nothing with the run of
     nodes since the last barrier kept."""
-    instrs, old = program.instrs, program.regions
-    ends = [at for at, _ in old[1:]] + [len(instrs)]
-    keep = layer_ends(program)
+    instrs, keep = program.instrs, layer_ends(program)
     dropped, run, start = set(), None, 0
-    for (at, _), end in zip(old, ends):
-        if not (end > at and isinstance(instrs[end - 1], Barrier)):
+    for span in program.region_ranges():
+        end = span.stop
+        if not (len(span) and isinstance(instrs[end - 1], Barrier)):
             run = None
             continue
         # the node since the last barrier: later passes leave a node in several region entries
         node, start = range(start, end), end
         mine = _Accesses(program, node)
-        if run is not None and not run.legions & mine.legions and run.apart(mine):
+        if run is not None and run.apart(mine):
             dropped.add(node.start - 1)
             run.add(mine)
         else:
@@ -86,13 +85,7 @@ class _Accesses:
 
     def apart(self, other: "_Accesses") -> bool:
         """Whether the two share no Legion and no element one of them writes."""
-        if self.legions & other.legions:
-            return False
-        for space, theirs in other.spaces.items():
-            for a, wa in self.spaces.get(space, ()):
-                if any((wa or wb) and _meet(a, b) for b, wb in theirs):
-                    return False
-        return True
+        return not self.legions & other.legions and not conflicting(self.spaces, other.spaces)
 
     def add(self, other: "_Accesses") -> None:
         self.legions |= other.legions

@@ -40,7 +40,7 @@ from isa.arch import Arch
 from isa.fields import Cond
 from isa.instructions import Barrier, DmaLoad, DmaStore, Gather, MatMul, VMatMul, Wait
 from isa.program import Program
-from dlegion_cc.lower.overlap import _meet, accesses, footprint, layer_ends
+from dlegion_cc.lower.overlap import _meet, accesses, add_accesses, conflicting, footprint, layer_ends
 from dlegion_cc.lower.prefetch import _Counts, _cut, _legions, _part, _regions, _runs
 from runtime.costs import Env, cost
 
@@ -67,9 +67,8 @@ def load_early(program: Program, arch: Arch) -> Program:
     if not moved:
         return program
     order = [item for node in items for item in node]
-    old = program.regions
-    spans = [range(at, end) for (at, _), end in zip(old, [at for at, _ in old[1:]] + [len(program.instrs)])]
-    return replace(program, instrs=_Counts(program.instrs, arch).rewrite(order), regions=_regions(order, spans, old))
+    return replace(program, instrs=_Counts(program.instrs, arch).rewrite(order),
+                   regions=_regions(order, program.region_ranges(), program.regions))
 
 
 def _nodes(program: Program) -> list[range]:
@@ -218,16 +217,10 @@ class _Seen:
         self.spaces = spaces
 
     def add(self, i, tensors) -> None:
-        if isinstance(i, (Barrier, Wait)):
-            return
-        for r in range(i.span or 1):
-            for space, win, write, _ in footprint(i, r, tensors):
-                self.spaces.setdefault(space, []).append((win, write))
+        add_accesses(self.spaces, i, tensors)
 
     def meets(self, load: DmaLoad, tensors) -> bool:
-        return any((write or wb) and _meet(win, b)
-                   for space, win, write, _ in footprint(load, 0, tensors)
-                   for b, wb in self.spaces.get(space, ()))
+        return conflicting(add_accesses({}, load, tensors), self.spaces)
 
 
 def _room(program: Program, arch: Arch, kernel: range) -> dict[int, float]:

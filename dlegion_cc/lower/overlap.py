@@ -141,11 +141,26 @@ def accesses(program: Program, ks) -> dict:
     rank by rank (``footprint``; a barrier makes none)."""
     out: dict = {}
     for k in ks:
-        i = program.instrs[k]
-        for r in range(0 if isinstance(i, Barrier) else _span(i)):
-            for space, win, write, _ in footprint(i, r, program.tensors):
-                out.setdefault(space, []).append((win, write))
+        add_accesses(out, program.instrs[k], program.tensors)
     return out
+
+
+def add_accesses(out: dict, i, tensors) -> dict:
+    """``out`` (space -> [(window, write)]) with the accesses of instruction ``i`` added."""
+    for r in range(0 if isinstance(i, Barrier) else _span(i)):
+        for space, win, write, _ in footprint(i, r, tensors):
+            out.setdefault(space, []).append((win, write))
+    return out
+
+
+def conflicting(a: dict, b: dict) -> bool:
+    """Whether two collections of accesses (``accesses``) may share an element one of them
+    writes (by the bounds of their windows)."""
+    for space, theirs in b.items():
+        for win, write in a.get(space, ()):
+            if any((write or wb) and _meet(win, other) for other, wb in theirs):
+                return True
+    return False
 
 
 def footprint(i, rank: int, tensors) -> list[tuple]:

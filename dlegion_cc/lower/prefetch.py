@@ -64,8 +64,7 @@ def reorder(program: Program, arch: Arch) -> tuple[list[tuple[int, object]], lis
     parts appears once per part; a new ``wait`` has None), and the new regions. Conditions
     are not yet fixed."""
     instrs, old = program.instrs, program.regions
-    ends = [at for at, _ in old[1:]] + [len(instrs)]
-    spans = [range(at, end) for (at, _), end in zip(old, ends)]
+    spans = program.region_ranges()
     last_of_layer = layer_ends(program)
     order = [(k, instrs[k]) for k in range(old[0][0] if old else len(instrs))]
     placed: dict[int, range] = {}         # a matmul region -> where its kept part went in ``order``
