@@ -27,17 +27,23 @@ def rounded_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def _rounded(a64: np.ndarray, b64: np.ndarray) -> np.ndarray:
     s = a64 @ b64
     out = s.astype(np.float32)
-    if a64.shape[-1] <= 1 or out.size == 0:
+    k = a64.shape[-1]
+    if k <= 1 or out.size == 0:
         return out                       # one product is exact in fp64: nothing to round twice
     # sum |a_k b_k| <= |a| |b| (Cauchy-Schwarz): one norm per row and column instead of a
     # second product. Twice gamma_K: room for the rounding of the bound itself (the squares
-    # of fp32 values are exact in fp64, their sums within gamma_K).
-    rows = np.sqrt((a64 * a64).sum(axis=-1))[..., :, None]
-    cols = np.sqrt((b64 * b64).sum(axis=-2))[..., None, :]
-    err = (rows * cols) * (2.0 * a64.shape[-1] * _UNIT)
+    # of fp32 values are exact in fp64, their sums within gamma_K in any order).
+    rows = np.sqrt(np.einsum("...k,...k->...", a64, a64))[..., :, None]
+    cols = np.sqrt(np.einsum("...kn,...kn->...n", b64, b64))[..., None, :]
+    err = rows * cols
+    err *= 2.0 * k * _UNIT
+    doubt = ~_rounds_alike(s, err, out)
+    if not doubt.any():                  # the common case: no element to sum exactly
+        return out
     batch = out.shape[:-2]
     a64, b64 = np.broadcast_to(a64, batch + a64.shape[-2:]), np.broadcast_to(b64, batch + b64.shape[-2:])
-    for *batch, m, n in zip(*np.nonzero(~_rounds_alike(s, err, out))):
+    for at in np.flatnonzero(doubt).tolist():
+        *batch, m, n = np.unravel_index(at, out.shape)
         out[(*batch, m, n)] = _exact_dot(a64[(*batch, m)], b64[(*batch, slice(None), n)])
     return out
 
@@ -48,9 +54,12 @@ def _rounds_alike(s: np.ndarray, err: np.ndarray, out: np.ndarray) -> np.ndarray
     # Rounding to fp32 is monotone: when both ends of the interval round to one value, so does
     # every value between them (out, the rounded s, among them). The ends' own fp64 rounding
     # is covered by err's margin (twice gamma_K). A tie on an end that err does not widen
-    # (zero) is left to the midpoints, as a tie is the exact sum's to settle.
-    lo, hi = s - err, s + err
-    alike = (lo.astype(np.float32) == hi.astype(np.float32)) & (err > 0)
+    # (zero) is left to the midpoints, as a tie is the exact sum's to settle. Each end is
+    # computed in fp64 and rounded once to fp32 as it is stored (the ufunc's cast).
+    lo = np.subtract(s, err, out=np.empty(s.shape, np.float32), casting="same_kind")
+    hi = np.add(s, err, out=np.empty(s.shape, np.float32), casting="same_kind")
+    alike = lo == hi
+    alike &= err > 0
     doubt = ~alike
     if doubt.any():
         alike[doubt] = _within_edges(s[doubt], err[doubt], out[doubt])

@@ -81,15 +81,16 @@ def _unordered_pairs(acc: dict, order: Order) -> list[tuple[int, int]] | None:
     pairs = _not_known_done(acc, order)
     if pairs is None:
         return None
-    a, b = pairs
+    a, b = pairs          # one of each pair writes: a read is paired only with writes
+    # Most pairs are told apart by their bounds: those go first, so the rest of the tests
+    # gather from the few that meet.
+    meet = (acc["hi"][a] >= acc["lo"][b]) & (acc["lo"][a] <= acc["hi"][b])
+    a, b = a[meet], b[meet]
     write = acc["write"]
-    keep = write[a] | write[b]
-    a, b = a[keep], b[keep]
     ka, kb = acc["task"][a], acc["task"][b]
     qa, qb = order.queue[ka], order.queue[kb]
     count, place = order.place[ka] + 1, order.place[kb]
-    meet = (acc["hi"][a] >= acc["lo"][b]) & (acc["lo"][a] <= acc["hi"][b])
-    ordered = (ka == kb) | ~meet | (
+    ordered = (ka == kb) | (
         (qa == qb) & (qb % len(QUEUES) == DMA) & (~write[a] | write[b]) & (count <= place))
     a, b = a[~ordered], b[~ordered]
     if not len(a):

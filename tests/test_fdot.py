@@ -79,3 +79,16 @@ def test_blocking_and_zero_padding_change_nothing():
     padded = rounded_matmul(np.pad(a, ((0, 0), (0, 45))), np.pad(b, ((0, 45), (0, 0))))
     assert _same(padded, whole)
     assert _same(whole[:3, :4], _reference(a[:3], b[:, :4]))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 4), st.integers(2, 7), st.integers(1, 4), st.data())
+def test_a_batch_rounds_each_product_as_alone(batch, m, k, n, data):
+    # Near-ties in every product of the batch: the elements summed exactly are found by their
+    # flat place in the batch, and each is its own product's.
+    a = data.draw(hnp.arrays(np.float32, (batch, m, k), elements=wild))
+    b = data.draw(hnp.arrays(np.float32, (batch, k, n), elements=wild))
+    got = rounded_matmul(a, b)
+    for i in range(batch):
+        assert _same(got[i], _reference(a[i], b[i]))
+    assert _same(rounded_matmul(a, b[0]), np.stack([_reference(x, b[0]) for x in a]))
