@@ -116,12 +116,16 @@ def _not_known_done(acc: dict, order: Order) -> tuple[np.ndarray, np.ndarray] | 
     new = np.concatenate([[True], (s[1:] != s[:-1]) | (q[1:] != q[:-1])])
     group = np.cumsum(new) - 1                 # per sorted access, its (space, kind, queue) group
     g_kind, g_queue = s[new], q[new]
-    # the groups each access may conflict with, a run of them: a write's, every group of its
-    # space; a read's, those of the space's writes
-    first_group = np.searchsorted(g_kind, np.where(write == 1, kind - 1, kind + 1), side="left")
-    groups = np.searchsorted(g_kind, kind - write + 1, side="right") - first_group
-    b = np.repeat(np.arange(len(kind)), groups)
-    g = np.arange(groups.sum()) - np.repeat(np.cumsum(groups) - groups, groups) + np.repeat(first_group, groups)
+    # Per group, the accesses that may conflict with it, a run of them in sorted order: a
+    # write group's, every access of its space; a read group's, the space's writes. Taken
+    # group by group, each search below gets its keys in runs that rise (an access's time,
+    # and what it knows of a queue, only grow along its own queue's group), which binary
+    # search over sorted keys runs several times faster than over keys in any order.
+    g_write = g_kind & 1
+    run_lo = np.searchsorted(s, g_kind + 1 - 2 * g_write, side="left")
+    runs = np.searchsorted(s, g_kind | 1, side="right") - run_lo
+    g = np.repeat(np.arange(len(g_kind)), runs)
+    b = by[np.arange(runs.sum()) - np.repeat(np.cumsum(runs) - runs, runs) + np.repeat(run_lo, runs)]
     known = order.known[acc["task"][b], g_queue[g]]
     by_place = (group << 32) + place[by]
     if np.any(by_place[1:] < by_place[:-1]):

@@ -175,3 +175,35 @@ vadd L0 vec[96,8,1] vec[200,8,1] #1 rows=4 cols=8 wait=L0.dma>=1
         run(parse(".arch dlegion-tiny\n.tensor x f32[4,8] input \"x\"\n" + body), ARCH, X)
     with pytest.raises(Trap, match=r"read of never-written L0 vec\[200\]"):
         run(parse(".arch dlegion-tiny\n.tensor x f32[4,8] input \"x\"\n" + body), ARCH, X, races=False)
+
+
+def _pairs_by_brute_force(acc, order):
+    """Every (earlier, later) pair of rank accesses of one space, one writing, the later's
+    task not knowing the earlier's done: each pair looked at."""
+    task, space, write = acc["task"], acc["space"], acc["write"]
+    out = set()
+    for y in range(len(task)):
+        for x in range(y):
+            if space[x] == space[y] and (write[x] or write[y]) \
+                    and order.place[task[x]] >= order.known[task[y], order.queue[task[x]]]:
+                out.add((x, y))
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(racy_programs())
+def test_the_pairs_searched_are_every_pair_not_known_done(program):
+    # The search takes each group's candidates as one run in sorted order: it must find the
+    # pairs a look at every pair finds, no more, no fewer.
+    from runtime.races import Order
+    from runtime.races_bulk import _not_known_done
+    expanded = verify(program, ARCH)
+    log = AccessLog(expanded, ARCH)
+    try:
+        _emulate(expanded, ARCH, X, True, SILENT, True, log, np.zeros(len(expanded.instrs.source), bool))
+    except Trap:
+        return
+    acc, order = log._ranks(), Order(expanded, ARCH)
+    found = _not_known_done(acc, order)
+    assert found is not None
+    assert set(zip(*(x.tolist() for x in found))) == _pairs_by_brute_force(acc, order)
