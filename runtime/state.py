@@ -90,6 +90,26 @@ def overlaps(rows: int, cols: int, rs: int, cs: int) -> bool:
     return cs // g < rows and rs // g < cols
 
 
+# Rows up to this many bytes, contiguous in both arrays, are copied as one raw element each.
+WIDE_ROW = 256
+
+
+def copy_into(target: np.ndarray, values: np.ndarray) -> None:
+    """``target[...] = values`` for arrays of one dtype and shape. numpy's copy pays per call
+    of its inner loop, which runs along the last axis: a window of short rows (16 bytes of
+    packed weights in a row of a DRAM matrix) costs a call per row. Rows contiguous in both
+    arrays are copied instead as one raw element each (bytes, whatever the dtype holds), so
+    the inner loop runs down the rows."""
+    cols = target.shape[-1] if target.ndim else 0
+    width = cols * target.itemsize
+    if 1 < cols and width <= WIDE_ROW and target.strides[-1] == values.strides[-1] == target.itemsize \
+            and values.shape == target.shape:
+        raw = np.dtype((np.void, width))
+        target.view(raw)[..., 0] = values.view(raw)[..., 0]
+        return
+    target[...] = values
+
+
 # --- scratchpads ---------------------------------------------------------------------------
 
 class Bank:
@@ -159,7 +179,7 @@ class Bank:
         target, seen = views
         values = convert(values, self.data.dtype)
         if where is None:
-            target[...] = values
+            copy_into(target, values)
             if key not in self._full:
                 seen[...] = True
                 self._full.add(key)
@@ -335,7 +355,7 @@ class Machine:
             for r in range(span):            # ranks that share elements (a race): in rank order
                 _ranks(flat, ref, rows, cols, 1, 0, offset=ref.offset + r * lstride, writeable=True)[...] = values[r]
             return
-        _ranks(flat, ref, rows, cols, span, lstride, writeable=True)[...] = values
+        copy_into(_ranks(flat, ref, rows, cols, span, lstride, writeable=True), values)
 
     # -- scratchpads --
 

@@ -11,7 +11,7 @@ from isa.verify import verify
 from runtime import fdot
 from runtime.costs import Env, cost
 from runtime.races import Order, WideLedger, _apart, _bounds, _depth_first, _rectangle
-from runtime.state import Scratchpad, Trap
+from runtime.state import Scratchpad, Trap, copy_into
 from runtime.timing import _costs, _masks
 
 ARCH = load("dlegion-8x8")
@@ -38,6 +38,22 @@ def test_a_window_still_traps_after_a_read_of_it_trapped():
     for _ in range(2):
         with pytest.raises(Trap, match="outside the scratchpad"):
             pad.read(View("vec", 60, 8, 1), 1, 8)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.int32, np.float32])
+def test_rows_copied_as_raw_elements_are_the_plain_copy(dtype):
+    # Short contiguous rows of a strided window, broadcast ranks, NaN payloads, long rows and
+    # rows that are not contiguous: every byte as numpy's own assignment puts it.
+    rng = np.random.default_rng(0)
+    flat = rng.integers(0, 256, 1 << 16, dtype=np.uint8).view(dtype)
+    item = flat.itemsize
+    for shape, strides in [((3, 20, 16), (700, 50, 1)), ((2, 7, 3), (0, 9, 1)), ((1, 5, 300), (0, 400, 1)),
+                           ((2, 4, 6), (300, 40, 2)), ((4, 9, 1), (30, 3, 1)), ((2, 3, 64), (5000, 70, 1))]:
+        values = np.ndarray(shape, dtype, flat, 8 * item, tuple(x * item for x in strides))
+        plain, raw = (np.zeros((shape[0], shape[1] * 2, shape[2] + 3), dtype) for _ in range(2))
+        plain[:, ::2, 1:-2] = values
+        copy_into(raw[:, ::2, 1:-2], values)
+        assert plain.tobytes() == raw.tobytes()
 
 
 def test_a_masked_store_marks_only_what_it_stores():
