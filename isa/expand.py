@@ -142,19 +142,11 @@ class Alike:
 
 
 def _first_equal(source: list[Instr]) -> list[int]:
-    """Per instruction, the index of the first instruction equal to it."""
-    firsts: dict = {}                       # hash -> indices of distinct instructions with it
-    out = []
-    for o, ins in enumerate(source):
-        same = firsts.setdefault(hash(ins), [])
-        for i in same:
-            if source[i] is ins or source[i] == ins:
-                out.append(i)
-                break
-        else:
-            same.append(o)
-            out.append(o)
-    return out
+    """Per instruction, the index of the first instruction equal to it (a dict hashes each
+    once and compares it only with the earlier ones its hash meets)."""
+    firsts: dict = {}
+    first = firsts.setdefault
+    return [first(ins, o) for o, ins in enumerate(source)]
 
 
 def _task(ins: Instr, rank: int, cond_row) -> Instr:
