@@ -71,6 +71,25 @@ def test_a_groups_softmax_is_issued_and_runs_before_the_next_groups_last_qk_pass
         assert (timeline.done[first_exp] < timeline.start[qk].max()) == head_groups
 
 
+def test_vs_quantization_runs_while_the_arrays_multiply_the_first_groups_qk(tmp):
+    """V's quantization (between the softmax and P.V, reading neither) is merged with the first
+    group's QK^T (one region), in the part of ``vec`` the products leave, and has stored V
+    before the second group's passes start; over all heads at once it runs in its node's place,
+    after the softmax. The same bits either way (``test_attention_by_head_groups_matches_...``)."""
+    for head_groups in (True, False):
+        program = _compiled(tmp, head_groups)
+        assert any("MatMul_7 + v5_t_0_absmax_0" == name for _, name in program.regions) == head_groups
+        timeline = simulate(program, WIDE)
+        tasks = timeline.program.instrs
+        v = next(t for t, tensor in enumerate(program.tensors) if tensor.name == "v5_t_0_q_0_t_0")
+        stores = [k for k in range(len(timeline.start)) if isinstance(tasks[k], DmaStore) and tasks[k].dst.tensor == v]
+        qk = sorted((k for k in range(len(timeline.start)) if isinstance(tasks[k], MatMul) and tasks[k].K <= D),
+                    key=lambda k: timeline.start[k])
+        assert stores and qk
+        first_group = qk[len(qk) // 4] if head_groups else qk[0]     # four groups of two heads
+        assert (timeline.done[stores].max() < timeline.start[first_group]) == head_groups
+
+
 def test_the_race_check_finds_a_wait_removed_between_a_softmax_and_its_pv(tmp):
     """P.V's first loads wait (the waits its DMA queue issues right before them) for the softmax
     that stored P on other Legions and for the QK^T drains merged before them that used their

@@ -177,8 +177,13 @@ def _down_columns(low: Lowering, x: str, axes: list[int]) -> bool:
     rows are contiguous, in strips that fit the scratchpad (``column_reduce``)."""
     shape, op = low.shape(x), low.operand(x)
     rank = len(shape)
-    return (axes == [rank - 2] and shape[-1] > 1 and op.strides[-1] == 1
-            and 3 * shape[-2] + 2 <= low.em.capacity("vec") and shape[-2] <= low.em.extent())
+    return axes == [rank - 2] and shape[-1] > 1 and op.strides[-1] == 1 and strips_fit(low.em, shape[-2])
+
+
+def strips_fit(em, S: int, reserve: int = 0) -> bool:
+    """Whether strips of columns ``S`` long fit the vector scratchpad (``_strip_width``), with
+    ``reserve`` elements of it kept for another."""
+    return 3 * S + 2 <= em.capacity("vec") - reserve and S <= em.extent()
 
 
 def column_reduce(low: Lowering, node, x: str, out: Operand) -> None:
