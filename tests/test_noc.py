@@ -230,3 +230,7 @@ def test_a_chain_row_block_forwards_with_room_for_the_next_block_s_loads():
     chained = [plan for plan in candidates(machine, dataclasses.replace(p, row_block=True), Switches()) if plan.forward]
     assert min(plan.a_slots for plan in alone) < CHAIN_SPARE_SLOTS
     assert chained and min(plan.a_slots for plan in chained) >= CHAIN_SPARE_SLOTS
+    # Pipelined passes: the homes the spares would leave out cost more than the stall.
+    pipelined = dataclasses.replace(machine, pass_overlap=True)
+    row_block = dataclasses.replace(p, row_block=True)
+    assert min(plan.a_slots for plan in candidates(pipelined, row_block, Switches()) if plan.forward) < CHAIN_SPARE_SLOTS
