@@ -214,3 +214,23 @@ def test_the_search_forwards_only_where_it_ranks_best():
     assert pick.forward and e.dram_bytes < plain.dram_bytes and e.cycles <= plain.cycles * 1.025
     assert e.detail["noc_bytes"] > 0
     assert estimate(machine, p, pick).cycles == e.cycles
+
+
+def test_a_chain_row_block_forwards_with_room_for_the_next_block_s_loads():
+    """In a chain's row block the next block's first loads go ahead of the last pass: every
+    forwarding variant keeps ``CHAIN_SPARE_SLOTS`` activation slots beside its homes, where a
+    matmul alone may keep fewer."""
+    import dataclasses
+    from dlegion_cc.lower.context import Switches
+    from dlegion_cc.lower.qplan import CHAIN_SPARE_SLOTS, candidates
+    from test_qplan import problem
+    machine = load("dlegion-8x8")
+    _, p, _, _ = problem(machine, 128, 2560, 3840)
+    alone = [plan for plan in candidates(machine, p, Switches()) if plan.forward]
+    chained = [plan for plan in candidates(machine, dataclasses.replace(p, row_block=True), Switches()) if plan.forward]
+    assert min(plan.a_slots for plan in alone) < CHAIN_SPARE_SLOTS
+    assert chained and min(plan.a_slots for plan in chained) >= CHAIN_SPARE_SLOTS
+    # Pipelined passes: the homes the spares would leave out cost more than the stall.
+    pipelined = dataclasses.replace(machine, pass_overlap=True)
+    row_block = dataclasses.replace(p, row_block=True)
+    assert min(plan.a_slots for plan in candidates(pipelined, row_block, Switches()) if plan.forward) < CHAIN_SPARE_SLOTS

@@ -373,6 +373,23 @@ def home_slots(arch: Arch, p: Problem, plan: Plan, spare: int) -> int:
 # Activation slots a forwarding plan keeps beside its homes: few leave the most homes (fewer
 # DRAM reads), more let the sends run further ahead of the passes.
 SPARE_SLOTS = (2, 4)
+# A chain's row block (``Problem.row_block``) keeps at least this many. The next block's loads
+# for its first passes go ahead of this block's last pass (``rowblocks._hoisted``), into slots
+# that pass does not read; with fewer spares the chunk after them waits for that pass's slot,
+# and the weight loads queued behind it on the DMA queue idle the arrays for a DRAM round trip
+# at every block boundary, which the model, replaying one block alone, does not see (2B4T
+# BitLinear stack at 256 on dlegion-8x8, loads of 3 passes hoisted: 2 or 4 spares, as the model
+# picks, 291,105 cycles; 3 289,833; 4 288,794; 5 288,803). With pipelined passes
+# (``pass_overlap``) the homes the spares leave out cost more in DRAM reads than the stall: the
+# same stack 277,327 cycles with them, 275,437 without.
+CHAIN_SPARE_SLOTS = 4
+
+
+def spare_slots(arch: Arch, p: Problem) -> tuple[int, ...]:
+    """The spare activation slot counts the forwarding variants of ``p``'s plans are tried with."""
+    if p.row_block and not arch.pass_overlap:
+        return tuple(s for s in SPARE_SLOTS if s >= CHAIN_SPARE_SLOTS)
+    return SPARE_SLOTS
 
 
 def forwards(arch: Arch, p: Problem, plan: Plan) -> bool:
@@ -580,7 +597,7 @@ def _fitting(arch: Arch, p: Problem, plan: Plan, transfers: bool) -> list[Plan]:
     if not transfers or not forwards(arch, p, plain):
         return [plain]
     out = [plain]
-    for homes in sorted({home_slots(arch, p, plan, spare) for spare in SPARE_SLOTS} - {0}):
+    for homes in sorted({home_slots(arch, p, plan, spare) for spare in spare_slots(arch, p)} - {0}):
         shared = with_slots(arch, p, replace(plan, forward=True, homes=homes))
         if shared is not None and fits(arch, p, shared):
             out.append(shared)

@@ -65,8 +65,9 @@ FEWEST_ROWS = 64
 # BitLinear stack at 256 on dlegion-8x8: 2 passes 291,747 cycles, 3 291,186, 4 291,170).
 KERNEL_AHEAD = 3
 # A step's loads for its first passes up to this one (from 0) go ahead of the last pass of the
-# step before it (``_hoisted``; the same stack: 0 292,856 cycles, 1 291,894, 2 291,186, 4 291,243).
-HOISTED_PASSES = 2
+# step before it (``_hoisted``; the same stack, its row blocks forwarding with 4 spare activation
+# slots, ``qplan.CHAIN_SPARE_SLOTS``: 0 291,997 cycles, 1 290,582, 2 289,605, 3 288,794, 4 289,093).
+HOISTED_PASSES = 3
 
 
 def plan(low: Lowering, nodes: list[Node], at: int) -> tuple[list[Node], list[range]]:
