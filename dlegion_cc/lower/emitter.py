@@ -188,6 +188,15 @@ class Emitter:
         finally:
             self.span = outer
 
+    @contextmanager
+    def reserving(self, space: str, count: int):
+        """Kernels emitted inside leave the first ``count`` elements of ``space`` to another."""
+        self.reserved[space] = count
+        try:
+            yield
+        finally:
+            self.reserved.pop(space, 0)
+
     def barrier(self) -> None:
         """Every queue of every Legion waits until every queue has finished its work so far."""
         self.pending.clear()           # the barrier orders everything before it

@@ -22,6 +22,7 @@ products' copies (K's rows for the arrays) stay in their own part for it.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 from dataclasses import replace
 
@@ -137,18 +138,12 @@ def lower_attention(low: Lowering, found: dict, groups: list[range], lower_node,
     qk, sm, pv = found["qk"], found["softmax"], found["pv"]
     # K's copy into the rows the arrays take as weights stays in the products' part too, so
     # that V's quantization can run beside the first group (``_steps``).
-    em.reserved["vec"] = em.capacity("vec") - room
-    try:
+    with em.reserving("vec", em.capacity("vec") - room):
         run(("qk", qk), _attn(low, qk, groups, room))
-    finally:
-        em.reserved.pop("vec", 0)
     for node in found["between"]["before"]:
         _lower_between(low, node, lower_node, spans, own_regions, found["between"]["views"], room)
-    em.reserved["vec"] = room
-    try:
+    with em.reserving("vec", room):
         run(("softmax", sm), row_kernel_heads(low, sm, groups))
-    finally:
-        em.reserved.pop("vec", 0)
     for g in range(len(groups)):
         _shift_vec(em, (sm, *spans["softmax", g]), room)
     for node in found["between"]["after"]:
@@ -183,13 +178,8 @@ def _lower_between(low, node, lower_node, spans, own_regions, views, room: int |
     em = low.em
     at, problems, regions = len(em.instrs), [], []
     shifted = room is not None and _fits_beside(low, node, room)
-    if shifted:
-        em.reserved["vec"] = room
-    try:
+    with em.reserving("vec", room) if shifted else nullcontext():
         lower_node(low, node, problems, regions)
-    finally:
-        if shifted:
-            em.reserved.pop("vec", 0)
     if shifted and len(em.instrs) > at:
         _shift_vec(em, (node, at, len(em.instrs)), room)
     if problems:
