@@ -1,7 +1,7 @@
 """One BitNet-2B4T decoder layer on dlegion-8x8: program size against the ISA's budget, and
 how fast the compiler and the timing model handle it.
 
-    python bench/bench_layer.py [--seq 512] [--arch dlegion-8x8] [--no-prefetch] [--attention int8|fp32]
+    python bench/bench_layer.py [--seq 512] [--arch dlegion-8x8] [--no-prefetch] [--attention int8|int8x2|fp32]
                                 [--overlap] [--error] [--stack]
 
 Prints the instruction count by family (budget: 20,000 at sequence 512), the simulated
@@ -10,11 +10,11 @@ lanes, and of the other vector kernels and copies), and the wall time of compili
 timing the program (median of 3). Then the layer against its bound, max(matmul cycles, DRAM
 cycles): every BitLinear matmul in w2 and every attention product in w8 (only the causal
 lower triangle) at the arrays' peak, the ternary weights and the layer's fp32 input and
-output at the DRAM rate (target: at most 1.25x); and the other attention mode beside it
-(the ablation), and the layer compiled the other way about overlap (``dlegion-cc --overlap``:
+output at the DRAM rate (target: at most 1.25x); and the other attention modes beside it
+(int8 and fp32 for int8x2, else the other of the two: the ablation), and the layer compiled the other way about overlap (``dlegion-cc --overlap``:
 nodes end in waits, not barriers; off by default, as in the compiler). ``--stack`` times the BitLinear stack instead (below). ``--error`` also emulates both programs on the same inputs and prints the
 relative L2 distance of the layer's output (the residual stream before the final norm) with
-int8 attention from the fp32-attention program's (target: at most 1e-2). ``--no-row-blocks``
+int8 (or int8x2) attention from the fp32-attention program's (target: at most 1e-2). ``--no-row-blocks``
 compiles without matmuls and row kernels pipelined by row blocks (``lower/rowblocks.py``). ``--kernels``
 prints the layer region by region (below).
 
@@ -49,6 +49,7 @@ from isa import arch as arch_mod                               # noqa: E402
 from isa.arch import MODE_TILES                               # noqa: E402
 from isa.instructions import family                           # noqa: E402
 from dlegion_cc.pipeline import Options, compile_model        # noqa: E402
+from dlegion_cc.passes.attention import MODES as ATTENTION_MODES  # noqa: E402
 from models.bitnet import BitLinear, build_bitnet, preset, save  # noqa: E402
 from models.decoder import relu2                              # noqa: E402
 from models.graph import FLOAT, GraphBuilder, tensor_info      # noqa: E402
@@ -162,11 +163,13 @@ def _stack(seq: int, machine, prefetch: bool, row_blocks: bool = True) -> None:
 @click.option("--arch", "arch_name", default="dlegion-8x8", show_default=True)
 @click.option("--prefetch/--no-prefetch", default=True, show_default=True,
               help="Weights load during the row kernel before each matmul (dlegion-cc --no-prefetch turns it off).")
-@click.option("--attention", type=click.Choice(("int8", "fp32")), default="int8", show_default=True,
-              help="Attention's products on the arrays in int8 (the default for BitNet) or on the vector lanes.")
+@click.option("--attention", type=click.Choice(ATTENTION_MODES), default="int8", show_default=True,
+              help="Attention's products on the arrays in int8 (the default for BitNet), in two int8 pieces per "
+                   "operand, or on the vector lanes.")
 @click.option("--overlap/--no-overlap", default=False, show_default=True,
               help="Nodes end in waits for what the next ones share, not barriers (dlegion-cc --overlap).")
-@click.option("--error", is_flag=True, help="Emulate both attention modes and print the int8 one's error.")
+@click.option("--error", is_flag=True, help="Emulate the quantized and the fp32 attention and print the quantized one's "
+                                           "error.")
 @click.option("--stack", is_flag=True, help="Time the BitLinear stack without attention instead of the layer.")
 @click.option("--kernels", is_flag=True, help="Print the layer's regions with their rooflines.")
 @click.option("--row-blocks/--no-row-blocks", default=True, show_default=True,
@@ -178,14 +181,15 @@ def main(seq: int | None, arch_name: str, prefetch: bool, attention: str, overla
         _stack(seq or 256, machine, prefetch, row_blocks)
         return
     seq = seq or 512
-    other = "fp32" if attention == "int8" else "int8"
+    others = {"int8": ["fp32"], "fp32": ["int8"]}.get(attention, ["int8", "fp32"])
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "layer.onnx"
         layer_out = _layer_model(seq, path)
         t_compile, (graph, program) = _median_time(
             lambda: compile_model(path, Options(machine, prefetch=prefetch, attention=attention, overlap=overlap, row_blocks=row_blocks)), runs=1)
-        other_graph, other_program = compile_model(path, Options(machine, prefetch=prefetch, attention=other,
-                                                                 overlap=overlap, row_blocks=row_blocks))
+        other_programs = {other: compile_model(path, Options(machine, prefetch=prefetch, attention=other,
+                                                             overlap=overlap, row_blocks=row_blocks))[1]
+                          for other in others}
         _, barriers = compile_model(path, Options(machine, prefetch=prefetch, attention=attention, overlap=not overlap, row_blocks=row_blocks))
     t_time, timeline = _median_time(lambda: simulate(program, machine))
     counts = Counter(family(type(i)) for i in program.instrs)
@@ -199,17 +203,19 @@ def main(seq: int | None, arch_name: str, prefetch: bool, attention: str, overla
                                       for kind, c in _cycles_by_kind(timeline).most_common()))
     matmul, dram = _bound_cycles(graph, machine, seq)
     limit = max(matmul, dram)
-    layer, other_layer = _layer_cycles(timeline), _layer_cycles(simulate(other_program, machine))
+    layer = _layer_cycles(timeline)
+    other_layers = {other: _layer_cycles(simulate(p, machine)) for other, p in other_programs.items()}
     flipped = _layer_cycles(simulate(barriers, machine))
     print(f"  the layer alone (without the embedding and the fp32 lm head): {layer:,} cycles, {layer / limit:.2f}x its "
-          f"bound of {limit:,.0f} (matmuls {matmul:,.0f}, DRAM {dram:,.0f}; target <= 1.25x); attention {other} "
-          f"(ablation): {other_layer:,} cycles, {other_layer / limit:.2f}x; {'no ' if overlap else 'with '}overlap"
-          f": {flipped:,} cycles, {flipped / limit:.2f}x")
+          f"bound of {limit:,.0f} (matmuls {matmul:,.0f}, DRAM {dram:,.0f}; target <= 1.25x); "
+          + "; ".join(f"attention {other} (ablation): {c:,} cycles, {c / limit:.2f}x" for other, c in other_layers.items())
+          + f"; {'no ' if overlap else 'with '}overlap: {flipped:,} cycles, {flipped / limit:.2f}x")
     if kernels:
         _print_kernels(timeline, machine)
     if error:
-        _print_error(machine, program if attention == "int8" else other_program,
-                     other_program if attention == "int8" else program, layer_out)
+        quantized = other_programs["int8"] if attention == "fp32" else program
+        _print_error(machine, quantized, other_programs.get("fp32", program), layer_out,
+                     "int8" if attention == "fp32" else attention)
 
 
 def _print_kernels(timeline, machine) -> None:
@@ -254,9 +260,9 @@ def _span(timeline, members) -> tuple[float, float]:
     return float(timeline.start[members].min()), float(timeline.done[members].max())
 
 
-def _print_error(machine, int8_program, fp32_program, layer_out: str) -> None:
-    """The layer output of the int8-attention program against the fp32-attention one's, on the
-    same random inputs."""
+def _print_error(machine, int8_program, fp32_program, layer_out: str, mode: str = "int8") -> None:
+    """The layer output of the ``mode``-attention program against the fp32-attention one's, on
+    the same random inputs."""
     from runtime.emulator import random_inputs
     inputs = random_inputs(int8_program, 0)
     t0 = time.perf_counter()
@@ -264,7 +270,7 @@ def _print_error(machine, int8_program, fp32_program, layer_out: str) -> None:
     b = run(fp32_program, machine, inputs, races=False, keep=False).outputs
     rel = lambda x, y: float(np.linalg.norm(x.astype(np.float64) - y) / np.linalg.norm(y.astype(np.float64)))  # noqa: E731
     same = float(np.mean(a["logits"].argmax(-1) == b["logits"].argmax(-1)))
-    print(f"  int8 attention against fp32 attention (emulated, {time.perf_counter() - t0:.0f} s): layer output "
+    print(f"  {mode} attention against fp32 attention (emulated, {time.perf_counter() - t0:.0f} s): layer output "
           f"relative L2 {rel(a[layer_out], b[layer_out]):.2e} (target <= 1e-2), logits {rel(a['logits'], b['logits']):.2e}, "
           f"top-1 the same at {same:.1%} of positions")
 

@@ -32,6 +32,9 @@ APPROXIMATION_BOUND = 3e-2
 PROGRAM_APPROXIMATIONS = {
     "int8_attention": ("attention's float products (QK^T, PV) on the arrays in int8: Q, K (smoothed) and P "
                        "quantized per row, V per channel", 5e-2),
+    # int8x2_attention: MEASURED on the committed models' logits (tests/test_attention_int8x2.py).
+    "int8x2_attention": ("attention's float products (QK^T, PV) on the arrays in two int8 pieces per operand "
+                         "(hi.hi + lo.hi + hi.lo): Q, K (smoothed) and P per row, V per channel", 5e-2),
     "int8_activations": ("float activations of weight-only quantized matmuls quantized to int8 per row",
                          APPROXIMATION_BOUND),
     # dlegion-cc --quantize (runtime/quantized64.py; README, "Float models onto the arrays").
@@ -43,7 +46,7 @@ PROGRAM_APPROXIMATIONS = {
 
 # The program approximations the float64 evaluation applies too (reference64.float64_model): a
 # program recording only these is measured from fp64 with them, at the tolerance as given.
-MODELLED = frozenset({"int8_activations", "int8_attention", "quantized_w8", "quantized_w4", "quantized_w2"})
+MODELLED = frozenset({"int8_activations", "int8_attention", "int8x2_attention", "quantized_w8", "quantized_w4", "quantized_w2"})
 
 
 def approximation_tolerance(names: list[str], tol: float = REL_L2_TOLERANCE, fp64: bool = False) -> float:
@@ -300,14 +303,14 @@ def judge(model: str | Path, inputs: dict[str, np.ndarray], ours: dict[str, np.n
     if why:
         return Verdict(rows, fp32, why, [])
     from runtime.quantized64 import quantization
-    products = (program_approximations or {}).get("int8_attention")
+    kind, products, pieces = attention_products(program_approximations or {})
     attention = products is not None
     quant = quantization(program_approximations or {})  # --quantize: its own yardstick
-    approx = approximations(model, attention)
-    bound = approximation_bound(len(approx) - attention, attention) + (quant.bound if quant else 0.0)
+    approx = approximations(model, attention, pieces)
+    bound = approximation_bound(len(approx) - attention, kind) + (quant.bound if quant else 0.0)
     approx += [quant.phrase] if quant else []
     try:
-        f64, f64a, spread = _float64(model, inputs, approx, products or [], quant)
+        f64, f64a, spread = _float64(model, inputs, approx, products or [], quant, pieces)
     except Exception as e:  # onnxruntime raises its own exception types
         if reference == "fp64":
             raise
@@ -321,12 +324,23 @@ def judge(model: str | Path, inputs: dict[str, np.ndarray], ours: dict[str, np.n
     return Verdict(rows, fp32, "evaluated", approx, bound)
 
 
-def approximation_bound(operator_kinds: int, int8_attention: bool) -> float:
+# The attention approximations a program may record, each with the int8 pieces per operand.
+ATTENTION_PIECES = {"int8_attention": 1, "int8x2_attention": 2}
+
+
+def attention_products(program_approximations: dict) -> tuple[str | None, list[str] | None, int]:
+    """The attention approximation a program records (one at most: its --attention), the
+    products it names and the pieces per operand; (None, None, 1) when it records none."""
+    kind = next((k for k in ATTENTION_PIECES if k in program_approximations), None)
+    return (kind, program_approximations[kind], ATTENTION_PIECES[kind]) if kind else (None, None, 1)
+
+
+def approximation_bound(operator_kinds: int, attention: str | None) -> float:
     """The most the modelled approximations may move an output from fp64: APPROXIMATION_BOUND
-    for operators the compiler approximates (reference64.APPROXIMATIONS), int8_attention's own
-    documented bound for the attention products (distances add at most)."""
-    return (APPROXIMATION_BOUND if operator_kinds or not int8_attention else 0.0) + \
-        (PROGRAM_APPROXIMATIONS["int8_attention"][1] if int8_attention else 0.0)
+    for operators the compiler approximates (reference64.APPROXIMATIONS), the ``attention``
+    approximation's own documented bound for the attention products (distances add at most)."""
+    return (APPROXIMATION_BOUND if operator_kinds or not attention else 0.0) + \
+        (PROGRAM_APPROXIMATIONS[attention][1] if attention else 0.0)
 
 
 def fp64_evaluated(model, reference: str | None) -> bool:
@@ -346,23 +360,32 @@ def _fp64_skipped(model, reference: str | None) -> str | None:
     return None
 
 
-def _float64(model, inputs, approx: list[str], int8_attention: list[str], quant=None):
+def _float64(model, inputs, approx: list[str], int8_attention: list[str], quant=None, pieces: int = 1):
     """The graph's outputs in float64, and those of the graph as the compiler computes it
-    (``int8_attention``: the products it quantized; ``quant``: the model quantized as
-    ``--quantize`` does, runtime/quantized64.py)."""
+    (``int8_attention``: the products it quantized, in ``pieces`` int8 pieces per operand;
+    ``quant``: the model quantized as ``--quantize`` does, runtime/quantized64.py)."""
     from runtime.reference64 import float64_outputs
     plain = float64_outputs(model, inputs)
     if not approx:
         return plain, plain, None
     if quant is None:
-        return plain, float64_outputs(model, inputs, approximations=True, int8_attention=int8_attention), None
+        approximated = float64_outputs(model, inputs, approximations=True, int8_attention=int8_attention,
+                                       pieces=pieces)
+        if pieces == 1:
+            return plain, approximated, None
+        # A second int8 piece rounds in steps 254 times finer than the first: fp32's own rounding
+        # before it moves some of them, as it moves the program's, which its float64 yardstick
+        # then cannot show. That graph's fp32 spread is measured as a --quantize program's is.
+        from runtime.reference64 import approximated_float32_outputs
+        return plain, approximated, (approximated_float32_outputs(model, inputs, int8_attention, pieces), approximated)
     from runtime.quantized64 import quantized_file
     with quantized_file(model, quant) as path:
         # The quantized graph's own fp32 spread (onnxruntime's run of it from its float64 values):
         # its per-token rounding flips as any fp32 program's do, which onnxruntime's run of the float
         # model cannot show.
         spread = onnx_reference(path, inputs), float64_outputs(path, inputs)
-        return plain, float64_outputs(path, inputs, approximations=True, int8_attention=int8_attention), spread
+        return plain, float64_outputs(path, inputs, approximations=True, int8_attention=int8_attention,
+                                      pieces=pieces), spread
 
 
 def positions_rel_l2(x: np.ndarray, ref: np.ndarray) -> np.ndarray:

@@ -32,12 +32,12 @@ FLOAT32_ONLY = {"DequantizeLinear", "QuantizeLinear", "DynamicQuantizeLinear", "
 
 
 def float64_model(path: str | Path, approximations: bool = False, int8_attention: Collection[str] = (),
-                  input_shapes: dict[str, tuple] | None = None):
+                  input_shapes: dict[str, tuple] | None = None, pieces: int = 1):
     """The model at ``path`` (external data loaded) with its float32 tensors made float64;
     with ``approximations``, also the ones the compiler makes (see APPROXIMATIONS), and the
     MatMuls whose outputs ``int8_attention`` names (those the program records it quantized)
-    quantized as the program's were (``_int8_product``), the shapes they see being those of
-    ``input_shapes`` (the inputs')."""
+    quantized as the program's were, each operand in ``pieces`` int8 pieces (``_int8_product``),
+    the shapes they see being those of ``input_shapes`` (the inputs')."""
     import onnx
     from onnx import numpy_helper
     from runtime.check import unsigned_integer_weights
@@ -66,7 +66,8 @@ def float64_model(path: str | Path, approximations: bool = False, int8_attention
                 nodes.extend(dense)
                 continue
         if node.op_type == "MatMul" and node.output[0] in products:
-            nodes.extend(_int8_product(node, products[node.output[0]], floats, model))
+            nodes.extend(_int8_product(node, products[node.output[0]], floats, model, pieces))
+            continue
         nodes.extend(_kept_float32(node, floats) if node.op_type in FLOAT32_ONLY else [node])
     del g.node[:]
     g.node.extend(nodes)
@@ -80,16 +81,20 @@ ABSMAX_FLOOR = 1e-30        # as the compiler's: an all-zero row stays zero
 
 
 INT8_ATTENTION = "the MatMuls the program names: int8 per row of a and per column of b (K smoothed where its scores reach a softmax alone)"
+INT8X2_ATTENTION = ("the MatMuls the program names: a per row and b per column in two int8 pieces each (K smoothed "
+                    "where its scores reach a softmax alone), hi.hi + lo.hi + hi.lo")
+# The second piece's steps per step of the first (dlegion_cc/passes/attention.py: LOW_STEPS).
+LOW_STEPS = 254.0
 
 
-def approximations(path: str | Path, int8_attention: bool = False) -> list[str]:
+def approximations(path: str | Path, int8_attention: bool = False, pieces: int = 1) -> list[str]:
     """What the compiler computes instead of ``path``'s operators, one phrase per kind; with
-    ``int8_attention``, the program's quantized attention products too."""
+    ``int8_attention``, the program's quantized attention products too (in ``pieces``)."""
     import onnx
     m = onnx.load(str(path), load_external_data=False)
     kinds = {(n.domain, n.op_type) for n in m.graph.node} & set(APPROXIMATIONS)
     phrases = [f"{op}: {APPROXIMATIONS[(d, op)]}" for d, op in sorted(kinds)]
-    return phrases + ([INT8_ATTENTION] if int8_attention else [])
+    return phrases + ([INT8X2_ATTENTION if pieces == 2 else INT8_ATTENTION] if int8_attention else [])
 
 
 def _absmax_rows(node, floats: set[str], model) -> list:
@@ -103,11 +108,12 @@ def _absmax_rows(node, floats: set[str], model) -> list:
     return _absmax(x, -1, p, model)
 
 
-def _absmax(x: str, axis: int, out: str, model, in_float32: bool = False) -> list:
+def _absmax(x: str, axis: int, out: str, model, in_float32: bool = False, pieces: int = 1) -> list:
     """Nodes making ``out = q * r`` from ``x``: ``r = max(max|x|, floor) / 127`` along ``axis``
     (-1: per row, -2: per column), ``q = clip(round(x / r), -127, 127)``, round half to even;
     in float64, so only the int8 rounding differs from ``x``, unless ``in_float32``: then ``r`` and
-    ``q`` are computed in float32 as the program computes them (see _int8_product)."""
+    ``q`` are computed in float32 as the program computes them (see _int8_product). With two
+    ``pieces`` (``in_float32`` only), also ``out/lo``: the second piece (``_low_piece``)."""
     from onnx import helper, numpy_helper
     p = out
     t = np.float32 if in_float32 else np.float64
@@ -125,12 +131,33 @@ def _absmax(x: str, axis: int, out: str, model, in_float32: bool = False) -> lis
               helper.make_node("Round", [f"{p}/scaled"], [f"{p}/round"]),
               helper.make_node("Clip", [f"{p}/round", f"{p}/-127", f"{p}/127"], [f"{p}/q"])]
     if in_float32:      # q and r are exact in float64: their product is taken there
-        nodes += [helper.make_node("Cast", [f"{p}/q"], [f"{p}/q64"], to=_F64),
-                  helper.make_node("Cast", [f"{p}/r"], [f"{p}/r64"], to=_F64),
-                  helper.make_node("Mul", [f"{p}/q64", f"{p}/r64"], [p])]
+        nodes += _dequantized(f"{p}/q", f"{p}/r", p)
+        if pieces == 2:
+            nodes += _low_piece(p, model)
     else:
         nodes.append(helper.make_node("Mul", [f"{p}/q", f"{p}/r"], [p]))
     return nodes
+
+
+def _dequantized(q: str, r: str, out: str) -> list:
+    """``out = q * r`` in float64 from float32 ``q`` and ``r`` (exact there)."""
+    from onnx import helper
+    return [helper.make_node("Cast", [q], [f"{q}64"], to=_F64), helper.make_node("Cast", [r], [f"{r}64"], to=_F64),
+            helper.make_node("Mul", [f"{q}64", f"{r}64"], [out])]
+
+
+def _low_piece(p: str, model) -> list:
+    """Nodes making ``p/lo``, the second int8 piece of what ``_absmax`` quantized at ``p``, as
+    dlegion_cc/passes/attention.py makes it in float32: with ``s = x / r``,
+    ``lo = clip(round(LOW_STEPS (s - round(s))), -127, 127)`` of scale ``r / LOW_STEPS``."""
+    from onnx import helper, numpy_helper
+    model.graph.initializer.append(numpy_helper.from_array(np.array(LOW_STEPS, np.float32), f"{p}/low_steps"))
+    return [helper.make_node("Sub", [f"{p}/scaled", f"{p}/round"], [f"{p}/left"]),
+            helper.make_node("Mul", [f"{p}/left", f"{p}/low_steps"], [f"{p}/steps"]),
+            helper.make_node("Round", [f"{p}/steps"], [f"{p}/lo_round"]),
+            helper.make_node("Clip", [f"{p}/lo_round", f"{p}/-127", f"{p}/127"], [f"{p}/lo_q"]),
+            helper.make_node("Div", [f"{p}/r", f"{p}/low_steps"], [f"{p}/lo_r"]),
+            *_dequantized(f"{p}/lo_q", f"{p}/lo_r", f"{p}/lo")]
 
 
 def _reduce(op: str, x: str, out: str, axis: int, axes: str, model):
@@ -177,7 +204,7 @@ def _dense_nbits(node, model) -> list:
 
 # --- attention's float products in int8 (dlegion_cc/passes/attention.py) ----------------------
 
-def _int8_product(node, smoothed: bool, floats: set[str], model) -> list:
+def _int8_product(node, smoothed: bool, floats: set[str], model, pieces: int = 1) -> list:
     """Nodes feeding MatMul ``node`` (a @ b, both computed at run time) what the compiler's
     AttnMatMul multiplies: a quantized per row (a token of Q, a row of P), b per column (a token
     of K, a channel of V), K first smoothed by its mean over the tokens when the scores reach a
@@ -186,11 +213,13 @@ def _int8_product(node, smoothed: bool, floats: set[str], model) -> list:
     and the rounding are computed in float32, as the program computes them: a model whose values
     lie on a grid (V dequantized by a static QDQ pair: k * s) puts x / r on exact ties of the
     rounding (127 k / m = n + 1/2), which float64's and float32's divisions break each their own
-    way; the products and everything else stay float64."""
+    way; the products and everything else stay float64. With two ``pieces`` the product is
+    the program's three, ``hi . hi + lo . hi + hi . lo``, summed in that order. Returns the
+    nodes, ``node`` (rewired) among them."""
     from onnx import helper
     a, b = node.input
     p = f"{node.output[0]}/int8_attention"
-    nodes = _absmax(a, -1, f"{p}/a", model, in_float32=True)
+    nodes = _absmax(a, -1, f"{p}/a", model, in_float32=True, pieces=pieces)
     if smoothed:
         mean, smooth = f"{p}/b_mean", f"{p}/b_smooth"
         axes = f"{p}/b_mean_axes"
@@ -198,10 +227,17 @@ def _int8_product(node, smoothed: bool, floats: set[str], model) -> list:
         # b is K^T: its tokens run along the last axis
         nodes += [_reduce("ReduceMean", b, mean, -1, axes, model), helper.make_node("Sub", [b, mean], [smooth])]
         b = smooth
-    nodes += _absmax(b, -2, f"{p}/b", model, in_float32=True)
+    nodes += _absmax(b, -2, f"{p}/b", model, in_float32=True, pieces=pieces)
     node.input[0], node.input[1] = f"{p}/a", f"{p}/b"
     floats.update(node.input)
-    return nodes
+    if pieces == 1:
+        return [*nodes, node]
+    y = node.output[0]
+    node.output[0] = f"{p}/hi_hi"
+    return [*nodes, node, helper.make_node("MatMul", [f"{p}/a/lo", f"{p}/b"], [f"{p}/lo_hi"]),
+            helper.make_node("MatMul", [f"{p}/a", f"{p}/b/lo"], [f"{p}/hi_lo"]),
+            helper.make_node("Add", [f"{p}/hi_hi", f"{p}/lo_hi"], [f"{p}/sum"]),
+            helper.make_node("Add", [f"{p}/sum", f"{p}/hi_lo"], [y])]
 
 
 def _constant(model, name: str, value: np.ndarray) -> None:
@@ -415,7 +451,8 @@ def _widen_node(node) -> None:
 
 
 def float64_outputs(path: str | Path, inputs: dict[str, np.ndarray], threads: int | None = None,
-                    approximations: bool = False, int8_attention: Collection[str] = ()) -> dict[str, np.ndarray]:
+                    approximations: bool = False, int8_attention: Collection[str] = (),
+                    pieces: int = 1) -> dict[str, np.ndarray]:
     """The graph's outputs evaluated in float64 on ``inputs`` (float inputs widened); with
     ``approximations``, those of the graph as the compiler computes it (see APPROXIMATIONS and
     ``float64_model``)."""
@@ -426,7 +463,7 @@ def float64_outputs(path: str | Path, inputs: dict[str, np.ndarray], threads: in
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if threads is not None:
         opts.intra_op_num_threads = opts.inter_op_num_threads = threads
-    model = float64_model(path, approximations, int8_attention, {k: v.shape for k, v in inputs.items()})
+    model = float64_model(path, approximations, int8_attention, {k: v.shape for k, v in inputs.items()}, pieces)
     feed = {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in inputs.items()}
     try:
         sess = _session(model, opts)
@@ -436,6 +473,39 @@ def float64_outputs(path: str | Path, inputs: dict[str, np.ndarray], threads: in
         return _evaluated(model, feed)  # an operator without a double kernel (Erf, Softplus, ...)
     names = [o.name for o in sess.get_outputs()]
     return dict(zip(names, sess.run(names, feed)))
+
+
+def approximated_float32_outputs(path: str | Path, inputs: dict[str, np.ndarray], int8_attention: Collection[str],
+                                 pieces: int) -> dict[str, np.ndarray]:
+    """The graph as the compiler computes it (``float64_model`` with ``approximations``) run in
+    float32: its float64 tensors, types and casts made float32. Its distance from the float64
+    run is fp32's own spread on that graph, where rounding in fp32 moves the int8 pieces'
+    roundings (a second piece's steps are LOW_STEPS times finer than the first's)."""
+    import onnxruntime as ort
+    from onnx import numpy_helper
+    model = float64_model(path, True, int8_attention, {k: v.shape for k, v in inputs.items()}, pieces)
+    g = model.graph
+
+    def narrow(t):
+        t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float32), t.name))
+    for t in g.initializer:
+        if t.data_type == _F64:
+            narrow(t)
+    for vi in [*g.input, *g.output, *g.value_info]:
+        if vi.type.tensor_type.elem_type == _F64:
+            vi.type.tensor_type.elem_type = _F32
+    for n in g.node:
+        for a in n.attribute:
+            if n.op_type == "Cast" and a.name == "to" and a.i == _F64:
+                a.i = _F32
+            elif a.HasField("t") and a.t.data_type == _F64:
+                narrow(a.t)
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = _session(model, opts)
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, inputs)))
 
 
 def _evaluated(model, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -21,11 +21,25 @@ constant ``q_i . mean``, which the softmax cancels; it removes the bias K's chan
 the per-token scales resolve what differs between tokens. It is applied only where the scores
 reach a softmax over the keys through nothing but a scalar Mul and an added mask.
 
-This is an approximation of ONNX's fp32 semantics, recorded in the program (``int8_attention``,
-with the output of every product quantized) for ``dlegion-run --check``. ``--attention fp32``
-keeps the products in fp32 on the vector lanes; the default quantizes them where the model's
-projections are quantized. A product with fewer rows than the machine's arrays (a decode step's)
-stays fp32 by default.
+``--attention int8x2`` gives every operand a second int8 piece, what the first leaves over::
+
+    s = x / r;  lo = Clip(Round(254 (s - Round(s))), -127, 127);  r_lo = r / 254
+
+so ``x ~ r hi + r_lo lo`` to some 15 bits (``|s - Round(s)| <= 1/2``: 254 of them fit int8), and
+each product becomes three of int8 pieces, summed in fp32 (the integer parts exact, each drained
+with its own scales; lo . lo, 2^-16 of the rest, is left out)::
+
+    y = AttnMatMul(a8, ra, b8, rb) + AttnMatMul(alo, ralo, b8, rb) + AttnMatMul(a8, ra, blo, rblo)
+
+P's second piece is made in its softmax kernel from ``127 e`` as the first is. A's and K's
+pieces are made as they are quantized (per row, K smoothed), V's in V's own layout, its channel
+scales read along the rows, so V's quantization still reads its columns in place.
+
+This is an approximation of ONNX's fp32 semantics, recorded in the program (``int8_attention``
+or ``int8x2_attention``, with the output of every product quantized) for ``dlegion-run --check``.
+``--attention fp32`` keeps the products in fp32 on the vector lanes; the default quantizes them
+in one piece where the model's projections are quantized. A product with fewer rows than the
+machine's arrays (a decode step's) stays fp32 by default.
 """
 from __future__ import annotations
 
@@ -37,7 +51,12 @@ from dlegion_cc.ir import DLEGION, Graph, Node, Value
 from dlegion_cc.passes.causal import Finiteness
 
 APPROXIMATION = "int8_attention"
-MODES = ("int8", "fp32")
+MODES = ("int8", "int8x2", "fp32")
+# The approximation each quantizing mode records, and how many int8 pieces an operand gets.
+QUANTIZED = {"int8": (APPROXIMATION, 1), "int8x2": ("int8x2_attention", 2)}
+# The second piece's steps per step of the first: the first leaves at most half a step over,
+# and 254 halves fit int8's [-127, 127].
+LOW_STEPS = 254.0
 
 
 def chosen_mode(graph: Graph, wanted: str | None) -> str:
@@ -52,20 +71,21 @@ class QuantizeAttention:
     name: str = "attention"
 
     def run(self, graph: Graph, options) -> None:
-        if chosen_mode(graph, getattr(options, "attention", None)) != "int8":
+        mode = chosen_mode(graph, getattr(options, "attention", None))
+        if mode not in QUANTIZED:
             return
-        quantized: dict[str, tuple[str, str]] = {}
+        quantized: dict[str, list[tuple[str, str]]] = {}
         finite = Finiteness(graph)
         # By default a product of fewer rows than an array has (a decode step's few query rows
         # against its whole cache) keeps fp32: quantizing the cache on the vector unit would
         # cost more than the product itself. --attention int8 quantizes it all the same.
-        rows = 0 if getattr(options, "attention", None) == "int8" else options.arch.array
+        rows = 0 if getattr(options, "attention", None) in QUANTIZED else options.arch.array
         for node in list(graph.nodes):
             # A NaN or an infinity would be lost in int8 (stored as 0, or saturated): ONNX
             # spreads it, so such products keep fp32.
             if (_float_product(graph, node) and graph.values[node.inputs[0]].shape[-2] >= rows
                     and all(finite.known(i) for i in node.inputs)):
-                _rewrite(graph, node, quantized)
+                _rewrite(graph, node, quantized, *QUANTIZED[mode])
 
 
 def _float_product(graph: Graph, node: Node) -> bool:
@@ -76,31 +96,142 @@ def _float_product(graph: Graph, node: Node) -> bool:
     return all(v.stored is None and len(v.shape) >= 2 and np.dtype(v.dtype) == np.float32 for v in values)
 
 
-def _rewrite(graph: Graph, mm: Node, quantized: dict) -> None:
+def _rewrite(graph: Graph, mm: Node, quantized: dict, approximation: str, pieces: int) -> None:
+    """``mm`` made the sum of the products of its operands' int8 pieces (one or two each)."""
     a, b = mm.inputs
     if a not in quantized:
-        softmax, reshape = _softmax_of(graph, a)
-        quantized[a] = (absmax(graph, a, graph.nodes.index(mm)) if softmax is None
-                        else _reshaped(graph, _quantized_softmax(graph, softmax), reshape))
-    a8, ra = quantized[a]
-    b, expand = _repeated(graph, b)
-    bt, nodes = _transposed(graph, b)
-    if _feeds_softmax(graph, mm.outputs[0]):
-        bt, more = _smoothed(graph, bt)
-        nodes += more
-    for n in nodes:
-        graph.nodes.insert(graph.nodes.index(mm), n)
-    b8t, rb = absmax(graph, bt, graph.nodes.index(mm))
-    b8, [swap] = _transposed(graph, b8t, through=False)
-    graph.nodes.insert(graph.nodes.index(mm), swap)
-    if expand is not None:          # each query head of a group reads its K/V head in place
-        b8, rb = (_expand(graph, v, shape, graph.nodes.index(mm)) for v, shape in zip((b8, rb), expand))
+        quantized[a] = _a_pieces(graph, a, graph.nodes.index(mm), pieces, approximation)
+    b_pieces = _b_pieces(graph, mm, pieces, approximation)
     attrs = {k: v for k, v in mm.attrs.items() if k in ("dead", "zero_a")}
     # The program names the product by its output in the model, which --check's yardstick
     # quantizes (runtime/reference64.py): the products this pass leaves fp32 are not named.
-    attrs["approximation"], attrs["approximated"] = APPROXIMATION, graph.origins.get(mm.name, mm.outputs[0])
-    graph.nodes[graph.nodes.index(mm)] = Node("AttnMatMul", mm.name, [a8, ra, b8, rb], list(mm.outputs), attrs,
-                                              DLEGION)
+    attrs["approximation"], attrs["approximated"] = approximation, graph.origins.get(mm.name, mm.outputs[0])
+    (a8, ra), (b8, rb) = quantized[a][0], b_pieces[0]
+    # hi . hi, then what each operand's second piece adds (lo . lo left out: 2^-16 of the rest)
+    terms = [((a8, ra), (b8, rb))]
+    if pieces == 2:
+        terms += [(quantized[a][1], (b8, rb)), ((a8, ra), b_pieces[1])]
+    at = graph.nodes.index(mm)
+    if len(terms) == 1:
+        graph.nodes[at] = Node("AttnMatMul", mm.name, [a8, ra, b8, rb], list(mm.outputs), attrs, DLEGION)
+        return
+    shape, parts = graph.values[mm.outputs[0]].shape, []
+    for k, ((x, rx), (y, ry)) in enumerate(terms):
+        out = graph.add_value(f"{mm.outputs[0]}_part{k}", shape, np.float32)
+        parts.append(Node("AttnMatMul", mm.name if k == 0 else graph.fresh(f"{mm.name}_part{k}"), [x, rx, y, ry],
+                          [out], dict(attrs), DLEGION))
+    graph.nodes[at:at + 1] = parts
+    _sum_parts(graph, mm, [p.outputs[0] for p in parts])
+
+
+def _sum_parts(graph: Graph, mm: Node, parts: list[str]) -> None:
+    """Insert the fp32 sum of the products ``parts`` into ``mm``'s output, in order, the Adds
+    one run of row-local nodes: after a Reshape that keeps the last axis and alone reads it
+    (the heads merged again: passes/gqa.py) when there is one, each part reshaped the same way
+    (views), so the sums join the row kernel after it (the scores' scale, mask and softmax)
+    instead of a pass of their own over the scores."""
+    out, user = mm.outputs[0], graph.only_user(mm.outputs[0])
+    if (user is not None and user.op == "Reshape" and not user.domain and out not in graph.outputs
+            and graph.values[user.outputs[0]].shape[-1] == graph.values[out].shape[-1]):
+        at = graph.nodes.index(user)
+        graph.nodes.remove(user)
+        shape = graph.values[user.outputs[0]].shape
+        parts = [_reshape(graph, p, shape, at + k) for k, p in enumerate(parts)]
+        at, out = at + len(parts), user.outputs[0]
+    else:
+        at = graph.nodes.index(graph.producer(parts[-1])) + 1
+    total, shape = parts[0], graph.values[out].shape
+    for k, part in enumerate(parts[1:], 1):
+        summed = out if k == len(parts) - 1 else graph.add_value(f"{out}_sum{k}", shape, np.float32)
+        graph.nodes.insert(at, Node("Add", graph.fresh(f"{mm.name}_sum{k}"), [total, part], [summed]))
+        at, total = at + 1, summed
+
+
+def _a_pieces(graph: Graph, a: str, at: int, pieces: int, approximation: str) -> list[tuple[str, str]]:
+    """``a``'s int8 pieces per row, each with its row scales, inserted before node ``at``; a
+    softmax's made in its kernel."""
+    softmax, reshape = _softmax_of(graph, a)
+    if softmax is not None:
+        return [_reshaped(graph, qr, reshape) for qr in _quantized_softmax(graph, softmax, pieces)]
+    a8, ra = absmax(graph, a, at, approximation)
+    if pieces == 1:
+        return [(a8, ra)]
+    return [(a8, ra), _low_piece(graph, a, ra, ra, at + 1)]
+
+
+def _b_pieces(graph: Graph, mm: Node, pieces: int, approximation: str) -> list[tuple[str, str]]:
+    """``mm``'s b in int8 pieces per column, each with its column scales [.., N, 1], inserted
+    before ``mm``: quantized as rows of b transposed (K smoothed where its scores reach a
+    softmax alone), a repeated K/V head once."""
+    b, expand = _repeated(graph, mm.inputs[1])
+    bt, nodes = _transposed(graph, b)
+    through = not nodes         # bt is b's own source, not a transpose made here
+    source, mean = bt, None
+    if _feeds_softmax(graph, mm.outputs[0]):
+        bt, more = _smoothed(graph, bt)
+        mean = more[0].outputs[0]
+        nodes += more
+    for n in nodes:
+        graph.nodes.insert(graph.nodes.index(mm), n)
+    b8t, rb = absmax(graph, bt, graph.nodes.index(mm), approximation)
+    b8, [swap] = _transposed(graph, b8t, through=False)
+    graph.nodes.insert(graph.nodes.index(mm), swap)
+    out = [(b8, rb)]
+    if pieces == 2:
+        out.append(_b_low_piece(graph, mm, b, source, mean, rb, through))
+    if expand is not None:          # each query head of a group reads its K/V head in place
+        out = [tuple(_expand(graph, v, shape, graph.nodes.index(mm)) for v, shape in zip(piece, expand))
+               for piece in out]
+    return out
+
+
+def _b_low_piece(graph: Graph, mm: Node, b: str, bt: str, mean: str | None, rb: str,
+                 through: bool) -> tuple[str, str]:
+    """b's second int8 piece in b's layout: made from b's transposed source when b is a
+    transpose of it (K, smoothed again by its mean: the smoothed K stays unstored), else from
+    b itself with its column scales read along the rows (V, whose quantization then still reads
+    its columns in place: passes/attnoperands.py)."""
+    at = graph.nodes.index(mm)
+    if not through:
+        shape = graph.values[rb].shape
+        cols = _reshape(graph, rb, (*shape[:-2], 1, shape[-2]), at)
+        return _low_piece(graph, b, cols, rb, graph.nodes.index(mm))
+    if mean is not None:
+        smooth = graph.add_value(f"{bt}_smooth_lo", graph.values[bt].shape, np.float32)
+        graph.nodes.insert(at, Node("Sub", graph.fresh(f"{bt}_smooth_lo"), [bt, mean], [smooth]))
+        bt = smooth
+    lo_t, rlo = _low_piece(graph, bt, rb, rb, graph.nodes.index(mm))
+    lo, [swap] = _transposed(graph, lo_t, through=False)
+    graph.nodes.insert(graph.nodes.index(mm), swap)
+    return lo, rlo
+
+
+def _low_piece(graph: Graph, x: str, r: str, scales: str, at: int) -> tuple[str, str]:
+    """Insert before node ``at`` the second int8 piece of ``x`` quantized by ``r`` (broadcast
+    over ``x``), what ``Round(x / r)`` leaves over in steps of ``r / LOW_STEPS``: ``Clip(Round(
+    LOW_STEPS (s - Round(s))))`` with ``s = x / r`` divided as AbsmaxQuantize divides; and its
+    scales ``scales / LOW_STEPS``. Plain ONNX ops: the row-kernel fusion makes them one kernel,
+    and the piece is stored int8 (``Clip(Round(.))``, ``context.int8_activations``)."""
+    shape = graph.values[x].shape
+    names = {k: graph.add_value(f"{x}_lo_{k}", shape, np.float32) for k in ("s", "hi", "d", "steps", "round", "q")}
+    rlo = graph.add_value(f"{scales}_lo", graph.values[scales].shape, np.float32)
+    c = {k: graph.add_value(f"{x}_lo_{k}", (), np.float32, np.array(v, np.float32))
+         for k, v in (("steps", LOW_STEPS), ("lo", -127.0), ("hi127", 127.0))}
+    n = lambda op, ins, out: Node(op, graph.fresh(f"{x}_lo_{out}"), ins, [names[out]])  # noqa: E731
+    nodes = [n("Div", [x, r], "s"), n("Round", [names["s"]], "hi"), n("Sub", [names["s"], names["hi"]], "d"),
+             n("Mul", [names["d"], c["steps"]], "steps"), n("Round", [names["steps"]], "round"),
+             n("Clip", [names["round"], c["lo"], c["hi127"]], "q"),
+             Node("Div", graph.fresh(f"{scales}_lo"), [scales, c["steps"]], [rlo])]
+    graph.nodes[at:at] = nodes
+    return names["q"], rlo
+
+
+def _reshape(graph: Graph, x: str, shape: tuple, at: int) -> str:
+    """Insert ``Reshape(x, shape)`` before node ``at``; returns its output (a view)."""
+    out = graph.add_value(f"{x}_as", shape, graph.values[x].dtype)
+    dims = graph.add_value(f"{x}_as_shape", (len(shape),), np.int64, np.array(shape, np.int64))
+    graph.nodes.insert(at, Node("Reshape", graph.fresh(f"{x}_reshape"), [x, dims], [out]))
+    return out
 
 
 def absmax(graph: Graph, x: str, at: int, approximation: str = APPROXIMATION) -> tuple[str, str]:
@@ -147,19 +278,23 @@ def _reshaped(graph: Graph, qr: tuple[str, str], reshape: Node | None) -> tuple[
     return out[0], out[1]
 
 
-def _quantized_softmax(graph: Graph, softmax: Node) -> tuple[str, str]:
+def _quantized_softmax(graph: Graph, softmax: Node, pieces: int = 1) -> list[tuple[str, str]]:
     """``softmax`` replaced by P quantized per row, without P: with e = exp(x - max x), whose
     row maximum is exactly 1, ``q = round(127 e)`` and the row scale ``1 / (127 sum e)``, so
     ``q * scale`` is P to int8 precision (absmax per row). Plain ONNX ops, so the row-kernel
     fusion makes them one kernel with the scores' scale and mask, and P never goes to DRAM in
-    fp32; ``q`` is kept there as int8 (``Clip(Round(.))``, ``context.int8_activations``)."""
+    fp32; ``q`` is kept there as int8 (``Clip(Round(.))``, ``context.int8_activations``). With
+    two ``pieces``, also P's second piece from the same ``127 e`` (``_low_piece``'s, s = 127 e)."""
     x, (p,) = softmax.inputs[0], softmax.outputs
     shape, rank = graph.values[x].shape, len(graph.values[x].shape)
     col = (*shape[:-1], 1)
-    names = {k: graph.add_value(f"{p}_{k}", col if k in ("max", "sum", "sum127", "r") else shape, np.float32)
-             for k in ("max", "d", "e", "sum", "e127", "round", "q", "sum127", "r")}
+    rows = ("max", "sum", "sum127", "r", "r_lo")
+    names = {k: graph.add_value(f"{p}_{k}", col if k in rows else shape, np.float32)
+             for k in ("max", "d", "e", "sum", "e127", "round", "q", "sum127", "r")
+             + ("left", "steps", "lo_round", "lo", "r_lo")[:5 * (pieces - 1)]}
     c = {k: graph.add_value(f"{p}_{k}", (), np.float32, np.array(v, np.float32))
-         for k, v in (("127", 127.0), ("lo", -128.0), ("hi", 127.0))}
+         for k, v in (("127", 127.0), ("lo", -128.0), ("hi", 127.0), ("lo127", -127.0),
+                      ("low_steps", LOW_STEPS))[:3 + 2 * (pieces - 1)]}
     last = {"axes": [rank - 1], "keepdims": 1}
     n = lambda op, ins, out, **attrs: Node(op, graph.fresh(f"{p}_{out}"), ins, [names[out]], attrs)  # noqa: E731
     # Under a causal mask, q's columns past each row's reach are zeros and its reductions see
@@ -170,9 +305,16 @@ def _quantized_softmax(graph: Graph, softmax: Node) -> tuple[str, str]:
              n("Mul", [names["e"], c["127"]], "e127"), n("Round", [names["e127"]], "round"),
              n("Clip", [names["round"], c["lo"], c["hi"]], "q", **reach),
              n("Mul", [names["sum"], c["127"]], "sum127"), n("Reciprocal", [names["sum127"]], "r")]
+    out = [(names["q"], names["r"])]
+    if pieces == 2:
+        nodes += [n("Sub", [names["e127"], names["round"]], "left"), n("Mul", [names["left"], c["low_steps"]], "steps"),
+                  n("Round", [names["steps"]], "lo_round"),
+                  n("Clip", [names["lo_round"], c["lo127"], c["hi"]], "lo", **reach),
+                  n("Div", [names["r"], c["low_steps"]], "r_lo")]
+        out.append((names["lo"], names["r_lo"]))
     at = graph.nodes.index(softmax)
     graph.nodes[at:at + 1] = nodes
-    return names["q"], names["r"]
+    return out
 
 
 def _swaps_last_two(node: Node | None, rank: int) -> bool:
