@@ -7,7 +7,8 @@ outputs: Q, K^T and V as the products read them, and the scores' chain up to the
 attention output is then made again in float64 from those operands, with the compiler's int8
 scheme (passes/attention.py: Q per row, K smoothed over the tokens and per token, P as
 ``round(127 exp(s - max)) / (127 sum)``, V per channel), with one operand quantized at a time,
-with some kept exact or in two int8 pieces (15 bits), or with the published refinements (P
+with some kept exact or in two int8 pieces (15 bits; and as ``--attention int8x2`` computes
+them: three products of pieces, lo.lo left out), or with the published refinements (P
 unsigned with a fixed scale 1/255, K's channels smoothed into Q, V's mean re-added through P's
 row sums), and fed to the rest of the layer (the graph cut at PV's output): the layer output's
 relative L2 distance from the same cut fed the exact attention is printed per variant
@@ -37,6 +38,7 @@ from onnx import numpy_helper                                 # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_layer import _layer_model                          # noqa: E402
 from models.bitnet import save                                # noqa: E402
+from dlegion_cc.passes.attention import LOW_STEPS             # noqa: E402
 
 WIDE = 127 * 258        # 15 bits: a second int8 piece of each value
 
@@ -55,6 +57,23 @@ class Scheme:
     v: int = 127
     channels: bool = False
     v_mean: bool = False
+    split: bool = False     # every operand in two int8 pieces as --attention int8x2 computes them
+
+
+def _two_pieces(x: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """``x``'s two int8 pieces along ``axis`` as passes/attention.py makes them (``_low_piece``),
+    each times its scale: ``r hi`` and ``(r / LOW_STEPS) lo``, with ``s = x / r``,
+    ``hi = round(s)``, ``lo = round(LOW_STEPS (s - hi))``."""
+    r = np.maximum(np.abs(x).max(axis=axis, keepdims=True), 1e-30) / 127
+    s = x / r
+    hi = np.round(s)
+    return hi * r, np.round(LOW_STEPS * (s - hi)) * (r / LOW_STEPS)
+
+
+def _pieces_product(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """hi.hi + lo.hi + hi.lo of a per row and b per column (lo.lo left out, as the compiler)."""
+    (ah, al), (bh, bl) = _two_pieces(a, -1), _two_pieces(b, -2)
+    return ah @ bh + al @ bh + ah @ bl
 
 
 EXACT = Scheme(0, 0, 0, 0)
@@ -70,7 +89,8 @@ VARIANTS = (("int8 (the compiler's scheme)", Scheme()),
             ("the three above together", Scheme(p=255, channels=True, v_mean=True)),
             ("P and V in two pieces", Scheme(p=WIDE, v=WIDE)),
             ("P, V and Q in two pieces", Scheme(WIDE, 127, WIDE, WIDE)),
-            ("every operand in two pieces (products 3x)", Scheme(WIDE, WIDE, WIDE, WIDE)))
+            ("every operand in two pieces (products 3x)", Scheme(WIDE, WIDE, WIDE, WIDE)),
+            ("--attention int8x2 (two int8 pieces, lo.lo left out)", Scheme(split=True)))
 SCALES = (0.5, 0.2, 0.1, 0.05, 0.02)    # the int8 scheme's attention error, scaled down
 
 
@@ -141,10 +161,12 @@ class Attention:
         q, kt = self.q, self.kt - self.kt.mean(axis=-1, keepdims=True) if scheme.k else self.kt  # smoothed
         if scheme.channels:
             q, kt = _smoothed_channels(q, kt)
-        s = _absmax(q, -1, scheme.q) @ _absmax(kt, -2, scheme.k)
+        s = _pieces_product(q, kt) if scheme.split else _absmax(q, -1, scheme.q) @ _absmax(kt, -2, scheme.k)
         for op, c in self.chain:
             s = s * c if op == "Mul" else s + c
         e = np.exp(s - s.max(axis=-1, keepdims=True))
+        if scheme.split:        # P's pieces from 127 e, whose row maximum is exactly 127
+            return _pieces_product(e / e.sum(axis=-1, keepdims=True), self.v)
         p = (np.round(scheme.p * e) / scheme.p if scheme.p else e) / e.sum(axis=-1, keepdims=True)
         mean = self.v.mean(axis=-2, keepdims=True) if scheme.v_mean else 0.0
         return p @ _absmax(self.v - mean, -2, scheme.v) + p.sum(axis=-1, keepdims=True) * mean

@@ -168,8 +168,8 @@ def _stack(seq: int, machine, prefetch: bool, row_blocks: bool = True) -> None:
                    "operand, or on the vector lanes.")
 @click.option("--overlap/--no-overlap", default=False, show_default=True,
               help="Nodes end in waits for what the next ones share, not barriers (dlegion-cc --overlap).")
-@click.option("--error", is_flag=True, help="Emulate the quantized and the fp32 attention and print the quantized one's "
-                                           "error.")
+@click.option("--error", is_flag=True,
+              help="Emulate the quantized and the fp32 attention and print the quantized one's error.")
 @click.option("--stack", is_flag=True, help="Time the BitLinear stack without attention instead of the layer.")
 @click.option("--kernels", is_flag=True, help="Print the layer's regions with their rooflines.")
 @click.option("--row-blocks/--no-row-blocks", default=True, show_default=True,

@@ -46,7 +46,8 @@ PROGRAM_APPROXIMATIONS = {
 
 # The program approximations the float64 evaluation applies too (reference64.float64_model): a
 # program recording only these is measured from fp64 with them, at the tolerance as given.
-MODELLED = frozenset({"int8_activations", "int8_attention", "int8x2_attention", "quantized_w8", "quantized_w4", "quantized_w2"})
+MODELLED = frozenset({"int8_activations", "int8_attention", "int8x2_attention", "quantized_w8", "quantized_w4",
+                      "quantized_w2"})
 
 
 def approximation_tolerance(names: list[str], tol: float = REL_L2_TOLERANCE, fp64: bool = False) -> float:

@@ -35,3 +35,13 @@ def test_int8_scheme_is_not_exact_and_refinements_change_it():
     rel = lambda x: np.linalg.norm(x - exact) / np.linalg.norm(exact)  # noqa: E731
     assert 1e-4 < rel(int8) < 5e-2
     assert 1e-5 < rel(refined) < 5e-2 and not np.allclose(refined, int8)
+
+
+def test_two_int8_pieces_as_the_compiler_splits_them_are_far_closer_than_int8():
+    """The --attention int8x2 model (three products of pieces, lo.lo left out): an
+    approximation, far closer to exact than one int8 piece per operand."""
+    att = _operands(2)
+    exact = Attention.output(att, EXACT)
+    rel = lambda x: np.linalg.norm(x - exact) / np.linalg.norm(exact)  # noqa: E731
+    int8, split = rel(Attention.output(att, Scheme())), rel(Attention.output(att, Scheme(split=True)))
+    assert 0 < split < int8 / 50

@@ -57,6 +57,9 @@ QUANTIZED = {"int8": (APPROXIMATION, 1), "int8x2": ("int8x2_attention", 2)}
 # The second piece's steps per step of the first: the first leaves at most half a step over,
 # and 254 halves fit int8's [-127, 127].
 LOW_STEPS = 254.0
+# The second piece's Clip changes no value (fused.identity_clips emits nothing for it): s - Round(s)
+# is exact in fp32 and at most 1/2, so LOW_STEPS times it rounds to at most 127; a NaN passes.
+WITHIN = (-127.0, 127.0)
 
 
 def chosen_mode(graph: Graph, wanted: str | None) -> str:
@@ -220,7 +223,8 @@ def _low_piece(graph: Graph, x: str, r: str, scales: str, at: int) -> tuple[str,
     n = lambda op, ins, out: Node(op, graph.fresh(f"{x}_lo_{out}"), ins, [names[out]])  # noqa: E731
     nodes = [n("Div", [x, r], "s"), n("Round", [names["s"]], "hi"), n("Sub", [names["s"], names["hi"]], "d"),
              n("Mul", [names["d"], c["steps"]], "steps"), n("Round", [names["steps"]], "round"),
-             n("Clip", [names["round"], c["lo"], c["hi127"]], "q"),
+             Node("Clip", graph.fresh(f"{x}_lo_q"), [names["round"], c["lo"], c["hi127"]], [names["q"]],
+                  {"within": WITHIN}),
              Node("Div", graph.fresh(f"{scales}_lo"), [scales, c["steps"]], [rlo])]
     graph.nodes[at:at] = nodes
     return names["q"], rlo
@@ -309,7 +313,7 @@ def _quantized_softmax(graph: Graph, softmax: Node, pieces: int = 1) -> list[tup
     if pieces == 2:
         nodes += [n("Sub", [names["e127"], names["round"]], "left"), n("Mul", [names["left"], c["low_steps"]], "steps"),
                   n("Round", [names["steps"]], "lo_round"),
-                  n("Clip", [names["lo_round"], c["lo127"], c["hi"]], "lo", **reach),
+                  n("Clip", [names["lo_round"], c["lo127"], c["hi"]], "lo", **reach, within=WITHIN),
                   n("Div", [names["r"], c["low_steps"]], "r_lo")]
         out.append((names["lo"], names["r_lo"]))
     at = graph.nodes.index(softmax)
