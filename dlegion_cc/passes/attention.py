@@ -31,7 +31,7 @@ with its own scales; lo . lo, 2^-16 of the rest, is left out)::
 
     y = AttnMatMul(a8, ra, b8, rb) + AttnMatMul(alo, ralo, b8, rb) + AttnMatMul(a8, ra, blo, rblo)
 
-P's second piece is made in its softmax kernel from ``127 e`` as the first is. A's and K's
+P's second piece is made in its softmax kernel from ``127 e`` as the first is. Q's and K's
 pieces are made as they are quantized (per row, K smoothed), V's in V's own layout, its channel
 scales read along the rows, so V's quantization still reads its columns in place.
 
@@ -81,7 +81,7 @@ class QuantizeAttention:
         finite = Finiteness(graph)
         # By default a product of fewer rows than an array has (a decode step's few query rows
         # against its whole cache) keeps fp32: quantizing the cache on the vector unit would
-        # cost more than the product itself. --attention int8 quantizes it all the same.
+        # cost more than the product itself. --attention int8 (int8x2) quantizes it all the same.
         rows = 0 if getattr(options, "attention", None) in QUANTIZED else options.arch.array
         for node in list(graph.nodes):
             # A NaN or an infinity would be lost in int8 (stored as 0, or saturated): ONNX
