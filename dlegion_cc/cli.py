@@ -186,7 +186,8 @@ def _compile_program(model: str, options: Options, output: str, arch: str, emit:
 @click.option("--attention", type=click.Choice(ATTENTION_MODES), default=None,
               help="Attention's float products (QK^T, PV): int8 on the systolic arrays (operands quantized by the "
                    "compiler, an approximation --check allows for), int8x2 (each operand in two int8 pieces, three "
-                   "products each: about 2^-7 of int8's operand error, for more cycles) or fp32 on the vector lanes "
+                   "products each: operands rounded 254 times finer than int8's, for more cycles) or fp32 on the "
+                   "vector lanes "
                    "(ONNX's semantics). Default: int8 where the model's projections are quantized, else fp32.")
 @click.option("--quantize", type=click.Choice(QUANTIZE_MODES), default=None,
               help="Quantize float MatMul and Gemm weights so they run on the arrays (activations: int8 per token, "
