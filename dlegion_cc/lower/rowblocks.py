@@ -57,7 +57,9 @@ VIEWS = ("Reshape", "Transpose", "Slice", "Unsqueeze", "Squeeze", "Identity")
 MOST_VIEWS = 16
 # The fewest rows of a block: below, each block's fill, drain and DRAM round trips cost more
 # than the vector work hidden (2B4T layer at sequence 128 on dlegion-8x8, in blocks of 64 rows:
-# 282,391 cycles instead of 269,811).
+# 282,391 cycles instead of 269,811; at 256 the cost model took blocks of 64: 409,544 -> 471,628).
+# A chain too short for two such blocks may take two of half as many rows, where it would
+# otherwise hide nothing (the layer at 128: 255,519 -> 240,012 cycles).
 FEWEST_ROWS = 128
 # A row kernel merged with a matmul step ends before the step's last this many passes (2B4T
 # BitLinear stack at 256 on dlegion-8x8: 2 passes 291,747 cycles, 3 291,186, 4 291,170).
@@ -173,6 +175,9 @@ def blocks(arch: Arch, chain: list[Node], M: int) -> int:
         return passes + vector / b
 
     fits = [b for b in range(1, MOST_BLOCKS + 1) if M // b >= FEWEST_ROWS]
+    if fits == [1] and M // 2 >= FEWEST_ROWS // 2:
+        # One block hides none of the kernels: two of fewer rows may still pay (``FEWEST_ROWS``).
+        fits.append(2)
     return min(fits, key=cycles) if fits else 1
 
 
