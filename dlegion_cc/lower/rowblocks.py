@@ -9,11 +9,13 @@ rows of the ones before it only as the same rows (norm, quantize, matmul, ReLU^2
 quantize, matmul, residual). Its rows are cut into a few blocks and the nodes emitted so
 that one block's row kernels come before the next block of the matmul before them:
 
-    R(0) R(1) | Q(0) S(0) Q(1) S(1) | T(0) U(0) T(1) U(1)
+    R(0) R(1) | Q(0) S(0) R(2) Q(1) S(1) Q(2) S(2) | T(0) U(0) T(1) U(1) T(2) U(2)
 
 (row kernels before the first matmul first, then each matmul with the row kernels after
-it, block by block). The queues of a Legion run in order, so the vector queue then drains
-block 0, computes S(0) and drains block 1 while the arrays multiply block 1. The barriers
+it, block by block; one row kernel before the first matmul, a norm, runs its block b + 1
+right before the matmul's block b). Each matmul block is merged with the row kernel blocks
+right before it (Q(1) with S(0) and R(2)). The queues of a Legion run in order, so the vector
+queue then drains block 0, computes S(0) and drains block 1 while the arrays multiply block 1. The barriers
 between the steps are replaced by the waits that keep them ordered (``overlap.py``'s rewrite
 of the chain alone), which the race check proves. A step's first loads go ahead of the last
 pass of the step before it (``_hoisted``). Each matmul re-reads its weights once per block:
