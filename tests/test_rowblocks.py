@@ -258,3 +258,69 @@ def test_with_pipelined_passes_a_chain_matmul_passes_its_row_blocks_whole(tmp):
     inputs = random_inputs(plain, 0)
     got, want = run(program, piped, inputs).outputs, run(plain, piped, inputs).outputs
     assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def _kind(name: str, kind: tuple):
+    from types import SimpleNamespace
+    return SimpleNamespace(name=name, domain=kind[0], op=kind[1])
+
+
+def test_a_leading_row_kernel_is_interleaved_with_the_blocks_of_the_first_segment():
+    """A chain norm, matmul, kernel, matmul in four blocks: the norm's block b + 1 comes right
+    before the matmul's block b, after the segment kernel's block b - 1; a matmul step takes
+    the run of kernel steps before it, each node once (the norm's block 0, which its block 0
+    reads, stays a step of its own)."""
+    from dlegion_cc.lower import rowblocks
+    norm, mm, kernel, last = (_kind("norm", rowblocks.ROWS), _kind("mm", rowblocks.MATMUL),
+                              _kind("kernel", rowblocks.ROWS), _kind("last", rowblocks.MATMUL))
+    steps = list(rowblocks._order([norm, mm, kernel, last], split(4 * FEWEST_ROWS, 4, 16)))
+    assert [s.name for s in steps] == ["norm", "norm", "mm", "kernel", "norm", "mm", "kernel", "norm", "mm",
+                                       "kernel", "mm", "kernel"] + ["last"] * 4
+    before = {at: [s.name for s in rowblocks._rows_before(steps, at)]
+              for at, s in enumerate(steps) if s.domain == rowblocks.MATMUL[0] and s.op == rowblocks.MATMUL[1]}
+    assert before[2] == ["norm"] and before[5] == before[8] == ["kernel", "norm"] and before[10] == ["kernel"]
+    assert before[12] == ["kernel"] and before[13] == []
+
+
+def test_a_chain_too_short_for_two_blocks_may_take_two_of_half_the_fewest_rows(monkeypatch):
+    """With a row kernel's vector work worth hiding, a chain of FEWEST_ROWS rows takes two
+    blocks of half as many; one of twice as many rows never takes blocks under FEWEST_ROWS."""
+    from types import SimpleNamespace
+    from dlegion_cc.lower import rowblocks
+    rng = np.random.default_rng(0)
+    weight = rng.integers(-1, 2, size=(256, 256)).astype(np.int8)
+    mm = SimpleNamespace(name="mm", domain=rowblocks.MATMUL[0], op=rowblocks.MATMUL[1], attrs={"weight": weight})
+
+    def kernel(rows):
+        return SimpleNamespace(name="k", domain=rowblocks.ROWS[0], op=rowblocks.ROWS[1],
+                               attrs={"nodes": [None] * 20, "frame": SimpleNamespace(shape=(rows, 8192))})
+    assert rowblocks.blocks(EIGHT, [kernel(FEWEST_ROWS), mm], FEWEST_ROWS) == 2
+    assert rowblocks.blocks(EIGHT, [kernel(FEWEST_ROWS // 2), mm], FEWEST_ROWS // 2) == 1
+    twice = rowblocks.blocks(EIGHT, [kernel(2 * FEWEST_ROWS), mm], 2 * FEWEST_ROWS)
+    assert 2 * FEWEST_ROWS // twice >= FEWEST_ROWS
+
+
+@lru_cache(maxsize=None)
+def _two_projections(tmp: str, row_blocks: bool):
+    """x quantized, a projection, its output quantized, a second projection: a chain whose
+    leading kernel and segment kernel both run beside the first projection's blocks."""
+    seq = 4 * FEWEST_ROWS           # four row blocks
+    config = preset("tiny", layers=1, seq=seq, hidden=128, ffn=256)
+    b, proj = GraphBuilder(), BitLinear(config, np.random.default_rng(2))
+    q = proj.project(b, proj.prepare(b, "x"), "q_proj", 128, 256)
+    y = proj.project(b, proj.prepare(b, q), "up_proj", 256, 128)
+    path = f"{tmp}/two_projections.onnx"
+    save(b.model([tensor_info("x", FLOAT, [1, seq, 128])], [tensor_info(y, FLOAT, [1, seq, 128])]), path, external_data=False)
+    return compile_model(path, Options(EIGHT, row_blocks=row_blocks))[1]
+
+
+def test_a_matmul_block_runs_beside_two_row_kernels_and_computes_the_same(tmp):
+    """The first projection's middle blocks are each merged with the next block of the
+    quantization before it and the block before of the one after it (one region named after
+    the three); the outputs are the plain program's, race-checked."""
+    program, plain = _two_projections(tmp, True), _two_projections(tmp, False)
+    both = [name for _, name in program.regions if name.startswith("q_proj") and " with " in name and " + " in name]
+    assert len(both) == 2
+    inputs = random_inputs(plain, 0)
+    got, want = run(program, EIGHT, inputs).outputs, run(plain, EIGHT, inputs).outputs   # race-checked
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)

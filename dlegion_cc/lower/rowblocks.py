@@ -9,11 +9,13 @@ rows of the ones before it only as the same rows (norm, quantize, matmul, ReLU^2
 quantize, matmul, residual). Its rows are cut into a few blocks and the nodes emitted so
 that one block's row kernels come before the next block of the matmul before them:
 
-    R(0) R(1) | Q(0) S(0) Q(1) S(1) | T(0) U(0) T(1) U(1)
+    R(0) R(1) | Q(0) S(0) R(2) Q(1) S(1) Q(2) S(2) | T(0) U(0) T(1) U(1) T(2) U(2)
 
 (row kernels before the first matmul first, then each matmul with the row kernels after
-it, block by block). The queues of a Legion run in order, so the vector queue then drains
-block 0, computes S(0) and drains block 1 while the arrays multiply block 1. The barriers
+it, block by block; one row kernel before the first matmul, a norm, runs its block b + 1
+right before the matmul's block b). Each matmul block is merged with the row kernel blocks
+right before it (Q(1) with S(0) and R(2)). The queues of a Legion run in order, so the vector
+queue then drains block 0, computes S(0) and drains block 1 while the arrays multiply block 1. The barriers
 between the steps are replaced by the waits that keep them ordered (``overlap.py``'s rewrite
 of the chain alone), which the race check proves. A step's first loads go ahead of the last
 pass of the step before it (``_hoisted``). Each matmul re-reads its weights once per block:
@@ -57,7 +59,9 @@ VIEWS = ("Reshape", "Transpose", "Slice", "Unsqueeze", "Squeeze", "Identity")
 MOST_VIEWS = 16
 # The fewest rows of a block: below, each block's fill, drain and DRAM round trips cost more
 # than the vector work hidden (2B4T layer at sequence 128 on dlegion-8x8, in blocks of 64 rows:
-# 282,391 cycles instead of 269,811).
+# 282,391 cycles instead of 269,811; at 256 the cost model took blocks of 64: 409,544 -> 471,628).
+# A chain too short for two such blocks may take two of half as many rows, where it would
+# otherwise hide nothing (the layer at 128: 255,519 -> 240,012 cycles).
 FEWEST_ROWS = 128
 # A row kernel merged with a matmul step ends before the step's last this many passes (2B4T
 # BitLinear stack at 256 on dlegion-8x8: 2 passes 291,747 cycles, 3 291,186, 4 291,170).
@@ -66,6 +70,9 @@ KERNEL_AHEAD = 3
 # step before it (``_hoisted``; the same stack, its row blocks forwarding with 4 spare activation
 # slots, ``qplan.CHAIN_SPARE_SLOTS``: 0 291,997 cycles, 1 290,582, 2 289,605, 3 288,794, 4 289,093).
 HOISTED_PASSES = 3
+# The row kernel steps at most merged with the matmul step after them: the kernel of the matmul
+# before's block and the next block of the kernel before the matmul.
+MOST_MERGED = 2
 
 
 def plan(low: Lowering, nodes: list[Node], at: int) -> tuple[list[Node], list[range]]:
@@ -170,6 +177,9 @@ def blocks(arch: Arch, chain: list[Node], M: int) -> int:
         return passes + vector / b
 
     fits = [b for b in range(1, MOST_BLOCKS + 1) if M // b >= FEWEST_ROWS]
+    if fits == [1] and M // 2 >= FEWEST_ROWS // 2:
+        # One block hides none of the kernels: two of fewer rows may still pay (``FEWEST_ROWS``).
+        fits.append(2)
     return min(fits, key=cycles) if fits else 1
 
 
@@ -219,24 +229,30 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
             row_kernel_blocks(low, n, cuts[n.name]) for n in [*chain, *([tail] if tail else [])]}
     s = 0
     while s < len(steps):
-        node, after = steps[s], steps[s + 1] if s + 1 < len(steps) else None
-        if node is tail and views:
+        node, kernels = steps[s], _kernels_before(low, steps, s)
+        if views and tail in (node, *kernels):
             _lower_views(low, views, lower_node, spans)
             views = []
-        if (node.domain, node.op) == ROWS and after is not None and _silent(low, after):
-            x = _step(low, after, gens, spans, done)
-            em.reserved["vec"] = _vec_end(em, spans[x]) if x is not None else 0
-            try:
-                r = _step(low, node, gens, spans, done)
-            except CompileError:            # its rows do not fit beside the matmul's: after it
-                em.reserved.pop("vec", 0)
-                gens[node.name] = row_kernel_blocks(low, node, cuts[node.name][done[node.name]:], resumed=True)
-                r = _step(low, node, gens, spans, done)
-            used = em.reserved.pop("vec", 0)
-            if x is not None and r is not None and used:
-                _shift_vec(em, spans[r], used)
-                pairs[x] = r
-            s += 2
+        if kernels:
+            x = _step(low, steps[s + len(kernels)], gens, spans, done)
+            end = _vec_end(em, spans[x]) if x is not None else 0
+            merged = []
+            for kernel in kernels:
+                # Paired only while each kernel before it was: the merged order keeps theirs.
+                em.reserved["vec"] = end if len(merged) == kernels.index(kernel) else 0
+                try:
+                    r = _step(low, kernel, gens, spans, done)
+                except CompileError:        # its rows do not fit beside the matmul's: after it
+                    em.reserved["vec"] = 0
+                    gens[kernel.name] = row_kernel_blocks(low, kernel, cuts[kernel.name][done[kernel.name]:], resumed=True)
+                    r = _step(low, kernel, gens, spans, done)
+                used = em.reserved.pop("vec", 0)
+                if x is not None and r is not None and used:
+                    _shift_vec(em, spans[r], used)
+                    merged.append(r)
+            if merged:
+                pairs[x] = tuple(merged)
+            s += len(kernels) + 1
         else:
             _step(low, node, gens, spans, done)
             s += 1
@@ -247,11 +263,11 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
     how = (tuple((lo - start, hi - start) for _, lo, hi in spans), tuple(sorted(pairs.items())))
     out, starts = reused(program, low.rewrites, how, make)
     em.instrs[start:] = out
-    merged = {r: x for x, r in pairs.items()}
+    merged = {r: x for x, rs in pairs.items() for r in rs}
     for j, (node, lo, hi) in enumerate(spans):
         if j in merged:
             continue
-        name = region_name(node) + (f" with {region_name(spans[pairs[j]][0])}" if j in pairs else "")
+        name = region_name(node) + (" with " + " + ".join(region_name(spans[r][0]) for r in pairs[j]) if j in pairs else "")
         ks = [k - start for k in range(lo, hi) if not isinstance(program.instrs[k - start], Barrier)]
         regions.append((start + min(starts[k] for k in ks), name))
     if tail is not None:
@@ -283,15 +299,40 @@ def _lower_views(low: Lowering, views: list[Node], lower_node, spans: list) -> N
 
 def _vec_rooms(arch: Arch, steps: list[Node]) -> dict[str, int]:
     """The part of ``vec`` each matmul of the chain plans in: half of it, less when a row
-    kernel interleaved with it (the step before it) needs more than the other half for a row."""
+    kernel interleaved with it (the steps before it) needs more than the other half for a row."""
     vec = arch.derived.spad_elems["vec"]
     rooms = {n.name: vec // VEC_SHARE for n in steps if (n.domain, n.op) == MATMUL}
-    for before, node in zip(steps, steps[1:]):
-        if (before.domain, before.op) == ROWS and node.name in rooms:
+    for at, node in enumerate(steps):
+        for before in _rows_before(steps, at):
             left = vec - row_kernel_width(before)
-            if left < rooms[node.name]:
+            if node.name in rooms and left < rooms[node.name]:
                 rooms[node.name] = max(left, vec // LEAST_VEC_SHARE)
     return rooms
+
+
+def _rows_before(steps: list[Node], at: int) -> list[Node]:
+    """The row kernel steps merged with ``steps[at]`` when it is a matmul (``lower_chain``): the
+    run of row kernel steps right before it, from its end, each a node of its own and at most
+    ``MOST_MERGED``. The same node twice is a kernel before the matmul whose earlier block the
+    matmul's block reads: that block runs before it."""
+    out = []
+    for node in reversed(steps[max(0, at - MOST_MERGED):at]):
+        if (node.domain, node.op) != ROWS or node in out:
+            break
+        out.insert(0, node)
+    return out
+
+
+def _kernels_before(low: Lowering, steps: list[Node], s: int) -> list[Node]:
+    """The row kernel steps from ``steps[s]`` on that are merged with the silent matmul step
+    after them (``_rows_before``); none when ``steps[s]`` is not the first of them."""
+    at = s
+    while at < len(steps) and (steps[at].domain, steps[at].op) == ROWS:
+        at += 1
+    if at == s or at == len(steps) or not _silent(low, steps[at]):
+        return []
+    kernels = _rows_before(steps, at)
+    return kernels if at - len(kernels) == s else []
 
 
 def _step(low: Lowering, node: Node, gens: dict, spans: list, done: dict) -> int | None:
@@ -354,7 +395,7 @@ def _merged(program: Program, arch: Arch, spans: list, pairs: dict, start: int) 
     """The chain's instructions (not its barriers) span by span, each matmul span of ``pairs``
     merged evenly with its row kernel's span, each step's loads before its first pass hoisted
     into the step before it (``_hoisted``)."""
-    instrs, merged = program.instrs, set(pairs.values())
+    instrs, merged = program.instrs, {r for rs in pairs.values() for r in rs}
 
     def own(span) -> list[int]:
         _, lo, hi = span
@@ -366,7 +407,7 @@ def _merged(program: Program, arch: Arch, spans: list, pairs: dict, start: int) 
             continue
         mine = own(span)
         if j in pairs:
-            other = own(spans[pairs[j]])
+            other = [k for r in pairs[j] for k in own(spans[r])]
             steps.append(_before_last_passes(program, mine, other) if _apart(program, mine, other) else mine + other)
         else:
             steps.append(mine)
@@ -464,16 +505,17 @@ def _order(chain: list[Node], ranges: list[range]):
     """The chain's nodes, one for each row block step, in the pipelined order."""
     first = next(k for k, n in enumerate(chain) if (n.domain, n.op) == MATMUL)
     after = next((k for k in range(first + 1, len(chain)) if (chain[k].domain, chain[k].op) == MATMUL), len(chain))
-    if first == 1 and after == first + 1:
-        # One row kernel before a matmul nothing follows in its segment (a norm and quantize
-        # before the projections): block b + 1 of the kernel comes right before matmul block b,
-        # which it is merged with, so the vector unit computes it while the arrays multiply.
+    if first == 1:
+        # One row kernel before the first matmul (a norm and quantize before the projections):
+        # block b + 1 of the kernel comes right before matmul block b, which it is merged with
+        # (after the row kernels of block b - 1 of the matmul's segment), so the vector unit
+        # computes it while the arrays multiply.
         yield chain[0]
         for b in range(len(ranges)):
             if b + 1 < len(ranges):
                 yield chain[0]
-            yield chain[1]
-        first = 2
+            yield from chain[1:after]
+        first = after
     else:
         for n in chain[:first]:
             for _ in ranges:
