@@ -261,8 +261,11 @@ def matmul(m: Machine, i: MatMul) -> None:
         out = exact_matmul(a[0], wide, w_max).reshape(i.M, span, i.N).transpose(1, 0, 2)
     else:
         out = exact_matmul(a, w.astype(np.float32), w_max)
+    if i.accumulate == "add" and out.dtype == SPACE_DTYPE["acc"] and out.shape == (span, i.M, i.N):
+        m.add_into(i.legion, i.acc, out)      # int32 adds wrap around, as the accumulator does
+        return
     if i.accumulate == "add":
-        out = m.read(i.legion, i.acc, i.M, i.N, span) + out      # int32 arrays wrap around
+        out = m.read(i.legion, i.acc, i.M, i.N, span) + out
     m.write(i.legion, i.acc, out)
 
 

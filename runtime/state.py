@@ -187,6 +187,21 @@ class Bank:
         np.copyto(target, values, where=where)
         np.copyto(seen, True, where=where)
 
+    def add_into(self, legion: int, view: View, values: np.ndarray) -> None:
+        """``write(legion, view, read(...) + values)`` for a window already read whole (so
+        written), ``values`` of the space's dtype: added in place, without a sum to copy
+        (integers wrap, as the sum would)."""
+        span, rows, cols = values.shape
+        key = (legion, span, view.addr, rows, cols, view.rs, view.cs)
+        views = self._writes.get(key)
+        if views is None:
+            views = self._checked_target(legion, span, view, rows, cols)
+            if views is None:
+                return
+            self._writes[key] = views
+        target = views[0]
+        np.add(target, values, out=target)
+
     def _checked_target(self, legion: int, span: int, view: View, rows: int, cols: int) -> tuple | None:
         """The writeable (data, written) views of a window a store may use; None when empty."""
         if not self._check_bounds(legion, view, rows, cols):
@@ -372,6 +387,19 @@ class Machine:
         if self.watch is not None:      # after the read: a trap of the read comes first
             self.watch.spad(legion, span, view, rows, cols, False)
         return out
+
+    def add_into(self, legion: int, view: View, values: np.ndarray) -> None:
+        """Legions legion..legion+span-1's windows plus span x rows x cols ``values`` (of the
+        space's dtype), stored back: the read and the write of an accumulation, as
+        ``write(legion, view, read(...) + values)`` makes them, without the sum's copy."""
+        span, rows, cols = values.shape
+        bank = self.bank(legion, span, view.space)
+        bank.read(legion, span, view, rows, cols)      # traps on a never-written element
+        if self.watch is not None:
+            self.watch.spad(legion, span, view, rows, cols, False)
+        bank.add_into(legion, view, values)
+        if self.watch is not None:
+            self.watch.spad(legion, span, view, rows, cols, True)
 
     def write(self, legion: int, view: View, values: np.ndarray,
               where: np.ndarray | None = None) -> None:

@@ -11,7 +11,7 @@ from isa.verify import verify
 from runtime import fdot
 from runtime.costs import Env, cost
 from runtime.races import Order, WideLedger, _apart, _bounds, _depth_first, _rectangle
-from runtime.state import Scratchpad, Trap, copy_into
+from runtime.state import Bank, Machine, Scratchpad, Trap, copy_into
 from runtime.timing import _costs, _masks
 
 ARCH = load("dlegion-8x8")
@@ -67,6 +67,56 @@ def test_a_masked_store_marks_only_what_it_stores():
     pad.write(view, np.ones((1, 8), np.float32))
     pad.write(view, np.ones((1, 8), np.float32))       # written already: nothing new to mark
     assert pad.read(view, 1, 8).sum() == 8
+
+
+class _Told:
+    """A watch that keeps the scratchpad accesses it is told of."""
+
+    def __init__(self):
+        self.spads = []
+
+    def spad(self, *access):
+        self.spads.append(access)
+
+
+def _accumulating_machine(values: np.ndarray):
+    program = parse(SPANNED)
+    m = Machine(program, ARCH)
+    view = View("acc", 3, 40, 2)           # a strided window of every other element
+    m.write(1, view, values)
+    m.watch = _Told()
+    return m, view
+
+
+def test_an_accumulation_in_place_is_the_read_plus_the_write():
+    """add_into leaves the bytes, the written marks and the told accesses that a read, a sum
+    and a write leave, int32 wrapping included."""
+    rng = np.random.default_rng(5)
+    old = rng.integers(-2 ** 31, 2 ** 31, (3, 6, 8), dtype=np.int64).astype(np.int32)
+    old[0, 0, 0] = 2 ** 31 - 1
+    add = rng.integers(-2 ** 31, 2 ** 31, (3, 6, 8), dtype=np.int64).astype(np.int32)
+    plain, view = _accumulating_machine(old)
+    plain.write(1, view, plain.read(1, view, 6, 8, 3) + add)
+    fast, _ = _accumulating_machine(old)
+    fast.add_into(1, view, add)
+    for space in ("acc", "vec"):
+        assert fast.banks[space].data.tobytes() == plain.banks[space].data.tobytes()
+        assert fast.banks[space].written.tobytes() == plain.banks[space].written.tobytes()
+    assert fast.watch.spads == plain.watch.spads
+    wrapped = (2 ** 31 - 1 + int(add[0, 0, 0]) + 2 ** 31) % 2 ** 32 - 2 ** 31
+    assert fast.read(1, view, 6, 8, 3)[0, 0, 0] == wrapped
+
+
+def test_an_accumulation_into_never_written_elements_traps_and_changes_nothing():
+    m, view = _accumulating_machine(np.zeros((1, 6, 8), np.int32))
+    before = m.banks["acc"].data.copy()
+    with pytest.raises(Trap, match="never-written L2 acc"):
+        m.add_into(1, view, np.ones((2, 6, 8), np.int32))     # Legion 2's window was never written
+    assert m.banks["acc"].data.tobytes() == before.tobytes()
+    assert m.watch.spads == []
+    bank = Bank("acc", 2, 32)
+    with pytest.raises(Trap, match="hits some element twice"):
+        bank.add_into(0, View("acc", 0, 1, 1), np.ones((1, 4, 4), np.int32))
 
 
 # --- the race check's DRAM table ---------------------------------------------------------------
@@ -182,6 +232,28 @@ def test_the_quick_rounding_test_agrees_with_the_midpoints():
             # Sound: wherever it passes the rounded fp64 sum, that is the exact sum rounded.
             for m, n in zip(*np.nonzero(alike & np.isfinite(s))):
                 assert fdot._exact_dot(a[m], b[:, n]) == out[m, n]
+
+
+def test_the_row_bound_covers_every_element_of_its_row():
+    """fdot's bound per row is at least the elementwise one (|a_m| |b_n| per element, the
+    Cauchy-Schwarz bound on sum |a_k b_k|) wherever a column is finite, batched or not, and an infinite or NaN
+    column does not reach the others' bound."""
+    rng = np.random.default_rng(3)
+    with np.errstate(all="ignore"):
+        for trial in range(200):
+            a, b = _hard_products(rng, trial)
+            a, b = (a, b) if trial % 2 else (np.stack([a, a[::-1]]), np.stack([b, -b]))
+            k = a.shape[-1]
+            err = np.broadcast_to(fdot._row_bounds(a, b, k), (a @ b).shape)
+            # Cauchy-Schwarz per element: |a_m| |b_n|, with the same margin
+            rows = np.sqrt(np.einsum("...k,...k->...", a, a))[..., :, None]
+            cols = np.sqrt(np.einsum("...kn,...kn->...n", b, b))[..., None, :]
+            elementwise = rows * cols * (2.0 * k * 2.0 ** -53)
+            finite = np.broadcast_to(np.isfinite(b).all(axis=-2, keepdims=True), err.shape) & np.isfinite(elementwise)
+            assert (err[finite] >= elementwise[finite]).all()
+    b = np.ones((4, 3))
+    b[0, 1] = np.inf
+    assert np.isfinite(fdot._row_bounds(np.ones((2, 4)), b, 4)).all()
 
 
 def test_a_sum_on_a_midpoint_is_left_to_the_exact_sum():
