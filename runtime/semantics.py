@@ -79,8 +79,34 @@ def dma_load(m: Machine, i: DmaLoad) -> None:
     _check_pair(LOADS, i.dst.space, m.tensor(i.src.tensor), "load into")
     values = move(m.dram_read(i.src, i.rows, i.cols, _span(i), _lstride(i)), SPACE_DTYPE[i.dst.space])
     # One DRAM read, delivered to every destination Legion (multicast); rank r's are moved by r.
+    _deliver(m, i, values)
+
+
+def _deliver(m: Machine, i: Instr, values: np.ndarray) -> None:
+    """``values`` written to every destination of ``i``, in Legion order: a single rank's at
+    once when no destination window holds what they were read from (a load's never does),
+    else one destination after the other."""
+    if values.shape[0] == 1 and len(i.dests) > 1 and not _rewrites_source(i):
+        m.multicast(i.dests, i.dst, values)
+        return
     for legion in sorted(i.dests):
         m.write(legion, i.dst, values)
+
+
+def _rewrites_source(i: Instr) -> bool:
+    """Whether a move's destination window on its own Legion may share an element with its
+    source window, other than being that window (which a store of its own values leaves as
+    it was)."""
+    if not isinstance(i, NocMove) or i.legion not in i.dests or i.src.space != i.dst.space or i.src == i.dst:
+        return False
+    (lo, hi), (dst_lo, dst_hi) = (_extent(v, i.rows, i.cols) for v in (i.src, i.dst))
+    return lo <= dst_hi and dst_lo <= hi
+
+
+def _extent(v: View, rows: int, cols: int) -> tuple[int, int]:
+    """The lowest and highest element a rows x cols window of ``v`` touches."""
+    steps = ((rows - 1) * v.rs, (cols - 1) * v.cs)
+    return v.addr + sum(min(0, x) for x in steps), v.addr + sum(max(0, x) for x in steps)
 
 
 @handles(NocMove)
@@ -89,8 +115,7 @@ def noc_move(m: Machine, i: NocMove) -> None:
     # (rank r's moved by r).
     span = _span(i)
     values = m.read(i.legion, i.src, i.rows, i.cols, span).reshape(span, i.rows, i.cols)
-    for legion in sorted(i.dests):
-        m.write(legion, i.dst, values)
+    _deliver(m, i, values)
 
 
 @handles(NocAdd)

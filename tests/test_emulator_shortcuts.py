@@ -119,6 +119,60 @@ def test_an_accumulation_into_never_written_elements_traps_and_changes_nothing()
         bank.add_into(0, View("acc", 0, 1, 1), np.ones((1, 4, 4), np.int32))
 
 
+@pytest.mark.parametrize("dests", [{0, 1, 2, 3, 4, 5, 6, 7}, {2, 3, 5, 7}, {6}, {1, 9}])
+def test_a_multicast_is_the_stores_one_destination_after_the_other(dests):
+    """Runs of consecutive Legions stored at once leave the bytes, written marks and told
+    accesses of one store per destination; a Legion the machine lacks traps as those do."""
+    rng = np.random.default_rng(len(dests))
+    values = rng.integers(-128, 128, (1, 5, 12)).astype(np.int8)
+    view = View("act", 7, 30, 2)
+    got = []
+    for send in ("plain", "multicast"):
+        m = Machine(parse(SPANNED), ARCH)
+        m.watch = _Told()
+        try:
+            if send == "plain":
+                for legion in sorted(dests):
+                    m.write(legion, view, values)
+            else:
+                m.multicast(dests, view, values)
+            error = None
+        except Trap as e:
+            error = str(e)
+        got.append((m.banks["act"].data.tobytes(), m.banks["act"].written.tobytes(), m.watch.spads, error))
+    assert got[0] == got[1]
+    assert (got[0][3] is not None) == (9 in dests)
+
+
+def _move_machine(src: View, dst: View, dests, deliver: str):
+    """A machine after a noc.mv of a 4 x 8 window from Legion 1 (act), every destination's
+    stores made by ``deliver``: "multicast" as the emulator chooses, "plain" one by one."""
+    import runtime.semantics as semantics
+    from isa.instructions import NocMove
+    m = Machine(parse(SPANNED), ARCH)
+    start = np.arange(8 * 64, dtype=np.int64).reshape(8, 64) % 251 - 120
+    m.write(0, View("act", 0, 64, 1), start.reshape(8, 1, 64).astype(np.int8))
+    m.watch = _Told()
+    move = NocMove(legion=1, dests=frozenset(dests), dst=dst, src=src, rows=4, cols=8)
+    if deliver == "plain":
+        values = m.read(1, src, 4, 8, 1)
+        for legion in sorted(dests):
+            m.write(legion, dst, values)
+    else:
+        semantics.noc_move(m, move)
+    return m.banks["act"].data.tobytes(), m.watch.spads
+
+
+@pytest.mark.parametrize("dst", [View("act", 0, 16, 1), View("act", 40, 16, 1), View("act", 4, 16, 1),
+                                 View("act", 2, 8, 1)])
+def test_a_move_onto_its_own_source_stores_as_one_destination_after_the_other(dst):
+    """A move whose own Legion is a destination: its window elsewhere, the same window, or one
+    that overlaps it (each later destination then gets what the earlier stores left)."""
+    src = View("act", 0, 16, 1)
+    for dests in ({0, 1, 2, 3}, {1, 2}, {3, 4}):
+        assert _move_machine(src, dst, dests, "multicast") == _move_machine(src, dst, dests, "plain")
+
+
 # --- the race check's DRAM table ---------------------------------------------------------------
 
 def _random_window(rng):
