@@ -366,7 +366,7 @@ class Machine:
         if not flat.flags.writeable:         # a constant (the verifier refuses that): copy, never the file
             flat = self.dram[ref.tensor] = flat.copy()
         values = convert(values, flat.dtype)
-        if span > 1 and lstride < last_element(0, rows, cols, ref.rs, 1) + 1:
+        if span > 1 and not _ranks_apart(span, rows, cols, ref.rs, lstride):
             for r in range(span):            # ranks that share elements (a race): in rank order
                 _ranks(flat, ref, rows, cols, 1, 0, offset=ref.offset + r * lstride, writeable=True)[...] = values[r]
             return
@@ -430,6 +430,16 @@ class Machine:
         self.bank(legion, span, view.space).write(legion, view, values, where)
         if self.watch is not None:
             self.watch.spad(legion, span, view, *values.shape[1:], True)
+
+
+def _ranks_apart(span: int, rows: int, cols: int, rs: int, lstride: int) -> bool:
+    """Whether no two ranks of a DRAM store share an element (rank r's rows x cols window,
+    row stride ``rs``, starts ``r * lstride`` further): each starts past the last one's end,
+    or the ranks sit side by side in every row (lstride >= cols) and all of them fit in a
+    row stride, so an element's row, rank and column are its index's quotients."""
+    if lstride >= last_element(0, rows, cols, rs, 1) + 1:
+        return True
+    return cols <= lstride and (span - 1) * lstride + cols <= rs
 
 
 def _ranks(flat: np.ndarray, ref: DramRef, rows: int, cols: int, span: int, lstride: int,

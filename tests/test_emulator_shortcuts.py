@@ -11,7 +11,7 @@ from isa.verify import verify
 from runtime import fdot
 from runtime.costs import Env, cost
 from runtime.races import Order, WideLedger, _apart, _bounds, _depth_first, _rectangle
-from runtime.state import Bank, Machine, Scratchpad, Trap, copy_into
+from runtime.state import Bank, Machine, Scratchpad, Trap, _ranks_apart, copy_into
 from runtime.timing import _costs, _masks
 
 ARCH = load("dlegion-8x8")
@@ -171,6 +171,35 @@ def test_a_move_onto_its_own_source_stores_as_one_destination_after_the_other(ds
     src = View("act", 0, 16, 1)
     for dests in ({0, 1, 2, 3}, {1, 2}, {3, 4}):
         assert _move_machine(src, dst, dests, "multicast") == _move_machine(src, dst, dests, "plain")
+
+
+def test_ranks_told_apart_share_no_element():
+    """A store's ranks are written at once only when no two share an element (enumerated),
+    and the ranks side by side in the rows of a wider matrix are told apart."""
+    for span in (2, 3, 8):
+        for rows in (1, 2, 5):
+            for cols in (1, 3, 4):
+                for rs in (0, 3, 4, 12, 13, 40):
+                    for lstride in (0, 1, 3, 4, 5, 12, 40, 200):
+                        ranks = [{r * lstride + i * rs + j for i in range(rows) for j in range(cols)}
+                                 for r in range(span)]
+                        if _ranks_apart(span, rows, cols, rs, lstride):
+                            assert sum(map(len, ranks)) == len(set().union(*ranks))
+    assert _ranks_apart(8, 64, 16, 2560, 16) and not _ranks_apart(8, 64, 16, 100, 16)
+
+
+def test_a_store_of_ranks_side_by_side_is_the_stores_rank_by_rank():
+    from isa.fields import DramRef
+    program = parse(SPANNED)
+    rng = np.random.default_rng(4)
+    values = rng.standard_normal((4, 3, 16)).astype(np.float32)
+    ref = DramRef(1, 5, 128)                      # y: 3 rows of 4 ranks of 16, then a gap
+    at_once, by_rank = Machine(program, ARCH), Machine(program, ARCH)
+    at_once.dram_write(ref, values, 16)
+    for r in range(4):
+        by_rank.dram_write(DramRef(1, 5 + 16 * r, 128), values[r:r + 1])
+    assert at_once.dram[1].tobytes() == by_rank.dram[1].tobytes()
+    assert np.count_nonzero(at_once.dram[1]) == values.size
 
 
 # --- the race check's DRAM table ---------------------------------------------------------------
