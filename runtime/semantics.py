@@ -342,17 +342,39 @@ def _shaped(m: Machine, i: Instr, out, rows: int, cols: int) -> np.ndarray:
     return out if out.shape == shape else np.broadcast_to(out, shape)
 
 
+# Functions that round each element once, exactly: their bits are the same whichever loop numpy
+# runs them with, into a fresh array or into a strided window.
+EXACT_UFUNCS = frozenset({np.add, np.subtract, np.multiply, np.divide, np.negative, np.absolute, np.rint,
+                          np.floor, np.ceil, np.trunc, np.sqrt})
+
+
+def _into_dst(m: Machine, i: Instr, fn, *operands) -> bool:
+    """``fn(*operands)`` computed straight into ``i``'s destination window (no result to copy),
+    when that stores what :meth:`Machine.write` of it would: ``fn`` is exact, the window holds
+    fp32 and an operand is a window (the result has its full shape). numpy reads operands that
+    share memory with the destination before writing it, as a separate result does."""
+    if fn not in EXACT_UFUNCS or SPACE_DTYPE[i.dst.space] != "float32" \
+            or not any(isinstance(x, np.ndarray) for x in operands):
+        return False
+    target = m.target(i.legion, i.dst, i.rows, i.cols, _span(i))
+    if target is not None:
+        fn(*operands, out=target)
+    return True
+
+
 @handles(VUnary)
 def vunary(m: Machine, i: VUnary) -> None:
     a = _operand(m, i, i.a, i.rows, i.cols)
-    m.write(i.legion, i.dst, _shaped(m, i, type(i).FUNC(a), i.rows, i.cols))
+    if not _into_dst(m, i, type(i).FUNC, a):
+        m.write(i.legion, i.dst, _shaped(m, i, type(i).FUNC(a), i.rows, i.cols))
 
 
 @handles(VBinary)
 def vbinary(m: Machine, i: VBinary) -> None:
     a = _operand(m, i, i.a, i.rows, i.cols)
     b = _operand(m, i, i.b, i.rows, i.cols)
-    m.write(i.legion, i.dst, _shaped(m, i, type(i).FUNC(a, b), i.rows, i.cols))
+    if not _into_dst(m, i, type(i).FUNC, a, b):
+        m.write(i.legion, i.dst, _shaped(m, i, type(i).FUNC(a, b), i.rows, i.cols))
 
 
 @handles(VReduce)

@@ -169,38 +169,46 @@ class Bank:
         """Store a span x rows x cols array (converted to the space's dtype) into Legions
         legion.. of the span; ``where`` limits the store to the elements where it is true."""
         span, rows, cols = values.shape
-        key = (legion, span, view.addr, rows, cols, view.rs, view.cs)
-        views = self._writes.get(key)
-        if views is None:
-            views = self._checked_target(legion, span, view, rows, cols)
-            if views is None:
-                return
-            self._writes[key] = views
-        target, seen = views
-        values = convert(values, self.data.dtype)
         if where is None:
-            copy_into(target, values)
-            if key not in self._full:
-                seen[...] = True
-                self._full.add(key)
+            target = self.target(legion, span, view, rows, cols)
+            if target is not None:
+                copy_into(target, convert(values, self.data.dtype))
             return
-        np.copyto(target, values, where=where)
-        np.copyto(seen, True, where=where)
+        views = self._views(legion, span, view, rows, cols)
+        if views is not None:
+            np.copyto(views[0], convert(values, self.data.dtype), where=where)
+            np.copyto(views[1], True, where=where)
+
+    def target(self, legion: int, span: int, view: View, rows: int, cols: int) -> np.ndarray | None:
+        """The writeable window a whole store fills, marked written (the caller fills it before
+        anything reads it); None when empty."""
+        key = (legion, span, view.addr, rows, cols, view.rs, view.cs)
+        views = self._views(legion, span, view, rows, cols)
+        if views is None:
+            return None
+        if key not in self._full:
+            views[1][...] = True
+            self._full.add(key)
+        return views[0]
 
     def add_into(self, legion: int, view: View, values: np.ndarray) -> None:
         """``write(legion, view, read(...) + values)`` for a window already read whole (so
         written), ``values`` of the space's dtype: added in place, without a sum to copy
         (integers wrap, as the sum would)."""
-        span, rows, cols = values.shape
+        views = self._views(legion, values.shape[0], view, *values.shape[1:])
+        if views is not None:
+            np.add(views[0], values, out=views[0])
+
+    def _views(self, legion: int, span: int, view: View, rows: int, cols: int) -> tuple | None:
+        """The checked, writeable (data, written) views of a window, kept by window; None when
+        empty."""
         key = (legion, span, view.addr, rows, cols, view.rs, view.cs)
         views = self._writes.get(key)
         if views is None:
             views = self._checked_target(legion, span, view, rows, cols)
-            if views is None:
-                return
-            self._writes[key] = views
-        target = views[0]
-        np.add(target, values, out=target)
+            if views is not None:
+                self._writes[key] = views
+        return views
 
     def _checked_target(self, legion: int, span: int, view: View, rows: int, cols: int) -> tuple | None:
         """The writeable (data, written) views of a window a store may use; None when empty."""
@@ -400,6 +408,15 @@ class Machine:
         bank.add_into(legion, view, values)
         if self.watch is not None:
             self.watch.spad(legion, span, view, rows, cols, True)
+
+    def target(self, legion: int, view: View, rows: int, cols: int, span: int = 1) -> np.ndarray | None:
+        """The writeable span x rows x cols window of Legions legion.. a whole store fills,
+        for the caller to compute into at once (None when empty): checked, marked written and
+        told as :meth:`write` does."""
+        out = self.bank(legion, span, view.space).target(legion, span, view, rows, cols)
+        if self.watch is not None:
+            self.watch.spad(legion, span, view, rows, cols, True)
+        return out
 
     def multicast(self, dests, view: View, values: np.ndarray) -> None:
         """``write(legion, view, values)`` for each Legion of ``dests`` in order (``values``:

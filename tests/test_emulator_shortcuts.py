@@ -202,6 +202,41 @@ def test_a_store_of_ranks_side_by_side_is_the_stores_rank_by_rank():
     assert np.count_nonzero(at_once.dram[1]) == values.size
 
 
+def _vector_machine(cls, dst: View, a: View, b, deliver: str):
+    """vec after ``cls`` (span 2, 3 x 5, dst and operands maybe sharing elements) on values
+    with NaN, infinities, signed zeros and subnormals: computed into the destination ("fast")
+    or stored as a separate result ("plain")."""
+    from runtime import semantics
+    rng = np.random.default_rng(7)
+    m = Machine(parse(SPANNED), ARCH)
+    start = rng.standard_normal((2, 1, 200)).astype(np.float32) * np.float32(1e3)
+    start[:, 0, ::7] = ([np.nan, np.inf, -np.inf, -0.0, 0.0, 1e-42, -3.5, 2.5, 0.5, -0.5] * 3)[:29]
+    m.write(0, View("vec", 0, 200, 1), start)
+    m.watch = _Told()
+    binary = issubclass(cls, semantics.VBinary)
+    fields = dict(legion=0, dst=dst, a=a, rows=3, cols=5, span=2)
+    i = cls(**fields, b=b) if binary else cls(**fields)
+    if deliver == "fast":
+        semantics.execute(m, i)
+    else:
+        with np.errstate(all="ignore"):
+            ops = [semantics._operand(m, i, x, 3, 5) for x in ((a, b) if binary else (a,))]
+            m.write(0, dst, semantics._shaped(m, i, cls.FUNC(*ops), 3, 5))
+    return m.banks["vec"].data.tobytes(), m.banks["vec"].written.tobytes(), m.watch.spads
+
+
+@pytest.mark.parametrize("mnemonic", ["vadd", "vsub", "vmul", "vdiv", "vneg", "vabs", "vround", "vfloor",
+                                      "vceil", "vtrunc", "vsqrt", "vmax", "vexp"])
+def test_a_vector_result_computed_into_its_window_is_the_stored_result(mnemonic):
+    from isa.instructions import BY_MNEMONIC
+    cls = BY_MNEMONIC[mnemonic]
+    for dst, a, b in [(View("vec", 100, 10, 1), View("vec", 0, 10, 1), View("vec", 50, 12, 2)),
+                      (View("vec", 2, 10, 1), View("vec", 0, 10, 1), View("vec", 4, 10, 1)),   # overlapping
+                      (View("vec", 0, 10, 1), View("vec", 0, 10, 1), 2.5),                     # in place
+                      (View("vec", 100, 10, 1), View("vec", 3, 0, 1), -0.0)]:                  # broadcast row
+        assert _vector_machine(cls, dst, a, b, "fast") == _vector_machine(cls, dst, a, b, "plain")
+
+
 # --- the race check's DRAM table ---------------------------------------------------------------
 
 def _random_window(rng):
