@@ -30,13 +30,7 @@ def _rounded(a64: np.ndarray, b64: np.ndarray) -> np.ndarray:
     k = a64.shape[-1]
     if k <= 1 or out.size == 0:
         return out                       # one product is exact in fp64: nothing to round twice
-    # sum |a_k b_k| <= |a| |b| (Cauchy-Schwarz): one norm per row and column instead of a
-    # second product. Twice gamma_K: room for the rounding of the bound itself (the squares
-    # of fp32 values are exact in fp64, their sums within gamma_K in any order).
-    rows = np.sqrt(np.einsum("...k,...k->...", a64, a64))[..., :, None]
-    cols = np.sqrt(np.einsum("...kn,...kn->...n", b64, b64))[..., None, :]
-    err = rows * cols
-    err *= 2.0 * k * _UNIT
+    err = _row_bounds(a64, b64, k)
     doubt = ~_rounds_alike(s, err, out)
     if not doubt.any():                  # the common case: no element to sum exactly
         return out
@@ -46,6 +40,22 @@ def _rounded(a64: np.ndarray, b64: np.ndarray) -> np.ndarray:
         *batch, m, n = np.unravel_index(at, out.shape)
         out[(*batch, m, n)] = _exact_dot(a64[(*batch, m)], b64[(*batch, slice(None), n)])
     return out
+
+
+def _row_bounds(a64: np.ndarray, b64: np.ndarray, k: int) -> np.ndarray:
+    """Per row of ``a64 @ b64`` (... x M x 1), a bound on how far its fp64 sums may be from
+    the exact ones: sum |a_k b_k| <= |a| |b| (Cauchy-Schwarz), with the largest finite column
+    norm of ``b64`` for every column, so that the bound is one column to broadcast and not a
+    matrix to compute (a column with an infinity or NaN has non-finite sums, which need no
+    bound). Twice gamma_K: room for the rounding of the bound itself (the squares of fp32
+    values are exact in fp64, their sums within gamma_K in any order)."""
+    rows = np.sqrt(np.einsum("...k,...k->...", a64, a64))[..., :, None]
+    cols = np.sqrt(np.einsum("...kn,...kn->...n", b64, b64))
+    cols[~np.isfinite(cols)] = 0.0
+    top = cols.max(axis=-1, initial=0.0)[..., None, None]
+    err = rows * top                    # a batch of ``b64`` may broadcast ``a64``'s rows
+    err *= 2.0 * k * _UNIT
+    return err
 
 
 def _rounds_alike(s: np.ndarray, err: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -62,7 +72,7 @@ def _rounds_alike(s: np.ndarray, err: np.ndarray, out: np.ndarray) -> np.ndarray
     alike &= err > 0
     doubt = ~alike
     if doubt.any():
-        alike[doubt] = _within_edges(s[doubt], err[doubt], out[doubt])
+        alike[doubt] = _within_edges(s[doubt], np.broadcast_to(err, s.shape)[doubt], out[doubt])
     return alike
 
 

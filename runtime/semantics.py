@@ -79,8 +79,34 @@ def dma_load(m: Machine, i: DmaLoad) -> None:
     _check_pair(LOADS, i.dst.space, m.tensor(i.src.tensor), "load into")
     values = move(m.dram_read(i.src, i.rows, i.cols, _span(i), _lstride(i)), SPACE_DTYPE[i.dst.space])
     # One DRAM read, delivered to every destination Legion (multicast); rank r's are moved by r.
+    _deliver(m, i, values)
+
+
+def _deliver(m: Machine, i: Instr, values: np.ndarray) -> None:
+    """``values`` written to every destination of ``i``, in Legion order: a single rank's at
+    once when no destination window holds what they were read from (a load's never does),
+    else one destination after the other."""
+    if values.shape[0] == 1 and len(i.dests) > 1 and not _rewrites_source(i):
+        m.multicast(i.dests, i.dst, values)
+        return
     for legion in sorted(i.dests):
         m.write(legion, i.dst, values)
+
+
+def _rewrites_source(i: Instr) -> bool:
+    """Whether a move's destination window on its own Legion may share an element with its
+    source window, other than being that window (which a store of its own values leaves as
+    it was)."""
+    if not isinstance(i, NocMove) or i.legion not in i.dests or i.src.space != i.dst.space or i.src == i.dst:
+        return False
+    (lo, hi), (dst_lo, dst_hi) = (_extent(v, i.rows, i.cols) for v in (i.src, i.dst))
+    return lo <= dst_hi and dst_lo <= hi
+
+
+def _extent(v: View, rows: int, cols: int) -> tuple[int, int]:
+    """The lowest and highest element a rows x cols window of ``v`` touches."""
+    steps = ((rows - 1) * v.rs, (cols - 1) * v.cs)
+    return v.addr + sum(min(0, x) for x in steps), v.addr + sum(max(0, x) for x in steps)
 
 
 @handles(NocMove)
@@ -89,8 +115,7 @@ def noc_move(m: Machine, i: NocMove) -> None:
     # (rank r's moved by r).
     span = _span(i)
     values = m.read(i.legion, i.src, i.rows, i.cols, span).reshape(span, i.rows, i.cols)
-    for legion in sorted(i.dests):
-        m.write(legion, i.dst, values)
+    _deliver(m, i, values)
 
 
 @handles(NocAdd)
@@ -261,8 +286,11 @@ def matmul(m: Machine, i: MatMul) -> None:
         out = exact_matmul(a[0], wide, w_max).reshape(i.M, span, i.N).transpose(1, 0, 2)
     else:
         out = exact_matmul(a, w.astype(np.float32), w_max)
+    if i.accumulate == "add" and out.dtype == SPACE_DTYPE["acc"] and out.shape == (span, i.M, i.N):
+        m.add_into(i.legion, i.acc, out)      # int32 adds wrap around, as the accumulator does
+        return
     if i.accumulate == "add":
-        out = m.read(i.legion, i.acc, i.M, i.N, span) + out      # int32 arrays wrap around
+        out = m.read(i.legion, i.acc, i.M, i.N, span) + out
     m.write(i.legion, i.acc, out)
 
 
@@ -314,17 +342,39 @@ def _shaped(m: Machine, i: Instr, out, rows: int, cols: int) -> np.ndarray:
     return out if out.shape == shape else np.broadcast_to(out, shape)
 
 
+# Functions that round each element once, exactly: their bits are the same whichever loop numpy
+# runs them with, into a fresh array or into a strided window.
+EXACT_UFUNCS = frozenset({np.add, np.subtract, np.multiply, np.divide, np.negative, np.absolute, np.rint,
+                          np.floor, np.ceil, np.trunc, np.sqrt})
+
+
+def _into_dst(m: Machine, i: Instr, fn, *operands) -> bool:
+    """``fn(*operands)`` computed straight into ``i``'s destination window (no result to copy),
+    when that stores what :meth:`Machine.write` of it would: ``fn`` is exact, the window holds
+    fp32 and an operand is a window (the result has its full shape). numpy reads operands that
+    share memory with the destination before writing it, as a separate result does."""
+    if fn not in EXACT_UFUNCS or SPACE_DTYPE[i.dst.space] != "float32" \
+            or not any(isinstance(x, np.ndarray) for x in operands):
+        return False
+    target = m.target(i.legion, i.dst, i.rows, i.cols, _span(i))
+    if target is not None:
+        fn(*operands, out=target)
+    return True
+
+
 @handles(VUnary)
 def vunary(m: Machine, i: VUnary) -> None:
     a = _operand(m, i, i.a, i.rows, i.cols)
-    m.write(i.legion, i.dst, _shaped(m, i, type(i).FUNC(a), i.rows, i.cols))
+    if not _into_dst(m, i, type(i).FUNC, a):
+        m.write(i.legion, i.dst, _shaped(m, i, type(i).FUNC(a), i.rows, i.cols))
 
 
 @handles(VBinary)
 def vbinary(m: Machine, i: VBinary) -> None:
     a = _operand(m, i, i.a, i.rows, i.cols)
     b = _operand(m, i, i.b, i.rows, i.cols)
-    m.write(i.legion, i.dst, _shaped(m, i, type(i).FUNC(a, b), i.rows, i.cols))
+    if not _into_dst(m, i, type(i).FUNC, a, b):
+        m.write(i.legion, i.dst, _shaped(m, i, type(i).FUNC(a, b), i.rows, i.cols))
 
 
 @handles(VReduce)

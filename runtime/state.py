@@ -169,23 +169,46 @@ class Bank:
         """Store a span x rows x cols array (converted to the space's dtype) into Legions
         legion.. of the span; ``where`` limits the store to the elements where it is true."""
         span, rows, cols = values.shape
+        if where is None:
+            target = self.target(legion, span, view, rows, cols)
+            if target is not None:
+                copy_into(target, convert(values, self.data.dtype))
+            return
+        views = self._views(legion, span, view, rows, cols)
+        if views is not None:
+            np.copyto(views[0], convert(values, self.data.dtype), where=where)
+            np.copyto(views[1], True, where=where)
+
+    def target(self, legion: int, span: int, view: View, rows: int, cols: int) -> np.ndarray | None:
+        """The writeable window a whole store fills, marked written (the caller fills it before
+        anything reads it); None when empty."""
+        key = (legion, span, view.addr, rows, cols, view.rs, view.cs)
+        views = self._views(legion, span, view, rows, cols)
+        if views is None:
+            return None
+        if key not in self._full:
+            views[1][...] = True
+            self._full.add(key)
+        return views[0]
+
+    def add_into(self, legion: int, view: View, values: np.ndarray) -> None:
+        """``write(legion, view, read(...) + values)`` for a window already read whole (so
+        written), ``values`` of the space's dtype: added in place, without a sum to copy
+        (integers wrap, as the sum would)."""
+        views = self._views(legion, values.shape[0], view, *values.shape[1:])
+        if views is not None:
+            np.add(views[0], values, out=views[0])
+
+    def _views(self, legion: int, span: int, view: View, rows: int, cols: int) -> tuple | None:
+        """The checked, writeable (data, written) views of a window, kept by window; None when
+        empty."""
         key = (legion, span, view.addr, rows, cols, view.rs, view.cs)
         views = self._writes.get(key)
         if views is None:
             views = self._checked_target(legion, span, view, rows, cols)
-            if views is None:
-                return
-            self._writes[key] = views
-        target, seen = views
-        values = convert(values, self.data.dtype)
-        if where is None:
-            copy_into(target, values)
-            if key not in self._full:
-                seen[...] = True
-                self._full.add(key)
-            return
-        np.copyto(target, values, where=where)
-        np.copyto(seen, True, where=where)
+            if views is not None:
+                self._writes[key] = views
+        return views
 
     def _checked_target(self, legion: int, span: int, view: View, rows: int, cols: int) -> tuple | None:
         """The writeable (data, written) views of a window a store may use; None when empty."""
@@ -351,7 +374,7 @@ class Machine:
         if not flat.flags.writeable:         # a constant (the verifier refuses that): copy, never the file
             flat = self.dram[ref.tensor] = flat.copy()
         values = convert(values, flat.dtype)
-        if span > 1 and lstride < last_element(0, rows, cols, ref.rs, 1) + 1:
+        if span > 1 and not _ranks_apart(span, rows, cols, ref.rs, lstride):
             for r in range(span):            # ranks that share elements (a race): in rank order
                 _ranks(flat, ref, rows, cols, 1, 0, offset=ref.offset + r * lstride, writeable=True)[...] = values[r]
             return
@@ -373,6 +396,50 @@ class Machine:
             self.watch.spad(legion, span, view, rows, cols, False)
         return out
 
+    def add_into(self, legion: int, view: View, values: np.ndarray) -> None:
+        """Legions legion..legion+span-1's windows plus span x rows x cols ``values`` (of the
+        space's dtype), stored back: the read and the write of an accumulation, as
+        ``write(legion, view, read(...) + values)`` makes them, without the sum's copy."""
+        span, rows, cols = values.shape
+        bank = self.bank(legion, span, view.space)
+        bank.read(legion, span, view, rows, cols)      # traps on a never-written element
+        if self.watch is not None:
+            self.watch.spad(legion, span, view, rows, cols, False)
+        bank.add_into(legion, view, values)
+        if self.watch is not None:
+            self.watch.spad(legion, span, view, rows, cols, True)
+
+    def target(self, legion: int, view: View, rows: int, cols: int, span: int = 1) -> np.ndarray | None:
+        """The writeable span x rows x cols window of Legions legion.. a whole store fills,
+        for the caller to compute into at once (None when empty): checked, marked written and
+        told as :meth:`write` does."""
+        out = self.bank(legion, span, view.space).target(legion, span, view, rows, cols)
+        if self.watch is not None:
+            self.watch.spad(legion, span, view, rows, cols, True)
+        return out
+
+    def multicast(self, dests, view: View, values: np.ndarray) -> None:
+        """``write(legion, view, values)`` for each Legion of ``dests`` in order (``values``:
+        1 x rows x cols, not a view of a window it overwrites), as one store per run of
+        consecutive Legions: the same bytes, marks and told accesses, one copy call per run."""
+        legions = sorted(dests)
+        if values.shape[0] != 1 or not legions or legions[0] < 0 or legions[-1] >= self.arch.legions:
+            for legion in legions:       # a missing Legion traps where the plain stores would
+                self.write(legion, view, values)
+            return
+        bank = self.banks[view.space]
+        values = convert(values, bank.data.dtype)
+        rows, cols = values.shape[1:]
+        lo = 0
+        for hi in range(1, len(legions) + 1):
+            if hi < len(legions) and legions[hi] == legions[hi - 1] + 1:
+                continue
+            bank.write(legions[lo], view, np.broadcast_to(values, (hi - lo, rows, cols)))
+            if self.watch is not None:
+                for legion in legions[lo:hi]:
+                    self.watch.spad(legion, 1, view, rows, cols, True)
+            lo = hi
+
     def write(self, legion: int, view: View, values: np.ndarray,
               where: np.ndarray | None = None) -> None:
         """Store span x rows x cols ``values`` into Legions legion..legion+span-1."""
@@ -380,6 +447,16 @@ class Machine:
         self.bank(legion, span, view.space).write(legion, view, values, where)
         if self.watch is not None:
             self.watch.spad(legion, span, view, *values.shape[1:], True)
+
+
+def _ranks_apart(span: int, rows: int, cols: int, rs: int, lstride: int) -> bool:
+    """Whether no two ranks of a DRAM store share an element (rank r's rows x cols window,
+    row stride ``rs``, starts ``r * lstride`` further): each starts past the last one's end,
+    or the ranks sit side by side in every row (lstride >= cols) and all of them fit in a
+    row stride, so an element's row, rank and column are its index's quotients."""
+    if lstride >= last_element(0, rows, cols, rs, 1) + 1:
+        return True
+    return cols <= lstride and (span - 1) * lstride + cols <= rs
 
 
 def _ranks(flat: np.ndarray, ref: DramRef, rows: int, cols: int, span: int, lstride: int,

@@ -177,6 +177,11 @@ class _Sim:
         self.dram = _Dram(arch.derived.dram_bytes_per_cycle, arch.derived.link_bytes_per_cycle)
         self.latency = arch.dram_latency_cycles
         self.handlers = {WAIT: self._wait, BARRIER: self._barrier}
+        self._woken: list = []      # queues a passed wait or a released barrier woke (_advance's)
+        # What _advance and _complete read on every call, in one attribute.
+        self._completing = (self.queue_of, self.done, self.is_flow, self.order, self.is_done, self.waiters)
+        self._loop = (self.queues, self.waiters, self.done, part.conds, part.kinds, part.timing,
+                      self.handlers, self._woken, self.start, self.free, self.events, self.dram, part.mult)
 
     def run(self) -> None:
         for q in self.queues.values():
@@ -214,17 +219,18 @@ class _Sim:
             self._advance(q, t)
 
     def _complete(self, k: int, t: float) -> None:
-        q = self.queue_of[k]
-        self.done[k] = t
-        if not self.is_flow[k]:
+        queue_of, done, is_flow, order, is_done, waiters = self._completing
+        q = queue_of[k]
+        done[k] = t
+        if not is_flow[k]:
             q.busy = False
-        self.order.append(k)
-        is_done, items, n = self.is_done, q.items, len(q.items)
+        order.append(k)
+        items, n = q.items, len(q.items)
         is_done[k] = True                   # a task, not a barrier: only its queue's prefix moves
         while q.prefix < n and is_done[items[q.prefix]]:
             q.prefix += 1
         self._advance(q, t)
-        waiting = self.waiters.get(q.key)
+        waiting = waiters.get(q.key)
         if waiting:               # only the queues whose count it reached: the others would wait on
             due = [other for other, count in waiting.values() if count <= q.prefix]
             for other in due:
@@ -236,12 +242,12 @@ class _Sim:
 
     def _advance(self, q: _Queue, t: float) -> None:
         """Issue from ``q`` while it is idle and its head's condition holds, then from the
-        queues a passed wait or a released barrier woke (one function: it runs per event)."""
-        part, queues, waiters, done = self.part, self.queues, self.waiters, self.done
-        conds, kinds, timing, handlers = part.conds, part.kinds, part.timing, self.handlers
-        work, woken = [q], []
-        while work:
-            q = work.pop()
+        queues a passed wait or a released barrier woke (one function: it runs per event, so
+        it reads its state from one tuple and issues a task inline: a DMA starts its flow; any
+        other task holds its queue from when its lead after ``ready`` is over)."""
+        queues, waiters, done, conds, kinds, timing, handlers, woken, start, free, events, dram, mult = self._loop
+        work = None
+        while True:
             items, n = q.items, len(q.items)
             while not q.busy and q.head < n:
                 k = items[q.head]
@@ -257,13 +263,27 @@ class _Sim:
                         q.ready = max(q.ready, done[target.items[count - 1]])
                 kind = kinds[k]
                 if kind == TASK:
-                    self._issue(q, k, t, timing[k])
+                    cycles, lead, flow = timing[k]
+                    start[k] = t
+                    q.busy = True
+                    ready, q.ready = q.ready, 0.0
+                    if flow is not None:
+                        dram.add(k, flow, t, mult[k])
+                    else:
+                        end = max(t, ready + lead) + cycles
+                        free[k] = end
+                        heapq.heappush(events, (end, k))
                 elif not handlers[kind](q, k, t, woken):
                     break
                 q.head += 1
             if woken:
+                if work is None:
+                    work = []
                 work.extend(woken)
                 woken.clear()
+            if not work:
+                return
+            q = work.pop()
 
     def _finish(self, k: int) -> None:
         """Mark ``k`` done and move the completed prefix of its queue(s)."""
@@ -297,18 +317,6 @@ class _Sim:
                 other.head += 1
                 woken.append(other)
         return True
-
-    def _issue(self, q: _Queue, k: int, t: float, timing: tuple) -> None:
-        cycles, lead, flow = timing
-        self.start[k] = t
-        q.busy = True
-        ready, q.ready = q.ready, 0.0
-        if flow is not None:
-            self.dram.add(k, flow, t, self.part.mult[k])
-            return
-        end = max(t, ready + lead) + cycles
-        self.free[k] = end
-        heapq.heappush(self.events, (end, k))
 
 
 def _deadlock(program: Program, sim: _Sim) -> Deadlock:

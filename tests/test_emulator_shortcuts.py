@@ -11,7 +11,7 @@ from isa.verify import verify
 from runtime import fdot
 from runtime.costs import Env, cost
 from runtime.races import Order, WideLedger, _apart, _bounds, _depth_first, _rectangle
-from runtime.state import Scratchpad, Trap, copy_into
+from runtime.state import Bank, Machine, Scratchpad, Trap, _ranks_apart, copy_into
 from runtime.timing import _costs, _masks
 
 ARCH = load("dlegion-8x8")
@@ -67,6 +67,174 @@ def test_a_masked_store_marks_only_what_it_stores():
     pad.write(view, np.ones((1, 8), np.float32))
     pad.write(view, np.ones((1, 8), np.float32))       # written already: nothing new to mark
     assert pad.read(view, 1, 8).sum() == 8
+
+
+class _Told:
+    """A watch that keeps the scratchpad accesses it is told of."""
+
+    def __init__(self):
+        self.spads = []
+
+    def spad(self, *access):
+        self.spads.append(access)
+
+
+def _accumulating_machine(values: np.ndarray):
+    program = parse(SPANNED)
+    m = Machine(program, ARCH)
+    view = View("acc", 3, 40, 2)           # a strided window of every other element
+    m.write(1, view, values)
+    m.watch = _Told()
+    return m, view
+
+
+def test_an_accumulation_in_place_is_the_read_plus_the_write():
+    """add_into leaves the bytes, the written marks and the told accesses that a read, a sum
+    and a write leave, int32 wrapping included."""
+    rng = np.random.default_rng(5)
+    old = rng.integers(-2 ** 31, 2 ** 31, (3, 6, 8), dtype=np.int64).astype(np.int32)
+    old[0, 0, 0] = 2 ** 31 - 1
+    add = rng.integers(-2 ** 31, 2 ** 31, (3, 6, 8), dtype=np.int64).astype(np.int32)
+    plain, view = _accumulating_machine(old)
+    plain.write(1, view, plain.read(1, view, 6, 8, 3) + add)
+    fast, _ = _accumulating_machine(old)
+    fast.add_into(1, view, add)
+    for space in ("acc", "vec"):
+        assert fast.banks[space].data.tobytes() == plain.banks[space].data.tobytes()
+        assert fast.banks[space].written.tobytes() == plain.banks[space].written.tobytes()
+    assert fast.watch.spads == plain.watch.spads
+    wrapped = (2 ** 31 - 1 + int(add[0, 0, 0]) + 2 ** 31) % 2 ** 32 - 2 ** 31
+    assert fast.read(1, view, 6, 8, 3)[0, 0, 0] == wrapped
+
+
+def test_an_accumulation_into_never_written_elements_traps_and_changes_nothing():
+    m, view = _accumulating_machine(np.zeros((1, 6, 8), np.int32))
+    before = m.banks["acc"].data.copy()
+    with pytest.raises(Trap, match="never-written L2 acc"):
+        m.add_into(1, view, np.ones((2, 6, 8), np.int32))     # Legion 2's window was never written
+    assert m.banks["acc"].data.tobytes() == before.tobytes()
+    assert m.watch.spads == []
+    bank = Bank("acc", 2, 32)
+    with pytest.raises(Trap, match="hits some element twice"):
+        bank.add_into(0, View("acc", 0, 1, 1), np.ones((1, 4, 4), np.int32))
+
+
+@pytest.mark.parametrize("dests", [{0, 1, 2, 3, 4, 5, 6, 7}, {2, 3, 5, 7}, {6}, {1, 9}])
+def test_a_multicast_is_the_stores_one_destination_after_the_other(dests):
+    """Runs of consecutive Legions stored at once leave the bytes, written marks and told
+    accesses of one store per destination; a Legion the machine lacks traps as those do."""
+    rng = np.random.default_rng(len(dests))
+    values = rng.integers(-128, 128, (1, 5, 12)).astype(np.int8)
+    view = View("act", 7, 30, 2)
+    got = []
+    for send in ("plain", "multicast"):
+        m = Machine(parse(SPANNED), ARCH)
+        m.watch = _Told()
+        try:
+            if send == "plain":
+                for legion in sorted(dests):
+                    m.write(legion, view, values)
+            else:
+                m.multicast(dests, view, values)
+            error = None
+        except Trap as e:
+            error = str(e)
+        got.append((m.banks["act"].data.tobytes(), m.banks["act"].written.tobytes(), m.watch.spads, error))
+    assert got[0] == got[1]
+    assert (got[0][3] is not None) == (9 in dests)
+
+
+def _move_machine(src: View, dst: View, dests, deliver: str):
+    """A machine after a noc.mv of a 4 x 8 window from Legion 1 (act), every destination's
+    stores made by ``deliver``: "multicast" as the emulator chooses, "plain" one by one."""
+    import runtime.semantics as semantics
+    from isa.instructions import NocMove
+    m = Machine(parse(SPANNED), ARCH)
+    start = np.arange(8 * 64, dtype=np.int64).reshape(8, 64) % 251 - 120
+    m.write(0, View("act", 0, 64, 1), start.reshape(8, 1, 64).astype(np.int8))
+    m.watch = _Told()
+    move = NocMove(legion=1, dests=frozenset(dests), dst=dst, src=src, rows=4, cols=8)
+    if deliver == "plain":
+        values = m.read(1, src, 4, 8, 1)
+        for legion in sorted(dests):
+            m.write(legion, dst, values)
+    else:
+        semantics.noc_move(m, move)
+    return m.banks["act"].data.tobytes(), m.watch.spads
+
+
+@pytest.mark.parametrize("dst", [View("act", 0, 16, 1), View("act", 40, 16, 1), View("act", 4, 16, 1),
+                                 View("act", 2, 8, 1)])
+def test_a_move_onto_its_own_source_stores_as_one_destination_after_the_other(dst):
+    """A move whose own Legion is a destination: its window elsewhere, the same window, or one
+    that overlaps it (each later destination then gets what the earlier stores left)."""
+    src = View("act", 0, 16, 1)
+    for dests in ({0, 1, 2, 3}, {1, 2}, {3, 4}):
+        assert _move_machine(src, dst, dests, "multicast") == _move_machine(src, dst, dests, "plain")
+
+
+def test_ranks_told_apart_share_no_element():
+    """A store's ranks are written at once only when no two share an element (enumerated),
+    and the ranks side by side in the rows of a wider matrix are told apart."""
+    for span in (2, 3, 8):
+        for rows in (1, 2, 5):
+            for cols in (1, 3, 4):
+                for rs in (0, 3, 4, 12, 13, 40):
+                    for lstride in (0, 1, 3, 4, 5, 12, 40, 200):
+                        ranks = [{r * lstride + i * rs + j for i in range(rows) for j in range(cols)}
+                                 for r in range(span)]
+                        if _ranks_apart(span, rows, cols, rs, lstride):
+                            assert sum(map(len, ranks)) == len(set().union(*ranks))
+    assert _ranks_apart(8, 64, 16, 2560, 16) and not _ranks_apart(8, 64, 16, 100, 16)
+
+
+def test_a_store_of_ranks_side_by_side_is_the_stores_rank_by_rank():
+    from isa.fields import DramRef
+    program = parse(SPANNED)
+    rng = np.random.default_rng(4)
+    values = rng.standard_normal((4, 3, 16)).astype(np.float32)
+    ref = DramRef(1, 5, 128)                      # y: 3 rows of 4 ranks of 16, then a gap
+    at_once, by_rank = Machine(program, ARCH), Machine(program, ARCH)
+    at_once.dram_write(ref, values, 16)
+    for r in range(4):
+        by_rank.dram_write(DramRef(1, 5 + 16 * r, 128), values[r:r + 1])
+    assert at_once.dram[1].tobytes() == by_rank.dram[1].tobytes()
+    assert np.count_nonzero(at_once.dram[1]) == values.size
+
+
+def _vector_machine(cls, dst: View, a: View, b, deliver: str):
+    """vec after ``cls`` (span 2, 3 x 5, dst and operands maybe sharing elements) on values
+    with NaN, infinities, signed zeros and subnormals: computed into the destination ("fast")
+    or stored as a separate result ("plain")."""
+    from runtime import semantics
+    rng = np.random.default_rng(7)
+    m = Machine(parse(SPANNED), ARCH)
+    start = rng.standard_normal((2, 1, 200)).astype(np.float32) * np.float32(1e3)
+    start[:, 0, ::7] = ([np.nan, np.inf, -np.inf, -0.0, 0.0, 1e-42, -3.5, 2.5, 0.5, -0.5] * 3)[:29]
+    m.write(0, View("vec", 0, 200, 1), start)
+    m.watch = _Told()
+    binary = issubclass(cls, semantics.VBinary)
+    fields = dict(legion=0, dst=dst, a=a, rows=3, cols=5, span=2)
+    i = cls(**fields, b=b) if binary else cls(**fields)
+    if deliver == "fast":
+        semantics.execute(m, i)
+    else:
+        with np.errstate(all="ignore"):
+            ops = [semantics._operand(m, i, x, 3, 5) for x in ((a, b) if binary else (a,))]
+            m.write(0, dst, semantics._shaped(m, i, cls.FUNC(*ops), 3, 5))
+    return m.banks["vec"].data.tobytes(), m.banks["vec"].written.tobytes(), m.watch.spads
+
+
+@pytest.mark.parametrize("mnemonic", ["vadd", "vsub", "vmul", "vdiv", "vneg", "vabs", "vround", "vfloor",
+                                      "vceil", "vtrunc", "vsqrt", "vmax", "vexp"])
+def test_a_vector_result_computed_into_its_window_is_the_stored_result(mnemonic):
+    from isa.instructions import BY_MNEMONIC
+    cls = BY_MNEMONIC[mnemonic]
+    for dst, a, b in [(View("vec", 100, 10, 1), View("vec", 0, 10, 1), View("vec", 50, 12, 2)),
+                      (View("vec", 2, 10, 1), View("vec", 0, 10, 1), View("vec", 4, 10, 1)),   # overlapping
+                      (View("vec", 0, 10, 1), View("vec", 0, 10, 1), 2.5),                     # in place
+                      (View("vec", 100, 10, 1), View("vec", 3, 0, 1), -0.0)]:                  # broadcast row
+        assert _vector_machine(cls, dst, a, b, "fast") == _vector_machine(cls, dst, a, b, "plain")
 
 
 # --- the race check's DRAM table ---------------------------------------------------------------
@@ -182,6 +350,28 @@ def test_the_quick_rounding_test_agrees_with_the_midpoints():
             # Sound: wherever it passes the rounded fp64 sum, that is the exact sum rounded.
             for m, n in zip(*np.nonzero(alike & np.isfinite(s))):
                 assert fdot._exact_dot(a[m], b[:, n]) == out[m, n]
+
+
+def test_the_row_bound_covers_every_element_of_its_row():
+    """fdot's bound per row is at least the elementwise one (|a_m| |b_n| per element, the
+    Cauchy-Schwarz bound on sum |a_k b_k|) wherever a column is finite, batched or not, and an infinite or NaN
+    column does not reach the others' bound."""
+    rng = np.random.default_rng(3)
+    with np.errstate(all="ignore"):
+        for trial in range(200):
+            a, b = _hard_products(rng, trial)
+            a, b = (a, b) if trial % 2 else (np.stack([a, a[::-1]]), np.stack([b, -b]))
+            k = a.shape[-1]
+            err = np.broadcast_to(fdot._row_bounds(a, b, k), (a @ b).shape)
+            # Cauchy-Schwarz per element: |a_m| |b_n|, with the same margin
+            rows = np.sqrt(np.einsum("...k,...k->...", a, a))[..., :, None]
+            cols = np.sqrt(np.einsum("...kn,...kn->...n", b, b))[..., None, :]
+            elementwise = rows * cols * (2.0 * k * 2.0 ** -53)
+            finite = np.broadcast_to(np.isfinite(b).all(axis=-2, keepdims=True), err.shape) & np.isfinite(elementwise)
+            assert (err[finite] >= elementwise[finite]).all()
+    b = np.ones((4, 3))
+    b[0, 1] = np.inf
+    assert np.isfinite(fdot._row_bounds(np.ones((2, 4)), b, 4)).all()
 
 
 def test_a_sum_on_a_midpoint_is_left_to_the_exact_sum():
