@@ -525,7 +525,14 @@ def keep_words(p: Program, words: bytes) -> None:
     setattr(p, _KEPT, (tuple(p.instrs), words, len(p.tensors)))
 
 
-def _kept_words(p: Program) -> bytes | None:
+def words_hold(p: Program) -> bool:
+    """Whether ``p``'s instructions are still those it was read with, every one of them
+    encodable (each field's value one its kind holds: ``field_errors`` finds none)."""
+    return kept_words(p) is not None
+
+
+def kept_words(p: Program) -> bytes | None:
+    """The words ``p`` was read with, while they are still its instructions' (else None)."""
     kept = getattr(p, _KEPT, None)
     if kept is None:
         return None
@@ -565,7 +572,7 @@ def encode_program(p: Program) -> bytes:
     head = json_text(header(p), separators=(",", ":")).encode()
     out = bytearray(PREFIX.pack(MAGIC, VERSION, 0, len(head)) + head)
     out += bytes(-len(out) % WORD_BYTES)
-    kept = _kept_words(p)
+    kept = kept_words(p)
     if kept is not None:
         return bytes(out + kept)
     n_tensors = len(p.tensors)

@@ -83,7 +83,9 @@ def _checked(program: Program, arch: Arch) -> tuple[list[str], Program | None]:
     tasks = flat.program.instrs
     queues = Queues(tasks, np.array([isinstance(i, Barrier) for i in tasks.source], dtype=bool), arch.legions)
     ctx = Context(flat.program, arch, _lengths(tasks, queues, arch))
-    fields, bad = _field_problems(tasks)
+    # A program read from text or binary was checked field by field as it was read.
+    fields, bad = (([], np.zeros(len(tasks.source), dtype=bool)) if encoding.words_hold(program)
+                   else _field_problems(tasks))
     found = fields + _end_problems(tasks, ctx, bad) + _condition_problems(tasks, queues, ctx, bad)
     found.sort(key=lambda x: x[:2])
     out += [f"{flat.program.where(k)}: {tasks[k].MNEMONIC}: {what}" for k, _, what in found]

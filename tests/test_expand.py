@@ -147,3 +147,22 @@ def test_the_last_rank_of_a_transfer_is_checked_where_it_moves(body, message):
     """The first rank fits; the last one's DRAM window or destination does not."""
     text = ".arch dlegion-tiny\n.tensor x f32[4,16] input \"x\"\n.tensor y f32[4,16] output \"y\"\n" + body + "\n"
     assert check(asm.parse(text, "t.s"), TINY) == [f"t.s:4: {message}"]
+
+
+
+def _plus(value: float):
+    return VADD(0, View("vec", 0, 16, 1), View("vec", 0, 16, 1), value, 2, 16)
+
+
+def test_instructions_read_from_text_are_alike_by_their_words():
+    """Read from text, instructions are found alike by their words: the same partition as by
+    their fields (the layers' repeats), except immediates equal only as values (0.0, -0.0)."""
+    from isa.encoding import kept_words
+    from isa.expand import Alike
+    p = asm.parse(asm.format_program(_program(_add_one(span=2) * 2 + [_plus(-0.0)])), "t.s")
+    tasks = expand(p, legions=2).program.instrs
+    assert tasks.words == kept_words(p) is not None
+    assert tasks.alike().ids == Alike(p.instrs).ids == [0, 1, 2, 0, 1, 2, 6]
+    signed = asm.parse(asm.format_program(_program([_plus(0.0), _plus(-0.0)])), "t.s")
+    assert Alike(signed.instrs).ids == [0, 0]                               # equal as fields
+    assert expand(signed, legions=2).program.instrs.alike().ids == [0, 1]   # not as words

@@ -313,3 +313,15 @@ def test_message_lists_at_most_max_shown_problems():
     assert lines[0] == (f"t.s: instruction {len(instrs())}: wait: condition L0.mat>=40 can never be "
                         "satisfied: L0.mat runs 2 instructions")
     assert lines[-1] == f"... and {extra} more"
+
+
+def test_a_program_read_from_text_is_checked_anew_once_changed():
+    """A parsed program's fields were checked as it was read, so verify skips that check; an
+    instruction put in afterwards, which no parse checked, is still checked."""
+    from isa import encoding
+    from isa.asm import format_program, parse
+    p = parse(format_program(program()), "t.s")
+    assert encoding.words_hold(p)
+    p.instrs[6] = dataclasses.replace(p.instrs[6], b=0.1)
+    assert not encoding.words_hold(p)
+    assert any("immediate 0.1 is not an fp32 value" in line for line in problems_of(p, TINY))
