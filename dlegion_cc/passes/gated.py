@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from isa.arch import MODE_TILES
 from dlegion_cc.ir import DLEGION, Graph, Node
 from dlegion_cc.lower.elementwise import squares
 
@@ -24,7 +25,7 @@ class GateInDrain:
     name: str = "gate-in-drain"
 
     def run(self, graph: Graph, options=None) -> None:
-        if options is None or not options.fusion:
+        if options is None:         # the granule is the machine's
             return
         granule = gate_granule(options.arch)
         for node in [n for n in graph.nodes if n.domain == DLEGION and n.op == "QMatMul"]:
@@ -40,7 +41,6 @@ class GateInDrain:
 def gate_granule(arch) -> int:
     """Columns of a gate or up granule: half the widest weight window, so a tile of whole
     windows holds whole pairs."""
-    from isa.arch import MODE_TILES
     return arch.array * max(MODE_TILES[m] for m in arch.modes) // 2
 
 
