@@ -44,7 +44,9 @@ def test_logits_within_onnxruntimes_own_spread(layer):
     print(f"\n2B4T layer, sequence 128: dlegion vs onnxruntime {ours:.2e}; onnxruntime's own spread {spread:.2e}")
     assert ours <= max(1e-4, 2 * spread)
     matmuls = [n for n in graph.nodes if n.op == "QMatMul"]
-    assert len(matmuls) == 4 and sum(len(n.outputs) for n in matmuls) == 7     # Q/K/V and gate/up fused
+    # Q/K/V and gate/up fused, gate/up draining ReLU(gate)^2 * up as its one output (passes/gated.py)
+    assert len(matmuls) == 4 and sum(len(n.outputs) for n in matmuls) == 6
+    assert sum(n.attrs.get("gated") is not None for n in matmuls) == 1
 
 
 def test_first_quantized_activations_are_exact(layer):

@@ -37,6 +37,7 @@ from dlegion_cc.lower.rowwise import Arg, rowwise
 from dlegion_cc.lower.qparts import part_widths, pick_width, row_parts, split_rows
 from dlegion_cc.lower.qtiles import Problem, RowScale, Segment, emit_tiles
 from dlegion_cc.passes.causal import reach
+from dlegion_cc.passes.gated import gate_granule
 
 WEIGHT_DTYPE = {"w2": "w2", "w4": "w4", "w8": "i8"}
 
@@ -142,7 +143,7 @@ def qmatmul_blocks(low: Lowering, node, blocks: list[range] | None = None, vec_r
     requant = None if a.get("requant") is None else tuple(a["requant"])
     outs = [Output(o, requant) for o in node.outputs]
     yield from _qmatmul_steps(low, node.name, acts, weights, outs[0] if len(outs) == 1 else outs,
-                              a.get("segments"), blocks, vec_room, rings)
+                              a.get("segments"), blocks, vec_room, rings, a.get("gated"))
 
 
 def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: Output | list[Output],
@@ -160,12 +161,13 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
 
 def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out: Output | list[Output],
                    segments: list[int] | None, blocks: list[range] | None, vec_room: int,
-                   rings: dict | None = None):
+                   rings: dict | None = None, gated: int | None = None):
     """``lower_qmatmul``, yielding after each of ``blocks`` (row ranges of a plain matmul, each
-    scheduled for its own rows; the constants are made once)."""
+    scheduled for its own rows; the constants are made once). ``gated``: which of the two
+    segments is the gate of the one output ReLU(gate)^2 * up (``passes/gated.py``)."""
     em, arch = low.em, low.em.arch
     outs = out if isinstance(out, list) else [out]
-    layouts = _Layouts(low, w, segments)
+    layouts = _Layouts(low, w, segments, gated)
     w, lay = layouts.laid(arch.legions)
     values = _batches(w)
     batches, K, N = values.shape
@@ -189,7 +191,7 @@ def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out:
     blocks = blocks or [range(b * per, (b + 1) * per) for b in range(batches)]
     per = len(blocks[0])
     corr = None if zero_point(low, acts) == acts.offset else correction_shape(arch, values[0], block)
-    shapes = _Shapes(low, layouts, segments, rscale, block, corr, out.requant, exact, per, K)
+    shapes = _Shapes(low, layouts, segments, rscale, block, corr, out.requant, exact, per, K, layouts.granule)
     width = low.schedules.width(arch, per, lambda: pick_width(arch, low.switches, shapes.widths(), shapes.part))
     if width != arch.legions:
         w, lay = layouts.laid(width)
@@ -217,14 +219,20 @@ def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out:
             plans = {}          # a batch's own weights: its own plans
         weights, nonzero = made[b]
         p = Problem(a8, rscale, weights, scales, groups, block, bias, *corrs[b], out.requant, exact,
-                    dst.tensor, rows, K, N, n_pad, nonzero, segs, vec_room=vec_room, row_block=chained)
+                    dst.tensor, rows, K, N, n_pad, nonzero, segs, vec_room=vec_room, row_block=chained,
+                    gated=layouts.granule)
         _emit_parts(low, p, width, plans, rings if batches == 1 else None)
         yield rows
 
 
-def _laid_out(w: Weights, segments: list[int] | None, legions: int, na: int) -> tuple:
-    """(weights, layout) of a fused matmul's weights laid out for ``legions`` Legions."""
-    lay = legion_major(segments, legions, na) if segments else None
+def _laid_out(w: Weights, segments: list[int] | None, legions: int, na: int, gated: int | None = None,
+              granule: int = 0) -> tuple:
+    """(weights, layout) of a fused matmul's weights laid out for ``legions`` Legions (the gate
+    ``gated`` and the up segment in pairs of ``granule`` columns, ``gated_major``)."""
+    if segments and gated is not None:
+        lay = gated_major(segments[0], gated, legions, granule)
+    else:
+        lay = legion_major(segments, legions, na) if segments else None
     return (w if lay is None else lay.weights(w)), lay
 
 
@@ -233,15 +241,17 @@ class _Layouts:
     their block maps: made once, for the cost model's comparison of widths and the emission of
     the width picked (a layer's largest arrays: a copy costs more than a schedule search)."""
 
-    def __init__(self, low: Lowering, raw: Weights, segments: list[int] | None):
-        self.low, self.raw, self.segments = low, raw, segments
+    def __init__(self, low: Lowering, raw: Weights, segments: list[int] | None, gated: int | None = None):
+        self.low, self.raw, self.segments, self.gated = low, raw, segments, gated
+        self.granule = 0 if gated is None else gate_granule(low.em.arch)
         self.made: dict = {}
 
     def laid(self, width: int) -> tuple:
         """(weights, layout) for parts of ``width`` Legions (``_laid_out``)."""
         key = ("laid", width if self.segments else None)     # only a fused weight moves
         if key not in self.made:
-            self.made[key] = _laid_out(self.raw, self.segments, width, self.low.em.arch.array)
+            self.made[key] = _laid_out(self.raw, self.segments, width, self.low.em.arch.array, self.gated,
+                                       self.granule)
         return self.made[key]
 
     def pieces(self, width: int, batch: int) -> tuple[list, tuple]:
@@ -296,6 +306,7 @@ class _Shapes:
     exact: bool
     rows: int
     K: int
+    granule: int = 0
 
     def widths(self) -> list[int]:
         arch = self.low.em.arch
@@ -316,7 +327,7 @@ class _Shapes:
         return Problem(0, self.rscale, weights, None if w.scales is None else 0, math.ceil(self.K / self.block),
                        self.block, None if w.bias is None else 0, *((None, None, 0, "w8") if self.corr is None
                                                                      else (0, 0, *self.corr)), self.requant, self.exact,
-                       0, rows, self.K, N, n_pad, nonzero, segs, legions=range(width))
+                       0, rows, self.K, N, n_pad, nonzero, segs, legions=range(width), gated=self.granule)
 
 
 def lower_run_time_weights(low: Lowering, a: str, b: str, out: str, ra: str | None = None,
@@ -520,6 +531,26 @@ def _runs(columns: np.ndarray) -> list[tuple[int, int, int]]:
     cut = np.flatnonzero((np.diff(at) != 1) | (np.diff(columns[at]) != 1)) + 1
     starts, stops = np.r_[0, cut], np.r_[cut, at.size]
     return [(int(at[i]), int(columns[at[i]]), int(j - i)) for i, j in zip(starts, stops) if j > i]
+
+
+def gated_major(n: int, gate: int, legions: int, granule: int) -> LegionMajor:
+    """The layout of a gated matmul (``passes/gated.py``) of two ``n``-column segments, the
+    gate segment ``gate``: Legion l holds output columns l * n / legions on, in granules, each
+    granule's up columns followed by its gate columns, so that a tile of whole pairs drains
+    both halves of its outputs; one output segment, ``n / legions`` columns a Legion."""
+    width = n // legions
+    if n % legions or width % granule:
+        raise ValueError(f"a gated matmul of {n} columns on {legions} Legions in granules of {granule}")
+    up_start, gate_start = (n, 0) if gate == 0 else (0, n)
+    pairs = np.arange(width // granule)
+    at = (2 * granule * pairs[:, None] + np.arange(granule)).reshape(-1)
+    local = np.arange(width)
+    columns = np.empty(legions * 2 * width, np.int64)
+    for legion in range(legions):
+        base = legion * 2 * width
+        columns[base + at] = up_start + legion * width + local
+        columns[base + at + granule] = gate_start + legion * width + local
+    return LegionMajor(columns, (width,), (0,), 2 * width)
 
 
 def legion_major(segments: list[int], legions: int, na: int) -> LegionMajor:

@@ -81,6 +81,10 @@ class Problem:
     # One row block of a chain (``rowblocks.py``), whose row kernels share the matmul's vector
     # queue and DRAM: with ``pass_overlap`` its tiles take all its rows (``tile_rows``).
     row_block: bool = False
+    # A gated matmul (``passes/gated.py``): its columns are pairs of granules of this many up
+    # and gate columns (``qmatmul.gated_major``), a tile drains both and stores ReLU(gate)^2 *
+    # up, half its columns; 0: a plain matmul.
+    gated: int = 0
 
 
 def room(arch: Arch, p: Problem) -> dict[str, int]:
@@ -178,6 +182,8 @@ def stores(p: Problem, plan: Plan, legion: int, n0: int, nb: int) -> list[tuple[
     """Where ``legion``'s output tile of columns ``n0`` .. ``n0 + nb - 1`` goes: per segment it
     meets, (segment, first column within the tile, first output column, columns)."""
     local, out = n0 - rank(p, legion) * plan.per_legion, []
+    if p.gated:
+        return _gated_stores(p, plan, legion, local, nb)
     for s in segments(p, plan):
         lo, hi = max(local, s.offset), min(local + nb, s.offset + s.width)
         col = rank(p, legion) * s.width + lo - s.offset
@@ -185,6 +191,23 @@ def stores(p: Problem, plan: Plan, legion: int, n0: int, nb: int) -> list[tuple[
         if cols > 0:
             out.append((s, lo - local, col, cols))
     return out
+
+
+def _gated_stores(p: Problem, plan: Plan, legion: int, local: int, nb: int) -> list:
+    """``stores`` of a gated tile: each pair's product, left in its up granule."""
+    s, g = segments(p, plan)[0], p.gated
+    out = []
+    for j in range(0, nb, 2 * g):
+        col = rank(p, legion) * s.width + (local + j) // 2
+        cols = min(g, s.N - col)
+        if cols > 0:
+            out.append((s, j, col, cols))
+    return out
+
+
+def gated_ops(p: Problem) -> int:
+    """Vector operations a gated tile's outputs take after the drain: ReLU, square, product."""
+    return 3 if p.gated else 0
 
 
 @dataclass(frozen=True)
@@ -572,6 +595,8 @@ def candidates(arch: Arch, p: Problem, switches: Switches) -> list[Plan]:
     out = []
     for cols in _multiples(window if window <= per_legion else na, per_legion):
         cols = min(cols, per_legion)
+        if p.gated and cols % (2 * p.gated):
+            continue                    # a tile of whole pairs of gate and up granules
         # Exact results are stored straight from the accumulators: tiles of half of them let
         # one slot's store overlap the other's passes.
         most = [cap["acc"] // cols] + ([cap["acc"] // cols // 2] if p.exact else [])
@@ -1051,6 +1076,7 @@ def _model_tile_end(m: _Model, st: _State, l: int, mb: int, tile: tuple, acc: in
             _model_drain(m, st, l, len(rows) * nb, acc)
         if p.requant is not None:
             m.vec[l] += 4 * -(-len(rows) * nb // m.arch.vector_lanes)
+        m.vec[l] += gated_ops(p) * -(-len(rows) * nb // 2 // m.arch.vector_lanes)
         ready = m.mat[l] if p.exact else m.vec[l]
         st.stores[l].append((ready, len(rows) * cols * 4, slot))
     if not p.exact:

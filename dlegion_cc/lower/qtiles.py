@@ -730,6 +730,8 @@ def _end_tile(st: _Tiles, b: int, t: int, g: Group, acc: int, rows: range) -> No
             for name, arg in (("vround", None), ("vadd", float(zp)), ("vmax", float(lo)), ("vmin", float(hi))):
                 args = (src, src) if arg is None else (src, src, arg)
                 st.emit(g, BY_MNEMONIC[name](g.base, *args, mb, nb))
+        if p.gated:
+            _gate(st, g, src, mb * nb)
     ready = st.sync.mark(g, queue)
     for seg, j, col, cols in stores(p, st.plan, g.base, n0, nb):
         piece = View(src.space, src.addr + j, src.rs, 1)
@@ -737,6 +739,19 @@ def _end_tile(st: _Tiles, b: int, t: int, g: Group, acc: int, rows: range) -> No
         store = DmaStore(g.base, DramRef(seg.tensor, p.o_offset + m0 * stride + col, stride), piece, mb, cols,
                          lstride=seg.width if g.count > 1 else None)
         st.deferred[g].append((store, ready, space_slot))
+
+
+def _gate(st: _Tiles, g: Group, src: View, elems: int) -> None:
+    """ReLU(gate)^2 * up over a drained tile of ``elems`` elements in ``src``: taken as rows of
+    one pair of granules (its up columns, then its gate columns), the product written over the
+    up columns. The graph's operations in its order (``passes/gated.py``): the gate's ReLU, its
+    square as a product (``elementwise.squares``), then the product with up."""
+    k = st.p.gated
+    up, gate = View("vec", src.addr, 2 * k, 1), View("vec", src.addr + k, 2 * k, 1)
+    rows = elems // (2 * k)
+    st.emit(g, BY_MNEMONIC["vrelu"](g.base, gate, gate, rows, k))
+    st.emit(g, BY_MNEMONIC["vmul"](g.base, gate, gate, gate, rows, k))
+    st.emit(g, BY_MNEMONIC["vmul"](g.base, up, gate, up, rows, k))
 
 
 def _flush(st: _Tiles, g: Group) -> None:

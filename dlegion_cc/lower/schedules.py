@@ -205,6 +205,9 @@ def _shape_problem(arch: Arch, p: Problem, plan: Plan, given: int) -> str | None
         return f"columns_per_legion {given}: {arch.name} deals this matmul {plan.per_legion} columns a Legion"
     if plan.cols % na or plan.cols > plan.per_legion:
         return f"tile cols {plan.cols} is not a multiple of the array ({na}) up to the {plan.per_legion} columns a Legion"
+    if p.gated and plan.cols % (2 * p.gated):
+        return (f"tile cols {plan.cols}: the gate and up columns of this matmul's drains come in pairs of "
+                f"{p.gated}-column granules, and a tile holds whole pairs ({2 * p.gated} columns)")
     if plan.depth > group or (plan.depth % na and plan.depth != group):
         return f"chunk depth {plan.depth} is not a multiple of the array ({na}) up to {group} (a scale group or K)"
     return None
