@@ -374,11 +374,10 @@ def _float64(model, inputs, approx: list[str], int8_attention: list[str], quant=
     if quant is None:
         approximated = float64_outputs(model, inputs, approximations=True, int8_attention=int8_attention,
                                        pieces=pieces)
-        if pieces == 1:
-            return plain, approximated, None
-        # A second int8 piece rounds in steps 254 times finer than the first: fp32's own rounding
-        # before it moves some of them, as it moves the program's, which its float64 yardstick
-        # then cannot show. That graph's fp32 spread is measured as a --quantize program's is.
+        # The graph as the compiler computes it has its own fp32 spread, which onnxruntime's run
+        # of the model cannot show: fp32's rounding before each int8 rounding moves the values it
+        # rounds (a second int8 piece's steps are 254 times finer than the first's), as it moves
+        # the program's. It is measured as a --quantize program's is.
         from runtime.reference64 import approximated_float32_outputs
         return plain, approximated, (approximated_float32_outputs(model, inputs, int8_attention, pieces), approximated)
     from runtime.quantized64 import quantized_file

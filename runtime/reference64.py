@@ -314,7 +314,8 @@ def _feeds_softmax(scores: str, only, const: dict, shapes: dict) -> bool:
         else:
             other = node.input[1] if node.input[0] == name else node.input[0]
             c = const.get(other)
-            if c is None or (node.op_type == "Mul" and c.size != 1) or not _same(shapes, out, name):
+            if c is None or (node.op_type == "Mul" and c.size != 1) or not (
+                    _broadcasts_into(c.shape, shapes.get(name)) or _same(shapes, out, name)):
                 return False
         seen.add(node.op_type)
         name, node = out, only(out)
@@ -322,6 +323,16 @@ def _feeds_softmax(scores: str, only, const: dict, shapes: dict) -> bool:
         return False
     axis, rank = next((a.i for a in node.attribute if a.name == "axis"), -1), len(shapes.get(name, ()))
     return axis == -1 or (rank > 0 and axis % rank == rank - 1)
+
+
+def _broadcasts_into(c: tuple, shape: tuple | None) -> bool:
+    """Whether a constant of shape ``c`` broadcasts into values of ``shape`` without growing it
+    (each of its dimensions 1 or the value's own): an elementwise op with it then keeps the
+    value's shape, whatever shape inference names the result's dimensions (it gives a
+    symbolic dimension broadcast against 1 a fresh name)."""
+    if shape is None or len(c) > len(shape):
+        return False
+    return all(k == 1 or (isinstance(d, int) and k == d) for k, d in zip(reversed(c), reversed(shape)))
 
 
 def _same(shapes: dict, x: str, y: str, last: bool = False) -> bool:
