@@ -445,12 +445,14 @@ def top1(ours: np.ndarray, ref: np.ndarray) -> Top1:
 WEIGHTS = ("w2", "w4", "w8", "i8")         # the integer weights of quantized matmuls
 
 
-def flip_one_weight(data: bytes, program) -> tuple[bytes, str]:
+def flip_one_weight(data: bytes, program, among: str = "") -> tuple[bytes, str]:
     """A deliberately wrong program's data, to show the check catches one: ``data`` with the
-    first nonzero weight of the program's largest integer weight tensor negated (made 0 where
-    its negation does not fit), and which weight that is."""
+    first nonzero weight of the program's largest integer weight tensor (of those whose name
+    contains ``among``) negated (made 0 where its negation does not fit), and which weight that
+    is. A gate's weight may change nothing: its column's ReLU can be 0 either way."""
     from isa.program import pack, unpack
-    t = max((t for t in program.tensors if t.kind == "const" and t.dtype in WEIGHTS), key=lambda t: t.nbytes)
+    t = max((t for t in program.tensors if t.kind == "const" and t.dtype in WEIGHTS and among in t.name),
+            key=lambda t: t.nbytes)
     raw = bytearray(data)
     w = unpack(np.frombuffer(bytes(raw[t.offset:t.offset + t.nbytes]), np.uint8), t.dtype)[:t.numel]
     w = w.astype(np.int64)
