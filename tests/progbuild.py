@@ -44,3 +44,16 @@ class Builder:
 
     def machine(self) -> Machine:
         return Machine(self.build(), self.arch)
+
+
+def compile_without(path, machine, without: type | None = None, row_blocks: bool = True):
+    """``path`` compiled for ``machine`` by every pass of the pipeline but those of class
+    ``without`` (the ablation a pass's test compares with): the graph, and the program."""
+    from dlegion_cc import pipeline
+    passes = tuple(p for p in pipeline.PASSES if without is None or not isinstance(p, without))
+    options = pipeline.Options(machine, row_blocks=row_blocks)
+    graph = pipeline.import_model(path, {})
+    for p in passes:
+        p.run(graph, options)
+        graph.remove_dead()
+    return graph, pipeline.lower_graph(graph, machine, None, options.switches())

@@ -114,10 +114,9 @@ def test_the_program_records_its_approximations_through_both_formats(tmp_path):
     assert approximation_tolerance(nbits.approximations) > approximation_tolerance(approx.approximations) > 1e-4
 
 
-def test_the_integer_parts_are_exact(tmp_path):
-    """A product of two float matrices with no softmax after it: each row of a and each column of
-    b quantized by absmax, multiplied exactly in int32, scaled when draining, bit for bit as
-    numpy computes the same steps in fp32."""
+def plain_product(tmp_path):
+    """A model of one MatMul of two float inputs (3 batches of 40x48 by 48x24, b's columns of
+    different magnitudes) with no softmax after it, and its inputs."""
     H, M, K, N = 3, 40, 48, 24
     path = _save(tmp_path / "mm.onnx", [helper.make_node("MatMul", ["a", "b"], ["o"])],
                  [helper.make_tensor_value_info("a", TP.FLOAT, [H, M, K]),
@@ -126,6 +125,14 @@ def test_the_integer_parts_are_exact(tmp_path):
     rng = np.random.default_rng(1)
     x = {"a": rng.standard_normal((H, M, K)).astype(np.float32),
          "b": (rng.standard_normal((H, K, N)) * rng.uniform(0.1, 10, (H, 1, N))).astype(np.float32)}
+    return path, x
+
+
+def test_the_integer_parts_are_exact(tmp_path):
+    """A product of two float matrices with no softmax after it: each row of a and each column of
+    b quantized by absmax, multiplied exactly in int32, scaled when draining, bit for bit as
+    numpy computes the same steps in fp32."""
+    path, x = plain_product(tmp_path)
     _, program = compile_model(path, Options(WIDE, attention="int8"))
     got = run(program, WIDE, x).outputs["o"]
 

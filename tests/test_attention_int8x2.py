@@ -3,8 +3,6 @@ int8 pieces, three products of pieces summed in fp32; the integer parts exact, t
 below int8's, and --check's yardstick quantizing the same way (runtime/reference64.py)."""
 import numpy as np
 import pytest
-from onnx import TensorProto as TP
-from onnx import helper
 
 from isa.asm import format_program, parse
 from isa.encoding import decode_program, encode_program
@@ -13,7 +11,7 @@ from dlegion_cc.pipeline import Options, compile_model, graph_of
 from runtime.check import PROGRAM_APPROXIMATIONS, judge
 from runtime.emulator import run
 from runtime.reference64 import LOW_STEPS as REFERENCE_LOW_STEPS, float64_outputs
-from test_attention_int8 import ROOT, TINY, WIDE, _inputs, _onnxruntime, _rel, _save, attention
+from test_attention_int8 import ROOT, TINY, WIDE, _inputs, _onnxruntime, _rel, attention, plain_product
 
 
 def _pieces(v: np.ndarray):
@@ -30,14 +28,7 @@ def test_the_integer_parts_are_exact(tmp_path):
     """A product of two float matrices with no softmax after it: hi.hi + lo.hi + hi.lo, each
     multiplied exactly in int32 and scaled when draining, summed in fp32 in that order, bit for
     bit as numpy computes the same steps; much closer to the float product than int8's."""
-    H, M, K, N = 3, 40, 48, 24
-    path = _save(tmp_path / "mm.onnx", [helper.make_node("MatMul", ["a", "b"], ["o"])],
-                 [helper.make_tensor_value_info("a", TP.FLOAT, [H, M, K]),
-                  helper.make_tensor_value_info("b", TP.FLOAT, [H, K, N])],
-                 [helper.make_tensor_value_info("o", TP.FLOAT, [H, M, N])])
-    rng = np.random.default_rng(1)
-    x = {"a": rng.standard_normal((H, M, K)).astype(np.float32),
-         "b": (rng.standard_normal((H, K, N)) * rng.uniform(0.1, 10, (H, 1, N))).astype(np.float32)}
+    path, x = plain_product(tmp_path)
     _, program = compile_model(path, Options(WIDE, attention="int8x2"))
     assert program.approximations == {"int8x2_attention": ["o"]}
     got = run(program, WIDE, x).outputs["o"]

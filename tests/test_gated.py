@@ -17,6 +17,7 @@ from models.decoder import relu2
 from models.graph import FLOAT, GraphBuilder, tensor_info
 from runtime.check import compare, onnx_reference
 from runtime.emulator import run
+from progbuild import compile_without
 from runtime.timing import simulate
 
 TINY, EIGHT = arch.load("dlegion-tiny"), arch.load("dlegion-8x8")
@@ -40,13 +41,7 @@ def _mlp(path, rows, depth, ffn, exponent=2.0, seed=5, gate_out=False):
 
 
 def _compile(path, machine, gated=True, row_blocks=True):
-    passes = pipeline.PASSES if gated else tuple(p for p in pipeline.PASSES if not isinstance(p, GateInDrain))
-    options = Options(machine, row_blocks=row_blocks)
-    graph = pipeline.import_model(path, {})
-    for p in passes:
-        p.run(graph, options)
-        graph.remove_dead()
-    return graph, pipeline.lower_graph(graph, machine, None, options.switches())
+    return compile_without(path, machine, None if gated else GateInDrain, row_blocks)
 
 
 def _gated_nodes(graph) -> list:

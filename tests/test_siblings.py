@@ -6,7 +6,6 @@ import pytest
 
 from isa import arch
 from isa.instructions import DmaStore
-from dlegion_cc import pipeline
 from dlegion_cc.lower.qmatmul import legion_major
 from dlegion_cc.lower.qplan import Plan, Problem, Segment, stores
 from dlegion_cc.passes.siblings import FuseSiblings
@@ -15,6 +14,7 @@ from models.bitnet import BitLinear, preset
 from models.graph import FLOAT, GraphBuilder, tensor_info
 from runtime.check import compare, onnx_reference
 from runtime.emulator import run
+from progbuild import compile_without
 from runtime.timing import simulate
 
 TINY = arch.load("dlegion-tiny")
@@ -33,13 +33,7 @@ def _siblings_model(path, widths, rows=6, depth=48, seed=3, sparsity=0.0):
 
 
 def _compile(path, machine, fuse=True, row_blocks=True):
-    passes = pipeline.PASSES if fuse else tuple(p for p in pipeline.PASSES if not isinstance(p, FuseSiblings))
-    options = Options(machine, row_blocks=row_blocks)
-    graph = pipeline.import_model(path, {})
-    for p in passes:
-        p.run(graph, options)
-        graph.remove_dead()
-    return graph, pipeline.lower_graph(graph, machine, None, options.switches())
+    return compile_without(path, machine, None if fuse else FuseSiblings, row_blocks)
 
 
 @pytest.mark.parametrize("widths", [(40, 24, 24), (20, 7), (16, 16, 16, 16)])
