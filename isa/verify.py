@@ -81,7 +81,7 @@ def _checked(program: Program, arch: Arch) -> tuple[list[str], Program | None]:
         return out, None
     flat = expand(program, arch.legions)
     tasks = flat.program.instrs
-    queues = Queues(tasks, np.array([isinstance(i, Barrier) for i in tasks.source], dtype=bool), arch.legions)
+    queues = Queues(tasks, tasks.barrier, arch.legions)
     ctx = Context(flat.program, arch, _lengths(tasks, queues, arch))
     # A program read from text or binary was checked field by field as it was read.
     fields, bad = (([], np.zeros(len(tasks.source), dtype=bool)) if encoding.words_hold(program)
