@@ -244,7 +244,8 @@ def _transfer_problems(tasks: Tasks, ctx: Context, w: np.ndarray, op: np.ndarray
             mask &= ~(((1 << bits) - 1) << shift)
         keep[at] = x & np.frombuffer(mask.to_bytes(encoding.WORD_BYTES, "little"), dtype="<u8")
     window &= (n_rows > 0) & (n_cols > 0)
-    storage = np.array([t.storage_elems for t in ctx.program.tensors] + [0], dtype=np.int64)
+    # Capped where no window reaches (an offset, strided rows and a moved rank stay below 2**50).
+    storage = np.array([min(t.storage_elems, 1 << 62) for t in ctx.program.tensors] + [0], dtype=np.int64)
     declared = tensor < len(ctx.program.tensors)
     limit = storage[np.where(declared, tensor, len(storage) - 1)]
     reach = (n_rows - 1) * rs + n_cols           # past the window's offset
