@@ -443,6 +443,11 @@ _FIELDS = {cls: (_getter([name for name, _ in layout]), tuple(packer(k) for _, k
            for cls, layout in LAYOUT.items()}
 
 
+# Per class: each field's (bit offset in the word, kind), for readers of words in bulk.
+FIELD_AT = {cls: {name: (shift, kind) for (name, kind), shift in zip(layout, _FIELDS[cls][2])}
+            for cls, layout in LAYOUT.items()}
+
+
 def _word(i: Instr) -> bytes | None:
     """The word of ``i``, or None when a quick check doubts a field (or ``i`` is no instruction)."""
     fields = _FIELDS.get(type(i))

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from isa import encoding
-from isa.fields import QUEUES, Cond, DramRef
+from isa.fields import QUEUES, Cond, DramRef, Until
 from isa.instructions import Barrier, DmaLoad, DmaStore, Gather, Instr, NocMove, Wait
 from isa.program import Program
 
@@ -68,28 +68,68 @@ class Tasks(Sequence):
         self.source = source
         self.words = words            # the source's words, when it was read from a file
         self.names = list(QUEUES)
+        self._codes = {q: n for n, q in enumerate(QUEUES)}
         n_src = len(source)
-        barrier = np.array([isinstance(i, Barrier) for i in source], dtype=bool)
-        span = np.array([1 if b else (getattr(i, "span", None) or 1) for i, b in zip(source, barrier)], dtype=np.int64)
+        fields = _word_fields(words, n_src) if words is not None else self._object_fields(source)
+        barrier, span, start, queue, conds = fields
+        self.barrier = barrier        # per instruction
         self.first = np.concatenate([[0], np.cumsum(span)[:-1]]).astype(np.int64) if n_src else span
         self.origin = np.repeat(np.arange(n_src, dtype=np.int64), span)
         rank = np.arange(len(self.origin), dtype=np.int64) - self.first[self.origin]
-        start = np.array([NONE if b else i.legion for i, b in zip(source, barrier)], dtype=np.int64)
-        queue = np.array([NONE if b else self.code(i.queue()) for i, b in zip(source, barrier)], dtype=np.int64)
         self.legion = np.where(barrier[self.origin], NONE, start[self.origin] + rank)
         self.queue = queue[self.origin]
-        self.cond = _conditions(source, self, barrier, legions)
+        self.cond = _conditions(self, barrier, legions, conds)
         self._made: list = [None] * len(self.origin)
         self._alike = None
         self._in_order: dict = {}     # legions -> in_program_order's answer for these tasks
+
+    def _object_fields(self, source: list[Instr]):
+        """Per instruction, from its object (one pass): whether it is a barrier, its span (1
+        alone), first Legion and queue code (NONE for a barrier), and its condition as a
+        [n, 4] array: own Legion (NONE: the task's), queue code, absolute count (NONE:
+        relative), back; or None when no instruction has one. Queue names are coded
+        instructions' first, then conditions', in program order."""
+        # Lists of ints and strings only: tuples would set off the cycle collector, which
+        # walks every instruction object.
+        barriers, spans, legions, queues, at, conds = [], [], [], [], [], []
+        for o, i in enumerate(source):
+            if isinstance(i, Barrier):
+                barriers.append(o)
+                spans.append(1)
+                legions.append(NONE)
+                queues.append(None)
+                continue
+            spans.append(getattr(i, "span", None) or 1)
+            legions.append(i.legion)
+            queues.append(i.queue())
+            c = i.condition()
+            if c is not None:
+                at.append(o)
+                conds.append(c)
+        n = len(source)
+        barrier = np.zeros(n, dtype=bool)
+        barrier[barriers] = True
+        code = self.code
+        queue = np.array([NONE if q is None else code(q) for q in queues], dtype=np.int64)
+        cond = None
+        if conds:
+            cond = np.full((n, 4), NONE, dtype=np.int64)
+            cond[:, 3] = 0
+            cond[at, 0] = [NONE if c.legion is None else c.legion for c in conds]
+            cond[at, 1] = [code(c.queue) for c in conds]
+            cond[at, 2] = [NONE if c.count is None else c.count for c in conds]
+            cond[at, 3] = [c.back for c in conds]
+        return barrier, np.array(spans, dtype=np.int64), np.array(legions, dtype=np.int64), queue, cond
 
     def __len__(self) -> int:
         return len(self.origin)
 
     def code(self, queue: str) -> int:
-        if queue not in self.names:
+        n = self._codes.get(queue)
+        if n is None:
+            n = self._codes[queue] = len(self.names)
             self.names.append(queue)
-        return self.names.index(queue)
+        return n
 
     def __getitem__(self, k):
         if isinstance(k, slice):
@@ -228,31 +268,100 @@ class Queues:
         return self.before(legion, queue, np.full(len(legion), self.n, dtype=np.int64))
 
 
-def _conditions(source: list[Instr], tasks: Tasks, barrier: np.ndarray, legions: int) -> np.ndarray:
-    """Each task's condition as (Legion, queue, absolute count): a relative one counted as the
-    tasks given to that queue by the instructions before its own (the ranks of a span do not
-    wait on each other)."""
+def _conditions(tasks: Tasks, barrier: np.ndarray, legions: int, conds: np.ndarray | None) -> np.ndarray:
+    """Each task's condition as (Legion, queue, absolute count), from its instruction's
+    (``conds``, per instruction: own Legion or NONE, queue, count or NONE, back; a NONE queue
+    for none): a relative one counted as the tasks given to that queue by the instructions
+    before its own (the ranks of a span do not wait on each other)."""
     out = np.full((len(tasks), 3), NONE, dtype=np.int64)
     out[:, 2] = 0
-    conds = [i.condition() for i in source]
-    has = np.array([c is not None for c in conds], dtype=bool)
-    at = np.flatnonzero(has[tasks.origin]) if len(tasks) else np.zeros(0, np.int64)
+    if conds is None or not len(tasks):
+        return out
+    at = np.flatnonzero(conds[tasks.origin, 1] != NONE)
     if not len(at):
         return out
-    own = np.array([NONE if c is None or c.legion is None else c.legion for c in conds], dtype=np.int64)
-    queue = np.array([NONE if c is None else tasks.code(c.queue) for c in conds], dtype=np.int64)
-    count = np.array([NONE if c is None or c.count is None else c.count for c in conds], dtype=np.int64)
-    back = np.array([0 if c is None else c.back for c in conds], dtype=np.int64)
     o = tasks.origin[at]
-    legion = np.where(own[o] == NONE, tasks.legion[at], own[o])
-    counted = count[o]
+    own, queue, count, back = conds[o, 0], conds[o, 1], conds[o, 2], conds[o, 3]
+    legion = np.where(own == NONE, tasks.legion[at], own)
+    counted = count.copy()
     relative = counted == NONE
     if relative.any():
         r = np.flatnonzero(relative)
-        given = Queues(tasks, barrier, legions).before(legion[r], queue[o][r], o[r])
-        counted[r] = np.maximum(0, given - back[o][r])
-    out[at, 0], out[at, 1], out[at, 2] = legion, queue[o], counted
+        given = Queues(tasks, barrier, legions).before(legion[r], queue[r], o[r])
+        counted[r] = np.maximum(0, given - back[r])
+    out[at, 0], out[at, 1], out[at, 2] = legion, queue, counted
     return out
+
+
+def word_matrix(words: bytes, n: int) -> np.ndarray:
+    """The words as an [n, WORD_BITS / 64] array of little-endian 64-bit pieces."""
+    return np.frombuffer(words, dtype="<u8", count=n * (encoding.WORD_BYTES // 8)).reshape(n, -1)
+
+
+def bits_at(u: np.ndarray, shift: int, width: int) -> np.ndarray:
+    """Bits ``shift .. shift + width - 1`` (width <= 64) of each row of :func:`word_matrix`."""
+    j, r = divmod(shift, 64)
+    v = u[:, j] >> np.uint64(r)
+    if r + width > 64:
+        v = v | (u[:, j + 1] << np.uint64(64 - r))
+    if width < 64:
+        v = v & np.uint64((1 << width) - 1)
+    return v
+
+
+_QUEUE_CODE = {cls: (QUEUES.index(cls.QUEUE) if cls.QUEUE in QUEUES else NONE) for cls in encoding.LAYOUT}
+
+
+def _word_fields(words: bytes, n: int):
+    """What ``Tasks._object_fields`` reads of the instruction objects, read from their words
+    at once, grouped by opcode (the words of a program read from a file, each checked)."""
+    u = word_matrix(words, n)
+    op = (u[:, 0] & np.uint64(0xFF)).astype(np.int64)
+    barrier = op == Barrier.OPCODE
+    span = np.ones(n, dtype=np.int64)
+    start = np.full(n, NONE, dtype=np.int64)
+    queue = np.full(n, NONE, dtype=np.int64)
+    cond = np.full((n, 4), NONE, dtype=np.int64)
+    cond[:, 3] = 0
+    by = encoding.BY_OPCODE
+    for code in np.unique(op).tolist():
+        cls = by[code]
+        at = encoding.FIELD_AT[cls]
+        rows = np.flatnonzero(op == code)
+        w = u[rows]
+        if "legion" in at:
+            start[rows] = bits_at(w, *_width(at["legion"])).astype(np.int64)
+        if "span" in at:
+            s = bits_at(w, *_width(at["span"])).astype(np.int64)
+            span[rows] = np.where(s & 1, s >> 1, 1)
+        if cls is Wait:
+            queue[rows] = bits_at(w, *_width(at["queue_name"])).astype(np.int64)
+            c = bits_at(w, *_width(at["until"])).astype(np.int64)
+            present = np.ones(len(rows), dtype=bool)
+        elif "wait" in at:
+            queue[rows] = _QUEUE_CODE[cls]
+            c = bits_at(w, *_width(at["wait"])).astype(np.int64)
+            present, c = (c & 1).astype(bool), c >> 1
+        else:
+            queue[rows] = _QUEUE_CODE[cls]
+            continue
+        if not present.any():
+            continue
+        rows, c = rows[present], c[present]
+        kind = Until
+        n_mask = (1 << kind.count_bits) - 1
+        relative = (c >> kind.rel_at & 1).astype(bool)
+        number = c >> kind.count_at & n_mask
+        cond[rows, 0] = np.where(c & 1, NONE, c >> kind.legion_at & ((1 << kind.legion_bits) - 1))
+        cond[rows, 1] = c >> kind.queue_at & 3
+        cond[rows, 2] = np.where(relative, NONE, number)
+        cond[rows, 3] = np.where(relative, number, 0)
+    return barrier, span, start, queue, cond
+
+
+def _width(shift_kind) -> tuple[int, int]:
+    shift, kind = shift_kind
+    return shift, kind.bits
 
 
 def absolute(cond: Cond, legion: int, issued) -> Cond:

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from isa.arch import MODE_BITS, Arch
-from isa.expand import NONE, Queues, Tasks, dram_of, expand
+from isa.expand import DRAM_FIELD, NONE, Queues, Tasks, bits_at, dram_of, expand, word_matrix
 from isa.fields import View
 from isa.fields import QUEUES
 from isa.instructions import (TRANSFER_CLASSES, Barrier, DmaLoad, DmaStore, Drain, Gather, Instr, MatMul, NocAdd, NocMove, VBinary,
@@ -81,7 +81,7 @@ def _checked(program: Program, arch: Arch) -> tuple[list[str], Program | None]:
         return out, None
     flat = expand(program, arch.legions)
     tasks = flat.program.instrs
-    queues = Queues(tasks, np.array([isinstance(i, Barrier) for i in tasks.source], dtype=bool), arch.legions)
+    queues = Queues(tasks, tasks.barrier, arch.legions)
     ctx = Context(flat.program, arch, _lengths(tasks, queues, arch))
     # A program read from text or binary was checked field by field as it was read.
     fields, bad = (([], np.zeros(len(tasks.source), dtype=bool)) if encoding.words_hold(program)
@@ -143,6 +143,8 @@ def _checked_tasks(tasks: Tasks) -> np.ndarray:
 def _end_problems(tasks: Tasks, ctx: Context, bad: np.ndarray) -> list:
     """The family checks (which assume well-formed fields). A first task that moves nothing
     with its rank is checked once per distinct instruction (the layers of a model repeat them)."""
+    if tasks.words is not None and not bad.any():
+        return _end_problems_words(tasks, ctx)
     out, alike, first = [], tasks.alike(), tasks.first.tolist()
     origin = tasks.origin.tolist()
     first_fine = set()                 # transfers whose first task has no problem
@@ -166,6 +168,111 @@ def _end_problems(tasks: Tasks, ctx: Context, bad: np.ndarray) -> list:
         else:
             found = alike.get("family", o, lambda: list(family_problems(ins, ctx)))
         out += [(k, 0, what) for what in found]
+    return out
+
+
+def _end_problems_words(tasks: Tasks, ctx: Context) -> list:
+    """:func:`_end_problems` of a program read from a file, the same problems found with
+    Python run per distinct instruction rather than per task. The others' checks repeat an
+    equal instruction's. A transfer is checked once per group of transfers equal but for
+    their DRAM offset (and span, Legion stride and condition, which no family check reads):
+    when the group's first has no problem, the others can only have the one an offset
+    causes, their DRAM window past their tensor's storage, which is computed for all at
+    once, as are the moved Legions, destinations and windows of the last ranks of spans.
+    Any task these say may have a problem gets the full check."""
+    source, legions = tasks.source, ctx.arch.legions
+    n = len(source)
+    u = word_matrix(tasks.words, n)
+    op = (u[:, 0] & np.uint64(0xFF)).astype(np.int64)
+    first = tasks.first
+    last = np.concatenate([first[1:], [len(tasks)]]) - 1 if n else first
+    out = []
+    # A wait's family check is its condition's, made per task: here only its Legion.
+    for o in np.flatnonzero((op == Wait.OPCODE) & (tasks.legion[first] >= legions)).tolist():
+        out += [(int(first[o]), 0, what) for what in legion(source[o].legion, ctx.arch)]
+    moving = np.isin(op, [cls.OPCODE for cls in TRANSFER_CLASSES])
+    other = ~moving & (op != Wait.OPCODE)
+    alike = tasks.alike()
+    ids = np.asarray(alike.ids, dtype=np.int64)
+    bad_ids = []
+    for i in np.unique(ids[other]).tolist():
+        ins = source[i]
+        if alike.get("family", i, lambda: list(family_problems(ins, ctx))):
+            bad_ids.append(i)
+    if bad_ids:
+        for o in np.flatnonzero(other & np.isin(ids, bad_ids)).tolist():
+            out += [(int(first[o]), 0, what) for what in alike.get("family", o, None)]
+    rows = np.flatnonzero(moving)
+    if len(rows):
+        out += _transfer_problems(tasks, ctx, u[rows], op[rows], rows, first, last)
+    return out
+
+
+def _transfer_problems(tasks: Tasks, ctx: Context, w: np.ndarray, op: np.ndarray, rows: np.ndarray,
+                       first: np.ndarray, last: np.ndarray) -> list:
+    """The first and last tasks' family problems of the transfers ``rows`` (words ``w``)."""
+    source, legions = tasks.source, ctx.arch.legions
+    m = len(rows)
+    keep = np.empty((m, w.shape[1]), dtype=np.uint64)       # each word but the bits set apart
+    legion_ = np.zeros(m, np.int64)
+    dests = np.zeros(m, np.uint64)
+    n_rows, n_cols = np.zeros(m, np.int64), np.zeros(m, np.int64)
+    tensor, offset, rs, lstride = (np.zeros(m, np.int64) for _ in range(4))
+    window = np.zeros(m, dtype=bool)          # a DRAM window checked against its tensor
+    for cls in TRANSFER_CLASSES:
+        at = np.flatnonzero(op == cls.OPCODE)
+        if not len(at):
+            continue
+        fields, x = encoding.FIELD_AT[cls], w[at]
+        get = lambda name, skip=0, bits=None: bits_at(
+            x, fields[name][0] + skip, fields[name][1].bits if bits is None else bits).astype(np.int64)
+        legion_[at], n_rows[at], n_cols[at] = get("legion"), get("rows"), get("cols")
+        if "dests" in fields:
+            dests[at] = bits_at(x, fields["dests"][0], 64)
+        apart = [(fields[name][0], fields[name][1].bits) for name in ("span", "lstride", "wait") if name in fields]
+        name = DRAM_FIELD.get(cls)
+        if name is not None:
+            shift, kind = fields[name]
+            tensor[at], offset[at] = get(name, 0, kind.tensor_bits), get(name, kind.tensor_bits, kind.offset_bits)
+            rs[at] = get(name, kind.tensor_bits + kind.offset_bits, kind.rs_bits)
+            ls = get("lstride")
+            lstride[at] = np.where(ls & 1, ls >> 1, 0)
+            apart.append((shift + kind.tensor_bits, kind.offset_bits))
+            window[at] = cls is not Gather         # a gather's rows are checked as it runs
+        mask = (1 << encoding.WORD_BITS) - 1
+        for shift, bits in apart:
+            mask &= ~(((1 << bits) - 1) << shift)
+        keep[at] = x & np.frombuffer(mask.to_bytes(encoding.WORD_BYTES, "little"), dtype="<u8")
+    window &= (n_rows > 0) & (n_cols > 0)
+    # Capped where no window reaches (an offset, strided rows and a moved rank stay below 2**50).
+    storage = np.array([min(t.storage_elems, 1 << 62) for t in ctx.program.tensors] + [0], dtype=np.int64)
+    declared = tensor < len(ctx.program.tensors)
+    limit = storage[np.where(declared, tensor, len(storage) - 1)]
+    reach = (n_rows - 1) * rs + n_cols           # past the window's offset
+
+    _, reps, group = np.unique(keep.view(np.dtype((np.void, keep.shape[1] * 8))).ravel(),
+                               return_index=True, return_inverse=True)
+    group_fine = np.array([not any(True for _ in family_problems(source[rows[r]], ctx)) for r in reps.tolist()],
+                          dtype=bool)
+    fits = ~window | (offset + reach <= limit)
+    first_fine = group_fine[group.ravel()] & fits
+    out = []
+    for j in np.flatnonzero(~first_fine).tolist():
+        o = int(rows[j])
+        found = list(family_problems(source[o], ctx))
+        first_fine[j] = not found
+        out += [(int(first[o]), 0, what) for what in found]
+    # The last rank of a span: its Legion, destinations and DRAM window moved by the rank.
+    rank = (last[rows] - first[rows])
+    spanned = rank > 0
+    room = legions - rank
+    dests_fit = np.where(room <= 0, dests == 0,
+                         (dests >> np.clip(room, 0, 63).astype(np.uint64)) == 0) | (room >= 64)
+    rank_fits = ((legion_ + rank < legions) & dests_fit
+                 & (~window | (offset + rank * lstride + reach <= limit)))
+    for j in np.flatnonzero(spanned & ~(first_fine & rank_fits)).tolist():
+        k = int(last[rows[j]])
+        out += [(k, 0, what) for what in family_problems(tasks[k], ctx)]
     return out
 
 

@@ -166,3 +166,86 @@ def test_instructions_read_from_text_are_alike_by_their_words():
     signed = asm.parse(asm.format_program(_program([_plus(0.0), _plus(-0.0)])), "t.s")
     assert Alike(signed.instrs).ids == [0, 0]                               # equal as fields
     assert expand(signed, legions=2).program.instrs.alike().ids == [0, 1]   # not as words
+
+
+def _same_tasks(p: Program, legions: int):
+    """The arrays of a program's tasks read from its words equal those read from its objects."""
+    from isa.encoding import kept_words
+    from isa.expand import Tasks
+    words = kept_words(p)
+    assert words is not None
+    fast, slow = Tasks(p.instrs, legions, words), Tasks(p.instrs, legions)
+    for name in ("origin", "first", "legion", "queue", "cond", "barrier"):
+        np.testing.assert_array_equal(getattr(fast, name), getattr(slow, name), err_msg=name)
+    assert fast.names == slow.names == ["dma", "mat", "vec"]
+    return fast
+
+
+def test_tasks_read_from_words_equal_tasks_read_from_objects_with_spans_and_relative_waits():
+    text = (".arch dlegion-8x8\n.tensor x f32[8,16] input \"x\"\n.tensor y f32[8,16] output \"y\"\n"
+            "dma.ld L0 {0} vec[0,16,1] @x[0,16] rows=2 cols=16 span=4 lstride=32\n"
+            "dma.ld L5 {5,6} vec[0,16,1] @x[0,16] rows=1 cols=16 wait=L3.vec>=2\n"
+            "vadd L0 vec[0,16,1] vec[0,16,1] #1 rows=2 cols=16 span=4 wait=dma\n"
+            "barrier\n"
+            "wait L1 mat L0.vec~1\n"
+            "wait L2 vec L4.dma>=0\n"
+            "wait L3 dma vec~2 span=3\n"
+            "vmax L6 vec[0,16,1] vec[0,16,1] #0 rows=1 cols=16 wait=L6.mat~1\n"
+            "dma.st L0 @y[0,16] vec[0,16,1] rows=2 cols=16 span=4 lstride=32 wait=vec\n"
+            "noc.mv L2 {3} vec[0,16,1] vec[32,16,1] rows=1 cols=16 span=2 wait=dma~1\n")
+    tasks = _same_tasks(asm.parse(text, "t.s"), WIDE.legions)
+    assert len(tasks) == 4 + 1 + 4 + 1 + 1 + 1 + 3 + 1 + 4 + 2
+    assert (tasks.cond[:, 0] != -1).sum() == len(tasks) - 4 - 1       # all but the first loads and the barrier
+    assert sorted(set(tasks.cond[:, 2].tolist())) != [0]             # counted, not left relative
+
+
+def test_tasks_of_a_compiled_model_read_from_words_equal_tasks_read_from_objects():
+    from pathlib import Path
+
+    from dlegion_cc.pipeline import Options, compile_model
+    _, program = compile_model(Path(__file__).parent.parent / "models" / "bitnet_tiny_gqa.onnx",
+                                Options(WIDE, dims={"sequence": 8}))
+    p = asm.parse(asm.format_program(program), "m.s")
+    tasks = _same_tasks(p, WIDE.legions)
+    assert len(tasks) > len(p.instrs) and tasks.barrier.any() == any(isinstance(i, Barrier) for i in p.instrs)
+    assert any(c is not None and c.count is None for c in (i.condition() for i in p.instrs))   # relative waits
+
+
+PROBLEMS = (".arch dlegion-8x8\n.tensor x f32[8,16] input \"x\"\n.tensor y f32[8,16] output \"y\"\n"
+            "dma.ld L0 {0} vec[0,16,1] @x[0,16] rows=2 cols=16\n"
+            "dma.ld L0 {0} vec[0,16,1] @x[100,16] rows=2 cols=16\n"                 # the line above's group
+            "dma.ld L0 {0} vec[0,16,1] @x[120,16] rows=2 cols=16 span=2 lstride=8\n"
+            "dma.ld L0 {0} vec[0,16,1] @x[0,16] rows=2 cols=16 span=4 lstride=40\n"  # its last rank
+            "dma.ld L6 {7} vec[0,16,1] @x[0,16] rows=1 cols=16 span=2 lstride=16\n"  # its last rank's dests
+            "dma.st L0 @x[0,16] vec[0,16,1] rows=2 cols=16\n"
+            "dma.st L1 @y[64,16] vec[0,16,1] rows=4 cols=16\n"
+            "dma.st L1 @y[80,16] vec[0,16,1] rows=4 cols=16 wait=dma\n"
+            "noc.mv L2 {3} vec[0,16,1] vec[32,16,1] rows=1 cols=16 span=2\n"
+            "noc.mv L0 {6,7} vec[0,16,1] vec[32,16,1] rows=1 cols=16 span=3\n"
+            "vadd L0 vec[0,16,1] vec[0,16,1] #1 rows=2 cols=16\n"
+            "vadd L0 vec[0,0,1] vec[0,16,1] #1 rows=2 cols=16\n"
+            "vadd L0 vec[0,16,1] vec[0,16,1] #1 rows=2 cols=16\n"
+            "vadd L0 vec[0,0,1] vec[0,16,1] #1 rows=2 cols=16 span=2\n"
+            "wait L1 mat L0.vec>=1\n"
+            "wait L9 vec L0.dma>=0\n")
+
+
+def test_the_checks_of_a_program_read_from_a_file_find_what_the_checks_of_its_objects_find():
+    """Read from a file, the family checks run once per group of transfers equal but for their
+    offset and once per distinct other instruction; every problem is still found, at its task."""
+    import copy
+    p = asm.parse(PROBLEMS, "t.s")
+    objects = Program(p.arch, p.tensors, [copy.copy(i) for i in p.instrs], source="t.s", lines=p.lines)
+    from isa.encoding import kept_words
+    assert kept_words(p) is not None and kept_words(objects) is None
+    found = check(p, WIDE)
+    assert found == check(objects, WIDE)
+    assert "t.s:5: dma.ld: src @x[100,16] over 2x16 reaches storage element 131 of tensor 'x', which has 128" in found
+    assert "t.s:7: dma.ld: src @x[120,16] over 4x16 reaches storage element 199 of tensor 'x', which has 128" not in found
+    assert [f for f in found if f.startswith(("t.s:6:", "t.s:7:", "t.s:8:"))] == [
+        "t.s:6: dma.ld: src @x[120,16] over 2x16 reaches storage element 151 of tensor 'x', which has 128",
+        "t.s:6: dma.ld: src @x[128,16] over 2x16 reaches storage element 159 of tensor 'x', which has 128",
+        "t.s:7: dma.ld: src @x[120,16] over 2x16 reaches storage element 151 of tensor 'x', which has 128",
+        "t.s:8: dma.ld: dests: Legion L8 does not exist (dlegion-8x8 has 8)"]
+    assert sum(f.endswith(": vadd: dst vec[0,0,1] writes 2 rows with row stride 0") for f in found) == 2
+    assert "t.s:19: wait: Legion L9 does not exist (dlegion-8x8 has 8)" in found and len(found) == 12
