@@ -20,7 +20,7 @@ import numpy as np
 
 from isa import encoding
 from isa.fields import QUEUES, Cond, DramRef, Until
-from isa.instructions import Barrier, DmaLoad, DmaStore, Gather, Instr, NocMove, Wait
+from isa.instructions import OPCODE_BITS, Barrier, DmaLoad, DmaStore, Gather, Instr, NocMove, Wait
 from isa.program import Program
 
 DRAM_FIELD = {DmaLoad: "src", DmaStore: "dst", Gather: "table"}
@@ -298,6 +298,11 @@ def word_matrix(words: bytes, n: int) -> np.ndarray:
     return np.frombuffer(words, dtype="<u8", count=n * (encoding.WORD_BYTES // 8)).reshape(n, -1)
 
 
+def opcodes(u: np.ndarray) -> np.ndarray:
+    """Each row's opcode (the word's lowest OPCODE_BITS) of :func:`word_matrix`."""
+    return (u[:, 0] & np.uint64((1 << OPCODE_BITS) - 1)).astype(np.int64)
+
+
 def bits_at(u: np.ndarray, shift: int, width: int) -> np.ndarray:
     """Bits ``shift .. shift + width - 1`` (width <= 64) of each row of :func:`word_matrix`."""
     j, r = divmod(shift, 64)
@@ -316,7 +321,7 @@ def _word_fields(words: bytes, n: int):
     """What ``Tasks._object_fields`` reads of the instruction objects, read from their words
     at once, grouped by opcode (the words of a program read from a file, each checked)."""
     u = word_matrix(words, n)
-    op = (u[:, 0] & np.uint64(0xFF)).astype(np.int64)
+    op = opcodes(u)
     barrier = op == Barrier.OPCODE
     span = np.ones(n, dtype=np.int64)
     start = np.full(n, NONE, dtype=np.int64)
@@ -353,7 +358,7 @@ def _word_fields(words: bytes, n: int):
         relative = (c >> kind.rel_at & 1).astype(bool)
         number = c >> kind.count_at & n_mask
         cond[rows, 0] = np.where(c & 1, NONE, c >> kind.legion_at & ((1 << kind.legion_bits) - 1))
-        cond[rows, 1] = c >> kind.queue_at & 3
+        cond[rows, 1] = c >> kind.queue_at & ((1 << (kind.rel_at - kind.queue_at)) - 1)
         cond[rows, 2] = np.where(relative, NONE, number)
         cond[rows, 3] = np.where(relative, number, 0)
     return barrier, span, start, queue, cond

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from isa.arch import MODE_BITS, Arch
-from isa.expand import DRAM_FIELD, NONE, Queues, Tasks, bits_at, dram_of, expand, word_matrix
+from isa.expand import DRAM_FIELD, NONE, Queues, Tasks, bits_at, dram_of, expand, opcodes, word_matrix
 from isa.fields import View
 from isa.fields import QUEUES
 from isa.instructions import (TRANSFER_CLASSES, Barrier, DmaLoad, DmaStore, Drain, Gather, Instr, MatMul, NocAdd, NocMove, VBinary,
@@ -183,7 +183,7 @@ def _end_problems_words(tasks: Tasks, ctx: Context) -> list:
     source, legions = tasks.source, ctx.arch.legions
     n = len(source)
     u = word_matrix(tasks.words, n)
-    op = (u[:, 0] & np.uint64(0xFF)).astype(np.int64)
+    op = opcodes(u)
     first = tasks.first
     last = np.concatenate([first[1:], [len(tasks)]]) - 1 if n else first
     out = []
