@@ -151,11 +151,19 @@ def _stack(seq: int, machine, prefetch: bool, row_blocks: bool = True) -> None:
         runs = {ov: compile_model(path, Options(machine, prefetch=prefetch, overlap=ov,
                                                              row_blocks=row_blocks)) for ov in (True, False)}
     roofline = bound(runs[False][0], machine)["matmul"]
-    cycles = {ov: simulate(program, machine).cycles for ov, (_, program) in runs.items()}
+    timelines = {ov: simulate(program, machine) for ov, (_, program) in runs.items()}
+    cycles = {ov: t.cycles for ov, t in timelines.items()}
+    arrays = _arrays_busy(timelines[False])
     print(f"2B4T BitLinear stack (Q, K, V, gate, up, down with absmax quantization, ReLU^2), sequence {seq}, "
-          f"{machine.name}: {cycles[False]:,} cycles, {cycles[False] / roofline:.2f}x its matmul roofline of "
-          f"{roofline:,.0f} (target <= {STACK_TARGET}x); with --overlap: {cycles[True]:,} cycles, "
-          f"{cycles[True] / roofline:.2f}x")
+          f"{machine.name}: {len(runs[False][1].instrs):,} instructions, {cycles[False]:,} cycles, "
+          f"{cycles[False] / roofline:.3f}x its matmul roofline of {roofline:,.0f} (target <= {STACK_TARGET}x), "
+          f"the busiest Legion's arrays busy {arrays:,} ({arrays / roofline:.3f}x); "
+          f"with --overlap: {cycles[True]:,} cycles, {cycles[True] / roofline:.3f}x")
+
+
+def _arrays_busy(timeline) -> int:
+    """The cycles the busiest Legion's arrays pass (the rest of the program they idle)."""
+    return max((c for (_, queue), c in timeline.busy.items() if queue == "mat"), default=0)
 
 
 @click.command()
