@@ -176,7 +176,9 @@ class _Sim:
         self.events: list[tuple[float, int]] = []              # (done time, instruction)
         self.dram = _Dram(arch.derived.dram_bytes_per_cycle, arch.derived.link_bytes_per_cycle)
         self.latency = arch.dram_latency_cycles
-        self.handlers = {WAIT: self._wait, BARRIER: self._barrier}
+        # Functions, not bound methods: a bound method would make every _Sim a reference cycle,
+        # whose many tuples only the cycle collector frees.
+        self.handlers = {WAIT: _Sim._wait, BARRIER: _Sim._barrier}
         self._woken: list = []      # queues a passed wait or a released barrier woke (_advance's)
         # What _advance and _complete read on every call, in one attribute.
         self._completing = (self.queue_of, self.done, self.is_flow, self.order, self.is_done, self.waiters)
@@ -273,7 +275,7 @@ class _Sim:
                         end = max(t, ready + lead) + cycles
                         free[k] = end
                         heapq.heappush(events, (end, k))
-                elif not handlers[kind](q, k, t, woken):
+                elif not handlers[kind](self, q, k, t, woken):
                     break
                 q.head += 1
             if woken:
