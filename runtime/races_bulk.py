@@ -126,7 +126,7 @@ def _not_known_done(acc: dict, order: Order) -> tuple[np.ndarray, np.ndarray] | 
     runs = np.searchsorted(s, g_kind | 1, side="right") - run_lo
     g = np.repeat(np.arange(len(g_kind)), runs)
     b = by[np.arange(runs.sum()) - np.repeat(np.cumsum(runs) - runs, runs) + np.repeat(run_lo, runs)]
-    known = order.known[acc["task"][b], g_queue[g]]
+    known = order.known.reshape(-1).take(acc["task"][b] * order.nq + g_queue[g])    # known[task, queue], flat
     by_place = (group << 32) + place[by]
     if np.any(by_place[1:] < by_place[:-1]):
         return None                # not in order on their queue: no run to search for
