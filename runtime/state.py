@@ -104,10 +104,15 @@ def copy_into(target: np.ndarray, values: np.ndarray) -> None:
     width = cols * target.itemsize
     if 1 < cols and width <= WIDE_ROW and target.strides[-1] == values.strides[-1] == target.itemsize \
             and values.shape == target.shape:
-        raw = np.dtype((np.void, width))
+        raw = _RAW[width]
         target.view(raw)[..., 0] = values.view(raw)[..., 0]
         return
     target[...] = values
+
+
+# The raw element of each row width copy_into copies as one (made once: a dtype per call costs
+# as much as a short copy).
+_RAW = [np.dtype((np.void, width)) if width else None for width in range(WIDE_ROW + 1)]
 
 
 # --- scratchpads ---------------------------------------------------------------------------
