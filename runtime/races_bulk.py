@@ -29,6 +29,7 @@ class AccessLog:
         self.program, self.arch, self.unchecked = program, arch, unchecked
         self.spaces = list(arch.derived.spad_elems)
         self._space_id = {s: n for n, s in enumerate(self.spaces)}
+        self._space_base = {s: n * arch.legions for n, s in enumerate(self.spaces)}    # its Legion 0's id
         self.tracked = {i for i, t in enumerate(program.tensors) if t.kind not in UNTRACKED}
         self.rows: list[tuple] = []
         self._now = 0
@@ -41,8 +42,8 @@ class AccessLog:
 
     def spad(self, legion: int, span: int, view, rows: int, cols: int, write: bool) -> None:
         if rows and cols:
-            space = self._space_id[view.space] * self.arch.legions + legion
-            self.rows.append((self._now, space, span, 0, view.addr, rows, cols, view.rs, view.cs, write))
+            self.rows.append((self._now, self._space_base[view.space] + legion, span, 0, view.addr, rows, cols,
+                              view.rs, view.cs, write))
 
     def dram_access(self, tensor: int, offset: int, rs: int, rows: int, cols: int, write: bool,
                     span: int = 1, lstride: int = 0) -> None:
