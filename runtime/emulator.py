@@ -97,7 +97,7 @@ def _by_instruction(machine: Machine, program: Program, keep: bool, advance, unc
     check skips the segments ``unchecked`` marks (see :func:`_repeated_segments`)."""
     tasks = program.instrs
     source, first = tasks.source, tasks.first.tolist()
-    live = None if keep else Liveness(program, source)
+    dead = {} if keep else Liveness(program, source).last_uses()
     watch = machine.watch
     skip = unchecked.tolist()
     ran = _Blocks(advance)
@@ -107,7 +107,7 @@ def _by_instruction(machine: Machine, program: Program, keep: bool, advance, unc
         if isinstance(ins, (Wait, Barrier)):
             continue
         span = getattr(ins, "span", None) or 1
-        _execute(machine, program, ins, first[o], span, live.ran(o) if live is not None else (), watch)
+        _execute(machine, program, ins, first[o], span, dead.get(o, ()), watch)
         ran.add(span)
     machine.watch = watch
     ran.flush()
