@@ -3,6 +3,7 @@ allow: program order, an instruction's tasks at once, when every condition waits
 instruction (as compiled programs do); else task by task in the timing model's completion order."""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,7 +97,7 @@ def _by_instruction(machine: Machine, program: Program, keep: bool, advance, unc
     check skips the segments ``unchecked`` marks (see :func:`_repeated_segments`)."""
     tasks = program.instrs
     source, first = tasks.source, tasks.first.tolist()
-    live = None if keep else Liveness(program, source)
+    dead = {} if keep else Liveness(program, source).last_uses()
     watch = machine.watch
     skip = unchecked.tolist()
     ran = _Blocks(advance)
@@ -106,7 +107,7 @@ def _by_instruction(machine: Machine, program: Program, keep: bool, advance, unc
         if isinstance(ins, (Wait, Barrier)):
             continue
         span = getattr(ins, "span", None) or 1
-        _execute(machine, program, ins, first[o], span, live.ran(o) if live is not None else (), watch)
+        _execute(machine, program, ins, first[o], span, dead.get(o, ()), watch)
         ran.add(span)
     machine.watch = watch
     ran.flush()
@@ -118,9 +119,15 @@ def _repeated_segments(source: list, program: Program) -> np.ndarray:
     (races.segment_key): its verdict is that one's, so it is not checked again."""
     out = np.zeros(len(source), np.bool_)
     starts = [0] + [o for o, ins in enumerate(source) if isinstance(ins, Barrier) and o > 0]
+    bounds = list(zip(starts, starts[1:] + [len(source)]))
+    # Equal keys have equal lengths: a segment whose length no other has repeats none, and
+    # needs no key (a single layer's segments all differ so).
+    lengths = Counter(hi - lo for lo, hi in bounds)
     ids = program.instrs.alike().ids
     checked = set()
-    for lo, hi in zip(starts, starts[1:] + [len(source)]):
+    for lo, hi in bounds:
+        if lengths[hi - lo] == 1:
+            continue
         seen = len(checked)
         checked.add(segment_key(source[lo:hi], program.tensors, ids[lo:hi]))   # one hash of the key
         out[lo:hi] = len(checked) == seen

@@ -47,6 +47,15 @@ class Liveness:
             uses.append(uses[i] if i != o else tuple(n for n in tensors_of(ins) if n in scratch))
         return uses
 
+    def last_uses(self) -> dict[int, list[int]]:
+        """For a run of every instruction once, in program order: per instruction, the
+        tensors it is the last use of (what :meth:`ran` would give it), where there are any."""
+        last = {n: k for k, used in enumerate(self.uses) for n in used}
+        out: dict[int, list[int]] = {}
+        for n, k in sorted(last.items(), key=lambda nk: (nk[1], self.uses[nk[1]].index(nk[0]))):
+            out.setdefault(k, []).append(n)
+        return out
+
     def ran(self, k: int) -> list[int]:
         """Task ``k`` has run: the tensors it was the last use of."""
         dead = []

@@ -59,28 +59,28 @@ class Order:
         self._dependencies(tasks)
         self.known = self._knowledge(tasks, arch.legions)
         self.origin = tasks.origin
-        self._own_bounds(tasks)
+        self._tasks = tasks
 
-    def _own_bounds(self, tasks: Tasks) -> None:
+    def own_bounds(self) -> tuple[list, list, list]:
         """Per instruction: ``own_known[o][q]``, the fewest tasks of queue kind ``q`` on its
         own Legion any of its tasks knows done; ``top_place[o]``, the highest place of its
-        tasks on their queues. A rank of one instruction on Legion L is ordered after a rank
-        of another there when the first's bound exceeds the second's top place: one
-        comparison for the whole span instead of one per Legion."""
-        n, kinds = len(self.queue), len(QUEUES)
+        tasks on their queues; and per queue kind, per task, the count of that kind of queue of
+        its own Legion it knows (``own_by_kind``). A rank of one instruction on Legion L is
+        ordered after a rank of another there when the first's bound exceeds the second's top
+        place: one comparison for the whole span instead of one per Legion. Only the check
+        access by access uses them: computed when it asks."""
+        tasks, n, kinds = self._tasks, len(self.queue), len(QUEUES)
         if not n:
-            self.own_known, self.top_place, self.own_by_kind = [], [], [array("i") for _ in QUEUES]
-            return
+            return [], [], [array("i") for _ in QUEUES]
         own = (tasks.legion != NONE) & (tasks.queue >= 0) & (tasks.queue < kinds)
         cols = np.clip(tasks.legion, 0, None)[:, None] * kinds + np.arange(kinds)
         diag = np.take_along_axis(self.known, np.clip(cols, 0, self.nq - 1), axis=1).astype(np.int64)
         diag[~own] = -1                       # no shortcut for a task off the machine's queues
-        self.own_known = np.minimum.reduceat(diag, tasks.first, axis=0).tolist()
-        # Per queue kind, per task: the count of that kind of queue of its own Legion it knows
-        # (as machine integers: sliced like lists, without an int object per element).
-        self.own_by_kind = [array("i", np.ascontiguousarray(diag[:, q], np.int32).tobytes()) for q in range(kinds)]
+        own_known = np.minimum.reduceat(diag, tasks.first, axis=0).tolist()
+        # own_by_kind as machine integers: sliced like lists, without an int object per element.
+        own_by_kind = [array("i", np.ascontiguousarray(diag[:, q], np.int32).tobytes()) for q in range(kinds)]
         place = np.where(own, self.place, np.iinfo(np.int64).max)
-        self.top_place = np.maximum.reduceat(place, tasks.first).tolist()
+        return own_known, np.maximum.reduceat(place, tasks.first).tolist(), own_by_kind
 
     def qid(self, legion: int, queue: str) -> int:
         return legion * len(QUEUES) + QUEUES.index(queue)
@@ -358,8 +358,7 @@ class RaceCheck:
         self._next = np.zeros(0, np.int64)               # per queue, its next task (a sweep's)
         self._queue, self._place = self.order.queue.tolist(), self.order.place.tolist()
         self._origin = self.order.origin.tolist()
-        self._own_known, self._top_place = self.order.own_known, self.order.top_place
-        self._own_by_kind = self.order.own_by_kind
+        self._own_known, self._top_place, self._own_by_kind = self.order.own_bounds()
         self._shapes: dict[tuple, tuple] = {}           # window -> its bounds and rectangle
         # Run in program order, a read after a tensor's last store meets no later write: it is
         # checked against the writes kept, and not kept itself.

@@ -29,6 +29,7 @@ class AccessLog:
         self.program, self.arch, self.unchecked = program, arch, unchecked
         self.spaces = list(arch.derived.spad_elems)
         self._space_id = {s: n for n, s in enumerate(self.spaces)}
+        self._space_base = {s: n * arch.legions for n, s in enumerate(self.spaces)}    # its Legion 0's id
         self.tracked = {i for i, t in enumerate(program.tensors) if t.kind not in UNTRACKED}
         self.rows: list[tuple] = []
         self._now = 0
@@ -41,8 +42,8 @@ class AccessLog:
 
     def spad(self, legion: int, span: int, view, rows: int, cols: int, write: bool) -> None:
         if rows and cols:
-            space = self._space_id[view.space] * self.arch.legions + legion
-            self.rows.append((self._now, space, span, 0, view.addr, rows, cols, view.rs, view.cs, write))
+            self.rows.append((self._now, self._space_base[view.space] + legion, span, 0, view.addr, rows, cols,
+                              view.rs, view.cs, write))
 
     def dram_access(self, tensor: int, offset: int, rs: int, rows: int, cols: int, write: bool,
                     span: int = 1, lstride: int = 0) -> None:
@@ -59,20 +60,29 @@ class AccessLog:
 
     def _ranks(self) -> dict:
         """One access per rank: its task, space (a scratchpad rank on Legion first + r, a DRAM
-        rank ``r * lstride`` further), time (the record's index), rank, window and bounds."""
+        rank ``r * lstride`` further), time (the record's index), rank and bounds; its window
+        is :func:`_windows`'s to make, for the few pairs that need it. Bounds are computed per
+        record and shifted per rank."""
         t = np.array(self.rows, np.int64)
         span = t[:, SPAN]
         rec = np.repeat(np.arange(len(t)), span)
         rank = np.arange(len(rec)) - np.repeat(np.cumsum(span) - span, span)
-        a = t[rec]
-        spad = a[:, SPACE] >= 0
-        addr = a[:, ADDR] + np.where(spad, 0, rank * a[:, LSTRIDE])
-        rows, cols, rs, cs = a[:, ROWS], a[:, COLS], a[:, RS], a[:, CS]
-        lo = addr + np.minimum(0, (rows - 1) * rs) + np.minimum(0, (cols - 1) * cs)
-        hi = addr + np.maximum(0, (rows - 1) * rs) + np.maximum(0, (cols - 1) * cs)
-        return {"task": a[:, K] + rank, "space": a[:, SPACE] + np.where(spad, rank, 0), "time": rec,
-                "rank": rank, "write": a[:, WRITE] != 0, "lo": lo, "hi": hi,
-                "win": np.stack([addr, rows, cols, rs, cs], axis=1)}
+        rows, cols, rs, cs = t[:, ROWS], t[:, COLS], t[:, RS], t[:, CS]
+        low = np.minimum(0, (rows - 1) * rs) + np.minimum(0, (cols - 1) * cs)
+        width = np.maximum(0, (rows - 1) * rs) + np.maximum(0, (cols - 1) * cs) - low
+        spad = (t[:, SPACE] >= 0)[rec]
+        shift = np.where(spad, 0, rank * t[:, LSTRIDE][rec])        # a DRAM rank's offset
+        lo = (t[:, ADDR] + low)[rec] + shift
+        return {"task": t[:, K][rec] + rank, "space": t[:, SPACE][rec] + np.where(spad, rank, 0), "time": rec,
+                "rank": rank, "write": (t[:, WRITE] != 0)[rec], "lo": lo, "hi": lo + width[rec],
+                "windows": t[:, [ADDR, ROWS, COLS, RS, CS]], "shift": shift}
+
+
+def _windows(acc: dict, at: np.ndarray) -> np.ndarray:
+    """The windows (addr, rows, cols, rs, cs) of rank accesses ``at``, one a row."""
+    out = acc["windows"][acc["time"][at]]
+    out[:, 0] += acc["shift"][at]
+    return out
 
 
 def _unordered_pairs(acc: dict, order: Order) -> list[tuple[int, int]] | None:
@@ -96,9 +106,9 @@ def _unordered_pairs(acc: dict, order: Order) -> list[tuple[int, int]] | None:
     if not len(a):
         return []
     a, b = _not_apart(acc, a, b)
-    wins = acc["win"]
-    return [(x, y) for x, y in zip(a.tolist(), b.tolist())
-            if _first_shared(tuple(wins[y].tolist()), tuple(wins[x].tolist())) is not None]
+    win_a, win_b = _windows(acc, a).tolist(), _windows(acc, b).tolist()
+    return [(x, y) for x, y, wx, wy in zip(a.tolist(), b.tolist(), win_a, win_b)
+            if _first_shared(tuple(wy), tuple(wx)) is not None]
 
 
 def _not_known_done(acc: dict, order: Order) -> tuple[np.ndarray, np.ndarray] | None:
@@ -126,7 +136,7 @@ def _not_known_done(acc: dict, order: Order) -> tuple[np.ndarray, np.ndarray] | 
     runs = np.searchsorted(s, g_kind | 1, side="right") - run_lo
     g = np.repeat(np.arange(len(g_kind)), runs)
     b = by[np.arange(runs.sum()) - np.repeat(np.cumsum(runs) - runs, runs) + np.repeat(run_lo, runs)]
-    known = order.known[acc["task"][b], g_queue[g]]
+    known = order.known.reshape(-1).take(acc["task"][b] * order.nq + g_queue[g])    # known[task, queue], flat
     by_place = (group << 32) + place[by]
     if np.any(by_place[1:] < by_place[:-1]):
         return None                # not in order on their queue: no run to search for
@@ -141,7 +151,7 @@ def _not_known_done(acc: dict, order: Order) -> tuple[np.ndarray, np.ndarray] | 
 
 def _not_apart(acc: dict, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The pairs not told apart by their rectangles (runtime/races.py's _apart)."""
-    ra, rb = _rectangles(acc["win"][a]), _rectangles(acc["win"][b])
+    ra, rb = _rectangles(_windows(acc, a)), _rectangles(_windows(acc, b))
     apart = (ra[:, 0] >= 0) & (ra[:, 0] == rb[:, 0]) & (
         (ra[:, 2] <= rb[:, 1]) | (rb[:, 2] <= ra[:, 1]) | (ra[:, 4] <= rb[:, 3]) | (rb[:, 4] <= ra[:, 3]))
     return a[~apart], b[~apart]

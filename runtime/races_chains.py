@@ -84,9 +84,10 @@ def known_by_chains(order, tasks) -> np.ndarray:
             np.maximum.accumulate(rows, axis=0, out=rows)
             rows -= offset[lo:hi]
         S[base + lo:base + hi] = rows
-    known = np.zeros((n, nq), np.int32)
+    # The chains' offsets are taken off again: every row is counts, which int32 holds. Row 0
+    # (nothing known) stands for the tasks not computed, barriers set below.
     live = np.flatnonzero(own & ~skip)
-    known[live] = S[anchor[live]]
+    known = S.astype(np.int32).take(np.where(own & ~skip, anchor, 0), axis=0)
     # Its predecessor done (not a DMA transfer's, nor one left uncomputed): its own queue's count.
     prev = order.prev[live]
     counts = order.prev_done[live] & (prev != NONE) & ~skip[np.maximum(prev, 0)]

@@ -20,7 +20,7 @@ from isa.instructions import (Barrier, DmaLoad, DmaStore, Drain, Gather, Instr, 
 from isa.program import LOADS, STORAGE, STORES, UNPACK, Tensor
 from runtime.fdot import rounded_matmul
 from runtime.intdot import exact_int8, int8_matmul
-from runtime.state import Machine, Trap, move
+from runtime.state import Machine, Trap, convert, move
 
 Handler = Callable[[Machine, Instr], None]
 HANDLERS: dict[type, Handler] = {}
@@ -342,6 +342,20 @@ def _shaped(m: Machine, i: Instr, out, rows: int, cols: int) -> np.ndarray:
     return out if out.shape == shape else np.broadcast_to(out, shape)
 
 
+def _store(m: Machine, i: Instr, out) -> None:
+    """A vector result stored into ``i``'s destination: ``out`` as :func:`_shaped` makes it,
+    whose fewer axes (two immediates, a broadcasting view) numpy broadcasts as it stores, with
+    no view made to the full shape first."""
+    out = np.asarray(out, np.float32)
+    span = _span(i)
+    if out.shape == (span, i.rows, i.cols):
+        m.write(i.legion, i.dst, out)
+        return
+    target = m.target(i.legion, i.dst, i.rows, i.cols, span)
+    if target is not None:
+        target[...] = convert(out[(None,) * (3 - out.ndim)], target.dtype)     # as 3-d: convert takes no scalar
+
+
 # Functions that round each element once, exactly: their bits are the same whichever loop numpy
 # runs them with, into a fresh array or into a strided window.
 EXACT_UFUNCS = frozenset({np.add, np.subtract, np.multiply, np.divide, np.negative, np.absolute, np.rint,
@@ -366,7 +380,7 @@ def _into_dst(m: Machine, i: Instr, fn, *operands) -> bool:
 def vunary(m: Machine, i: VUnary) -> None:
     a = _operand(m, i, i.a, i.rows, i.cols)
     if not _into_dst(m, i, type(i).FUNC, a):
-        m.write(i.legion, i.dst, _shaped(m, i, type(i).FUNC(a), i.rows, i.cols))
+        _store(m, i, type(i).FUNC(a))
 
 
 @handles(VBinary)
@@ -374,7 +388,7 @@ def vbinary(m: Machine, i: VBinary) -> None:
     a = _operand(m, i, i.a, i.rows, i.cols)
     b = _operand(m, i, i.b, i.rows, i.cols)
     if not _into_dst(m, i, type(i).FUNC, a, b):
-        m.write(i.legion, i.dst, _shaped(m, i, type(i).FUNC(a, b), i.rows, i.cols))
+        _store(m, i, type(i).FUNC(a, b))
 
 
 @handles(VReduce)

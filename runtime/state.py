@@ -95,7 +95,8 @@ WIDE_ROW = 256
 
 
 def copy_into(target: np.ndarray, values: np.ndarray) -> None:
-    """``target[...] = values`` for arrays of one dtype and shape. numpy's copy pays per call
+    """``target[...] = values`` for arrays of one dtype and shape (or ``values`` of one rank,
+    for every rank of ``target``). numpy's copy pays per call
     of its inner loop, which runs along the last axis: a window of short rows (16 bytes of
     packed weights in a row of a DRAM matrix) costs a call per row. Rows contiguous in both
     arrays are copied instead as one raw element each (bytes, whatever the dtype holds), so
@@ -103,11 +104,16 @@ def copy_into(target: np.ndarray, values: np.ndarray) -> None:
     cols = target.shape[-1] if target.ndim else 0
     width = cols * target.itemsize
     if 1 < cols and width <= WIDE_ROW and target.strides[-1] == values.strides[-1] == target.itemsize \
-            and values.shape == target.shape:
-        raw = np.dtype((np.void, width))
+            and values.shape[1:] == target.shape[1:] and values.shape[0] in (1, target.shape[0]):
+        raw = _RAW[width]
         target.view(raw)[..., 0] = values.view(raw)[..., 0]
         return
     target[...] = values
+
+
+# The raw element of each row width copy_into copies as one (made once: a dtype per call costs
+# as much as a short copy).
+_RAW = [np.dtype((np.void, width)) if width else None for width in range(WIDE_ROW + 1)]
 
 
 # --- scratchpads ---------------------------------------------------------------------------
@@ -129,7 +135,7 @@ class Bank:
         self.written = np.zeros((legions, elems), np.bool_)
         self._reads: dict[tuple, np.ndarray] = {}      # window -> read-only view, all written
         self._writes: dict[tuple, tuple] = {}          # window -> (data, written) writeable views
-        self._full: set[tuple] = set()                 # windows a whole store has marked written
+        self._full: dict[tuple, np.ndarray] = {}       # window a whole store has marked written -> data view
 
     def name(self, legion: int) -> str:
         return f"L{legion + self.first} {self.space}"
@@ -183,13 +189,15 @@ class Bank:
         """The writeable window a whole store fills, marked written (the caller fills it before
         anything reads it); None when empty."""
         key = (legion, span, view.addr, rows, cols, view.rs, view.cs)
+        out = self._full.get(key)
+        if out is not None:
+            return out
         views = self._views(legion, span, view, rows, cols)
         if views is None:
             return None
-        if key not in self._full:
-            views[1][...] = True
-            self._full.add(key)
-        return views[0]
+        views[1][...] = True
+        out = self._full[key] = views[0]
+        return out
 
     def add_into(self, legion: int, view: View, values: np.ndarray) -> None:
         """``write(legion, view, read(...) + values)`` for a window already read whole (so
@@ -261,6 +269,7 @@ class Machine:
         self.dram = [self._initial(t) for t in program.tensors]
         elems = arch.derived.spad_elems
         self.banks = {s: Bank(s, arch.legions, elems[s]) for s in SPACES}
+        self.legions = arch.legions
         self.watch = None         # told of every access instructions make (runtime/races.py)
         self.unpacked: dict = {}  # a matmul's unpacked weights, by shape (runtime/semantics.py)
 
@@ -384,7 +393,7 @@ class Machine:
 
     def bank(self, legion: int, span: int, space: str) -> Bank:
         last = legion + span - 1
-        if legion < 0 or last >= self.arch.legions:
+        if legion < 0 or last >= self.legions:
             bad = legion if legion < 0 else last
             raise Trap(f"Legion L{bad} does not exist (the machine has {self.arch.legions})")
         return self.banks[space]
@@ -434,7 +443,9 @@ class Machine:
         for hi in range(1, len(legions) + 1):
             if hi < len(legions) and legions[hi] == legions[hi - 1] + 1:
                 continue
-            bank.write(legions[lo], view, np.broadcast_to(values, (hi - lo, rows, cols)))
+            target = bank.target(legions[lo], hi - lo, view, rows, cols)
+            if target is not None:
+                copy_into(target, values)     # the one rank into every Legion of the run
             if self.watch is not None:
                 for legion in legions[lo:hi]:
                     self.watch.spad(legion, 1, view, rows, cols, True)

@@ -176,12 +176,13 @@ class _Sim:
         self.events: list[tuple[float, int]] = []              # (done time, instruction)
         self.dram = _Dram(arch.derived.dram_bytes_per_cycle, arch.derived.link_bytes_per_cycle)
         self.latency = arch.dram_latency_cycles
-        self.handlers = {WAIT: self._wait, BARRIER: self._barrier}
         self._woken: list = []      # queues a passed wait or a released barrier woke (_advance's)
         # What _advance and _complete read on every call, in one attribute.
         self._completing = (self.queue_of, self.done, self.is_flow, self.order, self.is_done, self.waiters)
+        # (No bound method of its own: it would make every _Sim a reference cycle, whose many
+        # tuples only the cycle collector frees.)
         self._loop = (self.queues, self.waiters, self.done, part.conds, part.kinds, part.timing,
-                      self.handlers, self._woken, self.start, self.free, self.events, self.dram, part.mult)
+                      self.is_done, self._woken, self.start, self.free, self.events, self.dram, part.mult)
 
     def run(self) -> None:
         for q in self.queues.values():
@@ -245,7 +246,7 @@ class _Sim:
         queues a passed wait or a released barrier woke (one function: it runs per event, so
         it reads its state from one tuple and issues a task inline: a DMA starts its flow; any
         other task holds its queue from when its lead after ``ready`` is over)."""
-        queues, waiters, done, conds, kinds, timing, handlers, woken, start, free, events, dram, mult = self._loop
+        queues, waiters, done, conds, kinds, timing, is_done, woken, start, free, events, dram, mult = self._loop
         work = None
         while True:
             items, n = q.items, len(q.items)
@@ -273,7 +274,15 @@ class _Sim:
                         end = max(t, ready + lead) + cycles
                         free[k] = end
                         heapq.heappush(events, (end, k))
-                elif not handlers[kind](q, k, t, woken):
+                elif kind == WAIT:                     # passes at once, and wakes its queue's waiters
+                    start[k] = free[k] = done[k] = t
+                    is_done[k] = True
+                    while q.prefix < n and is_done[items[q.prefix]]:
+                        q.prefix += 1
+                    waiting = waiters.pop(q.key, None)
+                    if waiting:
+                        woken.extend(other for other, _ in waiting.values())
+                elif not _Sim._barrier(self, q, k, t, woken):
                     break
                 q.head += 1
             if woken:
@@ -296,12 +305,6 @@ class _Sim:
 
     def _mark(self, k: int, t: float) -> None:
         self.start[k] = self.free[k] = self.done[k] = t
-
-    def _wait(self, q: _Queue, k: int, t: float, woken: list) -> bool:
-        self._mark(k, t)
-        self._finish(k)
-        woken.extend(other for other, _ in self.waiters.pop(q.key, {}).values())
-        return True
 
     def _barrier(self, q: _Queue, k: int, t: float, woken: list) -> bool:
         if q.prefix < q.head:

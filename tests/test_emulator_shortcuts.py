@@ -54,6 +54,11 @@ def test_rows_copied_as_raw_elements_are_the_plain_copy(dtype):
         plain[:, ::2, 1:-2] = values
         copy_into(raw[:, ::2, 1:-2], values)
         assert plain.tobytes() == raw.tobytes()
+        # One rank into several (a multicast's run of Legions), as numpy broadcasts it.
+        plain, raw = (np.zeros((3, shape[1] * 2, shape[2] + 3), dtype) for _ in range(2))
+        plain[:, ::2, 1:-2] = values[:1]
+        copy_into(raw[:, ::2, 1:-2], values[:1])
+        assert plain.tobytes() == raw.tobytes()
 
 
 def test_a_masked_store_marks_only_what_it_stores():
@@ -203,7 +208,7 @@ def test_a_store_of_ranks_side_by_side_is_the_stores_rank_by_rank():
 
 
 def _vector_machine(cls, dst: View, a: View, b, deliver: str):
-    """vec after ``cls`` (span 2, 3 x 5, dst and operands maybe sharing elements) on values
+    """The scratchpads after ``cls`` (span 2, 3 x 5, dst and operands maybe sharing elements) on values
     with NaN, infinities, signed zeros and subnormals: computed into the destination ("fast")
     or stored as a separate result ("plain")."""
     from runtime import semantics
@@ -222,7 +227,7 @@ def _vector_machine(cls, dst: View, a: View, b, deliver: str):
         with np.errstate(all="ignore"):
             ops = [semantics._operand(m, i, x, 3, 5) for x in ((a, b) if binary else (a,))]
             m.write(0, dst, semantics._shaped(m, i, cls.FUNC(*ops), 3, 5))
-    return m.banks["vec"].data.tobytes(), m.banks["vec"].written.tobytes(), m.watch.spads
+    return [(bank.data.tobytes(), bank.written.tobytes()) for bank in m.banks.values()], m.watch.spads
 
 
 @pytest.mark.parametrize("mnemonic", ["vadd", "vsub", "vmul", "vdiv", "vneg", "vabs", "vround", "vfloor",
@@ -233,7 +238,10 @@ def test_a_vector_result_computed_into_its_window_is_the_stored_result(mnemonic)
     for dst, a, b in [(View("vec", 100, 10, 1), View("vec", 0, 10, 1), View("vec", 50, 12, 2)),
                       (View("vec", 2, 10, 1), View("vec", 0, 10, 1), View("vec", 4, 10, 1)),   # overlapping
                       (View("vec", 0, 10, 1), View("vec", 0, 10, 1), 2.5),                     # in place
-                      (View("vec", 100, 10, 1), View("vec", 3, 0, 1), -0.0)]:                  # broadcast row
+                      (View("vec", 100, 10, 1), View("vec", 3, 0, 1), -0.0),                   # broadcast row
+                      (View("vec", 100, 10, 1), 1.5, -0.0),                                    # two immediates
+                      (View("act", 30, 10, 1), 2.5, 3.0),                                      # ... into int8
+                      (View("act", 30, 10, 1), View("vec", 3, 0, 1), 0.5)]:                    # a row into int8
         assert _vector_machine(cls, dst, a, b, "fast") == _vector_machine(cls, dst, a, b, "plain")
 
 

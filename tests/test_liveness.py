@@ -30,6 +30,9 @@ def test_last_use_frees_each_scratch_tensor_once():
     freed = {k: live.ran(k) for k in range(7)}
     assert freed == {0: [], 1: [], 2: [2], 3: [], 4: [], 5: [3], 6: []}
 
+    # Every instruction run once in program order: the last uses, found at once.
+    assert Liveness(parse(PROGRAM)).last_uses() == {k: dead for k, dead in freed.items() if dead}
+
 
 def test_freed_tensors_are_released_and_results_unchanged():
     kept = run(parse(PROGRAM), ARCH, X, keep=True)

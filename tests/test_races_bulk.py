@@ -207,3 +207,18 @@ def test_the_pairs_searched_are_every_pair_not_known_done(program):
     found = _not_known_done(acc, order)
     assert found is not None
     assert set(zip(*(x.tolist() for x in found))) == _pairs_by_brute_force(acc, order)
+
+
+def test_a_segment_is_left_unchecked_only_when_it_repeats_an_earlier_one():
+    # Segments: the prologue's, A, B (A's length, other values), A again, and one of a length
+    # no other has: only the repeat of A is left unchecked.
+    a = "vadd L0 vec[0,8,1] vec[0,8,1] #1 rows=4 cols=8\nvadd L0 vec[16,8,1] vec[16,8,1] #1 rows=4 cols=8\n"
+    b = "vadd L0 vec[0,8,1] vec[0,8,1] #2 rows=4 cols=8\nvadd L0 vec[16,8,1] vec[16,8,1] #1 rows=4 cols=8\n"
+    odd = "vadd L1 vec[0,8,1] vec[0,8,1] #1 rows=4 cols=8\n"
+    program = verify(parse(HEAD + PROLOGUE + a + "barrier\n" + b + "barrier\n" + a + "barrier\n" + odd), ARCH)
+    source = program.instrs.source
+    unchecked = _repeated_segments(source, program)
+    bars = [o for o, ins in enumerate(source) if type(ins).__name__ == "Barrier"]
+    assert not unchecked[:bars[2]].any()
+    assert unchecked[bars[2]:bars[3]].all()
+    assert not unchecked[bars[3]:].any()
