@@ -50,7 +50,9 @@ FEWEST_HEADS = 2
 MOST_GROUPS = 4
 # Ops between the three nodes that may read them: views, which emit nothing.
 VIEWS = ("Reshape", "Unsqueeze", "Squeeze", "Identity")
-MOST_BETWEEN = 8
+# The most nodes between the three: --attention int8x2 has 11 (the views of two pieces of P,
+# and V's second piece with its views).
+MOST_BETWEEN = 12
 # The share of ``vec`` the products plan their drains in; the softmax runs in the rest, whose
 # blocks then hold more rows (2B4T layer at 512 on dlegion-8x8: a quarter 892,238 cycles,
 # three eighths 886,478, a half 890,586, five eighths 910,583).
@@ -167,9 +169,9 @@ def lower_attention(low: Lowering, found: dict, groups: list[range], lower_node,
 
 
 def _attn(low: Lowering, node: Node, groups: list[range], room: int):
-    a8, ra, b8, rb = node.inputs
+    a8, ra, b8, rb, *lo = node.inputs
     return run_time_weights_groups(low, a8, b8, node.outputs[0], ra, rb, node.attrs.get("zero_a"),
-                                   node.attrs.get("dead"), groups, room)
+                                   node.attrs.get("dead"), groups, room, tuple(lo) or None)
 
 
 def _lower_between(low, node, lower_node, spans, own_regions, views, room: int | None = None) -> None:

@@ -332,16 +332,23 @@ class _Shapes:
 
 def lower_run_time_weights(low: Lowering, a: str, b: str, out: str, ra: str | None = None,
                            rb: str | None = None, zero_a: np.ndarray | None = None,
-                           dead: np.ndarray | None = None) -> None:
+                           dead: np.ndarray | None = None, lo: tuple | None = None) -> None:
     """``out = a . b``: ``run_time_weights_groups`` with every batch in one go."""
-    for _ in run_time_weights_groups(low, a, b, out, ra, rb, zero_a, dead):
+    for _ in run_time_weights_groups(low, a, b, out, ra, rb, zero_a, dead, lo=lo):
         pass
+
+
+# The products of two operands in two int8 pieces each (hi, lo), as (activation piece, weight
+# piece, scale group): hi.hi drained with the column scales rb, lo.hi + hi.lo summed exactly
+# in the accumulators and drained with rb_lo = rb / LOW_STEPS (a's lo piece has scale
+# ra / LOW_STEPS, b's rb / LOW_STEPS: either way ra . rb_lo). lo.lo is left out.
+TWO_PIECE_TERMS = ((0, 0, 0), (1, 0, 1), (0, 1, 1))
 
 
 def run_time_weights_groups(low: Lowering, a: str, b: str, out: str, ra: str | None = None,
                             rb: str | None = None, zero_a: np.ndarray | None = None,
                             dead: np.ndarray | None = None, groups: list[range] | None = None,
-                            vec_room: int = 0):
+                            vec_room: int = 0, lo: tuple | None = None):
     """``out = a . b`` in int32 for int8 operands both computed at run time (a graph that
     quantizes attention's QK^T or PV): b's rows, as they are in DRAM, are the weight rows the
     arrays load in mode w8. Each batch of b multiplies its slice of a's rows; the weights'
@@ -355,7 +362,9 @@ def run_time_weights_groups(low: Lowering, a: str, b: str, out: str, ra: str | N
     A generator: it emits the batches of each of ``groups`` (equal ranges of batches; all of
     them when None) in turn and yields after each, its drains planned in the first
     ``vec_room`` elements of ``vec`` (0: all), so a caller interleaves them with row kernels
-    (``heads.py``)."""
+    (``heads.py``). ``lo``: (a_lo, b_lo, rb_lo), the operands' second int8 pieces and b's
+    second column scales: the sum of the products ``TWO_PIECE_TERMS`` (``--attention int8x2``),
+    drained into one fp32 ``out`` (hi.hi first, then the sum of the cross products added)."""
     em, arch = low.em, low.em.arch
     shape, bshape = low.shape(a), low.shape(b)
     if len(bshape) < 2 or not shape or shape[-1] != bshape[-2]:
@@ -369,15 +378,17 @@ def run_time_weights_groups(low: Lowering, a: str, b: str, out: str, ra: str | N
     a8 = int8_rows(low, a, 0)
     if ra is None:
         w, w_offsets = int8_rows(low, b, 0, width=n_pad), [i * K * n_pad for i in range(batches)]
-        rscale, scales, s_offsets = None, None, [0] * batches
-    else:
+        ops = _RunTime(a8, None, ((w, "w8"),), w_offsets, None, [0] * batches)
+    elif lo is None:
         w, w_offsets = _distinct(low, b, low.operand(b), low.shape(b), n_pad, "i8")
-        rscale = _run_time_row_scale(low, ra, M)
-        scales, s_offsets = _run_time_column_scales(low, rb, N, n_pad)
+        scales, s_offsets = _run_time_column_scales(low, [rb], N, n_pad)
+        ops = _RunTime(a8, _run_time_row_scale(low, ra, M), ((w, "w8"),), w_offsets, scales, s_offsets)
+    else:
+        ops = _two_pieces(low, a8, ra, b, rb, lo, M, N, n_pad)
     if len(em.instrs) > before:
         em.barrier()                                    # the arrays load what the vector unit wrote
     dst = low.result(out)
-    exact = rscale is None
+    exact = ops.rscale is None
     if exact and em.tensors[dst.tensor].dtype != "i32":
         raise ValueError(f"output '{out}' is not stored as int32")
     per = M // batches
@@ -389,19 +400,54 @@ def run_time_weights_groups(low: Lowering, a: str, b: str, out: str, ra: str | N
     for g, group in enumerate(groups or [range(batches)]):
         if g:
             em.barrier()        # each group's plans reuse the scratchpad slots of the one before
-        _emit_run_time_group(low, a8, rscale, w, w_offsets, scales, s_offsets, exact, dst, group, per, K, N, n_pad,
+        _emit_run_time_group(low, ops, exact, dst, group, per, K, N, n_pad,
                              places, k_reach, n_reach, width, parts, plans, vec_room)
         yield group
 
 
-def _emit_run_time_group(low, a8, rscale, w, w_offsets, scales, s_offsets, exact, dst, group, per, K, N, n_pad,
+@dataclass(frozen=True)
+class _RunTime:
+    """A run-time product's operands in DRAM: a's int8 pieces (the first, ``a8``, and the rest),
+    b's as the weight pieces with each batch's offset in them, the row scales and each batch's
+    column scales (a row per scale group) with their offsets, and the products of pieces."""
+
+    a8: int
+    rscale: RowScale | None
+    weights: tuple
+    w_offsets: list
+    scales: int | None
+    s_offsets: list
+    a_pieces: tuple = ()
+    terms: tuple = ()
+
+
+def _two_pieces(low: Lowering, a8: int, ra: str, b: str, rb: str, lo: tuple, M: int, N: int,
+                n_pad: int) -> _RunTime:
+    """The operands of ``TWO_PIECE_TERMS``: b's pieces at the same offsets in their tensors
+    (each batch's offset serves both), the column scales rb and rb_lo as two scale groups."""
+    a_lo, b_lo, rb_lo = lo
+    w, w_offsets = _distinct(low, b, low.operand(b), low.shape(b), n_pad, "i8")
+    w_lo, lo_offsets = _distinct(low, b_lo, low.operand(b_lo), low.shape(b_lo), n_pad, "i8")
+    if lo_offsets != w_offsets:        # copies of both, laid out alike
+        w, w_offsets = _distinct(low, b, low.operand(b), low.shape(b), n_pad, "i8", copy=True)
+        w_lo, lo_offsets = _distinct(low, b_lo, low.operand(b_lo), low.shape(b_lo), n_pad, "i8", copy=True)
+    if lo_offsets != w_offsets:
+        raise ValueError(f"b's pieces '{b}' and '{b_lo}' are not repeated alike")
+    scales, s_offsets = _run_time_column_scales(low, [rb, rb_lo], N, n_pad)
+    return _RunTime(a8, _run_time_row_scale(low, ra, M), ((w, "w8"), (w_lo, "w8")), w_offsets, scales, s_offsets,
+                    (int8_rows(low, a_lo, 0),), TWO_PIECE_TERMS)
+
+
+def _emit_run_time_group(low, ops: _RunTime, exact, dst, group, per, K, N, n_pad,
                          places, k_reach, n_reach, width, parts, plans, vec_room) -> None:
     em, arch = low.em, low.em.arch
+    groups = 1 + max((g for *_, g in ops.terms), default=0)
     for j, rows in enumerate(split_rows(range(per), parts)):
-        batch = [Problem(a8, rscale, ((w, "w8"),), scales, 1, K, None, None, None, 0, "w8", None, exact, dst.tensor,
-                         range(i * per + rows.start, i * per + rows.stop), K, N, n_pad, w_offset=w_offsets[i],
-                         s_offset=s_offsets[i], legions=range(j * width, (j + 1) * width), k_reach=k_reach,
-                         n_reach=n_reach, o_offset=places[i][0], o_stride=places[i][1], vec_room=vec_room)
+        batch = [Problem(ops.a8, ops.rscale, ops.weights, ops.scales, groups, K, None, None, None, 0, "w8", None,
+                         exact, dst.tensor, range(i * per + rows.start, i * per + rows.stop), K, N, n_pad,
+                         w_offset=ops.w_offsets[i], s_offset=ops.s_offsets[i], legions=range(j * width, (j + 1) * width),
+                         k_reach=k_reach, n_reach=n_reach, o_offset=places[i][0], o_stride=places[i][1],
+                         vec_room=vec_room, a_pieces=ops.a_pieces, terms=ops.terms)
                  for i in group]
         if len(rows) not in plans:
             # The schedule searched for the product without its causal skips, which then skips
@@ -415,8 +461,9 @@ def _emit_run_time_group(low, a8, rscale, w, w_offsets, scales, s_offsets, exact
 
 
 def _matrices_in_place(node, name: str, op: Operand) -> bool:
-    """Attention's quantized K/V and their scales are read as views (``_distinct``)."""
-    return name in node.inputs[2:]
+    """Attention's quantized K/V and their scales are read as views (``_distinct``): every
+    input but the activation pieces (the first and, of two pieces, the fifth)."""
+    return name in node.inputs[2:4] + node.inputs[5:]
 
 
 def _rows_in_place(node, name: str, op: Operand) -> bool:
@@ -438,14 +485,15 @@ def _row_places(dst: Operand, shape: tuple, batches: int, per: int) -> list[tupl
             for i, idx in enumerate(np.ndindex(*shape[:-2]))]
 
 
-def _distinct(low: Lowering, name: str, op: Operand, shape: tuple, width: int, dtype: str) -> tuple[int, list[int]]:
+def _distinct(low: Lowering, name: str, op: Operand, shape: tuple, width: int, dtype: str,
+              copy: bool = False) -> tuple[int, list[int]]:
     """``op`` [.., rows, n] as a tensor of matrices whose rows are ``width`` apart, and the
-    offset of each batch's matrix: the value where it is when it is laid out so, else a copy of
-    each distinct matrix (a batch axis with a 0 stride repeats one: grouped-query attention's
-    K/V heads are copied once, not once per query head)."""
+    offset of each batch's matrix: the value where it is when it is laid out so (unless
+    ``copy``), else a copy of each distinct matrix (a batch axis with a 0 stride repeats one:
+    grouped-query attention's K/V heads are copied once, not once per query head)."""
     em = low.em
     rows, n = shape[-2:]
-    if (em.tensors[op.tensor].dtype == dtype and n == width and op.strides[-1] == 1
+    if (not copy and em.tensors[op.tensor].dtype == dtype and n == width and op.strides[-1] == 1
             and (rows == 1 or op.strides[-2] == n)):
         return op.tensor, [op.at(idx).offset for idx in np.ndindex(*shape[:-2])]
     batch = shape[:-2]
@@ -460,8 +508,9 @@ def _distinct(low: Lowering, name: str, op: Operand, shape: tuple, width: int, d
 @lowers("AttnMatMul", domain=DLEGION, views=_matrices_in_place, writes=_rows_in_place)
 def attn_matmul(low: Lowering, node) -> None:
     """``a8 . b8`` scaled per row by ``ra`` and per column by ``rb`` (``passes/attention.py``)."""
-    a8, ra, b8, rb = node.inputs
-    lower_run_time_weights(low, a8, b8, node.outputs[0], ra, rb, node.attrs.get("zero_a"), node.attrs.get("dead"))
+    a8, ra, b8, rb, *lo = node.inputs
+    lower_run_time_weights(low, a8, b8, node.outputs[0], ra, rb, node.attrs.get("zero_a"), node.attrs.get("dead"),
+                           tuple(lo) or None)
 
 
 def _reach_of(mask: np.ndarray | None, shape: tuple, batches: int, sparsity: bool) -> np.ndarray | None:
@@ -479,14 +528,28 @@ def _run_time_row_scale(low: Lowering, ra: str, M: int) -> RowScale:
     return RowScale(op.tensor, op.offset, 1)
 
 
-def _run_time_column_scales(low: Lowering, rb: str, N: int, n_pad: int) -> tuple[int, list[int]]:
-    """An f32 tensor of each batch's column scales (``rb`` [.., N, 1], read as [.., 1, N]) and
-    each batch's offset."""
-    op, shape = low.operand(rb), low.shape(rb)
-    if shape[-2:] != (N, 1):
-        raise ValueError(f"column scale '{rb}' of shape {list(shape)} is not one value per column of each batch")
-    row = Operand(op.tensor, op.offset, (*op.strides[:-2], 0, op.strides[-2]))
-    return _distinct(low, rb, row, (*shape[:-2], 1, N), n_pad, "f32")
+def _run_time_column_scales(low: Lowering, rbs: list[str], N: int, n_pad: int) -> tuple[int, list[int]]:
+    """An f32 tensor of each batch's column scales, a row per scale group (each of ``rbs``
+    [.., N, 1], read as [.., 1, N]), and each batch's offset. One group's may be read in
+    place; several groups' rows are copied together."""
+    rows = []
+    for rb in rbs:
+        op, shape = low.operand(rb), low.shape(rb)
+        if shape[-2:] != (N, 1):
+            raise ValueError(f"column scale '{rb}' of shape {list(shape)} is not one value per column of each batch")
+        rows.append(Operand(op.tensor, op.offset, (*op.strides[:-2], 0, op.strides[-2])))
+    batch = low.shape(rbs[0])[:-2]
+    if len(rows) == 1:
+        return _distinct(low, rbs[0], rows[0], (*batch, 1, N), n_pad, "f32")
+    kept = tuple(1 if s == 0 else d for d, s in zip(batch, rows[0].strides[:-2]))
+    t = low.em.tensor(f"{rbs[0]}_groups", "f32", (*kept, len(rows), n_pad), "scratch")
+    dst = whole(t, (*kept, len(rows), n_pad))
+    for g, row in enumerate(rows):
+        if tuple(1 if s == 0 else d for d, s in zip(batch, row.strides[:-2])) != kept:
+            raise ValueError(f"column scales {', '.join(rbs)} are not repeated alike")
+        nd_copy(low.em, Operand(t, dst.offset + g * n_pad, dst.strides), row, (*kept, 1, N))
+    return t, [dst.at(tuple(0 if s == 0 else i for i, s in zip(idx, rows[0].strides[:-2]))).offset
+               for idx in np.ndindex(*batch)]
 
 
 # --- fused matmuls ------------------------------------------------------------------------

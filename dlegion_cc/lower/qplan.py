@@ -85,6 +85,12 @@ class Problem:
     # and gate columns (``qmatmul.gated_major``), a tile drains both and stores ReLU(gate)^2 *
     # up, half its columns; 0: a plain matmul.
     gated: int = 0
+    # A sum of products of pieces (``--attention int8x2``): further int8 activation pieces
+    # [M, K] beside ``a8`` (piece 0), and the products, each (activation piece, weight piece,
+    # scale group): its chunks accumulate into the unit of that group, drained with that row of
+    # ``scales``. (): every weight piece against ``a8``, in the groups ``block`` cuts K into.
+    a_pieces: tuple = ()
+    terms: tuple = ()
 
 
 def room(arch: Arch, p: Problem) -> dict[str, int]:
@@ -301,15 +307,33 @@ def in_order(unit: list, backwards: bool) -> list:
 
 @dataclass(frozen=True)
 class Chunk:
-    """One contraction step: weight rows [k0, k0 + kc) of scale group ``group``."""
+    """One contraction step: weight rows [k0, k0 + kc) of scale group ``group``; of a product
+    of pieces (``Problem.terms``), activation piece ``a`` against weight piece ``w`` alone."""
 
     k0: int
     kc: int
     group: int
+    a: int = 0
+    w: int | None = None
+
+
+def pieces(p: Problem, c: Chunk) -> range:
+    """The weight pieces chunk ``c`` multiplies: its term's, else every one."""
+    return range(len(p.weights)) if c.w is None else range(c.w, c.w + 1)
+
+
+def products(p: Problem) -> list[str]:
+    """The mode of each product over all of K the matmul sums (a term, or a weight piece)."""
+    return [p.weights[w][1] for _, w, _ in p.terms] if p.terms else [mode for _, mode in p.weights]
 
 
 def units(p: Problem, plan: Plan) -> list[list[Chunk]]:
     """The chunks of each accumulation (one per scale group; all of K for exact results)."""
+    if p.terms:
+        per = [[] for _ in range(p.groups)]
+        for a, w, g in p.terms:
+            per[g] += [Chunk(k0, min(plan.depth, p.K - k0), g, a, w) for k0 in range(0, p.K, plan.depth)]
+        return per
     out = []
     for g in range(p.groups):
         g0, g1 = g * p.block, min(p.K, (g + 1) * p.block)
@@ -356,13 +380,13 @@ def find_weights(slots: "Slots", key: tuple) -> int | None:
 
 
 def act_key(plan: Plan, block: int, c: Chunk) -> tuple:
-    return (block, 0) if plan.whole_rows else (block, c.k0)
+    return (block, c.a, 0) if plan.whole_rows else (block, c.a, c.k0)
 
 
 def act_keys(p: Problem, plan: Plan) -> int:
     """How many distinct activation chunks (``act_key``) the matmul reads."""
-    k0s = {c.k0 for u in units(p, plan) for c in u}
-    return len(row_blocks(p, plan)) * (1 if plan.whole_rows else len(k0s))
+    k0s = {(c.a, 0 if plan.whole_rows else c.k0) for u in units(p, plan) for c in u}
+    return len(row_blocks(p, plan)) * len(k0s)
 
 
 class Homes:
@@ -505,7 +529,7 @@ def with_slots(arch: Arch, p: Problem, plan: Plan) -> Plan | None:
     chunks = sum(len(u) for u in units(p, plan))
     tiles = -(-plan.per_legion // plan.cols)
     # Batches run in the same slots: the next one's chunks load into the slots left over.
-    w_useful = (chunks * len(p.weights) + 1) * (tiles if plan.order == "rows" else 1) * p.batches
+    w_useful = (chunks * (1 if p.terms else len(p.weights)) + 1) * (tiles if plan.order == "rows" else 1) * p.batches
     a_chunks = 1 if plan.whole_rows else chunks
     a_useful = a_chunks * len(row_blocks(p, plan)) * p.batches + 1
     # A drain frees its accumulators at once; a store from them (exact results) frees them one
@@ -685,7 +709,7 @@ class Alike:
         tensor = lambda t: None if t is None else names.setdefault(t, len(names))
         rscale = None if p.rscale is None else replace(p.rscale, tensor=tensor(p.rscale.tensor))
         self.key = _hashable(replace(
-            p, a8=tensor(p.a8), rscale=rscale,
+            p, a8=tensor(p.a8), a_pieces=tuple(tensor(t) for t in p.a_pieces), rscale=rscale,
             weights=tuple((tensor(t), mode) for t, mode in p.weights), scales=tensor(p.scales),
             bias=tensor(p.bias), corr_row=tensor(p.corr_row), corr_weight=tensor(p.corr_weight),
             out=tensor(p.out), segments=tuple(replace(s, tensor=tensor(s.tensor)) for s in p.segments)))
@@ -739,7 +763,7 @@ def picojoules(arch: Arch, p: Problem, plan: Plan, e: "Estimate") -> float:
     Legions it runs on over its cycles. Scratchpad and vector terms, which vary little between
     schedules, are left out."""
     share = _nonzero_share(p) if plan.sparse else 1.0
-    macs = sum(len(p.rows) * p.K * p.N * arch.derived.pj_per_mac[mode] for _, mode in p.weights)
+    macs = sum(len(p.rows) * p.K * p.N * arch.derived.pj_per_mac[mode] for mode in products(p))
     legions = len(legion_range(arch, p)) / arch.legions
     static = arch.static_watts * legions * e.cycles / arch.clock_ghz * 1e3       # W x ns = 1e3 pJ
     return e.dram_bytes * arch.pj_per_dram_byte + macs * share * p.batches + static
@@ -761,8 +785,8 @@ def compute_bound(arch: Arch, p: Problem, plan: Plan) -> float:
     for _, nb in legion_tiles(p, plan, legion_range(arch, p).start):
         for _, mb in row_blocks(p, plan):
             for unit in units(p, plan):
-                total += sum(_mm_cycles(arch, plan, mb, c.kc, nb, mode, None)
-                             for c in unit for _, mode in p.weights)
+                total += sum(_mm_cycles(arch, plan, mb, c.kc, nb, p.weights[i][1], None)
+                             for c in unit for i in pieces(p, c))
     return total * share * p.batches
 
 
@@ -957,7 +981,8 @@ def _model_chunk(m: _Model, st: _State, b: int, t: int, c: Chunk, here: list, ti
     flows, where, work = [], [], []
     for l in here:
         n0, nb = tiles[l][t]
-        for i, (_, mode) in enumerate(p.weights):
+        for i in pieces(p, c):
+            mode = p.weights[i][1]
             nz = chunk_blocks(m.arch, p, i, c, n0, nb) if plan.sparse else None
             reached = reach_blocks(m.arch, p, m0, mb, c, nb, n0) if plan.sparse else None
             if reached is not None:

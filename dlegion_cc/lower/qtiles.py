@@ -32,8 +32,8 @@ from isa.instructions import BY_MNEMONIC, DmaLoad, DmaStore, Drain, MatMul, NocM
 from dlegion_cc.lower.emitter import Emitter
 from dlegion_cc.lower.qplan import (CV_SLOTS, RS_SLOTS, Chunk, Group, Homes, Plan, Problem, RowScale, Segment, Slots,
                                     Switches, act_key, act_slot_elems, choose, chunk_blocks, dead_tile, find_weights,
-                                    groups, in_order, last_visit, legion_tiles, owners, reach_blocks, row_blocks,
-                                    stores, tail_pieces, tile_order, units, weight_key, weights_wait, wgt_slot_bytes)
+                                    groups, in_order, last_visit, legion_tiles, owners, pieces, products, reach_blocks,
+                                    row_blocks, stores, tail_pieces, tile_order, units, weight_key, weights_wait, wgt_slot_bytes)
 
 __all__ = ["Plan", "Problem", "RowScale", "Segment", "emit_tiles", "plan_tiles"]
 
@@ -287,7 +287,7 @@ class _Tiles:
                 g = self.lead if owner is None else owner
                 dests = frozenset(self.legions) if owner is None else frozenset({g.base})
                 view = View("act", s * self.addr["act"], width, 1)
-                src = DramRef(p.a8, m0 * p.K + k0a, p.K)
+                src = DramRef(p.a_pieces[c.a - 1] if c.a else p.a8, m0 * p.K + k0a, p.K)
                 if not (plan.forward and self._forward(key, s, view, mb, width)):
                     self._load("act", owner, s, g, [DmaLoad(g.base, dests, view, src, mb, width)])
                     if plan.forward and self.homes.home(key)[0] is not None:
@@ -550,7 +550,8 @@ def _chunk(st: _Tiles, b: int, t: int, c: Chunk, here: list, acc: dict, first: d
     work = []
     for g in here:
         n0, nb = st.tiles[g][t]
-        for i, (_, mode) in enumerate(p.weights):
+        for i in pieces(p, c):
+            mode = p.weights[i][1]
             nz = chunk_blocks(st.arch, p, i, c, n0, nb) if plan.sparse else None
             reached = reach_blocks(st.arch, p, m0, mb, c, nb, n0) if plan.sparse else None
             nz = _reached(st, nz, reached, g, mb, c, nb)
@@ -585,7 +586,7 @@ def _dead(st: _Tiles, b: int, g: Group, t: int) -> bool:
     (m0, mb), (n0, nb) = st.blocks[b], st.tiles[g][t]
     if not (st.plan.sparse and dead_tile(st.p, m0, mb, n0)):
         return False
-    st.em.skipped["causal_skipped_macs"] += g.count * mb * nb * st.p.K * len(st.p.weights)
+    st.em.skipped["causal_skipped_macs"] += g.count * mb * nb * st.p.K * len(products(st.p))
     return True
 
 
