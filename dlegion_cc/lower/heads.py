@@ -48,6 +48,11 @@ FEWEST_HEADS = 2
 # DRAM round trips (2B4T layer at 512 on dlegion-8x8, 20 heads: 4 groups 890,586 cycles,
 # 5 groups 892,828; attention alone about the same with 2 or 10).
 MOST_GROUPS = 4
+# Products of two int8 pieces (``--attention int8x2``) take three times the passes, so the first
+# group's QK^T and the last one's P.V, which nothing hides, weigh more (2B4T layer at 512 on
+# dlegion-8x8: 4 groups 1,026,444 cycles, 5 groups 1,021,556, 10 groups 1,014,058, 20 groups
+# 1,026,852).
+MOST_GROUPS_OF_PIECES = 10
 # Ops between the three nodes that may read them: views, which emit nothing.
 VIEWS = ("Reshape", "Unsqueeze", "Squeeze", "Identity")
 # The most nodes between the three: --attention int8x2 has 11 (the views of two pieces of P,
@@ -72,7 +77,8 @@ def plan(low: Lowering, nodes: list[Node], at: int) -> tuple[dict, list[range]]:
     if not found:
         return {}, []
     heads = found["heads"]
-    count = max((g for g in range(2, MOST_GROUPS + 1) if heads % g == 0 and heads // g >= FEWEST_HEADS), default=1)
+    most = MOST_GROUPS_OF_PIECES if len(found["qk"].inputs) > 4 else MOST_GROUPS
+    count = max((g for g in range(2, most + 1) if heads % g == 0 and heads // g >= FEWEST_HEADS), default=1)
     if count < 2:
         return {}, []
     per = heads // count
