@@ -91,6 +91,9 @@ class Problem:
     # ``scales``. (): every weight piece against ``a8``, in the groups ``block`` cuts K into.
     a_pieces: tuple = ()
     terms: tuple = ()
+    # Per column, the output column it is (columns dealt to the Legions in another order: a
+    # causal QK^T's interleaved, ``qmatmul``), which ``n_reach`` counts in; None: itself.
+    n_origin: np.ndarray | None = None
 
 
 def room(arch: Arch, p: Problem) -> dict[str, int]:
@@ -119,6 +122,7 @@ class Segment:
     N: int
     width: int
     offset: int = 0
+    at: int = 0             # DRAM elements from the tensor's start to the segment's first column
 
 
 @dataclass(frozen=True)
@@ -258,9 +262,28 @@ def _same_work(arch: Arch, p: Problem, plan: Plan, a: int, b: int) -> bool:
     return all(np.array_equal(nz[:, cols(ta)], nz[:, cols(tb)]) for nz in p.nonzero)
 
 
+def column_runs(p: Problem, n0: int, nb: int) -> list[tuple[int, int, int]]:
+    """(first column within the tile, its column in DRAM, columns) of each run of the tile's
+    columns ``n0`` .. ``n0 + nb - 1`` that lie side by side in DRAM (``Problem.n_origin``)."""
+    if p.n_origin is None:
+        return [(0, n0, nb)]
+    cols = p.n_origin[n0:n0 + nb]
+    cut = np.flatnonzero(np.diff(cols) != 1) + 1
+    return [(int(a), int(cols[a]), int(b - a)) for a, b in zip(np.r_[0, cut], np.r_[cut, nb])]
+
+
+def legion_step(p: Problem, plan: Plan) -> int:
+    """DRAM columns from one Legion's columns to the next one's."""
+    if p.n_origin is None or p.n_origin.size <= plan.per_legion:
+        return plan.per_legion
+    return int(p.n_origin[plan.per_legion] - p.n_origin[0])
+
+
 def _reached_columns(p: Problem, m0: int, mb: int, tiles: list) -> list[int]:
     """How many of each tile's columns rows ``m0`` .. ``m0 + mb - 1`` look at."""
     need = int(p.n_reach[m0:m0 + mb].max(initial=0))
+    if p.n_origin is not None:
+        return [int((p.n_origin[n0:n0 + nb] < need).sum()) for n0, nb in tiles]
     return [min(max(need - n0, 0), nb) for n0, nb in tiles]
 
 
@@ -350,6 +373,8 @@ def reach_blocks(arch: Arch, p: Problem, m0: int, mb: int, c: Chunk, nb: int, n0
     na = arch.array
     rows = _live(p.k_reach, m0, mb, c.k0, -(-c.kc // na), na)
     cols = _live(p.n_reach, m0, mb, n0, -(-nb // na), na)
+    if p.n_origin is not None and p.n_reach is not None:      # each block's own output columns
+        cols = p.n_origin[n0:n0 + nb:na] < int(p.n_reach[m0:m0 + mb].max(initial=0))
     return None if rows.all() and cols.all() else rows[:, None] & cols[None, :]
 
 
@@ -360,9 +385,13 @@ def _live(reach: np.ndarray | None, m0: int, mb: int, start: int, blocks: int, n
     return np.arange(blocks) * na < int(reach[m0:m0 + mb].max(initial=0)) - start
 
 
-def dead_tile(p: Problem, m0: int, mb: int, n0: int) -> bool:
-    """Whether the output tile from column ``n0`` of rows ``m0`` .. ``m0 + mb - 1`` is all dead."""
-    return p.n_reach is not None and int(p.n_reach[m0:m0 + mb].max(initial=0)) <= n0
+def dead_tile(p: Problem, m0: int, mb: int, n0: int, nb: int) -> bool:
+    """Whether the output tile of columns ``n0`` .. ``n0 + nb - 1`` of rows ``m0`` .. ``m0 + mb - 1``
+    is all dead."""
+    if p.n_reach is None:
+        return False
+    need = int(p.n_reach[m0:m0 + mb].max(initial=0))
+    return need <= (n0 if p.n_origin is None else int(p.n_origin[n0:n0 + nb].min()))
 
 
 def weight_key(piece: int, c: Chunk, n0: int, reached: np.ndarray | None) -> tuple:
@@ -905,7 +934,7 @@ def _model_batch(m: _Model, st: _State, tiles: dict, order: list, last: dict, fi
     for k, (b, t, backwards) in enumerate(order):
         m0, mb = blocks[b]
         here = [l for l in m.legions
-                if t < len(tiles[l]) and not (plan.sparse and dead_tile(p, m0, mb, tiles[l][t][0]))]
+                if t < len(tiles[l]) and not (plan.sparse and dead_tile(p, m0, mb, *tiles[l][t]))]
         for u, unit in enumerate(units(p, plan)):
             acc = {l: st.next("acc", l) for l in here}
             begin = {l: st.acc_free[(l, acc[l])] for l in here}
