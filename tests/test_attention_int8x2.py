@@ -27,7 +27,7 @@ def _pieces(v: np.ndarray):
 def test_the_integer_parts_are_exact(tmp_path):
     """A product of two float matrices with no softmax after it: hi.hi, and lo.hi + hi.lo summed
     exactly in int32 (a's second scale is ra / 254, b's rb / 254: both products drain with
-    ra . rb_lo), each scaled when draining and the second added to the first in fp32, bit for
+    ra . rb / 254), each scaled when draining and the second added to the first in fp32, bit for
     bit as numpy computes the same steps; much closer to the float product than int8's."""
     path, x = plain_product(tmp_path)
     _, program = compile_model(path, Options(WIDE, attention="int8x2"))
@@ -60,7 +60,7 @@ def test_attention_error_is_far_below_int8s(tmp_path, kv_heads):
     want = _onnxruntime(path, x)
     graph = graph_of(path, Options(WIDE, attention="int8x2"))
     products = [n for n in graph.nodes if n.op == "AttnMatMul"]
-    assert len(products) == 2 and all(len(n.inputs) == 7 for n in products)
+    assert len(products) == 2 and all(len(n.inputs) == 6 for n in products)
     errors = {}
     for mode in ("int8", "int8x2"):
         _, program = compile_model(path, Options(WIDE, attention=mode))

@@ -36,6 +36,7 @@ from dlegion_cc.lower.movement import nd_copy
 from dlegion_cc.lower.rowwise import Arg, rowwise
 from dlegion_cc.lower.qparts import part_widths, pick_width, row_parts, split_rows
 from dlegion_cc.lower.qtiles import Problem, RowScale, Segment, emit_tiles
+from dlegion_cc.passes.attention import LOW_STEPS
 from dlegion_cc.passes.causal import reach
 from dlegion_cc.passes.gated import gate_granule
 
@@ -340,8 +341,8 @@ def lower_run_time_weights(low: Lowering, a: str, b: str, out: str, ra: str | No
 
 # The products of two operands in two int8 pieces each (hi, lo), as (activation piece, weight
 # piece, scale group): hi.hi drained with the column scales rb, lo.hi + hi.lo summed exactly
-# in the accumulators and drained with rb_lo = rb / LOW_STEPS (a's lo piece has scale
-# ra / LOW_STEPS, b's rb / LOW_STEPS: either way ra . rb_lo). lo.lo is left out.
+# in the accumulators and drained with rb / LOW_STEPS (a's lo piece has the scale
+# ra / LOW_STEPS, b's rb / LOW_STEPS: either way ra . rb / LOW_STEPS). lo.lo is left out.
 TWO_PIECE_TERMS = ((0, 0, 0), (1, 0, 1), (0, 1, 1))
 
 
@@ -362,9 +363,10 @@ def run_time_weights_groups(low: Lowering, a: str, b: str, out: str, ra: str | N
     A generator: it emits the batches of each of ``groups`` (equal ranges of batches; all of
     them when None) in turn and yields after each, its drains planned in the first
     ``vec_room`` elements of ``vec`` (0: all), so a caller interleaves them with row kernels
-    (``heads.py``). ``lo``: (a_lo, b_lo, rb_lo), the operands' second int8 pieces and b's
-    second column scales: the sum of the products ``TWO_PIECE_TERMS`` (``--attention int8x2``),
-    drained into one fp32 ``out`` (hi.hi first, then the sum of the cross products added)."""
+    (``heads.py``). ``lo``: (a_lo, b_lo), the operands' second int8 pieces (``passes/attention.py``:
+    scales ``ra / LOW_STEPS`` and ``rb / LOW_STEPS``): the sum of the products ``TWO_PIECE_TERMS``
+    (``--attention int8x2``), drained into one fp32 ``out`` (hi.hi first, then the sum of the
+    cross products added)."""
     em, arch = low.em, low.em.arch
     shape, bshape = low.shape(a), low.shape(b)
     if len(bshape) < 2 or not shape or shape[-1] != bshape[-2]:
@@ -383,7 +385,7 @@ def run_time_weights_groups(low: Lowering, a: str, b: str, out: str, ra: str | N
         ops = _RunTime(a8, None, ((w, "w8"),), w_offsets, None, [0] * batches)
     elif lo is None:
         w, w_offsets = _distinct(low, b, low.operand(b), low.shape(b), n_pad, "i8")
-        scales, s_offsets = _run_time_column_scales(low, [rb], N, n_pad)
+        scales, s_offsets = _run_time_column_scales(low, rb, N, n_pad)
         ops = _RunTime(a8, _run_time_row_scale(low, ra, M), ((w, "w8"),), w_offsets, scales, s_offsets)
     else:
         deal = _interleave(arch, dead, lo, N, width, parts, low.switches.sparsity)
@@ -452,10 +454,10 @@ def _origin(deal: tuple) -> np.ndarray:
 def _two_pieces(low: Lowering, a8: int, ra: str, b: str, rb: str, lo: tuple, M: int, N: int,
                 n_pad: int, deal: tuple | None = None) -> _RunTime:
     """The operands of ``TWO_PIECE_TERMS``: b's pieces at the same offsets in their tensors
-    (each batch's offset serves both), the column scales rb and rb_lo as two scale groups; with
+    (each batch's offset serves both), the column scales rb and rb / LOW_STEPS as two scale groups; with
     ``deal`` (``_interleave``) the columns dealt in its order (``Problem.n_origin``: read where
     they are, the output stored by segments)."""
-    a_lo, b_lo, rb_lo = lo
+    a_lo, b_lo = lo
     w, w_offsets = _distinct(low, b, low.operand(b), low.shape(b), n_pad, "i8")
     w_lo, lo_offsets = _distinct(low, b_lo, low.operand(b_lo), low.shape(b_lo), n_pad, "i8")
     if lo_offsets != w_offsets:        # copies of both, laid out alike
@@ -463,7 +465,7 @@ def _two_pieces(low: Lowering, a8: int, ra: str, b: str, rb: str, lo: tuple, M: 
         w_lo, lo_offsets = _distinct(low, b_lo, low.operand(b_lo), low.shape(b_lo), n_pad, "i8", copy=True)
     if lo_offsets != w_offsets:
         raise ValueError(f"b's pieces '{b}' and '{b_lo}' are not repeated alike")
-    scales, s_offsets = _run_time_column_scales(low, [rb, rb_lo], N, n_pad)
+    scales, s_offsets = _run_time_column_scales(low, rb, N, n_pad, LOW_STEPS)
     segs, origin = (), None
     if deal is not None:
         legions, blocks, na = deal
@@ -565,27 +567,26 @@ def _run_time_row_scale(low: Lowering, ra: str, M: int) -> RowScale:
     return RowScale(op.tensor, op.offset, 1)
 
 
-def _run_time_column_scales(low: Lowering, rbs: list[str], N: int, n_pad: int) -> tuple[int, list[int]]:
-    """An f32 tensor of each batch's column scales, a row per scale group (each of ``rbs``
-    [.., N, 1], read as [.., 1, N]), and each batch's offset. One group's may be read in
-    place; several groups' rows are copied together."""
-    rows = []
-    for rb in rbs:
-        op, shape = low.operand(rb), low.shape(rb)
-        if shape[-2:] != (N, 1):
-            raise ValueError(f"column scale '{rb}' of shape {list(shape)} is not one value per column of each batch")
-        rows.append(Operand(op.tensor, op.offset, (*op.strides[:-2], 0, op.strides[-2])))
-    batch = low.shape(rbs[0])[:-2]
-    if len(rows) == 1:
-        return _distinct(low, rbs[0], rows[0], (*batch, 1, N), n_pad, "f32")
-    kept = tuple(1 if s == 0 else d for d, s in zip(batch, rows[0].strides[:-2]))
-    t = low.em.tensor(f"{rbs[0]}_groups", "f32", (*kept, len(rows), n_pad), "scratch")
-    dst = whole(t, (*kept, len(rows), n_pad))
-    for g, row in enumerate(rows):
-        if tuple(1 if s == 0 else d for d, s in zip(batch, row.strides[:-2])) != kept:
-            raise ValueError(f"column scales {', '.join(rbs)} are not repeated alike")
-        nd_copy(low.em, Operand(t, dst.offset + g * n_pad, dst.strides), row, (*kept, 1, N))
-    return t, [dst.at(tuple(0 if s == 0 else i for i, s in zip(idx, rows[0].strides[:-2]))).offset
+def _run_time_column_scales(low: Lowering, rb: str, N: int, n_pad: int,
+                            low_steps: float | None = None) -> tuple[int, list[int]]:
+    """An f32 tensor of each batch's column scales (``rb`` [.., N, 1], read as [.., 1, N]) and
+    each batch's offset; with ``low_steps``, a second row (scale group) of each, ``rb /
+    low_steps``, the scales of b's second int8 piece (divided as ``passes/attention.py``'s
+    graph divides them), both rows copied together."""
+    op, shape = low.operand(rb), low.shape(rb)
+    if shape[-2:] != (N, 1):
+        raise ValueError(f"column scale '{rb}' of shape {list(shape)} is not one value per column of each batch")
+    row, batch = Operand(op.tensor, op.offset, (*op.strides[:-2], 0, op.strides[-2])), shape[:-2]
+    if low_steps is None:
+        return _distinct(low, rb, row, (*batch, 1, N), n_pad, "f32")
+    kept = tuple(1 if s == 0 else d for d, s in zip(batch, row.strides[:-2]))
+    t = low.em.tensor(f"{rb}_groups", "f32", (*kept, 2, n_pad), "scratch")
+    dst = whole(t, (*kept, 2, n_pad))
+    nd_copy(low.em, dst, row, (*kept, 1, N))
+    body = lambda e, l, v, r, c: e.emit(BY_MNEMONIC["vdiv"](l, v["out"], v["src"], float(low_steps), r, c))  # noqa: E731
+    rowwise(low.em, (*kept, 1, N), [Arg("src", row), Arg("out", Operand(t, dst.offset + n_pad, dst.strides), out=True)],
+            body)
+    return t, [dst.at(tuple(0 if s == 0 else i for i, s in zip(idx, row.strides[:-2]))).offset
                for idx in np.ndindex(*batch)]
 
 

@@ -29,11 +29,12 @@ so ``x ~ r hi + r_lo lo`` to some 15 bits (``|s - Round(s)| <= 1/2``: 254 of the
 each product becomes one of the pieces, three products on the arrays (``qmatmul.TWO_PIECE_TERMS``;
 lo . lo, 2^-16 of the rest, is left out)::
 
-    y = AttnMatMul(a8, ra, b8, rb, alo, blo, rblo)
-      = (a8 . b8) ra rb + (alo . b8 + a8 . blo) ra rblo      # each sum exact in int32
+    y = AttnMatMul(a8, ra, b8, rb, alo, blo)
+      = (a8 . b8) ra rb + (alo . b8 + a8 . blo) ra (rb / 254)      # each sum exact in int32
 
 the cross products summed in the accumulators (a's second scale is ra / 254 and b's rb / 254, so
-both take ``ra rblo``) and drained onto hi . hi in fp32, in the vector scratchpad, not in DRAM.
+both take ``ra (rb / 254)``) and drained onto hi . hi in fp32, in the vector scratchpad, not in
+DRAM.
 
 P's second piece is made in its softmax kernel from ``127 e`` as the first is. Q's and K's
 pieces are made as they are quantized (per row, K smoothed), V's in V's own layout, its channel
@@ -115,8 +116,8 @@ def _rewrite(graph: Graph, mm: Node, quantized: dict, approximation: str, pieces
     attrs["approximation"], attrs["approximated"] = approximation, graph.origins.get(mm.name, mm.outputs[0])
     (a8, ra), (b8, rb) = quantized[a][0], b_pieces[0]
     inputs = [a8, ra, b8, rb]
-    if pieces == 2:     # the second pieces and b's second scales: lo . hi + hi . lo (lowering)
-        inputs += [quantized[a][1][0], *b_pieces[1]]
+    if pieces == 2:     # the second pieces (scales: the first's / LOW_STEPS): lo . hi + hi . lo
+        inputs += [quantized[a][1][0], b_pieces[1][0]]
     graph.nodes[graph.nodes.index(mm)] = Node("AttnMatMul", mm.name, inputs, list(mm.outputs), attrs, DLEGION)
 
 
