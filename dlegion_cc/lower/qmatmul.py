@@ -492,8 +492,11 @@ def _emit_run_time_group(low, ops: _RunTime, exact, dst, group, per, K, N, n_pad
             # The schedule searched for the product without its causal skips, which then skips
             # what it can: the cost model does not see what splitting the Legions' spans costs,
             # and the schedules it chose for the skips made the 2B4T layer slower (281,395 ->
-            # 283,267 cycles at sequence 128; 1,197,565 -> 1,199,963 at 512).
-            dense = replace(batch[0], batches=len(group), k_reach=None, n_reach=None)
+            # 283,267 cycles at sequence 128; 1,197,565 -> 1,199,963 at 512). Columns dealt
+            # interleaved (``_interleave``) skip alike on every Legion, and the search sees them
+            # (2B4T layer at 512, int8x2: 988,221 -> 982,051 cycles).
+            dense = replace(batch[0], batches=len(group), k_reach=None,
+                            n_reach=None if ops.n_origin is None else n_reach)
             plans[len(rows)] = replace(low.schedules.plan(arch, dense, low.switches),
                                        sparse=k_reach is not None or n_reach is not None)
         emit_tiles(em, batch[0], plans[len(rows)], low.written, more=tuple(batch[1:]))
