@@ -53,6 +53,7 @@ from isa.arch import MODE_TILES                               # noqa: E402
 from isa.instructions import MatMul, family                   # noqa: E402
 from dlegion_cc.pipeline import Options, compile_model        # noqa: E402
 from dlegion_cc.passes.attention import MODES as ATTENTION_MODES  # noqa: E402
+from dlegion_cc.lower.qmatmul import TWO_PIECE_TERMS        # noqa: E402
 from models.bitnet import BitLinear, build_bitnet, preset, save  # noqa: E402
 from models.decoder import relu2                              # noqa: E402
 from models.graph import FLOAT, GraphBuilder, tensor_info      # noqa: E402
@@ -100,7 +101,7 @@ def _layer_model(seq: int, path: Path) -> str:
 
 def bound(graph, machine) -> dict:
     """The layer's bound: BitLinear MACs in w2 and attention MACs in w8 (causal lower triangle
-    where a mask makes the rest dead) at the arrays' peak, ternary weights and the layer's fp32
+    where a mask makes the rest dead; an int8x2 product's three products of pieces) at the arrays' peak, ternary weights and the layer's fp32
     input and output at the DRAM rate."""
     per_cycle = machine.legions * machine.cores * machine.array ** 2
     linear = attention = weight_bytes = 0
@@ -113,7 +114,7 @@ def bound(graph, machine) -> dict:
         elif node.op == "AttnMatMul" or (node.op == "MatMul" and all(graph.values[i].stored is None
                                                                      for i in node.inputs)):
             a, out = graph.values[node.inputs[0]].shape, graph.values[node.outputs[0]].shape
-            macs = int(np.prod(out)) * a[-1]
+            macs = int(np.prod(out)) * a[-1] * (len(TWO_PIECE_TERMS) if len(node.inputs) > 4 else 1)
             live = node.attrs.get("dead")
             live = node.attrs.get("zero_a") if live is None else live
             if live is not None:        # the causal triangle's share of the product

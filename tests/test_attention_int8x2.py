@@ -9,7 +9,7 @@ from isa.encoding import decode_program, encode_program
 from dlegion_cc.passes.attention import LOW_STEPS
 from dlegion_cc.pipeline import Options, compile_model, graph_of
 from runtime.check import PROGRAM_APPROXIMATIONS, judge
-from runtime.emulator import run
+from runtime.emulator import random_inputs, run
 from runtime.reference64 import LOW_STEPS as REFERENCE_LOW_STEPS, float64_outputs
 from test_attention_int8 import ROOT, TINY, WIDE, _inputs, _onnxruntime, _rel, attention, plain_product
 
@@ -25,20 +25,22 @@ def _pieces(v: np.ndarray):
 
 
 def test_the_integer_parts_are_exact(tmp_path):
-    """A product of two float matrices with no softmax after it: hi.hi + lo.hi + hi.lo, each
-    multiplied exactly in int32 and scaled when draining, summed in fp32 in that order, bit for
+    """A product of two float matrices with no softmax after it: hi.hi, and lo.hi + hi.lo summed
+    exactly in int32 (a's second scale is ra / 254, b's rb / 254: both products drain with
+    ra . rb / 254), each scaled when draining and the second added to the first in fp32, bit for
     bit as numpy computes the same steps; much closer to the float product than int8's."""
     path, x = plain_product(tmp_path)
     _, program = compile_model(path, Options(WIDE, attention="int8x2"))
     assert program.approximations == {"int8x2_attention": ["o"]}
     got = run(program, WIDE, x).outputs["o"]
-    a8, ra, alo, ralo = _pieces(x["a"])
+    a8, ra, alo, _ = _pieces(x["a"])
     b8, rb, blo, rblo = (np.swapaxes(p, 1, 2) for p in _pieces(np.swapaxes(x["b"], 1, 2)))
 
-    def product(a, ra, b, rb):
-        acc = np.einsum("hmk,hkn->hmn", a.astype(np.int64), b.astype(np.int64))
-        return acc.astype(np.float32) * ra * rb
-    want = product(a8, ra, b8, rb) + product(alo, ralo, b8, rb) + product(a8, ra, blo, rblo)
+    def acc(a, b):
+        return np.einsum("hmk,hkn->hmn", a.astype(np.int64), b.astype(np.int64))
+    cross = acc(alo, b8) + acc(a8, blo)
+    assert np.abs(cross).max() < 2 ** 24          # exact in fp32 too: the drain converts it
+    want = acc(a8, b8).astype(np.float32) * ra * rb + cross.astype(np.float32) * ra * rblo
     np.testing.assert_array_equal(got, want)
     exact = x["a"].astype(np.float64) @ x["b"]
     _, int8 = compile_model(path, Options(WIDE, attention="int8"))
@@ -48,7 +50,8 @@ def test_the_integer_parts_are_exact(tmp_path):
 
 @pytest.mark.parametrize("kv_heads", [None, 2])
 def test_attention_error_is_far_below_int8s(tmp_path, kv_heads):
-    """Causal attention (grouped-query with two K/V heads): six products on the arrays, the
+    """Causal attention (grouped-query with two K/V heads): two nodes of three products each on
+    the arrays, the
     error from onnxruntime's fp32 a small fraction of int8's (measured: 9.4e-3 -> 5.3e-5 at
     two heads, sequence 64), yet an approximation."""
     heads, seq = 4, 128
@@ -56,7 +59,8 @@ def test_attention_error_is_far_below_int8s(tmp_path, kv_heads):
     x = _inputs(heads, seq, kv_heads)
     want = _onnxruntime(path, x)
     graph = graph_of(path, Options(WIDE, attention="int8x2"))
-    assert [n.op for n in graph.nodes].count("AttnMatMul") == 6
+    products = [n for n in graph.nodes if n.op == "AttnMatMul"]
+    assert len(products) == 2 and all(len(n.inputs) == 6 for n in products)
     errors = {}
     for mode in ("int8", "int8x2"):
         _, program = compile_model(path, Options(WIDE, attention=mode))
@@ -103,3 +107,55 @@ def test_check_passes_a_committed_model_compiled_with_int8x2(tmp_path):
     r = CliRunner().invoke(run_command, [str(prog), "--check", str(model), "-q"])
     assert r.exit_code == 0, r.output
     assert "int8x2_attention" in r.output and "measured from the float64 evaluation with them applied" in r.output
+
+
+def _qk_blocks_by_legion(program, depth: int) -> dict:
+    """Per Legion, the array-wide weight blocks times rows that QK^T's passes (K = ``depth``)
+    multiply, block masks counted."""
+    out = {}
+    for i in program.instrs:
+        if type(i).__name__ != "MatMul" or i.K != depth:
+            continue
+        blocks = -(-i.K // WIDE.array) * -(-i.N // WIDE.array)
+        if i.mask is not None:
+            t = program.tensors[i.mask]
+            blocks = int(np.frombuffer(program.const_bytes(t), np.uint8).sum())
+        for legion in range(i.legion, i.legion + (i.span or 1)):
+            out[legion] = out.get(legion, 0) + i.M * blocks
+    return out
+
+
+def test_a_causal_qk_of_pieces_is_dealt_so_every_legion_skips_alike(tmp_path):
+    """QK^T's output columns dealt to the Legions interleaved (qmatmul._interleave): every
+    Legion multiplies as many live blocks, fewer than the dense product's; in order, the Legion
+    of the first columns would pass every row of them. The output stays within int8x2's error."""
+    heads, seq = 2, 512
+    path = attention(tmp_path / "attn.onnx", heads, seq)
+    _, program = compile_model(path, Options(WIDE, attention="int8x2"))
+    work = _qk_blocks_by_legion(program, 32)
+    dense = 3 * heads * seq * (seq // WIDE.legions // WIDE.array) * (32 // WIDE.array)
+    assert sorted(work) == list(range(WIDE.legions)) and len(set(work.values())) == 1, work
+    assert work[0] < 0.8 * dense
+    x = _inputs(heads, seq)
+    assert _rel(run(program, WIDE, x).outputs["o"], _onnxruntime(path, x)) < 1e-3
+
+
+def test_qs_two_pieces_are_made_in_its_rotary_kernel_with_the_same_bits(tmp_path, monkeypatch):
+    """Q's second piece joins the rotary kernel that quantizes the first (QuantizeInRowKernel):
+    no AbsmaxQuantize nor a kernel of its own is left, both pieces are stored int8 by that
+    kernel, and the layer computes the same bits as with the pieces made apart, race-checked."""
+    from models.bitnet import build_bitnet, preset, save
+    from dlegion_cc.passes import attnoperands
+    path = tmp_path / "layer.onnx"
+    config = preset("2b4t", layers=1, seq=64, vocab=256, hidden=512, heads=4, kv_heads=2, ffn=256)
+    save(build_bitnet(config), path, external_data=True)
+    graph, fused = compile_model(path, Options(WIDE, attention="int8x2"))
+    assert not [n for n in graph.nodes if n.op == "AbsmaxQuantize"]
+    cats = [n for n in graph.nodes if n.op == "Concat" and graph.values[n.outputs[0]].dtype == np.int8]
+    assert len(cats) == 2 and len({graph.producer(c.inputs[0]).name for c in cats}) == 1
+    x = random_inputs(fused, 0)
+    got = run(fused, WIDE, x, races=True).outputs["logits"]
+    monkeypatch.setattr(attnoperands.QuantizeInRowKernel, "run", lambda self, graph, options: None)
+    plain_graph, plain = compile_model(path, Options(WIDE, attention="int8x2"))
+    assert [n for n in plain_graph.nodes if n.op == "AbsmaxQuantize"]
+    np.testing.assert_array_equal(got, run(plain, WIDE, x, races=True).outputs["logits"])

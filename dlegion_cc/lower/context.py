@@ -299,15 +299,20 @@ def int8_activations(graph: Graph) -> set[str]:
     for node in graph.nodes:
         if node.domain != DLEGION or node.op not in ("QMatMul", "AttnMatMul") or node.attrs.get("act_offset", 0):
             continue
-        name = node.inputs[0]
-        while (name in producers and producers[name].op == "Reshape" and not producers[name].domain
-               and len(graph.consumers(name)) == 1 and name not in graph.outputs):
-            name = producers[name].inputs[0]        # a reshape of an int8 tensor is a view of it
-        if name not in graph.outputs and _clipped_round(graph, producers, name):
-            out.add(name)
-        elif name not in graph.outputs and _clipped_parts(graph, producers, name):
-            out.update([name, *producers[name].inputs])
+        for name in node.inputs[:1] + node.inputs[4:5]:     # an AttnMatMul's a pieces
+            _add_int8(graph, producers, name, out)
     return out
+
+
+def _add_int8(graph: Graph, producers: dict, name: str, out: set[str]) -> None:
+    """``name`` and the values it is made of, into ``out`` where they hold exact int8 integers."""
+    while (name in producers and producers[name].op == "Reshape" and not producers[name].domain
+           and len(graph.consumers(name)) == 1 and name not in graph.outputs):
+        name = producers[name].inputs[0]        # a reshape of an int8 tensor is a view of it
+    if name not in graph.outputs and _clipped_round(graph, producers, name):
+        out.add(name)
+    elif name not in graph.outputs and _clipped_parts(graph, producers, name):
+        out.update([name, *producers[name].inputs])
 
 
 def _members(node: Node) -> list[Node]:

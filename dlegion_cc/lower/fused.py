@@ -335,15 +335,16 @@ def _reach(node: Node, frame: Frame) -> np.ndarray | None:
 
 
 def _quantized_reach(node: Node, frame: Frame) -> np.ndarray | None:
-    """The reach of a kernel that quantizes a causal softmax (``passes/attention.py``): its one
-    full-width output is the quantized P, whose row maximum and sum, marked ``softmax_part``, see
-    past each row's reach only the mask's exact zeros of exp; its other outputs are per row."""
+    """The reach of a kernel that quantizes a causal softmax (``passes/attention.py``): its
+    full-width outputs are the quantized P (in one or two int8 pieces, each marked with the same
+    reach), whose row maximum and sum, marked ``softmax_part``, see past each row's reach only
+    the mask's exact zeros of exp; its other outputs are per row."""
     subs = node.attrs["nodes"]
     marked = [n for n in subs if "reach" in n.attrs]
-    if len(marked) != 1 or marked[0].outputs[0] not in node.outputs:
+    if not marked or any(not np.array_equal(n.attrs["reach"], marked[0].attrs["reach"]) for n in marked):
         return None
     full = [o for o in node.outputs if shape_kind(node.attrs["values"][o].shape, frame) == "full"]
-    if full != marked[0].outputs:
+    if full != [n.outputs[0] for n in marked]:
         return None
     if any(_family(n.op) not in ("unary", "binary", "Clip") and not n.attrs.get("softmax_part") for n in subs):
         return None

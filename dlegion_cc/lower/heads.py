@@ -48,9 +48,16 @@ FEWEST_HEADS = 2
 # DRAM round trips (2B4T layer at 512 on dlegion-8x8, 20 heads: 4 groups 890,586 cycles,
 # 5 groups 892,828; attention alone about the same with 2 or 10).
 MOST_GROUPS = 4
+# Products of two int8 pieces (``--attention int8x2``) take three times the passes, so the first
+# group's QK^T and the last one's P.V, which nothing hides, weigh more (2B4T layer at 512 on
+# dlegion-8x8: 4 groups 1,026,444 cycles, 5 groups 1,021,556, 10 groups 1,014,058, 20 groups
+# 1,026,852; at 256, 10 groups 463,340 and 4 464,431; at 128, 4 groups are faster by 0.8%).
+MOST_GROUPS_OF_PIECES = 10
 # Ops between the three nodes that may read them: views, which emit nothing.
 VIEWS = ("Reshape", "Unsqueeze", "Squeeze", "Identity")
-MOST_BETWEEN = 8
+# The most nodes between the three: --attention int8x2 has 11 (the views of two pieces of P,
+# and V's second piece with its views).
+MOST_BETWEEN = 12
 # The share of ``vec`` the products plan their drains in; the softmax runs in the rest, whose
 # blocks then hold more rows (2B4T layer at 512 on dlegion-8x8: a quarter 892,238 cycles,
 # three eighths 886,478, a half 890,586, five eighths 910,583).
@@ -70,7 +77,8 @@ def plan(low: Lowering, nodes: list[Node], at: int) -> tuple[dict, list[range]]:
     if not found:
         return {}, []
     heads = found["heads"]
-    count = max((g for g in range(2, MOST_GROUPS + 1) if heads % g == 0 and heads // g >= FEWEST_HEADS), default=1)
+    most = MOST_GROUPS_OF_PIECES if len(found["qk"].inputs) > 4 else MOST_GROUPS
+    count = max((g for g in range(2, most + 1) if heads % g == 0 and heads // g >= FEWEST_HEADS), default=1)
     if count < 2:
         return {}, []
     per = heads // count
@@ -167,9 +175,9 @@ def lower_attention(low: Lowering, found: dict, groups: list[range], lower_node,
 
 
 def _attn(low: Lowering, node: Node, groups: list[range], room: int):
-    a8, ra, b8, rb = node.inputs
+    a8, ra, b8, rb, *lo = node.inputs
     return run_time_weights_groups(low, a8, b8, node.outputs[0], ra, rb, node.attrs.get("zero_a"),
-                                   node.attrs.get("dead"), groups, room)
+                                   node.attrs.get("dead"), groups, room, tuple(lo) or None)
 
 
 def _lower_between(low, node, lower_node, spans, own_regions, views, room: int | None = None) -> None:

@@ -36,6 +36,7 @@ from dlegion_cc.lower.movement import nd_copy
 from dlegion_cc.lower.rowwise import Arg, rowwise
 from dlegion_cc.lower.qparts import part_widths, pick_width, row_parts, split_rows
 from dlegion_cc.lower.qtiles import Problem, RowScale, Segment, emit_tiles
+from dlegion_cc.passes.attention import LOW_STEPS
 from dlegion_cc.passes.causal import reach
 from dlegion_cc.passes.gated import gate_granule
 
@@ -332,16 +333,23 @@ class _Shapes:
 
 def lower_run_time_weights(low: Lowering, a: str, b: str, out: str, ra: str | None = None,
                            rb: str | None = None, zero_a: np.ndarray | None = None,
-                           dead: np.ndarray | None = None) -> None:
+                           dead: np.ndarray | None = None, lo: tuple | None = None) -> None:
     """``out = a . b``: ``run_time_weights_groups`` with every batch in one go."""
-    for _ in run_time_weights_groups(low, a, b, out, ra, rb, zero_a, dead):
+    for _ in run_time_weights_groups(low, a, b, out, ra, rb, zero_a, dead, lo=lo):
         pass
+
+
+# The products of two operands in two int8 pieces each (hi, lo), as (activation piece, weight
+# piece, scale group): hi.hi drained with the column scales rb, lo.hi + hi.lo summed exactly
+# in the accumulators and drained with rb / LOW_STEPS (a's lo piece has the scale
+# ra / LOW_STEPS, b's rb / LOW_STEPS: either way ra . rb / LOW_STEPS). lo.lo is left out.
+TWO_PIECE_TERMS = ((0, 0, 0), (1, 0, 1), (0, 1, 1))
 
 
 def run_time_weights_groups(low: Lowering, a: str, b: str, out: str, ra: str | None = None,
                             rb: str | None = None, zero_a: np.ndarray | None = None,
                             dead: np.ndarray | None = None, groups: list[range] | None = None,
-                            vec_room: int = 0):
+                            vec_room: int = 0, lo: tuple | None = None):
     """``out = a . b`` in int32 for int8 operands both computed at run time (a graph that
     quantizes attention's QK^T or PV): b's rows, as they are in DRAM, are the weight rows the
     arrays load in mode w8. Each batch of b multiplies its slice of a's rows; the weights'
@@ -355,7 +363,10 @@ def run_time_weights_groups(low: Lowering, a: str, b: str, out: str, ra: str | N
     A generator: it emits the batches of each of ``groups`` (equal ranges of batches; all of
     them when None) in turn and yields after each, its drains planned in the first
     ``vec_room`` elements of ``vec`` (0: all), so a caller interleaves them with row kernels
-    (``heads.py``)."""
+    (``heads.py``). ``lo``: (a_lo, b_lo), the operands' second int8 pieces (``passes/attention.py``:
+    scales ``ra / LOW_STEPS`` and ``rb / LOW_STEPS``): the sum of the products ``TWO_PIECE_TERMS``
+    (``--attention int8x2``), drained into one fp32 ``out`` (hi.hi first, then the sum of the
+    cross products added)."""
     em, arch = low.em, low.em.arch
     shape, bshape = low.shape(a), low.shape(b)
     if len(bshape) < 2 or not shape or shape[-1] != bshape[-2]:
@@ -365,58 +376,136 @@ def run_time_weights_groups(low: Lowering, a: str, b: str, out: str, ra: str | N
     if batches > 1 and math.prod(shape[:-2]) != batches:
         raise ValueError(f"B of shape {list(bshape)} is not one matrix per batch of A {list(shape)}")
     n_pad = math.ceil(N / arch.array) * arch.array
+    per = M // batches
+    width, parts = low.schedules.deal(arch, per, lambda: row_parts(arch, per, n_pad))
     before = len(em.instrs)
     a8 = int8_rows(low, a, 0)
     if ra is None:
         w, w_offsets = int8_rows(low, b, 0, width=n_pad), [i * K * n_pad for i in range(batches)]
-        rscale, scales, s_offsets = None, None, [0] * batches
-    else:
+        ops = _RunTime(a8, None, ((w, "w8"),), w_offsets, None, [0] * batches)
+    elif lo is None:
         w, w_offsets = _distinct(low, b, low.operand(b), low.shape(b), n_pad, "i8")
-        rscale = _run_time_row_scale(low, ra, M)
         scales, s_offsets = _run_time_column_scales(low, rb, N, n_pad)
+        ops = _RunTime(a8, _run_time_row_scale(low, ra, M), ((w, "w8"),), w_offsets, scales, s_offsets)
+    else:
+        deal = _interleave(arch, dead, lo, N, width, parts, low.switches.sparsity)
+        ops = _two_pieces(low, a8, ra, b, rb, lo, M, N, n_pad, deal)
     if len(em.instrs) > before:
         em.barrier()                                    # the arrays load what the vector unit wrote
     dst = low.result(out)
-    exact = rscale is None
+    exact = ops.rscale is None
     if exact and em.tensors[dst.tensor].dtype != "i32":
         raise ValueError(f"output '{out}' is not stored as int32")
-    per = M // batches
     places = _row_places(dst, low.shape(out), batches, per)
+    if ops.n_origin is not None:        # stored by segments, at the output's own row stride
+        places = [(o, s or N) for o, s in places]
     k_reach = _reach_of(zero_a, (per, K), batches, low.switches.sparsity)
     n_reach = _reach_of(dead, (per, N), batches, low.switches.sparsity)
-    width, parts = low.schedules.deal(arch, per, lambda: row_parts(arch, per, n_pad))
     plans: dict = {}            # by the rows of a part: parts alike have one plan
     for g, group in enumerate(groups or [range(batches)]):
         if g:
             em.barrier()        # each group's plans reuse the scratchpad slots of the one before
-        _emit_run_time_group(low, a8, rscale, w, w_offsets, scales, s_offsets, exact, dst, group, per, K, N, n_pad,
+        _emit_run_time_group(low, ops, exact, dst, group, per, K, N, n_pad,
                              places, k_reach, n_reach, width, parts, plans, vec_room)
         yield group
 
 
-def _emit_run_time_group(low, a8, rscale, w, w_offsets, scales, s_offsets, exact, dst, group, per, K, N, n_pad,
+@dataclass(frozen=True)
+class _RunTime:
+    """A run-time product's operands in DRAM: a's int8 pieces (the first, ``a8``, and the rest),
+    b's as the weight pieces with each batch's offset in them, the row scales and each batch's
+    column scales (a row per scale group) with their offsets, and the products of pieces."""
+
+    a8: int
+    rscale: RowScale | None
+    weights: tuple
+    w_offsets: list
+    scales: int | None
+    s_offsets: list
+    a_pieces: tuple = ()
+    terms: tuple = ()
+    segments: tuple = ()
+    n_origin: np.ndarray | None = None
+
+
+def _interleave(arch: Arch, dead, lo: tuple | None, N: int, width: int, parts: int,
+                sparsity: bool) -> tuple | None:
+    """How a causal QK^T of pieces deals its columns: (Legions, blocks a Legion, block width),
+    Legion l taking the array-wide blocks l, l + Legions, ..., so that every Legion's tiles
+    reach as far into the causal triangle; None: in order. Dealt in order, the Legion of the
+    first columns, which every row looks at, passes them all while the last ones skip most, and
+    the busiest Legion does the dense product (2B4T layer at 512 on dlegion-8x8, int8x2: QK^T's
+    passes 131k cycles on Legions 0-3 and 66k on 4-7 in order, 99k on each interleaved; the
+    layer 1,014,058 -> 996,017 cycles). Products of one piece keep the order: their head groups
+    wait on the vector unit and DMA, not on the arrays (the int8 layer 838,397 -> 847,720)."""
+    na = arch.array
+    if lo is None or dead is None or not sparsity or parts != 1 or N % (na * width) or N // (na * width) < 2:
+        return None
+    return width, N // (na * width), na
+
+
+def _origin(deal: tuple) -> np.ndarray:
+    """Per column in the order ``deal`` gives them, the output column it is."""
+    legions, blocks, na = deal
+    cols = np.arange(legions * blocks * na).reshape(legions, blocks, na)
+    return (((cols // na % blocks) * legions + cols // (blocks * na)) * na + cols % na).reshape(-1)
+
+
+def _two_pieces(low: Lowering, a8: int, ra: str, b: str, rb: str, lo: tuple, M: int, N: int,
+                n_pad: int, deal: tuple | None = None) -> _RunTime:
+    """The operands of ``TWO_PIECE_TERMS``: b's pieces at the same offsets in their tensors
+    (each batch's offset serves both), the column scales rb and rb / LOW_STEPS as two scale groups; with
+    ``deal`` (``_interleave``) the columns dealt in its order (``Problem.n_origin``: read where
+    they are, the output stored by segments)."""
+    a_lo, b_lo = lo
+    w, w_offsets = _distinct(low, b, low.operand(b), low.shape(b), n_pad, "i8")
+    w_lo, lo_offsets = _distinct(low, b_lo, low.operand(b_lo), low.shape(b_lo), n_pad, "i8")
+    if lo_offsets != w_offsets:        # copies of both, laid out alike
+        w, w_offsets = _distinct(low, b, low.operand(b), low.shape(b), n_pad, "i8", copy=True)
+        w_lo, lo_offsets = _distinct(low, b_lo, low.operand(b_lo), low.shape(b_lo), n_pad, "i8", copy=True)
+    if lo_offsets != w_offsets:
+        raise ValueError(f"b's pieces '{b}' and '{b_lo}' are not repeated alike")
+    scales, s_offsets = _run_time_column_scales(low, rb, N, n_pad, LOW_STEPS)
+    segs, origin = (), None
+    if deal is not None:
+        legions, blocks, na = deal
+        # Segment j: output columns j * legions * na on, na of them a Legion (the tensor: the output's)
+        segs = tuple((legions * na, na, j * na, j * legions * na) for j in range(blocks))
+        origin = _origin(deal)
+    return _RunTime(a8, _run_time_row_scale(low, ra, M), ((w, "w8"), (w_lo, "w8")), w_offsets, scales, s_offsets,
+                    (int8_rows(low, a_lo, 0),), TWO_PIECE_TERMS, segs, origin)
+
+
+def _emit_run_time_group(low, ops: _RunTime, exact, dst, group, per, K, N, n_pad,
                          places, k_reach, n_reach, width, parts, plans, vec_room) -> None:
     em, arch = low.em, low.em.arch
+    groups = 1 + max((g for *_, g in ops.terms), default=0)
     for j, rows in enumerate(split_rows(range(per), parts)):
-        batch = [Problem(a8, rscale, ((w, "w8"),), scales, 1, K, None, None, None, 0, "w8", None, exact, dst.tensor,
-                         range(i * per + rows.start, i * per + rows.stop), K, N, n_pad, w_offset=w_offsets[i],
-                         s_offset=s_offsets[i], legions=range(j * width, (j + 1) * width), k_reach=k_reach,
-                         n_reach=n_reach, o_offset=places[i][0], o_stride=places[i][1], vec_room=vec_room)
+        batch = [Problem(ops.a8, ops.rscale, ops.weights, ops.scales, groups, K, None, None, None, 0, "w8", None,
+                         exact, dst.tensor, range(i * per + rows.start, i * per + rows.stop), K, N, n_pad,
+                         w_offset=ops.w_offsets[i], s_offset=ops.s_offsets[i], legions=range(j * width, (j + 1) * width),
+                         k_reach=k_reach, n_reach=n_reach, o_offset=places[i][0], o_stride=places[i][1],
+                         vec_room=vec_room, a_pieces=ops.a_pieces, terms=ops.terms,
+                         segments=tuple(Segment(dst.tensor, *seg) for seg in ops.segments), n_origin=ops.n_origin)
                  for i in group]
         if len(rows) not in plans:
             # The schedule searched for the product without its causal skips, which then skips
             # what it can: the cost model does not see what splitting the Legions' spans costs,
             # and the schedules it chose for the skips made the 2B4T layer slower (281,395 ->
-            # 283,267 cycles at sequence 128; 1,197,565 -> 1,199,963 at 512).
-            dense = replace(batch[0], batches=len(group), k_reach=None, n_reach=None)
+            # 283,267 cycles at sequence 128; 1,197,565 -> 1,199,963 at 512). Columns dealt
+            # interleaved (``_interleave``) skip alike on every Legion, and the search sees them
+            # (2B4T layer at 512, int8x2: 988,221 -> 982,051 cycles).
+            dense = replace(batch[0], batches=len(group), k_reach=None,
+                            n_reach=None if ops.n_origin is None else n_reach)
             plans[len(rows)] = replace(low.schedules.plan(arch, dense, low.switches),
                                        sparse=k_reach is not None or n_reach is not None)
         emit_tiles(em, batch[0], plans[len(rows)], low.written, more=tuple(batch[1:]))
 
 
 def _matrices_in_place(node, name: str, op: Operand) -> bool:
-    """Attention's quantized K/V and their scales are read as views (``_distinct``)."""
-    return name in node.inputs[2:]
+    """Attention's quantized K/V and their scales are read as views (``_distinct``): every
+    input but the activation pieces (the first and, of two pieces, the fifth)."""
+    return name in node.inputs[2:4] + node.inputs[5:]
 
 
 def _rows_in_place(node, name: str, op: Operand) -> bool:
@@ -438,14 +527,15 @@ def _row_places(dst: Operand, shape: tuple, batches: int, per: int) -> list[tupl
             for i, idx in enumerate(np.ndindex(*shape[:-2]))]
 
 
-def _distinct(low: Lowering, name: str, op: Operand, shape: tuple, width: int, dtype: str) -> tuple[int, list[int]]:
+def _distinct(low: Lowering, name: str, op: Operand, shape: tuple, width: int, dtype: str,
+              copy: bool = False) -> tuple[int, list[int]]:
     """``op`` [.., rows, n] as a tensor of matrices whose rows are ``width`` apart, and the
-    offset of each batch's matrix: the value where it is when it is laid out so, else a copy of
-    each distinct matrix (a batch axis with a 0 stride repeats one: grouped-query attention's
-    K/V heads are copied once, not once per query head)."""
+    offset of each batch's matrix: the value where it is when it is laid out so (unless
+    ``copy``), else a copy of each distinct matrix (a batch axis with a 0 stride repeats one:
+    grouped-query attention's K/V heads are copied once, not once per query head)."""
     em = low.em
     rows, n = shape[-2:]
-    if (em.tensors[op.tensor].dtype == dtype and n == width and op.strides[-1] == 1
+    if (not copy and em.tensors[op.tensor].dtype == dtype and n == width and op.strides[-1] == 1
             and (rows == 1 or op.strides[-2] == n)):
         return op.tensor, [op.at(idx).offset for idx in np.ndindex(*shape[:-2])]
     batch = shape[:-2]
@@ -460,8 +550,9 @@ def _distinct(low: Lowering, name: str, op: Operand, shape: tuple, width: int, d
 @lowers("AttnMatMul", domain=DLEGION, views=_matrices_in_place, writes=_rows_in_place)
 def attn_matmul(low: Lowering, node) -> None:
     """``a8 . b8`` scaled per row by ``ra`` and per column by ``rb`` (``passes/attention.py``)."""
-    a8, ra, b8, rb = node.inputs
-    lower_run_time_weights(low, a8, b8, node.outputs[0], ra, rb, node.attrs.get("zero_a"), node.attrs.get("dead"))
+    a8, ra, b8, rb, *lo = node.inputs
+    lower_run_time_weights(low, a8, b8, node.outputs[0], ra, rb, node.attrs.get("zero_a"), node.attrs.get("dead"),
+                           tuple(lo) or None)
 
 
 def _reach_of(mask: np.ndarray | None, shape: tuple, batches: int, sparsity: bool) -> np.ndarray | None:
@@ -479,14 +570,27 @@ def _run_time_row_scale(low: Lowering, ra: str, M: int) -> RowScale:
     return RowScale(op.tensor, op.offset, 1)
 
 
-def _run_time_column_scales(low: Lowering, rb: str, N: int, n_pad: int) -> tuple[int, list[int]]:
+def _run_time_column_scales(low: Lowering, rb: str, N: int, n_pad: int,
+                            low_steps: float | None = None) -> tuple[int, list[int]]:
     """An f32 tensor of each batch's column scales (``rb`` [.., N, 1], read as [.., 1, N]) and
-    each batch's offset."""
+    each batch's offset; with ``low_steps``, a second row (scale group) of each, ``rb /
+    low_steps``, the scales of b's second int8 piece (divided as ``passes/attention.py``'s
+    graph divides them), both rows copied together."""
     op, shape = low.operand(rb), low.shape(rb)
     if shape[-2:] != (N, 1):
         raise ValueError(f"column scale '{rb}' of shape {list(shape)} is not one value per column of each batch")
-    row = Operand(op.tensor, op.offset, (*op.strides[:-2], 0, op.strides[-2]))
-    return _distinct(low, rb, row, (*shape[:-2], 1, N), n_pad, "f32")
+    row, batch = Operand(op.tensor, op.offset, (*op.strides[:-2], 0, op.strides[-2])), shape[:-2]
+    if low_steps is None:
+        return _distinct(low, rb, row, (*batch, 1, N), n_pad, "f32")
+    kept = tuple(1 if s == 0 else d for d, s in zip(batch, row.strides[:-2]))
+    t = low.em.tensor(f"{rb}_groups", "f32", (*kept, 2, n_pad), "scratch")
+    dst = whole(t, (*kept, 2, n_pad))
+    nd_copy(low.em, dst, row, (*kept, 1, N))
+    body = lambda e, l, v, r, c: e.emit(BY_MNEMONIC["vdiv"](l, v["out"], v["src"], float(low_steps), r, c))  # noqa: E731
+    rowwise(low.em, (*kept, 1, N), [Arg("src", row), Arg("out", Operand(t, dst.offset + n_pad, dst.strides), out=True)],
+            body)
+    return t, [dst.at(tuple(0 if s == 0 else i for i, s in zip(idx, row.strides[:-2]))).offset
+               for idx in np.ndindex(*batch)]
 
 
 # --- fused matmuls ------------------------------------------------------------------------

@@ -85,6 +85,15 @@ class Problem:
     # and gate columns (``qmatmul.gated_major``), a tile drains both and stores ReLU(gate)^2 *
     # up, half its columns; 0: a plain matmul.
     gated: int = 0
+    # A sum of products of pieces (``--attention int8x2``): further int8 activation pieces
+    # [M, K] beside ``a8`` (piece 0), and the products, each (activation piece, weight piece,
+    # scale group): its chunks accumulate into the unit of that group, drained with that row of
+    # ``scales``. (): every weight piece against ``a8``, in the groups ``block`` cuts K into.
+    a_pieces: tuple = ()
+    terms: tuple = ()
+    # Per column, the output column it is (columns dealt to the Legions in another order: a
+    # causal QK^T's interleaved, ``qmatmul``), which ``n_reach`` counts in; None: itself.
+    n_origin: np.ndarray | None = None
 
 
 def room(arch: Arch, p: Problem) -> dict[str, int]:
@@ -113,6 +122,7 @@ class Segment:
     N: int
     width: int
     offset: int = 0
+    at: int = 0             # DRAM elements from the tensor's start to the segment's first column
 
 
 @dataclass(frozen=True)
@@ -252,9 +262,28 @@ def _same_work(arch: Arch, p: Problem, plan: Plan, a: int, b: int) -> bool:
     return all(np.array_equal(nz[:, cols(ta)], nz[:, cols(tb)]) for nz in p.nonzero)
 
 
+def column_runs(p: Problem, n0: int, nb: int) -> list[tuple[int, int, int]]:
+    """(first column within the tile, its column in DRAM, columns) of each run of the tile's
+    columns ``n0`` .. ``n0 + nb - 1`` that lie side by side in DRAM (``Problem.n_origin``)."""
+    if p.n_origin is None:
+        return [(0, n0, nb)]
+    cols = p.n_origin[n0:n0 + nb]
+    cut = np.flatnonzero(np.diff(cols) != 1) + 1
+    return [(int(a), int(cols[a]), int(b - a)) for a, b in zip(np.r_[0, cut], np.r_[cut, nb])]
+
+
+def legion_step(p: Problem, plan: Plan) -> int:
+    """DRAM columns from one Legion's columns to the next one's."""
+    if p.n_origin is None or p.n_origin.size <= plan.per_legion:
+        return plan.per_legion
+    return int(p.n_origin[plan.per_legion] - p.n_origin[0])
+
+
 def _reached_columns(p: Problem, m0: int, mb: int, tiles: list) -> list[int]:
     """How many of each tile's columns rows ``m0`` .. ``m0 + mb - 1`` look at."""
     need = int(p.n_reach[m0:m0 + mb].max(initial=0))
+    if p.n_origin is not None:
+        return [int((p.n_origin[n0:n0 + nb] < need).sum()) for n0, nb in tiles]
     return [min(max(need - n0, 0), nb) for n0, nb in tiles]
 
 
@@ -301,15 +330,33 @@ def in_order(unit: list, backwards: bool) -> list:
 
 @dataclass(frozen=True)
 class Chunk:
-    """One contraction step: weight rows [k0, k0 + kc) of scale group ``group``."""
+    """One contraction step: weight rows [k0, k0 + kc) of scale group ``group``; of a product
+    of pieces (``Problem.terms``), activation piece ``a`` against weight piece ``w`` alone."""
 
     k0: int
     kc: int
     group: int
+    a: int = 0
+    w: int | None = None
+
+
+def pieces(p: Problem, c: Chunk) -> range:
+    """The weight pieces chunk ``c`` multiplies: its term's, else every one."""
+    return range(len(p.weights)) if c.w is None else range(c.w, c.w + 1)
+
+
+def products(p: Problem) -> list[str]:
+    """The mode of each product over all of K the matmul sums (a term, or a weight piece)."""
+    return [p.weights[w][1] for _, w, _ in p.terms] if p.terms else [mode for _, mode in p.weights]
 
 
 def units(p: Problem, plan: Plan) -> list[list[Chunk]]:
     """The chunks of each accumulation (one per scale group; all of K for exact results)."""
+    if p.terms:
+        per = [[] for _ in range(p.groups)]
+        for a, w, g in p.terms:
+            per[g] += [Chunk(k0, min(plan.depth, p.K - k0), g, a, w) for k0 in range(0, p.K, plan.depth)]
+        return per
     out = []
     for g in range(p.groups):
         g0, g1 = g * p.block, min(p.K, (g + 1) * p.block)
@@ -326,6 +373,8 @@ def reach_blocks(arch: Arch, p: Problem, m0: int, mb: int, c: Chunk, nb: int, n0
     na = arch.array
     rows = _live(p.k_reach, m0, mb, c.k0, -(-c.kc // na), na)
     cols = _live(p.n_reach, m0, mb, n0, -(-nb // na), na)
+    if p.n_origin is not None and p.n_reach is not None:      # each block's own output columns
+        cols = p.n_origin[n0:n0 + nb:na] < int(p.n_reach[m0:m0 + mb].max(initial=0))
     return None if rows.all() and cols.all() else rows[:, None] & cols[None, :]
 
 
@@ -336,9 +385,13 @@ def _live(reach: np.ndarray | None, m0: int, mb: int, start: int, blocks: int, n
     return np.arange(blocks) * na < int(reach[m0:m0 + mb].max(initial=0)) - start
 
 
-def dead_tile(p: Problem, m0: int, mb: int, n0: int) -> bool:
-    """Whether the output tile from column ``n0`` of rows ``m0`` .. ``m0 + mb - 1`` is all dead."""
-    return p.n_reach is not None and int(p.n_reach[m0:m0 + mb].max(initial=0)) <= n0
+def dead_tile(p: Problem, m0: int, mb: int, n0: int, nb: int) -> bool:
+    """Whether the output tile of columns ``n0`` .. ``n0 + nb - 1`` of rows ``m0`` .. ``m0 + mb - 1``
+    is all dead."""
+    if p.n_reach is None:
+        return False
+    need = int(p.n_reach[m0:m0 + mb].max(initial=0))
+    return need <= (n0 if p.n_origin is None else int(p.n_origin[n0:n0 + nb].min()))
 
 
 def weight_key(piece: int, c: Chunk, n0: int, reached: np.ndarray | None) -> tuple:
@@ -356,13 +409,13 @@ def find_weights(slots: "Slots", key: tuple) -> int | None:
 
 
 def act_key(plan: Plan, block: int, c: Chunk) -> tuple:
-    return (block, 0) if plan.whole_rows else (block, c.k0)
+    return (block, c.a, 0) if plan.whole_rows else (block, c.a, c.k0)
 
 
 def act_keys(p: Problem, plan: Plan) -> int:
     """How many distinct activation chunks (``act_key``) the matmul reads."""
-    k0s = {c.k0 for u in units(p, plan) for c in u}
-    return len(row_blocks(p, plan)) * (1 if plan.whole_rows else len(k0s))
+    k0s = {(c.a, 0 if plan.whole_rows else c.k0) for u in units(p, plan) for c in u}
+    return len(row_blocks(p, plan)) * len(k0s)
 
 
 class Homes:
@@ -505,7 +558,7 @@ def with_slots(arch: Arch, p: Problem, plan: Plan) -> Plan | None:
     chunks = sum(len(u) for u in units(p, plan))
     tiles = -(-plan.per_legion // plan.cols)
     # Batches run in the same slots: the next one's chunks load into the slots left over.
-    w_useful = (chunks * len(p.weights) + 1) * (tiles if plan.order == "rows" else 1) * p.batches
+    w_useful = (chunks * (1 if p.terms else len(p.weights)) + 1) * (tiles if plan.order == "rows" else 1) * p.batches
     a_chunks = 1 if plan.whole_rows else chunks
     a_useful = a_chunks * len(row_blocks(p, plan)) * p.batches + 1
     # A drain frees its accumulators at once; a store from them (exact results) frees them one
@@ -685,7 +738,7 @@ class Alike:
         tensor = lambda t: None if t is None else names.setdefault(t, len(names))
         rscale = None if p.rscale is None else replace(p.rscale, tensor=tensor(p.rscale.tensor))
         self.key = _hashable(replace(
-            p, a8=tensor(p.a8), rscale=rscale,
+            p, a8=tensor(p.a8), a_pieces=tuple(tensor(t) for t in p.a_pieces), rscale=rscale,
             weights=tuple((tensor(t), mode) for t, mode in p.weights), scales=tensor(p.scales),
             bias=tensor(p.bias), corr_row=tensor(p.corr_row), corr_weight=tensor(p.corr_weight),
             out=tensor(p.out), segments=tuple(replace(s, tensor=tensor(s.tensor)) for s in p.segments)))
@@ -739,7 +792,7 @@ def picojoules(arch: Arch, p: Problem, plan: Plan, e: "Estimate") -> float:
     Legions it runs on over its cycles. Scratchpad and vector terms, which vary little between
     schedules, are left out."""
     share = _nonzero_share(p) if plan.sparse else 1.0
-    macs = sum(len(p.rows) * p.K * p.N * arch.derived.pj_per_mac[mode] for _, mode in p.weights)
+    macs = sum(len(p.rows) * p.K * p.N * arch.derived.pj_per_mac[mode] for mode in products(p))
     legions = len(legion_range(arch, p)) / arch.legions
     static = arch.static_watts * legions * e.cycles / arch.clock_ghz * 1e3       # W x ns = 1e3 pJ
     return e.dram_bytes * arch.pj_per_dram_byte + macs * share * p.batches + static
@@ -761,8 +814,8 @@ def compute_bound(arch: Arch, p: Problem, plan: Plan) -> float:
     for _, nb in legion_tiles(p, plan, legion_range(arch, p).start):
         for _, mb in row_blocks(p, plan):
             for unit in units(p, plan):
-                total += sum(_mm_cycles(arch, plan, mb, c.kc, nb, mode, None)
-                             for c in unit for _, mode in p.weights)
+                total += sum(_mm_cycles(arch, plan, mb, c.kc, nb, p.weights[i][1], None)
+                             for c in unit for i in pieces(p, c))
     return total * share * p.batches
 
 
@@ -881,7 +934,7 @@ def _model_batch(m: _Model, st: _State, tiles: dict, order: list, last: dict, fi
     for k, (b, t, backwards) in enumerate(order):
         m0, mb = blocks[b]
         here = [l for l in m.legions
-                if t < len(tiles[l]) and not (plan.sparse and dead_tile(p, m0, mb, tiles[l][t][0]))]
+                if t < len(tiles[l]) and not (plan.sparse and dead_tile(p, m0, mb, *tiles[l][t]))]
         for u, unit in enumerate(units(p, plan)):
             acc = {l: st.next("acc", l) for l in here}
             begin = {l: st.acc_free[(l, acc[l])] for l in here}
@@ -957,7 +1010,8 @@ def _model_chunk(m: _Model, st: _State, b: int, t: int, c: Chunk, here: list, ti
     flows, where, work = [], [], []
     for l in here:
         n0, nb = tiles[l][t]
-        for i, (_, mode) in enumerate(p.weights):
+        for i in pieces(p, c):
+            mode = p.weights[i][1]
             nz = chunk_blocks(m.arch, p, i, c, n0, nb) if plan.sparse else None
             reached = reach_blocks(m.arch, p, m0, mb, c, nb, n0) if plan.sparse else None
             if reached is not None:

@@ -32,8 +32,8 @@ from isa.instructions import BY_MNEMONIC, DmaLoad, DmaStore, Drain, MatMul, NocM
 from dlegion_cc.lower.emitter import Emitter
 from dlegion_cc.lower.qplan import (CV_SLOTS, RS_SLOTS, Chunk, Group, Homes, Plan, Problem, RowScale, Segment, Slots,
                                     Switches, act_key, act_slot_elems, choose, chunk_blocks, dead_tile, find_weights,
-                                    groups, in_order, last_visit, legion_tiles, owners, reach_blocks, row_blocks,
-                                    stores, tail_pieces, tile_order, units, weight_key, weights_wait, wgt_slot_bytes)
+                                    groups, in_order, last_visit, legion_tiles, owners, pieces, products, reach_blocks,
+                                    row_blocks, stores, column_runs, legion_step, tail_pieces, tile_order, units, weight_key, weights_wait, wgt_slot_bytes)
 
 __all__ = ["Plan", "Problem", "RowScale", "Segment", "emit_tiles", "plan_tiles"]
 
@@ -246,7 +246,8 @@ class _Tiles:
         in bytes for weights packed at ``bits`` a weight."""
         if g.count == 1:
             return None
-        return self.plan.per_legion if bits is None else self.plan.per_legion * bits // 8
+        step = legion_step(self.p, self.plan)
+        return step if bits is None else step * bits // 8
 
     def emit(self, g: Group, instr, marks=()) -> Mark:
         return self.sync.emit(g, instr, marks)
@@ -287,7 +288,7 @@ class _Tiles:
                 g = self.lead if owner is None else owner
                 dests = frozenset(self.legions) if owner is None else frozenset({g.base})
                 view = View("act", s * self.addr["act"], width, 1)
-                src = DramRef(p.a8, m0 * p.K + k0a, p.K)
+                src = DramRef(p.a_pieces[c.a - 1] if c.a else p.a8, m0 * p.K + k0a, p.K)
                 if not (plan.forward and self._forward(key, s, view, mb, width)):
                     self._load("act", owner, s, g, [DmaLoad(g.base, dests, view, src, mb, width)])
                     if plan.forward and self.homes.home(key)[0] is not None:
@@ -358,10 +359,11 @@ class _Tiles:
         base = s * self.addr["wgt"]
         out = []
         for r0, r1, c0, c1 in _rectangles(nz, kc, nb, na):
-            b0, b1 = c0 * bits // 8, c1 * bits // 8
-            out.append(DmaLoad(g.base, frozenset({g.base}), View("wgt", base + r0 * tile_bytes + b0, tile_bytes, 1),
-                               DramRef(tensor, self.p.w_offset + (k0 + r0) * row_bytes + n0 * bits // 8 + b0, row_bytes),
-                               r1 - r0, b1 - b0, lstride=self.lstride(g, bits)))
+            for at, col, n in column_runs(self.p, n0 + c0, c1 - c0):
+                b0, b1 = (c0 + at) * bits // 8, n * bits // 8
+                out.append(DmaLoad(g.base, frozenset({g.base}), View("wgt", base + r0 * tile_bytes + b0, tile_bytes, 1),
+                                   DramRef(tensor, self.p.w_offset + (k0 + r0) * row_bytes + col * bits // 8, row_bytes),
+                                   r1 - r0, b1, lstride=self.lstride(g, bits)))
         return out
 
     def row_scales(self, b: int) -> None:
@@ -550,7 +552,8 @@ def _chunk(st: _Tiles, b: int, t: int, c: Chunk, here: list, acc: dict, first: d
     work = []
     for g in here:
         n0, nb = st.tiles[g][t]
-        for i, (_, mode) in enumerate(p.weights):
+        for i in pieces(p, c):
+            mode = p.weights[i][1]
             nz = chunk_blocks(st.arch, p, i, c, n0, nb) if plan.sparse else None
             reached = reach_blocks(st.arch, p, m0, mb, c, nb, n0) if plan.sparse else None
             nz = _reached(st, nz, reached, g, mb, c, nb)
@@ -583,9 +586,9 @@ def _dead(st: _Tiles, b: int, g: Group, t: int) -> bool:
     """Whether ``g``'s tile ``t`` of row block ``b`` is all dead outputs (a causal QK^T's above
     the diagonal): its MACs are counted for the report, as the vector lanes' causal skips are."""
     (m0, mb), (n0, nb) = st.blocks[b], st.tiles[g][t]
-    if not (st.plan.sparse and dead_tile(st.p, m0, mb, n0)):
+    if not (st.plan.sparse and dead_tile(st.p, m0, mb, n0, nb)):
         return False
-    st.em.skipped["causal_skipped_macs"] += g.count * mb * nb * st.p.K * len(st.p.weights)
+    st.em.skipped["causal_skipped_macs"] += g.count * mb * nb * st.p.K * len(products(st.p))
     return True
 
 
@@ -674,12 +677,13 @@ def _column_vectors(st: _Tiles, g: Group, t: int) -> None:
     s = st.cv_slot[g] = st.cv[g].take(n0)
     base = st.cv_at + s * st.cv_size
     loads = []
-    if p.scales is not None:
-        loads.append(DmaLoad(g.base, frozenset({g.base}), View("vec", base, nb, 1), DramRef(p.scales, p.s_offset + n0, p.n_pad),
-                             p.groups, nb, lstride=st.lstride(g)))
-    if p.bias is not None:
-        loads.append(DmaLoad(g.base, frozenset({g.base}), View("vec", base + p.groups * nb, nb, 1),
-                             DramRef(p.bias, n0, p.n_pad), 1, nb, lstride=st.lstride(g)))
+    for at, col, n in column_runs(p, n0, nb):      # the columns as they lie in DRAM
+        if p.scales is not None:
+            loads.append(DmaLoad(g.base, frozenset({g.base}), View("vec", base + at, nb, 1),
+                                 DramRef(p.scales, p.s_offset + col, p.n_pad), p.groups, n, lstride=st.lstride(g)))
+        if p.bias is not None:
+            loads.append(DmaLoad(g.base, frozenset({g.base}), View("vec", base + p.groups * nb + at, nb, 1),
+                                 DramRef(p.bias, col, p.n_pad), 1, n, lstride=st.lstride(g)))
     st._load("cv", g, s, g, loads)
 
 
@@ -736,7 +740,7 @@ def _end_tile(st: _Tiles, b: int, t: int, g: Group, acc: int, rows: range) -> No
     for seg, j, col, cols in stores(p, st.plan, g.base, n0, nb):
         piece = View(src.space, src.addr + j, src.rs, 1)
         stride = p.o_stride or seg.N
-        store = DmaStore(g.base, DramRef(seg.tensor, p.o_offset + m0 * stride + col, stride), piece, mb, cols,
+        store = DmaStore(g.base, DramRef(seg.tensor, p.o_offset + seg.at + m0 * stride + col, stride), piece, mb, cols,
                          lstride=seg.width if g.count > 1 else None)
         st.deferred[g].append((store, ready, space_slot))
 

@@ -26,10 +26,15 @@ reach a softmax over the keys through nothing but a scalar Mul and an added mask
     s = x / r;  lo = Clip(Round(254 (s - Round(s))), -127, 127);  r_lo = r / 254
 
 so ``x ~ r hi + r_lo lo`` to some 15 bits (``|s - Round(s)| <= 1/2``: 254 of them fit int8), and
-each product becomes three of int8 pieces, summed in fp32 (the integer parts exact, each drained
-with its own scales; lo . lo, 2^-16 of the rest, is left out)::
+each product becomes one of the pieces, three products on the arrays (``qmatmul.TWO_PIECE_TERMS``;
+lo . lo, 2^-16 of the rest, is left out)::
 
-    y = AttnMatMul(a8, ra, b8, rb) + AttnMatMul(alo, ralo, b8, rb) + AttnMatMul(a8, ra, blo, rblo)
+    y = AttnMatMul(a8, ra, b8, rb, alo, blo)
+      = (a8 . b8) ra rb + (alo . b8 + a8 . blo) ra (rb / 254)      # each sum exact in int32
+
+the cross products summed in the accumulators (a's second scale is ra / 254 and b's rb / 254, so
+both take ``ra (rb / 254)``) and drained onto hi . hi in fp32, in the vector scratchpad, not in
+DRAM.
 
 P's second piece is made in its softmax kernel from ``127 e`` as the first is. Q's and K's
 pieces are made as they are quantized (per row, K smoothed), V's in V's own layout, its channel
@@ -110,44 +115,10 @@ def _rewrite(graph: Graph, mm: Node, quantized: dict, approximation: str, pieces
     # quantizes (runtime/reference64.py): the products this pass leaves fp32 are not named.
     attrs["approximation"], attrs["approximated"] = approximation, graph.origins.get(mm.name, mm.outputs[0])
     (a8, ra), (b8, rb) = quantized[a][0], b_pieces[0]
-    # hi . hi, then what each operand's second piece adds (lo . lo left out: 2^-16 of the rest)
-    terms = [((a8, ra), (b8, rb))]
-    if pieces == 2:
-        terms += [(quantized[a][1], (b8, rb)), ((a8, ra), b_pieces[1])]
-    at = graph.nodes.index(mm)
-    if len(terms) == 1:
-        graph.nodes[at] = Node("AttnMatMul", mm.name, [a8, ra, b8, rb], list(mm.outputs), attrs, DLEGION)
-        return
-    shape, parts = graph.values[mm.outputs[0]].shape, []
-    for k, ((x, rx), (y, ry)) in enumerate(terms):
-        out = graph.add_value(f"{mm.outputs[0]}_part{k}", shape, np.float32)
-        parts.append(Node("AttnMatMul", mm.name if k == 0 else graph.fresh(f"{mm.name}_part{k}"), [x, rx, y, ry],
-                          [out], dict(attrs), DLEGION))
-    graph.nodes[at:at + 1] = parts
-    _sum_parts(graph, mm, [p.outputs[0] for p in parts])
-
-
-def _sum_parts(graph: Graph, mm: Node, parts: list[str]) -> None:
-    """Insert the fp32 sum of the products ``parts`` into ``mm``'s output, in order, the Adds
-    one run of row-local nodes: after a Reshape that keeps the last axis and alone reads it
-    (the heads merged again: passes/gqa.py) when there is one, each part reshaped the same way
-    (views), so the sums join the row kernel after it (the scores' scale, mask and softmax)
-    instead of a pass of their own over the scores."""
-    out, user = mm.outputs[0], graph.only_user(mm.outputs[0])
-    if (user is not None and user.op == "Reshape" and not user.domain and out not in graph.outputs
-            and graph.values[user.outputs[0]].shape[-1] == graph.values[out].shape[-1]):
-        at = graph.nodes.index(user)
-        graph.nodes.remove(user)
-        shape = graph.values[user.outputs[0]].shape
-        parts = [_reshape(graph, p, shape, at + k) for k, p in enumerate(parts)]
-        at, out = at + len(parts), user.outputs[0]
-    else:
-        at = graph.nodes.index(graph.producer(parts[-1])) + 1
-    total, shape = parts[0], graph.values[out].shape
-    for k, part in enumerate(parts[1:], 1):
-        summed = out if k == len(parts) - 1 else graph.add_value(f"{out}_sum{k}", shape, np.float32)
-        graph.nodes.insert(at, Node("Add", graph.fresh(f"{mm.name}_sum{k}"), [total, part], [summed]))
-        at, total = at + 1, summed
+    inputs = [a8, ra, b8, rb]
+    if pieces == 2:     # the second pieces (scales: the first's / LOW_STEPS): lo . hi + hi . lo
+        inputs += [quantized[a][1][0], b_pieces[1][0]]
+    graph.nodes[graph.nodes.index(mm)] = Node("AttnMatMul", mm.name, inputs, list(mm.outputs), attrs, DLEGION)
 
 
 def _a_pieces(graph: Graph, a: str, at: int, pieces: int, approximation: str) -> list[tuple[str, str]]:
