@@ -222,6 +222,28 @@ def test_the_rotary_after_the_projections_runs_beside_their_last_block(tmp):
     assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
 
 
+def test_the_keys_rotary_runs_beside_the_last_block_in_a_part_of_vec_of_its_own(tmp):
+    """The key's rotary is a second tail kernel: its rows before the projections' last block are
+    stored in the region of that block, from elements of ``vec`` above those the query's rotary
+    beside it uses, so that the two interleave: the key's first rows are stored before the
+    query's last; its last rows follow in a region of their own."""
+    program = _layer(tmp, True)
+    timeline = simulate(program, EIGHT)
+    tasks, regions = timeline.program.instrs, regions_by_name(timeline.program)
+    name, members = next((n, m) for n, m in regions.items() if n.startswith("model.layers.0.self_attn.q_proj")
+                         and " with model.layers.0.self_attn/Add_36" in n)
+    assert " + model.layers.0.self_attn/Add_43" in name
+    assert any(n.startswith("model.layers.0.self_attn/Add_43") for n in regions)
+    names = [t.name for t in timeline.program.tensors]
+
+    def stores(part):
+        return [k for k in members if isinstance(tasks[k], DmaStore) and part in names[tasks[k].dst.tensor]]
+    query, key = stores("add_36"), stores("add_43")
+    assert query and key
+    assert min(tasks[k].src.addr for k in key) >= max(tasks[k].src.addr + tasks[k].cols for k in query)
+    assert timeline.start[key].min() < timeline.start[query].max()      # not one kernel after the other
+
+
 def _passes_after_next_block_loads(program) -> dict[int, int]:
     """Per int8 tensor the passes read from ``act``: how many passes of its first row block
     (rows below ``SEQ // 2``) come in program order after a load of its second block's rows.

@@ -70,6 +70,11 @@ KERNEL_AHEAD = 3
 # step before it (``_hoisted``; the same stack, its row blocks forwarding with 4 spare activation
 # slots, ``qplan.CHAIN_SPARE_SLOTS``: 0 291,997 cycles, 1 290,582, 2 289,605, 3 288,794, 4 289,093).
 HOISTED_PASSES = 3
+# The share of the part of ``vec`` beside a chain's last matmul block that the second of two
+# tail kernels takes (the key's rotary beside the query's, which needs the rest for blocks of
+# every head's rows: 2B4T layer on dlegion-8x8 at 512, one after the other in the same part
+# 837,472 cycles; 1/5 836,250, 1/4 833,663, 3/10 833,355, 7/20 842,216, 1/2 843,280).
+TAIL_SHARE = (3, 10)
 # The row kernel steps at most merged with the matmul step after them: the kernel of the matmul
 # before's block and the next block of the kernel before the matmul.
 MOST_MERGED = 2
@@ -125,33 +130,52 @@ def _rows(low: Lowering, node: Node) -> int | None:
 
 
 def _tail(low: Lowering, nodes: list[Node], at: int, chain: list[Node], M: int) -> list[Node]:
-    """The views and the row kernel after a chain that ends in a matmul, when the kernel works
-    on the matrices of heads (leading dimensions) of M rows each, reading the matmul's outputs
-    through the views (a query's rotary): its rows before the last block run while the arrays
-    multiply the last block (``lower_chain``). Nothing when there is none."""
+    """The views and row kernels after a chain that ends in a matmul, each kernel working on
+    the matrices of heads (leading dimensions) of M rows each, reading the matmul's outputs
+    through the views (a query's and a key's rotary): their rows before the last block run
+    while the arrays multiply the last block (``lower_chain``). A Concat of a tail kernel's
+    outputs between them (the quantized query's halves) is lowered after the tail, which does
+    not read it. Nothing when there is no such kernel."""
     if (chain[-1].domain, chain[-1].op) != MATMUL:
         return []
-    made, views = set(chain[-1].outputs), []
-    for node in nodes[at:at + MOST_VIEWS + 1]:
-        if node.op in VIEWS and not node.domain:
-            views.append(node)
-            if made & set(node.inputs):
+    made, found, tail, views, kernels = set(chain[-1].outputs), set(), [], 0, 0
+    for node in nodes[at:]:
+        if (node.op in VIEWS or _joins(node, found)) and not node.domain and views < MOST_VIEWS:
+            tail.append(node)
+            views += 1
+            if made & set(node.inputs) and node.op in VIEWS:
                 made |= set(node.outputs)
             continue
-        frame = node.attrs.get("frame") if (node.domain, node.op) == ROWS else None
-        if (frame is None or len(frame.shape) < 3 or math.prod(frame.shape[:-2]) == 1 or frame.shape[-2] != M
-                or _causal(node) or not made & set(node.inputs) or carry.pending(low, node)):
-            return []
-        return views + [node]
-    return []
+        if kernels == MOST_MERGED or not _over_heads(low, node, made, M):
+            break
+        tail.append(node)
+        found |= set(node.outputs)
+        views, kernels = 0, kernels + 1
+    while tail and (tail[-1].domain, tail[-1].op) != ROWS:
+        tail.pop()
+    return tail
 
 
-def _split_tail(chain: list[Node]) -> tuple[list[Node], list[Node], Node | None]:
-    """(the chain proper, the views after it, the row kernel after them) of ``plan``'s nodes."""
-    at = next((k for k, n in enumerate(chain) if n.op in VIEWS and not n.domain), None)
-    if at is None:
-        return chain, [], None
-    return chain[:at], chain[at:-1], chain[-1]
+def _over_heads(low: Lowering, node: Node, made: set, M: int) -> bool:
+    """Whether ``node`` is a row kernel over heads of M rows reading ``made`` (a chain's tail)."""
+    frame = node.attrs.get("frame") if (node.domain, node.op) == ROWS else None
+    return not (frame is None or len(frame.shape) < 3 or math.prod(frame.shape[:-2]) == 1 or frame.shape[-2] != M
+                or _causal(node) or not made & set(node.inputs) or carry.pending(low, node))
+
+
+def _joins(node: Node, made: set) -> bool:
+    """A Concat of outputs of tail kernels only."""
+    return node.op == "Concat" and bool(node.inputs) and set(node.inputs) <= made
+
+
+def _split_tail(chain: list[Node]) -> tuple[list[Node], list[Node], list[Node], list[Node]]:
+    """(the chain proper, the views before its tail kernels, the tail kernels, the Concats of
+    their outputs) of ``plan``'s nodes."""
+    at = next((k for k, n in enumerate(chain) if n.op in VIEWS and not n.domain), len(chain))
+    rest = chain[at:]
+    kernels = [n for n in rest if (n.domain, n.op) == ROWS]
+    joins = [n for n in rest if n.op == "Concat" and not n.domain]
+    return chain[:at], [n for n in rest if n not in kernels and n not in joins], kernels, joins
 
 
 def _causal(node: Node) -> bool:
@@ -211,42 +235,44 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
     followed by a matmul's block that shares nothing with it is interleaved with it: the
     matmul is emitted first, the row kernel in the part of the vector scratchpad the matmul
     leaves, and their instructions are merged, so that the matmul's drains do not wait behind
-    the whole row kernel on the vector queue. A tail (``_tail``: views, then a row kernel over
+    the whole row kernel on the vector queue. A tail (``_tail``: views, then row kernels over
     heads) runs its rows before the last block so beside the matmul's last block, the rest
-    after it; ``lower_node`` lowers its views as the graph would."""
+    after it; ``lower_node`` lowers its views and Concats as the graph would."""
     em, arch = low.em, low.em.arch
-    chain, views, tail = _split_tail(chain)
+    chain, views, tails, joins = _split_tail(chain)
     start, spans, pairs = len(em.instrs), [], {}
     steps, done = list(_order(chain, ranges)), Counter()
     cuts = {n.name: ranges for n in chain}
-    if tail is not None:
+    if tails:
         last = len(steps) - 1
-        steps[last:] = [tail, steps[last]]
-        cuts[tail.name] = [range(0, ranges[-1].start), ranges[-1]]
+        steps[last:] = [*tails, steps[last]]
+        cuts.update({t.name: [range(0, ranges[-1].start), ranges[-1]] for t in tails})
     rooms = _vec_rooms(arch, steps)
     rings: dict = {}                # the slots each matmul block leaves the next (``emit_tiles``)
     gens = {n.name: qmatmul_blocks(low, n, ranges, rooms[n.name], rings) if (n.domain, n.op) == MATMUL else
-            row_kernel_blocks(low, n, cuts[n.name]) for n in [*chain, *([tail] if tail else [])]}
+            row_kernel_blocks(low, n, cuts[n.name]) for n in [*chain, *tails]}
     s = 0
     while s < len(steps):
         node, kernels = steps[s], _kernels_before(low, steps, s)
-        if views and tail in (node, *kernels):
+        if views and any(t is n for t in tails for n in (node, *kernels)):
             _lower_views(low, views, lower_node, spans)
             views = []
         if kernels:
             x = _step(low, steps[s + len(kernels)], gens, spans, done)
             end = _vec_end(em, spans[x]) if x is not None else 0
-            merged = []
-            for kernel in kernels:
+            merged, rooms = [], _kernel_rooms(arch, end, kernels, tails)
+            for kernel, (base, above) in zip(kernels, rooms):
                 # Paired only while each kernel before it was: the merged order keeps theirs.
-                em.reserved["vec"] = end if len(merged) == kernels.index(kernel) else 0
+                em.reserved["vec"] = base if len(merged) == kernels.index(kernel) else 0
+                em.above["vec"] = above if len(merged) == kernels.index(kernel) else 0
                 try:
                     r = _step(low, kernel, gens, spans, done)
                 except CompileError:        # its rows do not fit beside the matmul's: after it
-                    em.reserved["vec"] = 0
+                    em.reserved["vec"] = em.above["vec"] = 0
                     gens[kernel.name] = row_kernel_blocks(low, kernel, cuts[kernel.name][done[kernel.name]:], resumed=True)
                     r = _step(low, kernel, gens, spans, done)
                 used = em.reserved.pop("vec", 0)
+                em.above.pop("vec", 0)
                 if x is not None and r is not None and used:
                     _shift_vec(em, spans[r], used)
                     merged.append(r)
@@ -270,7 +296,7 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
         name = region_name(node) + (" with " + " + ".join(region_name(spans[r][0]) for r in pairs[j]) if j in pairs else "")
         ks = [k - start for k in range(lo, hi) if not isinstance(program.instrs[k - start], Barrier)]
         regions.append((start + min(starts[k] for k in ks), name))
-    if tail is not None:
+    for tail in tails:
         # The tail's last rows, after the barrier: none of the chain's waits need tracking them.
         em.barrier()
         at = len(em.instrs)
@@ -278,6 +304,11 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
         next(gens[tail.name])
         if len(em.instrs) > at:
             regions.append((at, region_name(tail)))
+    for node in joins:              # nothing in the chain read them
+        problems = []
+        lower_node(low, node, problems, regions)
+        if problems:
+            raise ValueError(f"node '{node.name}' after a chain's tail: {problems[0][2]}")
     for gen in gens.values():
         for _ in gen:
             raise AssertionError("a chain node has more row blocks than the chain")
@@ -308,6 +339,18 @@ def _vec_rooms(arch: Arch, steps: list[Node]) -> dict[str, int]:
             if node.name in rooms and left < rooms[node.name]:
                 rooms[node.name] = max(left, vec // LEAST_VEC_SHARE)
     return rooms
+
+
+def _kernel_rooms(arch: Arch, end: int, kernels: list[Node], tails: list[Node]) -> list[tuple[int, int]]:
+    """(the first element of ``vec`` each kernel merged with a matmul step may take, the elements
+    it leaves at the end): all from ``end`` on; for a chain's two tail kernels, the second a
+    share of it (``TAIL_SHARE``), so that they touch nothing in common and their instructions
+    interleave (``_merged``): the loads of one cross DRAM while the vector unit computes the other."""
+    if len(kernels) != 2 or not all(any(k is t for t in tails) for k in kernels):
+        return [(end, 0)] * len(kernels)
+    share, of = TAIL_SHARE
+    second = (arch.derived.spad_elems["vec"] - end) * share // of
+    return [(end, second), (arch.derived.spad_elems["vec"] - second, 0)]
 
 
 def _rows_before(steps: list[Node], at: int) -> list[Node]:
@@ -407,11 +450,20 @@ def _merged(program: Program, arch: Arch, spans: list, pairs: dict, start: int) 
             continue
         mine = own(span)
         if j in pairs:
-            other = [k for r in pairs[j] for k in own(spans[r])]
+            other = _interleaved(program, [own(spans[r]) for r in pairs[j]])
             steps.append(_before_last_passes(program, mine, other) if _apart(program, mine, other) else mine + other)
         else:
             steps.append(mine)
     return [k for step in _hoisted(program, arch, steps) for k in step]
+
+
+def _interleaved(program: Program, kernels: list[list[int]]) -> list[int]:
+    """The instructions of the kernels merged with one matmul step: spread evenly among each
+    other where they touch nothing in common (``_kernel_rooms``), else one kernel after another."""
+    out = kernels[0]
+    for kernel in kernels[1:]:
+        out = _even(out, kernel) if _apart(program, out, kernel) else out + kernel
+    return out
 
 
 def _before_last_passes(program: Program, mine: list[int], kernel: list[int]) -> list[int]:
