@@ -226,14 +226,15 @@ def test_the_keys_rotary_runs_beside_the_last_block_in_a_part_of_vec_of_its_own(
     """The key's rotary is a second tail kernel: its rows before the projections' last block are
     stored in the region of that block, from elements of ``vec`` above those the query's rotary
     beside it uses, so that the two interleave: the key's first rows are stored before the
-    query's last; its last rows follow in a region of their own."""
+    query's last; the last rows of both follow side by side, in one region."""
     program = _layer(tmp, True)
     timeline = simulate(program, EIGHT)
     tasks, regions = timeline.program.instrs, regions_by_name(timeline.program)
     name, members = next((n, m) for n, m in regions.items() if n.startswith("model.layers.0.self_attn.q_proj")
                          and " with model.layers.0.self_attn/Add_36" in n)
     assert " + model.layers.0.self_attn/Add_43" in name
-    assert any(n.startswith("model.layers.0.self_attn/Add_43") for n in regions)
+    assert any(n.startswith("model.layers.0.self_attn/Add_36") and " with model.layers.0.self_attn/Add_43" in n
+               for n in regions)
     names = [t.name for t in timeline.program.tensors]
 
     def stores(part):

@@ -282,6 +282,7 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
         else:
             _step(low, node, gens, spans, done)
             s += 1
+    tails = _last_rows_beside(low, tails, gens, cuts, spans, done, pairs)
     program = Program(arch.name, list(em.tensors), em.instrs[start:])
 
     def make(program):
@@ -312,6 +313,33 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
     for gen in gens.values():
         for _ in gen:
             raise AssertionError("a chain node has more row blocks than the chain")
+
+
+def _last_rows_beside(low: Lowering, tails: list[Node], gens: dict, cuts: dict, spans: list, done: Counter,
+                      pairs: dict) -> list[Node]:
+    """The last rows of a chain's two tail kernels as one step of the chain, each in its part
+    of ``vec`` (``_kernel_rooms``), their instructions interleaved (``_merged``): the key's
+    rotary loads while the vector unit computes the query's. Returns the tails left to emit
+    after the chain: all of them when there is one, those whose rows do not fit their part."""
+    em = low.em
+    if len(tails) != 2:
+        return tails
+    made = []
+    for k, (tail, (base, above)) in enumerate(zip(tails, _kernel_rooms(em.arch, 0, tails, tails))):
+        em.reserved["vec"], em.above["vec"] = base, above
+        try:
+            made.append(_step(low, tail, gens, spans, done))
+        except CompileError:        # nothing emitted: its rows, whole, after the chain
+            gens[tail.name] = row_kernel_blocks(low, tail, cuts[tail.name][done[tail.name]:], resumed=True)
+            return tails[k:]
+        finally:
+            em.reserved.pop("vec", 0)
+            em.above.pop("vec", 0)
+        if made[-1] is not None and base:
+            _shift_vec(em, spans[made[-1]], base)
+    if None not in made:
+        pairs[made[0]] = (made[1],)
+    return []
 
 
 def _lower_views(low: Lowering, views: list[Node], lower_node, spans: list) -> None:
