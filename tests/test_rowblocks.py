@@ -11,7 +11,7 @@ import pytest
 
 from isa import arch
 from isa.instructions import Barrier, DmaLoad, DmaStore, MatMul, NocMove, VBinary, VReduce, VUnary
-from dlegion_cc.lower.rowblocks import FEWEST_ROWS, split
+from dlegion_cc.lower.rowblocks import FEWEST_ROWS, _with_tails, split
 from dlegion_cc.pipeline import Options, compile_model
 from models.bitnet import BitLinear, build_bitnet, preset, save
 from models.decoder import relu2
@@ -243,6 +243,14 @@ def test_the_keys_rotary_runs_beside_the_last_block_in_a_part_of_vec_of_its_own(
     assert query and key
     assert min(tasks[k].src.addr for k in key) >= max(tasks[k].src.addr + tasks[k].cols for k in query)
     assert timeline.start[key].min() < timeline.start[query].max()      # not one kernel after the other
+
+
+def test_a_tail_takes_a_block_of_rows_before_each_block_of_the_last_matmul_but_the_first():
+    """The norm's blocks R, the projections' blocks M, the tails Q and K: each block's rows of
+    the tails go with the next matmul block (after the norm's block merged with it)."""
+    R, M, Q, K = "R", "M", "Q", "K"
+    steps = [R, R, M, R, M, R, M, M]
+    assert _with_tails(steps, M, [Q, K]) == [R, R, M, R, Q, K, M, R, Q, K, M, Q, K, M]
 
 
 def _passes_after_next_block_loads(program) -> dict[int, int]:
