@@ -21,7 +21,9 @@ prints the layer region by region (below).
 ``--stack`` (default sequence 256): the layer's six BitLinear projections without attention,
 Q/K/V on the quantized input, gate/up on the quantized Q, down on the quantized
 ReLU(gate)^2 * up, against the roofline of their matmuls in w2 (target: at most 1.12x), as
-compiled by default and with ``--overlap``.
+compiled by default and with ``--overlap``, with the busiest Legion's array cycles. With
+``--no-row-blocks`` also the same programs with their row kernels (the quantizations between the
+matmuls) cut to one element each: what hiding the quantizations entirely would leave.
 
 ``--kernels``: each region of the layer (a matmul node, a fused row kernel, a copy) with its
 cycles (first start to last completion), its busiest Legion's vector queue, its vector roofline
@@ -36,6 +38,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from dataclasses import fields, replace
 from pathlib import Path
 
 import click
@@ -47,7 +50,7 @@ import onnx                                                   # noqa: E402
 
 from isa import arch as arch_mod                               # noqa: E402
 from isa.arch import MODE_TILES                               # noqa: E402
-from isa.instructions import family                           # noqa: E402
+from isa.instructions import MatMul, family                   # noqa: E402
 from dlegion_cc.pipeline import Options, compile_model        # noqa: E402
 from dlegion_cc.passes.attention import MODES as ATTENTION_MODES  # noqa: E402
 from models.bitnet import BitLinear, build_bitnet, preset, save  # noqa: E402
@@ -151,11 +154,37 @@ def _stack(seq: int, machine, prefetch: bool, row_blocks: bool = True) -> None:
         runs = {ov: compile_model(path, Options(machine, prefetch=prefetch, overlap=ov,
                                                              row_blocks=row_blocks)) for ov in (True, False)}
     roofline = bound(runs[False][0], machine)["matmul"]
-    cycles = {ov: simulate(program, machine).cycles for ov, (_, program) in runs.items()}
+    timelines = {ov: simulate(program, machine) for ov, (_, program) in runs.items()}
+    cycles = {ov: t.cycles for ov, t in timelines.items()}
+    arrays = _arrays_busy(timelines[False])
     print(f"2B4T BitLinear stack (Q, K, V, gate, up, down with absmax quantization, ReLU^2), sequence {seq}, "
-          f"{machine.name}: {cycles[False]:,} cycles, {cycles[False] / roofline:.2f}x its matmul roofline of "
-          f"{roofline:,.0f} (target <= {STACK_TARGET}x); with --overlap: {cycles[True]:,} cycles, "
-          f"{cycles[True] / roofline:.2f}x")
+          f"{machine.name}: {len(runs[False][1].instrs):,} instructions, {cycles[False]:,} cycles, "
+          f"{cycles[False] / roofline:.3f}x its matmul roofline of {roofline:,.0f} (target <= {STACK_TARGET}x), "
+          f"the busiest Legion's arrays busy {arrays:,} ({arrays / roofline:.3f}x); "
+          f"with --overlap: {cycles[True]:,} cycles, {cycles[True] / roofline:.3f}x")
+    if not row_blocks:
+        free = {ov: simulate(_without_row_kernels(program), machine).cycles for ov, (_, program) in runs.items()}
+        print(f"  its row kernels cut to one element each (their waits and DRAM round trips stay, their work "
+              f"goes): {free[False]:,} cycles, {free[False] / roofline:.3f}x; with --overlap: {free[True]:,} "
+              f"cycles, {free[True] / roofline:.3f}x")
+
+
+def _without_row_kernels(program):
+    """``program`` with every instruction of its regions without passes (the row kernels between
+    the matmuls) cut to one row of one element: what hiding their work entirely would leave."""
+    instrs = list(program.instrs)
+    for members in regions_by_name(program).values():
+        if any(isinstance(instrs[k], MatMul) for k in members):
+            continue
+        for k in members:
+            if {"rows", "cols"} <= {f.name for f in fields(instrs[k])}:
+                instrs[k] = replace(instrs[k], rows=1, cols=1)
+    return replace(program, instrs=instrs)
+
+
+def _arrays_busy(timeline) -> int:
+    """The cycles the busiest Legion's arrays pass (the rest of the program they idle)."""
+    return max((c for (_, queue), c in timeline.busy.items() if queue == "mat"), default=0)
 
 
 @click.command()

@@ -365,3 +365,25 @@ def test_a_matmul_block_runs_beside_two_row_kernels_and_computes_the_same(tmp):
     inputs = random_inputs(plain, 0)
     got, want = run(program, EIGHT, inputs).outputs, run(plain, EIGHT, inputs).outputs   # race-checked
     assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_a_merged_row_kernel_starts_after_the_first_passes_of_its_matmul_step():
+    """A row kernel merged with a matmul step is spread over it from its pass KERNEL_BEHIND to
+    before its last KERNEL_AHEAD passes: its first loads, which wait for the step before's last
+    stores, then do not hold the step's first loads back in the in-order DMA queue. A step with
+    too few passes takes it from its start."""
+    from types import SimpleNamespace
+    from dlegion_cc.lower import rowblocks
+    behind, ahead = rowblocks.KERNEL_BEHIND, rowblocks.KERNEL_AHEAD
+
+    def merged(passes: int) -> tuple[list, list[int]]:
+        instrs = [object.__new__(MatMul) if k % 2 else object() for k in range(2 * passes)]  # a load, a pass
+        kernel = list(range(2 * passes, 2 * passes + 5))
+        order = rowblocks._before_last_passes(SimpleNamespace(instrs=instrs), list(range(2 * passes)), kernel)
+        return order, [order.index(k) for k in kernel]
+
+    order, at = merged(behind + ahead + 4)
+    assert sorted(order) == list(range(len(order)))
+    assert min(at) > order.index(2 * behind + 1) and max(at) < order.index(2 * (behind + 4) + 1)
+    order, at = merged(behind + ahead)
+    assert min(at) < order.index(5)

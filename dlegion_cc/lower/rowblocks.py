@@ -66,6 +66,12 @@ FEWEST_ROWS = 128
 # A row kernel merged with a matmul step ends before the step's last this many passes (2B4T
 # BitLinear stack at 256 on dlegion-8x8: 2 passes 291,747 cycles, 3 291,186, 4 291,170).
 KERNEL_AHEAD = 3
+# A row kernel merged with a matmul step starts at the step's pass this many passes in (from
+# 0): its first loads read the rows the step before stores last, after its last drain, and in
+# the in-order DMA queue ahead of the step's own first loads they held those back, the arrays
+# idle (2B4T BitLinear stack at 256 on dlegion-8x8: 0 288,547 cycles, 4 287,002, 7 286,172,
+# 8 286,082, 9 286,384, 24 285,770; the layer at 128 240,715 -> 233,516 with 8, 245,983 with 24).
+KERNEL_BEHIND = 8
 # A step's loads for its first passes up to this one (from 0) go ahead of the last pass of the
 # step before it (``_hoisted``; the same stack, its row blocks forwarding with 4 spare activation
 # slots, ``qplan.CHAIN_SPARE_SLOTS``: 0 291,997 cycles, 1 290,582, 2 289,605, 3 288,794, 4 289,093).
@@ -514,13 +520,16 @@ def _interleaved(program: Program, kernels: list[list[int]]) -> list[int]:
 
 
 def _before_last_passes(program: Program, mine: list[int], kernel: list[int]) -> list[int]:
-    """``kernel`` spread evenly over the matmul step ``mine`` up to its last ``KERNEL_AHEAD``
-    passes (all but its first pass, when it has fewer), so that its last rows are stored while the arrays still multiply and the next
-    step's loads of them can go ahead of this step's last pass (``_hoisted``)."""
+    """``kernel`` spread evenly over the matmul step ``mine`` from its pass ``KERNEL_BEHIND``
+    (from its start, when it has too few) up to its last ``KERNEL_AHEAD`` passes (all but its
+    first pass, when it has fewer), so that its last rows are stored while the arrays still
+    multiply and the next step's loads of them can go ahead of this step's last pass
+    (``_hoisted``)."""
     passes = [n for n, k in enumerate(mine) if isinstance(program.instrs[k], MatMul)]
     ahead = min(KERNEL_AHEAD, len(passes) - 1)      # the first pass runs beside it, at least
     cut = passes[-ahead] if ahead > 0 else len(mine)
-    return _even(mine[:cut], kernel) + mine[cut:]
+    lead = passes[KERNEL_BEHIND] if KERNEL_BEHIND < len(passes) - max(ahead, 1) else 0
+    return mine[:lead] + _even(mine[lead:cut], kernel) + mine[cut:]
 
 
 def _hoisted(program: Program, arch: Arch, steps: list[list[int]]) -> list[list[int]]:
