@@ -11,7 +11,8 @@ import pytest
 
 from isa import arch
 from isa.instructions import Barrier, DmaLoad, DmaStore, MatMul, NocMove, VBinary, VReduce, VUnary
-from dlegion_cc.lower.rowblocks import FEWEST_ROWS, _with_tails, split
+from dlegion_cc.lower.rowblocks import FEWEST_ROWS, split
+from dlegion_cc.lower.tails import with_tails
 from dlegion_cc.pipeline import Options, compile_model
 from models.bitnet import BitLinear, build_bitnet, preset, save
 from models.decoder import relu2
@@ -250,7 +251,7 @@ def test_a_tail_takes_a_block_of_rows_before_each_block_of_the_last_matmul_but_t
     the tails go with the next matmul block (after the norm's block merged with it)."""
     R, M, Q, K = "R", "M", "Q", "K"
     steps = [R, R, M, R, M, R, M, M]
-    assert _with_tails(steps, M, [Q, K]) == [R, R, M, R, Q, K, M, R, Q, K, M, Q, K, M]
+    assert with_tails(steps, M, [Q, K]) == [R, R, M, R, Q, K, M, R, Q, K, M, Q, K, M]
 
 
 def _passes_after_next_block_loads(program) -> dict[int, int]:

@@ -35,15 +35,15 @@ from isa.fields import View
 from isa.instructions import Barrier, MatMul, Wait
 from isa.program import Program
 from dlegion_cc.errors import CompileError
-from dlegion_cc.ir import DLEGION, Node
+from dlegion_cc.ir import Node
 from dlegion_cc.lower import carry
 from dlegion_cc.lower.context import Lowering
 from dlegion_cc.lower.fused import row_kernel_blocks, row_kernel_width
 from dlegion_cc.lower.layout import whole
 from dlegion_cc.lower.overlap import _Rewrite, _span, _targets, accesses, footprint, reused
 from dlegion_cc.lower.qmatmul import mode_for, pick_mode, qmatmul_blocks
+from dlegion_cc.lower.tails import MATMUL, ROWS, causal, kernel_rooms, split_tail, tail_of, with_tails
 
-MATMUL, ROWS = (DLEGION, "QMatMul"), (DLEGION, "RowKernel")
 MOST_BLOCKS = 4
 # The matmuls of a chain plan in the first 1 / VEC_SHARE of ``vec``; the row kernels
 # interleaved with them run in the rest.
@@ -54,9 +54,6 @@ VEC_SHARE = 2
 # sequence 512 on dlegion-8x8: ReLU^2 * up needs 27,650 elements of 32,768, the gate/up
 # matmul's drains took 8,640).
 LEAST_VEC_SHARE = 8
-# Ops between a chain and the row kernel of its tail (``_tail``): views, which emit nothing.
-VIEWS = ("Reshape", "Transpose", "Slice", "Unsqueeze", "Squeeze", "Identity")
-MOST_VIEWS = 16
 # The fewest rows of a block: below, each block's fill, drain and DRAM round trips cost more
 # than the vector work hidden (2B4T layer at sequence 128 on dlegion-8x8, in blocks of 64 rows:
 # 282,391 cycles instead of 269,811; at 256 the cost model took blocks of 64: 409,544 -> 471,628).
@@ -76,17 +73,10 @@ KERNEL_BEHIND = 8
 # step before it (``_hoisted``; the same stack, its row blocks forwarding with 4 spare activation
 # slots, ``qplan.CHAIN_SPARE_SLOTS``: 0 291,997 cycles, 1 290,582, 2 289,605, 3 288,794, 4 289,093).
 HOISTED_PASSES = 3
-# The share of the part of ``vec`` beside a chain's last matmul block that the second of two
-# tail kernels takes (the key's rotary beside the query's, which needs the rest for blocks of
-# every head's rows: 2B4T layer on dlegion-8x8 at 512, one after the other in the same part
-# 837,472 cycles; 1/5 836,250, 1/4 833,663, 3/10 833,355, 7/20 842,216, 1/2 843,280).
-TAIL_SHARE = (3, 10)
 # The row kernel steps at most merged with the matmul step after them: the kernel of the matmul
 # before's block and the next block of the kernel before the matmul, or that one and the block
 # before of a chain's tail kernels.
 MOST_MERGED = 3
-# The row kernels at most in a chain's tail (the query's and the key's rotary).
-MOST_TAILS = 2
 
 
 def plan(low: Lowering, nodes: list[Node], at: int) -> tuple[list[Node], list[range]]:
@@ -97,7 +87,7 @@ def plan(low: Lowering, nodes: list[Node], at: int) -> tuple[list[Node], list[ra
         return [], []
     arch, M = low.em.arch, _rows(low, chain[0])
     count = blocks(arch, chain, M)
-    return (chain + _tail(low, nodes, at + len(chain), chain, M), split(M, count, arch.array)) if count > 1 else ([], [])
+    return (chain + tail_of(low, nodes, at + len(chain), chain, M), split(M, count, arch.array)) if count > 1 else ([], [])
 
 
 def chain_at(low: Lowering, nodes: list[Node], at: int) -> list[Node]:
@@ -130,65 +120,12 @@ def _rows(low: Lowering, node: Node) -> int | None:
         return rows if all(math.prod(low.shape(o)[:-1]) == rows for o in node.outputs) else None
     if key == ROWS:
         frame = node.attrs["frame"]
-        if len(frame.shape) < 2 or math.prod(frame.shape[:-2]) != 1 or _causal(node):
+        if len(frame.shape) < 2 or math.prod(frame.shape[:-2]) != 1 or causal(node):
             return None
         if any(_frame_rows(node, n) not in (None, frame.shape[-2]) for n in node.inputs + node.outputs):
             return None
         return frame.shape[-2]
     return None
-
-
-def _tail(low: Lowering, nodes: list[Node], at: int, chain: list[Node], M: int) -> list[Node]:
-    """The views and row kernels after a chain that ends in a matmul, each kernel working on
-    the matrices of heads (leading dimensions) of M rows each, reading the matmul's outputs
-    through the views (a query's and a key's rotary): their rows before the last block run
-    while the arrays multiply the last block (``lower_chain``). A Concat of a tail kernel's
-    outputs between them (the quantized query's halves) is lowered after the tail, which does
-    not read it. Nothing when there is no such kernel."""
-    if (chain[-1].domain, chain[-1].op) != MATMUL:
-        return []
-    made, found, tail, views, kernels = set(chain[-1].outputs), set(), [], 0, 0
-    for node in nodes[at:]:
-        if (node.op in VIEWS or _joins(node, found)) and not node.domain and views < MOST_VIEWS:
-            tail.append(node)
-            views += 1
-            if made & set(node.inputs) and node.op in VIEWS:
-                made |= set(node.outputs)
-            continue
-        if kernels == MOST_TAILS or not _over_heads(low, node, made, M):
-            break
-        tail.append(node)
-        found |= set(node.outputs)
-        views, kernels = 0, kernels + 1
-    while tail and (tail[-1].domain, tail[-1].op) != ROWS:
-        tail.pop()
-    return tail
-
-
-def _over_heads(low: Lowering, node: Node, made: set, M: int) -> bool:
-    """Whether ``node`` is a row kernel over heads of M rows reading ``made`` (a chain's tail)."""
-    frame = node.attrs.get("frame") if (node.domain, node.op) == ROWS else None
-    return not (frame is None or len(frame.shape) < 3 or math.prod(frame.shape[:-2]) == 1 or frame.shape[-2] != M
-                or _causal(node) or not made & set(node.inputs) or carry.pending(low, node))
-
-
-def _joins(node: Node, made: set) -> bool:
-    """A Concat of outputs of tail kernels only."""
-    return node.op == "Concat" and bool(node.inputs) and set(node.inputs) <= made
-
-
-def _split_tail(chain: list[Node]) -> tuple[list[Node], list[Node], list[Node], list[Node]]:
-    """(the chain proper, the views before its tail kernels, the tail kernels, the Concats of
-    their outputs) of ``plan``'s nodes."""
-    at = next((k for k, n in enumerate(chain) if n.op in VIEWS and not n.domain), len(chain))
-    rest = chain[at:]
-    kernels = [n for n in rest if (n.domain, n.op) == ROWS]
-    joins = [n for n in rest if n.op == "Concat" and not n.domain]
-    return chain[:at], [n for n in rest if n not in kernels and n not in joins], kernels, joins
-
-
-def _causal(node: Node) -> bool:
-    return any(n.op in ("Softmax", "Trilu") or "reach" in n.attrs for n in node.attrs["nodes"])
 
 
 def _frame_rows(node: Node, name: str) -> int | None:
@@ -244,16 +181,16 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
     followed by a matmul's block that shares nothing with it is interleaved with it: the
     matmul is emitted first, the row kernel in the part of the vector scratchpad the matmul
     leaves, and their instructions are merged, so that the matmul's drains do not wait behind
-    the whole row kernel on the vector queue. A tail (``_tail``: views, then row kernels over
+    the whole row kernel on the vector queue. A tail (``tails.tail_of``: views, then row kernels over
     heads) runs its rows before the last block so beside the matmul's last block, the rest
     after it; ``lower_node`` lowers its views and Concats as the graph would."""
     em, arch = low.em, low.em.arch
-    chain, views, tails, joins = _split_tail(chain)
+    chain, views, tails, joins = split_tail(chain)
     start, spans, pairs = len(em.instrs), [], {}
     steps, done = list(_order(chain, ranges)), Counter()
     cuts = {n.name: ranges for n in chain}
     if tails:
-        steps = _with_tails(steps, chain[-1], tails)
+        steps = with_tails(steps, chain[-1], tails)
         cuts.update({t.name: ranges for t in tails})
     rooms = _vec_rooms(arch, steps)
     rings: dict = {}                # the slots each matmul block leaves the next (``emit_tiles``)
@@ -268,7 +205,7 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
         if kernels:
             x = _step(low, steps[s + len(kernels)], gens, spans, done)
             end = _vec_end(em, spans[x]) if x is not None else 0
-            merged, rooms = [], _kernel_rooms(arch, end, kernels, tails)
+            merged, rooms = [], kernel_rooms(arch, end, kernels, tails)
             for kernel, (base, above) in zip(kernels, rooms):
                 # Paired only while each kernel before it was: the merged order keeps theirs.
                 em.reserved["vec"] = base if len(merged) == kernels.index(kernel) else 0
@@ -326,14 +263,14 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
 def _last_rows_beside(low: Lowering, tails: list[Node], gens: dict, cuts: dict, spans: list, done: Counter,
                       pairs: dict) -> list[Node]:
     """The last rows of a chain's two tail kernels as one step of the chain, each in its part
-    of ``vec`` (``_kernel_rooms``), their instructions interleaved (``_merged``): the key's
+    of ``vec`` (``tails.kernel_rooms``), their instructions interleaved (``_merged``): the key's
     rotary loads while the vector unit computes the query's. Returns the tails left to emit
     after the chain: all of them when there is one, those whose rows do not fit their part."""
     em = low.em
     if len(tails) != 2:
         return tails
     made = []
-    for k, (tail, (base, above)) in enumerate(zip(tails, _kernel_rooms(em.arch, 0, tails, tails))):
+    for k, (tail, (base, above)) in enumerate(zip(tails, kernel_rooms(em.arch, 0, tails, tails))):
         em.reserved["vec"], em.above["vec"] = base, above
         try:
             made.append(_step(low, tail, gens, spans, done))
@@ -375,35 +312,6 @@ def _vec_rooms(arch: Arch, steps: list[Node]) -> dict[str, int]:
             if node.name in rooms and left < rooms[node.name]:
                 rooms[node.name] = max(left, vec // LEAST_VEC_SHARE)
     return rooms
-
-
-def _kernel_rooms(arch: Arch, end: int, kernels: list[Node], tails: list[Node]) -> list[tuple[int, int]]:
-    """(the first element of ``vec`` each kernel merged with a matmul step may take, the elements
-    it leaves at the end): all from ``end`` on; the second of a chain's two tail kernels, a share
-    of it (``TAIL_SHARE``) at the end, which the others leave it, so that it touches nothing they
-    do and their instructions interleave (``_merged``): the loads of the key's rotary cross DRAM
-    while the vector unit computes the query's."""
-    vec = arch.derived.spad_elems["vec"]
-    if len(tails) != 2 or len(kernels) < 2 or not any(k is tails[1] for k in kernels):
-        return [(end, 0)] * len(kernels)
-    share, of = TAIL_SHARE
-    second = (vec - end) * share // of
-    return [(vec - second, 0) if k is tails[1] else (end, second) for k in kernels]
-
-
-def _with_tails(steps: list[Node], matmul: Node, tails: list[Node]) -> list[Node]:
-    """``steps`` with a step of each tail kernel right before each block of the chain's last
-    matmul but its first, so merged with it (``_kernels_before``): the tail's rows of a block
-    are computed while the arrays multiply the next block, not all but the last block's rows
-    beside the last block alone (2B4T layer on dlegion-8x8 at 512: 829,648 -> 827,511 cycles);
-    the last block's rows follow the chain (``_last_rows_beside``)."""
-    first = min(k for k, n in enumerate(steps) if n is matmul)
-    out = []
-    for k, node in enumerate(steps):
-        if node is matmul and k != first:
-            out.extend(tails)
-        out.append(node)
-    return out
 
 
 def _rows_before(steps: list[Node], at: int) -> list[Node]:
@@ -512,7 +420,7 @@ def _merged(program: Program, arch: Arch, spans: list, pairs: dict, start: int) 
 
 def _interleaved(program: Program, kernels: list[list[int]]) -> list[int]:
     """The instructions of the kernels merged with one matmul step: spread evenly among each
-    other where they touch nothing in common (``_kernel_rooms``), else one kernel after another."""
+    other where they touch nothing in common (``tails.kernel_rooms``), else one kernel after another."""
     out = kernels[0]
     for kernel in kernels[1:]:
         out = _even(out, kernel) if _apart(program, out, kernel) else out + kernel
