@@ -12,6 +12,7 @@ import pytest
 from isa import arch
 from isa.instructions import Barrier, DmaLoad, DmaStore, MatMul, NocMove, VBinary, VReduce, VUnary
 from dlegion_cc.lower.rowblocks import FEWEST_ROWS, split
+from dlegion_cc.lower.tails import with_tails
 from dlegion_cc.pipeline import Options, compile_model
 from models.bitnet import BitLinear, build_bitnet, preset, save
 from models.decoder import relu2
@@ -220,6 +221,37 @@ def test_the_rotary_after_the_projections_runs_beside_their_last_block(tmp):
     inputs = random_inputs(plain, 0)
     got, want = run(program, EIGHT, inputs).outputs, run(plain, EIGHT, inputs).outputs
     assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_the_keys_rotary_runs_beside_the_last_block_in_a_part_of_vec_of_its_own(tmp):
+    """The key's rotary is a second tail kernel: its rows before the projections' last block are
+    stored in the region of that block, from elements of ``vec`` above those the query's rotary
+    beside it uses, so that the two interleave: the key's first rows are stored before the
+    query's last; the last rows of both follow side by side, in one region."""
+    program = _layer(tmp, True)
+    timeline = simulate(program, EIGHT)
+    tasks, regions = timeline.program.instrs, regions_by_name(timeline.program)
+    name, members = next((n, m) for n, m in regions.items() if n.startswith("model.layers.0.self_attn.q_proj")
+                         and " with model.layers.0.self_attn/Add_36" in n)
+    assert " + model.layers.0.self_attn/Add_43" in name
+    assert any(n.startswith("model.layers.0.self_attn/Add_36") and " with model.layers.0.self_attn/Add_43" in n
+               for n in regions)
+    names = [t.name for t in timeline.program.tensors]
+
+    def stores(part):
+        return [k for k in members if isinstance(tasks[k], DmaStore) and part in names[tasks[k].dst.tensor]]
+    query, key = stores("add_36"), stores("add_43")
+    assert query and key
+    assert min(tasks[k].src.addr for k in key) >= max(tasks[k].src.addr + tasks[k].cols for k in query)
+    assert timeline.start[key].min() < timeline.start[query].max()      # not one kernel after the other
+
+
+def test_a_tail_takes_a_block_of_rows_before_each_block_of_the_last_matmul_but_the_first():
+    """The norm's blocks R, the projections' blocks M, the tails Q and K: each block's rows of
+    the tails go with the next matmul block (after the norm's block merged with it)."""
+    R, M, Q, K = "R", "M", "Q", "K"
+    steps = [R, R, M, R, M, R, M, M]
+    assert with_tails(steps, M, [Q, K]) == [R, R, M, R, Q, K, M, R, Q, K, M, Q, K, M]
 
 
 def _passes_after_next_block_loads(program) -> dict[int, int]:

@@ -73,6 +73,7 @@ class Emitter:
     issued: dict = field(default_factory=dict)          # queue -> instructions issued on it
     pending: dict = field(default_factory=dict)         # queue -> (source, its count then, across)
     reserved: dict = field(default_factory=dict)        # space -> elements from 0 kept for another kernel
+    above: dict = field(default_factory=dict)           # space -> elements at its end kept for another kernel
     turn: int = 0                                       # round-robin position over Legions
     span: tuple[int, int] = (0, 1)                      # (base Legion, Legions) of what is emitted
     skipped: Counter = field(default_factory=Counter)   # work left out, by kind (Program.skipped)
@@ -208,7 +209,7 @@ class Emitter:
     # --- scratchpads ------------------------------------------------------------------------
     def capacity(self, space: str) -> int:
         """Elements of ``space`` a kernel may use (less what ``reserved`` keeps for another)."""
-        return self.arch.derived.spad_elems[space] - self.reserved.get(space, 0)
+        return self.arch.derived.spad_elems[space] - self.reserved.get(space, 0) - self.above.get(space, 0)
 
     @staticmethod
     def extent() -> int:

@@ -507,7 +507,6 @@ def _emit_problem(st: _Tiles) -> None:
         here = [g for g in st.groups if t < len(st.tiles[g]) and not _dead(st, b, g, t)]
         if not here:
             continue
-        st.row_scales(b)
         for g in here:
             _column_vectors(st, g, t)
         for u, unit in enumerate(st.units):
@@ -515,6 +514,13 @@ def _emit_problem(st: _Tiles) -> None:
             first = {g: True for g in here}
             for c in in_order(unit, backwards):
                 _chunk(st, b, t, c, here, acc, first)
+            if u == 0:
+                # The drains' row scales after the first unit's loads, not before them: a
+                # multicast into every Legion's vec waits for every vector unit, and the loads
+                # behind it in the in-order DMA queue with it (2B4T layer on dlegion-8x8: at 512
+                # 833,355 -> 831,753 cycles, at 128 239,920 -> 238,806; its BitLinear stack at 256
+                # 288,547 -> 288,462).
+                st.row_scales(b)
             for g in here:
                 _finish_unit(st, b, t, u, g, acc[g], first[g], unit)
         for g in here:

@@ -35,15 +35,15 @@ from isa.fields import View
 from isa.instructions import Barrier, MatMul, Wait
 from isa.program import Program
 from dlegion_cc.errors import CompileError
-from dlegion_cc.ir import DLEGION, Node
+from dlegion_cc.ir import Node
 from dlegion_cc.lower import carry
 from dlegion_cc.lower.context import Lowering
 from dlegion_cc.lower.fused import row_kernel_blocks, row_kernel_width
 from dlegion_cc.lower.layout import whole
 from dlegion_cc.lower.overlap import _Rewrite, _span, _targets, accesses, footprint, reused
 from dlegion_cc.lower.qmatmul import mode_for, pick_mode, qmatmul_blocks
+from dlegion_cc.lower.tails import MATMUL, ROWS, causal, kernel_rooms, split_tail, tail_of, with_tails
 
-MATMUL, ROWS = (DLEGION, "QMatMul"), (DLEGION, "RowKernel")
 MOST_BLOCKS = 4
 # The matmuls of a chain plan in the first 1 / VEC_SHARE of ``vec``; the row kernels
 # interleaved with them run in the rest.
@@ -54,9 +54,6 @@ VEC_SHARE = 2
 # sequence 512 on dlegion-8x8: ReLU^2 * up needs 27,650 elements of 32,768, the gate/up
 # matmul's drains took 8,640).
 LEAST_VEC_SHARE = 8
-# Ops between a chain and the row kernel of its tail (``_tail``): views, which emit nothing.
-VIEWS = ("Reshape", "Transpose", "Slice", "Unsqueeze", "Squeeze", "Identity")
-MOST_VIEWS = 16
 # The fewest rows of a block: below, each block's fill, drain and DRAM round trips cost more
 # than the vector work hidden (2B4T layer at sequence 128 on dlegion-8x8, in blocks of 64 rows:
 # 282,391 cycles instead of 269,811; at 256 the cost model took blocks of 64: 409,544 -> 471,628).
@@ -77,8 +74,9 @@ KERNEL_BEHIND = 8
 # slots, ``qplan.CHAIN_SPARE_SLOTS``: 0 291,997 cycles, 1 290,582, 2 289,605, 3 288,794, 4 289,093).
 HOISTED_PASSES = 3
 # The row kernel steps at most merged with the matmul step after them: the kernel of the matmul
-# before's block and the next block of the kernel before the matmul.
-MOST_MERGED = 2
+# before's block and the next block of the kernel before the matmul, or that one and the block
+# before of a chain's tail kernels.
+MOST_MERGED = 3
 
 
 def plan(low: Lowering, nodes: list[Node], at: int) -> tuple[list[Node], list[range]]:
@@ -89,7 +87,7 @@ def plan(low: Lowering, nodes: list[Node], at: int) -> tuple[list[Node], list[ra
         return [], []
     arch, M = low.em.arch, _rows(low, chain[0])
     count = blocks(arch, chain, M)
-    return (chain + _tail(low, nodes, at + len(chain), chain, M), split(M, count, arch.array)) if count > 1 else ([], [])
+    return (chain + tail_of(low, nodes, at + len(chain), chain, M), split(M, count, arch.array)) if count > 1 else ([], [])
 
 
 def chain_at(low: Lowering, nodes: list[Node], at: int) -> list[Node]:
@@ -122,46 +120,12 @@ def _rows(low: Lowering, node: Node) -> int | None:
         return rows if all(math.prod(low.shape(o)[:-1]) == rows for o in node.outputs) else None
     if key == ROWS:
         frame = node.attrs["frame"]
-        if len(frame.shape) < 2 or math.prod(frame.shape[:-2]) != 1 or _causal(node):
+        if len(frame.shape) < 2 or math.prod(frame.shape[:-2]) != 1 or causal(node):
             return None
         if any(_frame_rows(node, n) not in (None, frame.shape[-2]) for n in node.inputs + node.outputs):
             return None
         return frame.shape[-2]
     return None
-
-
-def _tail(low: Lowering, nodes: list[Node], at: int, chain: list[Node], M: int) -> list[Node]:
-    """The views and the row kernel after a chain that ends in a matmul, when the kernel works
-    on the matrices of heads (leading dimensions) of M rows each, reading the matmul's outputs
-    through the views (a query's rotary): its rows before the last block run while the arrays
-    multiply the last block (``lower_chain``). Nothing when there is none."""
-    if (chain[-1].domain, chain[-1].op) != MATMUL:
-        return []
-    made, views = set(chain[-1].outputs), []
-    for node in nodes[at:at + MOST_VIEWS + 1]:
-        if node.op in VIEWS and not node.domain:
-            views.append(node)
-            if made & set(node.inputs):
-                made |= set(node.outputs)
-            continue
-        frame = node.attrs.get("frame") if (node.domain, node.op) == ROWS else None
-        if (frame is None or len(frame.shape) < 3 or math.prod(frame.shape[:-2]) == 1 or frame.shape[-2] != M
-                or _causal(node) or not made & set(node.inputs) or carry.pending(low, node)):
-            return []
-        return views + [node]
-    return []
-
-
-def _split_tail(chain: list[Node]) -> tuple[list[Node], list[Node], Node | None]:
-    """(the chain proper, the views after it, the row kernel after them) of ``plan``'s nodes."""
-    at = next((k for k, n in enumerate(chain) if n.op in VIEWS and not n.domain), None)
-    if at is None:
-        return chain, [], None
-    return chain[:at], chain[at:-1], chain[-1]
-
-
-def _causal(node: Node) -> bool:
-    return any(n.op in ("Softmax", "Trilu") or "reach" in n.attrs for n in node.attrs["nodes"])
 
 
 def _frame_rows(node: Node, name: str) -> int | None:
@@ -217,42 +181,43 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
     followed by a matmul's block that shares nothing with it is interleaved with it: the
     matmul is emitted first, the row kernel in the part of the vector scratchpad the matmul
     leaves, and their instructions are merged, so that the matmul's drains do not wait behind
-    the whole row kernel on the vector queue. A tail (``_tail``: views, then a row kernel over
+    the whole row kernel on the vector queue. A tail (``tails.tail_of``: views, then row kernels over
     heads) runs its rows before the last block so beside the matmul's last block, the rest
-    after it; ``lower_node`` lowers its views as the graph would."""
+    after it; ``lower_node`` lowers its views and Concats as the graph would."""
     em, arch = low.em, low.em.arch
-    chain, views, tail = _split_tail(chain)
+    chain, views, tails, joins = split_tail(chain)
     start, spans, pairs = len(em.instrs), [], {}
     steps, done = list(_order(chain, ranges)), Counter()
     cuts = {n.name: ranges for n in chain}
-    if tail is not None:
-        last = len(steps) - 1
-        steps[last:] = [tail, steps[last]]
-        cuts[tail.name] = [range(0, ranges[-1].start), ranges[-1]]
+    if tails:
+        steps = with_tails(steps, chain[-1], tails)
+        cuts.update({t.name: ranges for t in tails})
     rooms = _vec_rooms(arch, steps)
     rings: dict = {}                # the slots each matmul block leaves the next (``emit_tiles``)
     gens = {n.name: qmatmul_blocks(low, n, ranges, rooms[n.name], rings) if (n.domain, n.op) == MATMUL else
-            row_kernel_blocks(low, n, cuts[n.name]) for n in [*chain, *([tail] if tail else [])]}
+            row_kernel_blocks(low, n, cuts[n.name]) for n in [*chain, *tails]}
     s = 0
     while s < len(steps):
         node, kernels = steps[s], _kernels_before(low, steps, s)
-        if views and tail in (node, *kernels):
+        if views and any(t is n for t in tails for n in (node, *kernels)):
             _lower_views(low, views, lower_node, spans)
             views = []
         if kernels:
             x = _step(low, steps[s + len(kernels)], gens, spans, done)
             end = _vec_end(em, spans[x]) if x is not None else 0
-            merged = []
-            for kernel in kernels:
+            merged, rooms = [], kernel_rooms(arch, end, kernels, tails)
+            for kernel, (base, above) in zip(kernels, rooms):
                 # Paired only while each kernel before it was: the merged order keeps theirs.
-                em.reserved["vec"] = end if len(merged) == kernels.index(kernel) else 0
+                em.reserved["vec"] = base if len(merged) == kernels.index(kernel) else 0
+                em.above["vec"] = above if len(merged) == kernels.index(kernel) else 0
                 try:
                     r = _step(low, kernel, gens, spans, done)
                 except CompileError:        # its rows do not fit beside the matmul's: after it
-                    em.reserved["vec"] = 0
+                    em.reserved["vec"] = em.above["vec"] = 0
                     gens[kernel.name] = row_kernel_blocks(low, kernel, cuts[kernel.name][done[kernel.name]:], resumed=True)
                     r = _step(low, kernel, gens, spans, done)
                 used = em.reserved.pop("vec", 0)
+                em.above.pop("vec", 0)
                 if x is not None and r is not None and used:
                     _shift_vec(em, spans[r], used)
                     merged.append(r)
@@ -262,6 +227,7 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
         else:
             _step(low, node, gens, spans, done)
             s += 1
+    tails = _last_rows_beside(low, tails, gens, cuts, spans, done, pairs)
     program = Program(arch.name, list(em.tensors), em.instrs[start:])
 
     def make(program):
@@ -276,7 +242,7 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
         name = region_name(node) + (" with " + " + ".join(region_name(spans[r][0]) for r in pairs[j]) if j in pairs else "")
         ks = [k - start for k in range(lo, hi) if not isinstance(program.instrs[k - start], Barrier)]
         regions.append((start + min(starts[k] for k in ks), name))
-    if tail is not None:
+    for tail in tails:
         # The tail's last rows, after the barrier: none of the chain's waits need tracking them.
         em.barrier()
         at = len(em.instrs)
@@ -284,9 +250,41 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
         next(gens[tail.name])
         if len(em.instrs) > at:
             regions.append((at, region_name(tail)))
+    for node in joins:              # nothing in the chain read them
+        problems = []
+        lower_node(low, node, problems, regions)
+        if problems:
+            raise ValueError(f"node '{node.name}' after a chain's tail: {problems[0][2]}")
     for gen in gens.values():
         for _ in gen:
             raise AssertionError("a chain node has more row blocks than the chain")
+
+
+def _last_rows_beside(low: Lowering, tails: list[Node], gens: dict, cuts: dict, spans: list, done: Counter,
+                      pairs: dict) -> list[Node]:
+    """The last rows of a chain's two tail kernels as one step of the chain, each in its part
+    of ``vec`` (``tails.kernel_rooms``), their instructions interleaved (``_merged``): the key's
+    rotary loads while the vector unit computes the query's. Returns the tails left to emit
+    after the chain: all of them when there is one, those whose rows do not fit their part."""
+    em = low.em
+    if len(tails) != 2:
+        return tails
+    made = []
+    for k, (tail, (base, above)) in enumerate(zip(tails, kernel_rooms(em.arch, 0, tails, tails))):
+        em.reserved["vec"], em.above["vec"] = base, above
+        try:
+            made.append(_step(low, tail, gens, spans, done))
+        except CompileError:        # nothing emitted: its rows, whole, after the chain
+            gens[tail.name] = row_kernel_blocks(low, tail, cuts[tail.name][done[tail.name]:], resumed=True)
+            return tails[k:]
+        finally:
+            em.reserved.pop("vec", 0)
+            em.above.pop("vec", 0)
+        if made[-1] is not None and base:
+            _shift_vec(em, spans[made[-1]], base)
+    if None not in made:
+        pairs[made[0]] = (made[1],)
+    return []
 
 
 def _lower_views(low: Lowering, views: list[Node], lower_node, spans: list) -> None:
@@ -413,11 +411,20 @@ def _merged(program: Program, arch: Arch, spans: list, pairs: dict, start: int) 
             continue
         mine = own(span)
         if j in pairs:
-            other = [k for r in pairs[j] for k in own(spans[r])]
+            other = _interleaved(program, [own(spans[r]) for r in pairs[j]])
             steps.append(_before_last_passes(program, mine, other) if _apart(program, mine, other) else mine + other)
         else:
             steps.append(mine)
     return [k for step in _hoisted(program, arch, steps) for k in step]
+
+
+def _interleaved(program: Program, kernels: list[list[int]]) -> list[int]:
+    """The instructions of the kernels merged with one matmul step: spread evenly among each
+    other where they touch nothing in common (``tails.kernel_rooms``), else one kernel after another."""
+    out = kernels[0]
+    for kernel in kernels[1:]:
+        out = _even(out, kernel) if _apart(program, out, kernel) else out + kernel
+    return out
 
 
 def _before_last_passes(program: Program, mine: list[int], kernel: list[int]) -> list[int]:
