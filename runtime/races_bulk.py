@@ -66,7 +66,7 @@ class AccessLog:
         t = np.array(self.rows, np.int64)
         span = t[:, SPAN]
         rec = np.repeat(np.arange(len(t)), span)
-        rank = np.arange(len(rec)) - np.repeat(np.cumsum(span) - span, span)
+        rank = _runs(np.zeros(len(t), np.int64), span)
         rows, cols, rs, cs = t[:, ROWS], t[:, COLS], t[:, RS], t[:, CS]
         low = np.minimum(0, (rows - 1) * rs) + np.minimum(0, (cols - 1) * cs)
         width = np.maximum(0, (rows - 1) * rs) + np.maximum(0, (cols - 1) * cs) - low
@@ -121,7 +121,8 @@ def _not_known_done(acc: dict, order: Order) -> tuple[np.ndarray, np.ndarray] | 
     write = acc["write"].astype(np.int64)
     kind = acc["space"] * 2 + write             # a space's reads, then its writes
     queue, place = order.queue[acc["task"]], order.place[acc["task"]]
-    by = np.lexsort((np.arange(len(kind)), queue, kind))         # by space, kind, queue, then time
+    # By space, kind, queue, then time: one stable sort of one key (a queue is -1 and up).
+    by = np.argsort(kind * (int(queue.max(initial=0)) + 2) + queue, kind="stable")
     s, q = kind[by], queue[by]
     new = np.concatenate([[True], (s[1:] != s[:-1]) | (q[1:] != q[:-1])])
     group = np.cumsum(new) - 1                 # per sorted access, its (space, kind, queue) group
@@ -135,8 +136,8 @@ def _not_known_done(acc: dict, order: Order) -> tuple[np.ndarray, np.ndarray] | 
     run_lo = np.searchsorted(s, g_kind + 1 - 2 * g_write, side="left")
     runs = np.searchsorted(s, g_kind | 1, side="right") - run_lo
     g = np.repeat(np.arange(len(g_kind)), runs)
-    b = by[np.arange(runs.sum()) - np.repeat(np.cumsum(runs) - runs, runs) + np.repeat(run_lo, runs)]
-    known = order.known.reshape(-1).take(acc["task"][b] * order.nq + g_queue[g])    # known[task, queue], flat
+    b = by[_runs(run_lo, runs)]
+    known = order.known.reshape(-1).take(acc["task"][b] * order.nq + np.repeat(g_queue, runs))  # known[task, queue], flat
     by_place = (group << 32) + place[by]
     if np.any(by_place[1:] < by_place[:-1]):
         return None                # not in order on their queue: no run to search for
@@ -144,9 +145,14 @@ def _not_known_done(acc: dict, order: Order) -> tuple[np.ndarray, np.ndarray] | 
     lo = np.searchsorted(by_place, (g << 32) + known, side="left")
     hi = np.searchsorted(by_time, (g << 32) + b, side="left")
     count = np.maximum(hi - lo, 0)
-    pair_b = np.repeat(b, count)
-    at = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count) + np.repeat(lo, count)
-    return by[at], pair_b
+    return by[_runs(lo, count)], np.repeat(b, count)
+
+
+def _runs(lo: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """lo[i], lo[i] + 1, .., lo[i] + count[i] - 1 for each i, one after the other: one repeat
+    of each run's start less its place in the output, not one of each."""
+    starts = np.cumsum(count) - count
+    return np.arange(starts[-1] + count[-1] if len(count) else 0) + np.repeat(lo - starts, count)
 
 
 def _not_apart(acc: dict, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

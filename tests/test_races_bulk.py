@@ -222,3 +222,10 @@ def test_a_segment_is_left_unchecked_only_when_it_repeats_an_earlier_one():
     assert not unchecked[:bars[2]].any()
     assert unchecked[bars[2]:bars[3]].all()
     assert not unchecked[bars[3]:].any()
+
+
+@given(st.lists(st.tuples(st.integers(-5, 50), st.integers(0, 4)), max_size=12))
+def test_runs_are_each_start_counted_up(pairs):
+    from runtime.races_bulk import _runs
+    lo, count = (np.array(x, np.int64).reshape(-1) for x in zip(*pairs)) if pairs else (np.zeros(0, np.int64),) * 2
+    assert _runs(lo, count).tolist() == [s + i for s, n in pairs for i in range(n)]
