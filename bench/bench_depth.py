@@ -5,10 +5,12 @@ the same graph (runtime/reference64.py).
     python bench/bench_depth.py [--layers 4] [--seq 256] [--vocab 1000] [--seeds 3]
 
 Target: dlegion's distance from fp64 no larger than onnxruntime's (the median over the input
-seeds). Two programs are measured: ``--attention fp32`` (exact ONNX semantics) against the
-graph in fp64, and the default program (int8 attention, an approximation the compiler inserts
-and records) against the graph in fp64 with the same products quantized, the yardstick
-``--check`` uses (``float64_outputs(..., approximations=True, int8_attention=...)``). Both are fp32 programs: BitNet's per-token absmax quantization rounds a value on a .5
+seeds). Two programs are measured by default (``--attention``, repeatable, names them):
+``--attention fp32`` (exact ONNX semantics) against the graph in fp64, and the default program
+(int8 attention, an approximation the compiler inserts and records; ``int8x2`` the same in two
+int8 pieces per operand) against the graph in fp64 with the same products quantized, the
+yardstick ``--check`` uses (``float64_outputs(..., approximations=True, int8_attention=...,
+pieces=...)``). Both are fp32 programs: BitNet's per-token absmax quantization rounds a value on a .5
 boundary either way depending on the last bit of a sum, and the flips grow layer after layer,
 so each is some distance from fp64; the question is whether ours is farther.
 
@@ -34,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 from isa import arch as arch_mod                               # noqa: E402
 from dlegion_cc.pipeline import Options, compile_model        # noqa: E402
 from models.bitnet import build_bitnet, preset, save          # noqa: E402
-from runtime.check import session                             # noqa: E402
+from runtime.check import attention_products, session         # noqa: E402
 from runtime.emulator import run                              # noqa: E402
 from runtime.reference64 import float64_model, float64_outputs, rel_l2     # noqa: E402
 
@@ -45,7 +47,9 @@ from runtime.reference64 import float64_model, float64_outputs, rel_l2     # noq
 @click.option("--vocab", default=1000, show_default=True)
 @click.option("--seeds", default=3, show_default=True, help="Input draws to take the median over.")
 @click.option("--arch", "arch_name", default="dlegion-8x8", show_default=True)
-def main(layers, seq, vocab, seeds, arch_name):
+@click.option("--attention", "attentions", multiple=True, default=("fp32", "default"), show_default=True,
+              type=click.Choice(["fp32", "default", "int8", "int8x2"]), help="The programs to measure.")
+def main(layers, seq, vocab, seeds, arch_name, attentions):
     machine = arch_mod.load(arch_name)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model.onnx"
@@ -53,45 +57,46 @@ def main(layers, seq, vocab, seeds, arch_name):
         ort = session(path)
         draws = [{"input_ids": np.random.default_rng(seed).integers(0, vocab, size=(1, seq)).astype(np.int64)}
                  for seed in range(seeds)]
-        for attention in ("fp32", None):
-            _, program = compile_model(path, Options(machine, attention=attention))
+        for attention in attentions:
+            _, program = compile_model(path, Options(machine, attention=None if attention == "default" else attention))
             _measure(path, program, machine, ort, draws, f"{layers} layers, sequence {seq}")
 
 
 def _measure(path, program, machine, ort, draws, what: str) -> None:
     """dlegion's and onnxruntime's distances from the program's fp64 yardstick, per draw and median."""
-    products = program.approximations.get("int8_attention")
-    label = "int8 attention (default)" if products else "--attention fp32"
+    kind, products, pieces = attention_products(program.approximations)
+    label = {"int8_attention": "int8 attention", "int8x2_attention": "--attention int8x2"}.get(kind, "--attention fp32")
     ours, theirs, between, same = [], [], [], []
     for seed, inputs in enumerate(draws):
         plain = float64_outputs(path, inputs)["logits"]
-        ref = float64_outputs(path, inputs, approximations=True, int8_attention=products)["logits"] \
+        ref = float64_outputs(path, inputs, approximations=True, int8_attention=products,
+                              pieces=pieces)["logits"] \
             if products else plain
         got = run(program, machine, inputs).outputs["logits"]
         [want] = ort.run(["logits"], inputs)
         ours.append(rel_l2(got, ref))
         theirs.append(rel_l2(want, plain))
         between.append(rel_l2(got, want))
-        same += [rel_l2(_same_graph_fp32(path, products, inputs), ref)] if products else []
+        same += [rel_l2(_same_graph_fp32(path, products, pieces, inputs), ref)] if products else []
         also = f", onnxruntime's fp32 run of the same graph {same[-1]:.2e} from it" if products else ""
         print(f"  {label}, seed {seed}: dlegion {ours[-1]:.2e} from its yardstick{also}, onnxruntime {theirs[-1]:.2e} "
               f"from fp64, dlegion from onnxruntime {between[-1]:.2e}")
     a, b = statistics.median(ours), statistics.median(theirs)
-    yardstick = "fp64 with the same products in int8" if products else "fp64"
+    yardstick = f"fp64 with the same products in {'two int8 pieces' if pieces == 2 else 'int8'}" if products else "fp64"
     print(f"2B4T, {what}, {machine.name}, {label}: relative L2 of the logits, median of {len(draws)}: "
           f"dlegion {a:.2e} from {yardstick}, onnxruntime {b:.2e} from fp64 "
           f"(target: dlegion <= onnxruntime: {'ok' if a <= b else 'MISSED'}); "
           f"dlegion from onnxruntime {statistics.median(between):.2e}"
-          + (f"; onnxruntime's fp32 run of the same int8-attention graph {statistics.median(same):.2e} from "
+          + (f"; onnxruntime's fp32 run of the same quantized-attention graph {statistics.median(same):.2e} from "
              f"its yardstick (shown, not judged)" if same else ""))
 
 
-def _same_graph_fp32(path, products, inputs) -> np.ndarray:
+def _same_graph_fp32(path, products, pieces, inputs) -> np.ndarray:
     """onnxruntime's fp32 logits of the int8-attention yardstick graph: ``float64_model``'s
     graph with its float64 tensors, types and casts made float32."""
     import onnx
     from onnx import numpy_helper
-    m = float64_model(path, True, products, {k: v.shape for k, v in inputs.items()})
+    m = float64_model(path, True, products, {k: v.shape for k, v in inputs.items()}, pieces)
     g = m.graph
     narrow = lambda t: t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float32), t.name))  # noqa: E731
     for t in g.initializer:
