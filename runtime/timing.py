@@ -92,7 +92,8 @@ class _Dram:
         return min(self.link, self.total / self.active) if self.active else 0.0
 
     def advance(self, t: float) -> None:
-        self.served += self.rate() * (t - self.t)
+        if self.active:                                # (rate() inline: it runs per flow event)
+            self.served += min(self.link, self.total / self.active) * (t - self.t)
         self.t = t
         self.due = None                                # add and finish change the flows next
 
@@ -177,10 +178,8 @@ class _Sim:
         self.dram = _Dram(arch.derived.dram_bytes_per_cycle, arch.derived.link_bytes_per_cycle)
         self.latency = arch.dram_latency_cycles
         self._woken: list = []      # queues a passed wait or a released barrier woke (_advance's)
-        # What _advance and _complete read on every call, in one attribute.
-        self._completing = (self.queue_of, self.done, self.is_flow, self.order, self.is_done, self.waiters)
-        # (No bound method of its own: it would make every _Sim a reference cycle, whose many
-        # tuples only the cycle collector frees.)
+        # What _advance reads on every call, in one attribute. (No bound method of its own: it
+        # would make every _Sim a reference cycle, whose many tuples only the cycle collector frees.)
         self._loop = (self.queues, self.waiters, self.done, part.conds, part.kinds, part.timing,
                       self.is_done, self._woken, self.start, self.free, self.events, self.dram, part.mult)
 
@@ -188,17 +187,41 @@ class _Sim:
         for q in self.queues.values():
             self._advance(q, 0.0)
         events, dram, pop = self.events, self.dram, heapq.heappop
-        flows, flows_end, complete = dram.flows, self._flows_end, self._complete
+        flows, flows_end, advance = dram.flows, self._flows_end, self._advance
+        queue_of, done, is_flow, order, is_done, waiters = (
+            self.queue_of, self.done, self.is_flow, self.order, self.is_done, self.waiters)
         while True:
             if flows:
-                t_flow = dram.next_end()
+                t_flow = dram.due                    # (next_end's cached case, inline)
+                if t_flow is None:
+                    t_flow = dram.next_end()
                 if not events or t_flow <= events[0][0]:
                     flows_end(t_flow)
                     continue
             elif not events:
                 break
+            # A task completes (inline: it is the most frequent event). Only its queue's
+            # prefix moves: a barrier is never scheduled.
             t, k = pop(events)
-            complete(k, t)
+            q = queue_of[k]
+            done[k] = t
+            if not is_flow[k]:
+                q.busy = False
+            order.append(k)
+            is_done[k] = True
+            items, n, prefix = q.items, len(q.items), q.prefix
+            while prefix < n and is_done[items[prefix]]:
+                prefix += 1
+            q.prefix = prefix
+            if not q.busy and q.head < n:       # else _advance would issue nothing and wake none
+                advance(q, t)
+            waiting = waiters.get(q.key)
+            if waiting:           # only the queues whose count it reached: the others would wait on
+                due = [other for other, count in waiting.values() if count <= q.prefix]
+                for other in due:
+                    del waiting[other.key]
+                for other in due:
+                    advance(other, t)
         self.start, self.free, self.done = (np.array(x, dtype=np.float64)
                                             for x in (self.start, self.free, self.done))
 
@@ -218,26 +241,6 @@ class _Sim:
             q.busy = False
             heapq.heappush(events, (t + latency, k))
             self._advance(q, t)
-
-    def _complete(self, k: int, t: float) -> None:
-        queue_of, done, is_flow, order, is_done, waiters = self._completing
-        q = queue_of[k]
-        done[k] = t
-        if not is_flow[k]:
-            q.busy = False
-        order.append(k)
-        items, n = q.items, len(q.items)
-        is_done[k] = True                   # a task, not a barrier: only its queue's prefix moves
-        while q.prefix < n and is_done[items[q.prefix]]:
-            q.prefix += 1
-        self._advance(q, t)
-        waiting = waiters.get(q.key)
-        if waiting:               # only the queues whose count it reached: the others would wait on
-            due = [other for other, count in waiting.values() if count <= q.prefix]
-            for other in due:
-                del waiting[other.key]
-            for other in due:
-                self._advance(other, t)
 
     # Issuing: run a queue as far as it can go at time t; progress may wake other queues.
 
@@ -261,7 +264,9 @@ class _Sim:
                             waiters.setdefault(key, {})[q.key] = (q, count)
                         break
                     if count:                          # queues complete in order: when its count-th did
-                        q.ready = max(q.ready, done[target.items[count - 1]])
+                        at = done[target.items[count - 1]]
+                        if at > q.ready:
+                            q.ready = at
                 kind = kinds[k]
                 if kind == TASK:
                     cycles, lead, flow = timing[k]
@@ -271,7 +276,8 @@ class _Sim:
                     if flow is not None:
                         dram.add(k, flow, t, mult[k])
                     else:
-                        end = max(t, ready + lead) + cycles
+                        after = ready + lead           # max() by hand: this runs per task
+                        end = (after if after > t else t) + cycles
                         free[k] = end
                         heapq.heappush(events, (end, k))
                 elif kind == WAIT:                     # passes at once, and wakes its queue's waiters
