@@ -126,7 +126,7 @@ class _Dram:
 # --- queues ----------------------------------------------------------------------------------
 
 class _Queue:
-    __slots__ = ("key", "items", "head", "busy", "prefix", "ready")
+    __slots__ = ("key", "items", "head", "busy", "prefix", "ready", "waiting")
 
     def __init__(self, key):
         self.key = key
@@ -135,6 +135,7 @@ class _Queue:
         self.busy = False          # running an instruction (a DMA: until its flow ends)
         self.prefix = 0            # leading instructions that are done
         self.ready = 0.0           # when the conditions met since its last instruction came true
+        self.waiting: dict = {}    # key -> (queue waiting on this one's prefix, for what count)
 
 
 def machine_queues(arch: Arch) -> list[tuple[int, str]]:
@@ -172,7 +173,6 @@ class _Sim:
                 q = queues[key] = _Queue(key)
             q.items.append(k)
             queue_of.append(q)
-        self.waiters: dict[tuple, dict] = {}   # queue key -> {key: (queue waiting on it, for what count)}
         self.arrived: dict[int, set] = defaultdict(set)        # barrier -> queues that reached it
         self.events: list[tuple[float, int]] = []              # (done time, instruction)
         self.dram = _Dram(arch.derived.dram_bytes_per_cycle, arch.derived.link_bytes_per_cycle)
@@ -180,7 +180,7 @@ class _Sim:
         self._woken: list = []      # queues a passed wait or a released barrier woke (_advance's)
         # What _advance reads on every call, in one attribute. (No bound method of its own: it
         # would make every _Sim a reference cycle, whose many tuples only the cycle collector frees.)
-        self._loop = (self.queues, self.waiters, self.done, part.conds, part.kinds, part.timing,
+        self._loop = (self.queues, self.done, part.conds, part.kinds, part.timing,
                       self.is_done, self._woken, self.start, self.free, self.events, self.dram, part.mult)
 
     def run(self) -> None:
@@ -188,8 +188,7 @@ class _Sim:
             self._advance(q, 0.0)
         events, dram, pop = self.events, self.dram, heapq.heappop
         flows, flows_end, advance = dram.flows, self._flows_end, self._advance
-        queue_of, done, is_flow, order, is_done, waiters = (
-            self.queue_of, self.done, self.is_flow, self.order, self.is_done, self.waiters)
+        queue_of, done, is_flow, order, is_done = self.queue_of, self.done, self.is_flow, self.order, self.is_done
         while True:
             if flows:
                 t_flow = dram.due                    # (next_end's cached case, inline)
@@ -215,7 +214,7 @@ class _Sim:
             q.prefix = prefix
             if not q.busy and q.head < n:       # else _advance would issue nothing and wake none
                 advance(q, t)
-            waiting = waiters.get(q.key)
+            waiting = q.waiting
             if waiting:           # only the queues whose count it reached: the others would wait on
                 due = [other for other, count in waiting.values() if count <= q.prefix]
                 for other in due:
@@ -249,7 +248,7 @@ class _Sim:
         queues a passed wait or a released barrier woke (one function: it runs per event, so
         it reads its state from one tuple and issues a task inline: a DMA starts its flow; any
         other task holds its queue from when its lead after ``ready`` is over)."""
-        queues, waiters, done, conds, kinds, timing, is_done, woken, start, free, events, dram, mult = self._loop
+        queues, done, conds, kinds, timing, is_done, woken, start, free, events, dram, mult = self._loop
         work = None
         while True:
             items, n = q.items, len(q.items)
@@ -261,7 +260,7 @@ class _Sim:
                     target = queues.get(key)
                     if target is None or target.prefix < count:
                         if target is not None:         # woken when the named queue progresses
-                            waiters.setdefault(key, {})[q.key] = (q, count)
+                            target.waiting[q.key] = (q, count)
                         break
                     if count:                          # queues complete in order: when its count-th did
                         at = done[target.items[count - 1]]
@@ -285,9 +284,9 @@ class _Sim:
                     is_done[k] = True
                     while q.prefix < n and is_done[items[q.prefix]]:
                         q.prefix += 1
-                    waiting = waiters.pop(q.key, None)
-                    if waiting:
-                        woken.extend(other for other, _ in waiting.values())
+                    if q.waiting:
+                        woken.extend(other for other, _ in q.waiting.values())
+                        q.waiting = {}
                 elif not _Sim._barrier(self, q, k, t, woken):
                     break
                 q.head += 1
