@@ -458,11 +458,11 @@ def _two_pieces(low: Lowering, a8: int, ra: str, b: str, rb: str, lo: tuple, M: 
     ``deal`` (``_interleave``) the columns dealt in its order (``Problem.n_origin``: read where
     they are, the output stored by segments)."""
     a_lo, b_lo = lo
-    w, w_offsets = _distinct(low, b, low.operand(b), low.shape(b), n_pad, "i8")
-    w_lo, lo_offsets = _distinct(low, b_lo, low.operand(b_lo), low.shape(b_lo), n_pad, "i8")
+    laid = lambda copy: [_distinct(low, x, low.operand(x), low.shape(x), n_pad, "i8", copy=copy)  # noqa: E731
+                         for x in (b, b_lo)]
+    (w, w_offsets), (w_lo, lo_offsets) = laid(False)
     if lo_offsets != w_offsets:        # copies of both, laid out alike
-        w, w_offsets = _distinct(low, b, low.operand(b), low.shape(b), n_pad, "i8", copy=True)
-        w_lo, lo_offsets = _distinct(low, b_lo, low.operand(b_lo), low.shape(b_lo), n_pad, "i8", copy=True)
+        (w, w_offsets), (w_lo, lo_offsets) = laid(True)
     if lo_offsets != w_offsets:
         raise ValueError(f"b's pieces '{b}' and '{b_lo}' are not repeated alike")
     scales, s_offsets = _run_time_column_scales(low, rb, N, n_pad, LOW_STEPS)
