@@ -37,6 +37,8 @@ def convert(values: np.ndarray, dtype) -> np.ndarray:
 
 
 def _float_to_int(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    if dtype.itemsize <= 2 and values.dtype.itemsize >= 4:
+        return _float_to_narrow(values, dtype)
     # float64 holds every int8/int32 bound exactly; the int64 top needs the special case below.
     x = np.rint(values.astype(np.float64))
     np.copyto(x, 0.0, where=np.isnan(x))
@@ -57,6 +59,16 @@ def move(values: np.ndarray, dtype) -> np.ndarray:
     if same_width and values.dtype.kind in "iu" and dtype.kind in "iu":
         return values.view(dtype)
     return convert(values, dtype)
+
+
+def _float_to_narrow(values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """:func:`_float_to_int` into 8 or 16 bits from fp32 or wider, without the fp64 copy: those
+    bounds are fp32 values, and rounding a float to an integer is exact in its own type."""
+    info = np.iinfo(dtype)
+    x = np.rint(values)
+    np.copyto(x, 0.0, where=np.isnan(x))
+    np.clip(x, info.min, info.max, out=x)
+    return x.astype(dtype)
 
 
 # --- strided windows -------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from isa.verify import verify
 from runtime import fdot
 from runtime.costs import Env, cost
 from runtime.races import Order, WideLedger, _apart, _bounds, _depth_first, _rectangle
-from runtime.state import Bank, Machine, Scratchpad, Trap, _ranks_apart, copy_into
+from runtime.state import Bank, Machine, Scratchpad, Trap, _ranks_apart, convert, copy_into
 from runtime.timing import _costs, _masks
 
 ARCH = load("dlegion-8x8")
@@ -59,6 +59,22 @@ def test_rows_copied_as_raw_elements_are_the_plain_copy(dtype):
         plain[:, ::2, 1:-2] = values[:1]
         copy_into(raw[:, ::2, 1:-2], values[:1])
         assert plain.tobytes() == raw.tobytes()
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16, np.uint16])
+@pytest.mark.parametrize("source", [np.float32, np.float64])
+def test_a_narrow_integer_conversion_in_the_floats_own_type_is_the_fp64_one(dtype, source):
+    """Floats to 8 or 16 bits are rounded and clipped in their own type: the same integers as
+    through fp64, halves to even, NaN to 0, infinities and edges saturated."""
+    info = np.iinfo(dtype)
+    edges = [info.min - 0.5, info.min - 1.5, info.max + 0.5, info.max - 0.5, 0.5, 1.5, -0.5, -2.5,
+             np.nan, np.inf, -np.inf, 1e30, -1e30, 0.0, -0.0]
+    rng = np.random.default_rng(4)
+    values = np.concatenate([edges, rng.standard_normal(500) * info.max]).astype(source)
+    wide = np.clip(np.nan_to_num(np.rint(values.astype(np.float64)), nan=0.0, posinf=info.max, neginf=info.min),
+                   info.min, info.max).astype(dtype)
+    got = convert(values, dtype)
+    assert got.dtype == dtype and got.tobytes() == wide.tobytes()
 
 
 def test_a_masked_store_marks_only_what_it_stores():
