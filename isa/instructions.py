@@ -375,9 +375,9 @@ BINARY = [
 
 REDUCE = [
     ("rsum", "a(i, 0) + ... + a(i, cols-1) in fp32, in numpy's pairwise order (its rounding depends on cols)",
-     lambda a: np.sum(a, axis=1, dtype=np.float32), False),
-    ("rmax", "max over the row", lambda a: np.max(a, axis=1), False),
-    ("rmin", "min over the row", lambda a: np.min(a, axis=1), False),
+     lambda a: np.sum(a, axis=-1, dtype=np.float32), False),
+    ("rmax", "max over the row", lambda a: np.max(a, axis=-1), False),
+    ("rmin", "min over the row", lambda a: np.min(a, axis=-1), False),
 ]
 
 

@@ -396,8 +396,13 @@ def vreduce(m: Machine, i: VReduce) -> None:
     if i.cols == 0:
         raise Trap("reduction over 0 columns")
     a = _operand(m, i, i.a, i.rows, i.cols)
-    # Rank by rank: a row's fp32 sum is rounded in the order numpy gives its rows x cols view.
-    out = np.stack([np.asarray(type(i).FUNC(x), np.float32) for x in a])
+    if i.a.cs == 1:
+        # Rows contiguous: numpy reduces each in one inner loop, whatever axes surround it,
+        # so every rank at once rounds as each alone does.
+        out = np.asarray(type(i).FUNC(a), np.float32)
+    else:
+        # Rank by rank: a row's fp32 sum is rounded in the order numpy gives its rows x cols view.
+        out = np.stack([np.asarray(type(i).FUNC(x), np.float32) for x in a])
     m.write(i.legion, i.dst, out.reshape(-1, i.rows, 1))
 
 

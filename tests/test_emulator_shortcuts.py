@@ -261,6 +261,27 @@ def test_a_vector_result_computed_into_its_window_is_the_stored_result(mnemonic)
         assert _vector_machine(cls, dst, a, b, "fast") == _vector_machine(cls, dst, a, b, "plain")
 
 
+@pytest.mark.parametrize("mnemonic", ["vrsum", "vrmax", "vrmin"])
+@pytest.mark.parametrize("rows, cols, rs", [(1, 2560, 2560), (1, 129, 0), (11, 88, 256), (20, 64, 64), (3, 300, 7)])
+def test_a_reduction_of_every_rank_at_once_rounds_as_each_rank_alone(mnemonic, rows, cols, rs):
+    """Rows contiguous, the ranks of a spanned reduction are reduced in one call: the same
+    bits, NaN, signed zeros and magnitudes far apart included, as the rank-by-rank loop."""
+    from isa.instructions import BY_MNEMONIC
+    from runtime import semantics
+    cls = BY_MNEMONIC[mnemonic]
+    rng = np.random.default_rng(8)
+    m = Machine(parse(SPANNED), ARCH)
+    start = (rng.standard_normal((8, 1, 9000)) * 10.0 ** rng.integers(-6, 6, (8, 1, 9000))).astype(np.float32)
+    start[:, 0, ::11], start[:, 0, ::13], start[:, 0, 5::4001] = -0.0, 0.0, np.nan
+    m.write(0, View("vec", 0, 9000, 1), start)
+    i = cls(legion=0, dst=View("vec", 9500, 1, 1), a=View("vec", 0, rs, 1), rows=rows, cols=cols, span=8)
+    semantics.execute(m, i)
+    a = m.read(0, i.a, rows, cols, 8)
+    with np.errstate(all="ignore"):
+        alone = np.stack([np.asarray(cls.FUNC(x), np.float32) for x in a])
+    assert m.read(0, i.dst, rows, 1, 8).tobytes() == alone.reshape(8, rows, 1).tobytes()
+
+
 # --- the race check's DRAM table ---------------------------------------------------------------
 
 def _random_window(rng):
