@@ -88,14 +88,13 @@ def _windows(acc: dict, at: np.ndarray) -> np.ndarray:
 def _unordered_pairs(acc: dict, order: Order) -> list[tuple[int, int]] | None:
     """(earlier, later) rank accesses sharing an element, one writing, the later not ordered
     after the earlier; None when they cannot be found this way (see :func:`_not_known_done`)."""
-    pairs = _not_known_done(acc, order)
-    if pairs is None:
+    blocks = _not_known_done(acc, order)
+    if blocks is None:
         return None
-    a, b = pairs          # one of each pair writes: a read is paired only with writes
-    # Most pairs are told apart by their bounds: those go first, so the rest of the tests
-    # gather from the few that meet.
-    meet = (acc["hi"][a] >= acc["lo"][b]) & (acc["lo"][a] <= acc["hi"][b])
-    a, b = a[meet], b[meet]
+    # Most pairs are told apart by their bounds: those go first, a block at a time, so the
+    # rest of the tests gather from the few that meet.
+    met = [_meeting(acc, a, b) for a, b in blocks]
+    a, b = np.concatenate([a for a, _ in met] or [_NO_PAIRS]), np.concatenate([b for _, b in met] or [_NO_PAIRS])
     write = acc["write"]
     ka, kb = acc["task"][a], acc["task"][b]
     qa, qb = order.queue[ka], order.queue[kb]
@@ -111,13 +110,25 @@ def _unordered_pairs(acc: dict, order: Order) -> list[tuple[int, int]] | None:
             if _first_shared(tuple(wy), tuple(wx)) is not None]
 
 
-def _not_known_done(acc: dict, order: Order) -> tuple[np.ndarray, np.ndarray] | None:
+def _meeting(acc: dict, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The pairs whose bounds meet (one of each pair writes: a read is paired only with writes)."""
+    meet = (acc["hi"][a] >= acc["lo"][b]) & (acc["lo"][a] <= acc["hi"][b])
+    return a[meet], b[meet]
+
+
+# Keys (a group and a later access) searched at once: the arrays of a block, and of the pairs
+# it finds, stay in the CPU's cache between the steps.
+KEYS_PER_BLOCK = 1 << 16
+_NO_PAIRS = np.zeros(0, np.int64)
+
+
+def _not_known_done(acc: dict, order: Order):
     """Every (earlier, later) pair of rank accesses of one space, one of them writing, where
-    the later one's task does not know the earlier one's done. Per space, queue and kind
-    (read or write), the accesses in time order are in order on the queue too: those a task
-    does not know done are a run of them, from the first at or past what it knows done on
-    that queue to the last before it (None if they were not in order: a run out of program
-    order, which the emulator does not check this way)."""
+    the later one's task does not know the earlier one's done, as (earlier, later) arrays in
+    blocks. Per space, queue and kind (read or write), the accesses in time order are in order
+    on the queue too: those a task does not know done are a run of them, from the first at or
+    past what it knows done on that queue to the last before it (None if they were not in
+    order: a run out of program order, which the emulator does not check this way)."""
     write = acc["write"].astype(np.int64)
     kind = acc["space"] * 2 + write             # a space's reads, then its writes
     queue, place = order.queue[acc["task"]], order.place[acc["task"]]
@@ -127,6 +138,10 @@ def _not_known_done(acc: dict, order: Order) -> tuple[np.ndarray, np.ndarray] | 
     new = np.concatenate([[True], (s[1:] != s[:-1]) | (q[1:] != q[:-1])])
     group = np.cumsum(new) - 1                 # per sorted access, its (space, kind, queue) group
     g_kind, g_queue = s[new], q[new]
+    by_place = (group << 32) + place[by]
+    if np.any(by_place[1:] < by_place[:-1]):
+        return None                # not in order on their queue: no run to search for
+    by_time = (group << 32) + by
     # Per group, the accesses that may conflict with it, a run of them in sorted order: a
     # write group's, every access of its space; a read group's, the space's writes. Taken
     # group by group, each search below gets its keys in runs that rise (an access's time,
@@ -135,17 +150,25 @@ def _not_known_done(acc: dict, order: Order) -> tuple[np.ndarray, np.ndarray] | 
     g_write = g_kind & 1
     run_lo = np.searchsorted(s, g_kind + 1 - 2 * g_write, side="left")
     runs = np.searchsorted(s, g_kind | 1, side="right") - run_lo
-    g = np.repeat(np.arange(len(g_kind)), runs)
-    b = by[_runs(run_lo, runs)]
-    known = order.known.reshape(-1).take(acc["task"][b] * order.nq + np.repeat(g_queue, runs))  # known[task, queue], flat
-    by_place = (group << 32) + place[by]
-    if np.any(by_place[1:] < by_place[:-1]):
-        return None                # not in order on their queue: no run to search for
-    by_time = (group << 32) + by
-    lo = np.searchsorted(by_place, (g << 32) + known, side="left")
-    hi = np.searchsorted(by_time, (g << 32) + b, side="left")
-    count = np.maximum(hi - lo, 0)
-    return by[_runs(lo, count)], np.repeat(b, count)
+    ends = np.cumsum(runs)
+    at = np.append(np.flatnonzero(new), len(by))          # each group's first access in ``by``, and the end
+
+    def blocks():
+        start = 0
+        while start < len(runs):     # groups start..stop-1: about KEYS_PER_BLOCK keys, at least one group
+            stop = max(start + 1, int(np.searchsorted(ends, ends[start] - runs[start] + KEYS_PER_BLOCK, "right")))
+            counts = runs[start:stop]
+            g = np.repeat(np.arange(start, stop), counts)
+            b = by[_runs(run_lo[start:stop], counts)]
+            # known[task, queue], flat
+            known = order.known.reshape(-1).take(acc["task"][b] * order.nq + np.repeat(g_queue[start:stop], counts))
+            first, last = at[start], at[stop]      # searched among the block's groups' accesses only
+            lo = np.searchsorted(by_place[first:last], (g << 32) + known, side="left")
+            hi = np.searchsorted(by_time[first:last], (g << 32) + b, side="left")
+            count = np.maximum(hi - lo, 0)
+            yield by[_runs(lo + first, count)], np.repeat(b, count)
+            start = stop
+    return blocks()
 
 
 def _runs(lo: np.ndarray, count: np.ndarray) -> np.ndarray:
