@@ -178,16 +178,13 @@ class _Sim:
         self.dram = _Dram(arch.derived.dram_bytes_per_cycle, arch.derived.link_bytes_per_cycle)
         self.latency = arch.dram_latency_cycles
         self._woken: list = []      # queues a passed wait or a released barrier woke (_advance's)
-        # What _advance reads on every call, in one attribute. (No bound method of its own: it
-        # would make every _Sim a reference cycle, whose many tuples only the cycle collector frees.)
-        self._loop = (self.queues, self.done, part.conds, part.kinds, part.timing,
-                      self.is_done, self._woken, self.start, self.free, self.events, self.dram, part.mult)
 
     def run(self) -> None:
+        advance = self._advancer()
         for q in self.queues.values():
-            self._advance(q, 0.0)
+            advance(q, 0.0)
         events, dram, pop = self.events, self.dram, heapq.heappop
-        flows, flows_end, advance = dram.flows, self._flows_end, self._advance
+        flows = dram.flows
         queue_of, done, is_flow, order, is_done = self.queue_of, self.done, self.is_flow, self.order, self.is_done
         while True:
             if flows:
@@ -195,7 +192,7 @@ class _Sim:
                 if t_flow is None:
                     t_flow = dram.next_end()
                 if not events or t_flow <= events[0][0]:
-                    flows_end(t_flow)
+                    self._flows_end(t_flow, advance)
                     continue
             elif not events:
                 break
@@ -232,72 +229,79 @@ class _Sim:
     # Events. Ties in time pop in task order, and a task that waits on another is only
     # scheduled after that one completed, so the completion order is always a valid order.
 
-    def _flows_end(self, t: float) -> None:
+    def _flows_end(self, t: float, advance) -> None:
         latency, events, queue_of, free = self.latency, self.events, self.queue_of, self.free
         for k in self.dram.finish(t):
             q = queue_of[k]
             free[k] = t
             q.busy = False
             heapq.heappush(events, (t + latency, k))
-            self._advance(q, t)
+            advance(q, t)
 
     # Issuing: run a queue as far as it can go at time t; progress may wake other queues.
 
-    def _advance(self, q: _Queue, t: float) -> None:
-        """Issue from ``q`` while it is idle and its head's condition holds, then from the
-        queues a passed wait or a released barrier woke (one function: it runs per event, so
-        it reads its state from one tuple and issues a task inline: a DMA starts its flow; any
-        other task holds its queue from when its lead after ``ready`` is over)."""
-        queues, done, conds, kinds, timing, is_done, woken, start, free, events, dram, mult = self._loop
-        work = None
-        while True:
-            items, n = q.items, len(q.items)
-            while not q.busy and q.head < n:
-                k = items[q.head]
-                cond = conds[k]
-                if cond is not None:
-                    key, count = cond
-                    target = queues.get(key)
-                    if target is None or target.prefix < count:
-                        if target is not None:         # woken when the named queue progresses
-                            target.waiting[q.key] = (q, count)
+    def _advancer(self):
+        """``advance(q, t)`` for one :meth:`run`: a closure over the state it reads (it runs per
+        event; a closure kept on the _Sim would make it a reference cycle, whose many tuples
+        only the cycle collector frees)."""
+        conds, kinds, timing, mult = self.part.conds, self.part.kinds, self.part.timing, self.part.mult
+        queues, done, is_done, woken, start, free = self.queues, self.done, self.is_done, self._woken, self.start, self.free
+        events, dram, barrier, push = self.events, self.dram, self._barrier, heapq.heappush
+
+        def advance(q: _Queue, t: float) -> None:
+            """Issue from ``q`` while it is idle and its head's condition holds, then from the
+            queues a passed wait or a released barrier woke (a task issued inline: a DMA starts
+            its flow; any other task holds its queue from when its lead after ``ready`` is over)."""
+            work = None
+            while True:
+                items, n = q.items, len(q.items)
+                while not q.busy and q.head < n:
+                    k = items[q.head]
+                    cond = conds[k]
+                    if cond is not None:
+                        key, count = cond
+                        target = queues.get(key)
+                        if target is None or target.prefix < count:
+                            if target is not None:         # woken when the named queue progresses
+                                target.waiting[q.key] = (q, count)
+                            break
+                        if count:                          # queues complete in order: when its count-th did
+                            at = done[target.items[count - 1]]
+                            if at > q.ready:
+                                q.ready = at
+                    kind = kinds[k]
+                    if kind == TASK:
+                        cycles, lead, flow = timing[k]
+                        start[k] = t
+                        q.busy = True
+                        ready, q.ready = q.ready, 0.0
+                        if flow is not None:
+                            dram.add(k, flow, t, mult[k])
+                        else:
+                            after = ready + lead           # max() by hand: this runs per task
+                            end = (after if after > t else t) + cycles
+                            free[k] = end
+                            push(events, (end, k))
+                    elif kind == WAIT:                     # passes at once, and wakes its queue's waiters
+                        start[k] = free[k] = done[k] = t
+                        is_done[k] = True
+                        while q.prefix < n and is_done[items[q.prefix]]:
+                            q.prefix += 1
+                        if q.waiting:
+                            woken.extend(other for other, _ in q.waiting.values())
+                            q.waiting = {}
+                    elif not barrier(q, k, t, woken):
                         break
-                    if count:                          # queues complete in order: when its count-th did
-                        at = done[target.items[count - 1]]
-                        if at > q.ready:
-                            q.ready = at
-                kind = kinds[k]
-                if kind == TASK:
-                    cycles, lead, flow = timing[k]
-                    start[k] = t
-                    q.busy = True
-                    ready, q.ready = q.ready, 0.0
-                    if flow is not None:
-                        dram.add(k, flow, t, mult[k])
-                    else:
-                        after = ready + lead           # max() by hand: this runs per task
-                        end = (after if after > t else t) + cycles
-                        free[k] = end
-                        heapq.heappush(events, (end, k))
-                elif kind == WAIT:                     # passes at once, and wakes its queue's waiters
-                    start[k] = free[k] = done[k] = t
-                    is_done[k] = True
-                    while q.prefix < n and is_done[items[q.prefix]]:
-                        q.prefix += 1
-                    if q.waiting:
-                        woken.extend(other for other, _ in q.waiting.values())
-                        q.waiting = {}
-                elif not _Sim._barrier(self, q, k, t, woken):
-                    break
-                q.head += 1
-            if woken:
-                if work is None:
-                    work = []
-                work.extend(woken)
-                woken.clear()
-            if not work:
-                return
-            q = work.pop()
+                    q.head += 1
+                if woken:
+                    if work is None:
+                        work = []
+                    work.extend(woken)
+                    woken.clear()
+                if not work:
+                    return
+                q = work.pop()
+        return advance
 
     def _finish(self, k: int) -> None:
         """Mark ``k`` done and move the completed prefix of its queue(s)."""
