@@ -177,7 +177,7 @@ class _Sim:
         self.events: list[tuple[float, int]] = []              # (done time, instruction)
         self.dram = _Dram(arch.derived.dram_bytes_per_cycle, arch.derived.link_bytes_per_cycle)
         self.latency = arch.dram_latency_cycles
-        self._woken: list = []      # queues a passed wait or a released barrier woke (_advance's)
+        self._woken: list = []      # queues a passed wait or a released barrier woke (advance's)
 
     def run(self) -> None:
         advance = self._advancer()
@@ -209,7 +209,7 @@ class _Sim:
             while prefix < n and is_done[items[prefix]]:
                 prefix += 1
             q.prefix = prefix
-            if not q.busy and q.head < n:       # else _advance would issue nothing and wake none
+            if not q.busy and q.head < n:       # else advance would issue nothing and wake none
                 advance(q, t)
             waiting = q.waiting
             if waiting:           # only the queues whose count it reached: the others would wait on
