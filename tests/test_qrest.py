@@ -33,21 +33,21 @@ def test_nothing_is_split_off_where_it_would_not_fill_windows_or_parts(segments,
     assert qrest.split(EIGHT, None if segments is None else list(segments), 4, rows) is None
 
 
-def _model(path, rows: int, reads_v: bool = False):
+def _model(path, rows: int, reads_v: bool = False, depth: int = DEPTH):
     """The absmax-quantized input and its Q/K/V projections: with row blocks, a chain of the
     quantization and the fused matmul (``reads_v``: and V quantized and projected, which the
     chain then reads)."""
     b, rng = GraphBuilder(), np.random.default_rng(5)
     linear = BitLinear(preset("tiny", seed=5), rng)
     xq = linear.prepare(b, "x")
-    outs = [linear.project(b, xq, f"proj{i}", DEPTH, n) for i, n in enumerate(QKV)]
+    outs = [linear.project(b, xq, f"proj{i}", depth, n) for i, n in enumerate(QKV)]
     widths = list(QKV)
     if reads_v:
-        outs.append(linear.project(b, linear.prepare(b, outs[-1]), "after_v", QKV[-1], DEPTH))
-        widths.append(DEPTH)
-    onnx.save(b.model([tensor_info("x", FLOAT, [1, rows, DEPTH])],
+        outs.append(linear.project(b, linear.prepare(b, outs[-1]), "after_v", QKV[-1], depth))
+        widths.append(depth)
+    onnx.save(b.model([tensor_info("x", FLOAT, [1, rows, depth])],
                       [tensor_info(o, FLOAT, [1, rows, n]) for o, n in zip(outs, widths)]), path)
-    return path, {"x": rng.standard_normal((1, rows, DEPTH)).astype(np.float32)}, outs[:len(QKV)]
+    return path, {"x": rng.standard_normal((1, rows, depth)).astype(np.float32)}, outs[:len(QKV)]
 
 
 def _arrays_busy(program) -> int:
@@ -79,3 +79,17 @@ def test_split_off_columns_match_onnxruntime_and_save_array_cycles(tmp_path, mon
     for name in theirs:
         np.testing.assert_array_equal(ours[name], theirs[name])
     assert _arrays_busy(program) < _arrays_busy(whole)
+
+
+def test_each_part_loads_its_first_rows_before_the_last_pass_of_the_step_before(tmp_path):
+    """At a chain's end the split-off columns are a step whose two parts are emitted one after
+    the other: the second part's first loads go ahead of the last pass before the step too, not
+    behind that step's last stores in its Legions' in-order DMA queues (K deep enough for each
+    part to take more passes than go ahead, ``rowblocks.HOISTED_PASSES``)."""
+    path, _, _ = _model(tmp_path / "qkv.onnx", 256, depth=1024)
+    program = compile_model(path, Options(EIGHT))[1]
+    instrs = program.instrs
+    last_pass = max(k for k, i in enumerate(instrs) if isinstance(i, MatMul) and (i.span or 1) == EIGHT.legions)
+    for part in ({0, 1, 2, 3}, {4, 5, 6, 7}):
+        first_load = min(k for k, i in enumerate(instrs) if isinstance(i, DmaLoad) and i.dests == part)
+        assert first_load < last_pass

@@ -477,8 +477,7 @@ def _hoisted(program: Program, arch: Arch, steps: list[list[int]]) -> list[list[
     out, targets = [list(step) for step in steps], _targets(program, arch)
     for before, step in zip(out, out[1:]):
         passes = [n for n, k in enumerate(before) if is_pass(k)]
-        own = [n for n, k in enumerate(step) if is_pass(k)]
-        first = own[min(len(own) - 1, HOISTED_PASSES)] if own else None
+        first = _first_passes_end(program, step)
         if not passes or not first:
             continue
         over, moved, kept = before[passes[-1]:], [], []
@@ -489,6 +488,23 @@ def _hoisted(program: Program, arch: Arch, steps: list[list[int]]) -> list[list[
         before[passes[-1]:passes[-1]] = moved
         step[:first] = kept
     return out
+
+
+def _first_passes_end(program: Program, step: list[int]) -> int | None:
+    """Where in ``step`` every Legion with passes there has come to its pass ``HOISTED_PASSES``
+    (or its last): the parts of a matmul's rows on Legions of their own (``qparts``) are emitted
+    one after another, and each part's first loads go ahead as the first part's do."""
+    seen: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for n, k in enumerate(step):
+        i = program.instrs[k]
+        if not isinstance(i, MatMul):
+            continue
+        for legion in range(i.legion, i.legion + _span(i)):
+            seen[legion] = seen.get(legion, 0) + 1
+            if seen[legion] <= HOISTED_PASSES + 1:
+                last[legion] = n
+    return max(last.values()) if last else None
 
 
 def _even(a: list[int], b: list[int]) -> list[int]:
