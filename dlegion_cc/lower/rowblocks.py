@@ -69,7 +69,7 @@ KERNEL_AHEAD = 3
 # idle (2B4T BitLinear stack at 256 on dlegion-8x8: 0 288,547 cycles, 4 287,002, 7 286,172,
 # 8 286,082, 9 286,384, 24 285,770; the layer at 128 240,715 -> 233,516 with 8, 245,983 with 24).
 KERNEL_BEHIND = 8
-# A step's loads for its first passes up to this one (from 0) go ahead of the last pass of the
+# A step's loads for each Legion's first passes up to this one (from 0) go ahead of the last pass of the
 # step before it (``_hoisted``; the same stack, its row blocks forwarding with 4 spare activation
 # slots, ``qplan.CHAIN_SPARE_SLOTS``: 0 291,997 cycles, 1 290,582, 2 289,605, 3 288,794, 4 289,093).
 HOISTED_PASSES = 3
@@ -363,8 +363,9 @@ def _leftovers(low: Lowering, node: Node, gens: dict, spans: list) -> None:
     """What a matmul emits after its last row block (the columns ``qrest`` splits off, where
     no node of the chain reads its outputs), a step of its own at the chain's end: its passes
     run while the last step's drains and stores finish, and its first loads go ahead of that
-    step's last pass (``_hoisted``). 2B4T BitLinear stack at 256 on dlegion-8x8: 283,837
-    cycles, 284,627 with the columns a step of their own after the matmul's last block."""
+    step's last pass (``_hoisted``). 2B4T BitLinear stack at 256 on dlegion-8x8, before each
+    part's first loads went ahead (``_first_passes_end``): 283,837 cycles, 284,627 with the
+    columns a step of their own after the matmul's last block."""
     if (node.domain, node.op) != MATMUL:
         return
     em, at = low.em, len(low.em.instrs)
@@ -463,7 +464,7 @@ def _before_last_passes(program: Program, mine: list[int], kernel: list[int]) ->
 
 
 def _hoisted(program: Program, arch: Arch, steps: list[list[int]]) -> list[list[int]]:
-    """``steps`` with what each step with passes emits before its pass ``HOISTED_PASSES`` (its
+    """``steps`` with what each step with passes emits before every Legion's pass ``HOISTED_PASSES`` (its
     first activation and weight loads, the row kernel's first rows; not its passes) moved
     before the last pass of the step before it, where it shares nothing with what it passes over (nor with what stays
     behind it, nor waits for either): the queues run in order, and left after that step's last
