@@ -31,6 +31,7 @@ from isa.instructions import BY_MNEMONIC
 from dlegion_cc.ir import DLEGION
 from dlegion_cc.lower.context import Lowering, lowers
 from dlegion_cc.lower.emitter import Emitter
+from dlegion_cc.lower import qrest
 from dlegion_cc.lower.layout import Operand, is_contiguous, whole
 from dlegion_cc.lower.movement import nd_copy
 from dlegion_cc.lower.rowwise import Arg, rowwise
@@ -127,12 +128,13 @@ def qmatmul(low: Lowering, node) -> None:
 
 
 def qmatmul_blocks(low: Lowering, node, blocks: list[range] | None = None, vec_room: int = 0,
-                   rings: dict | None = None):
+                   rings: dict | None = None, defer: bool = False):
     """``qmatmul``, a generator that emits the rows of each of ``blocks`` in turn (all the rows
     when None) and yields after each: a caller interleaves them with other nodes' row blocks
     (``rowblocks.py``), whose kernels run in ``vec`` past the plans' ``vec_room`` (0: all).
     ``rings``: the scratchpad slots the matmul emitted before it left (``emit_tiles``), handed
-    on from block to block and to the matmul after it."""
+    on from block to block and to the matmul after it. ``defer``: columns split off (``qrest``)
+    are emitted after the last yield, when the caller asks once more, not with the last block."""
     a = node.attrs
     q, s, zp = (node.inputs + ["", ""])[:3]
     scales = a.get("scales")
@@ -144,7 +146,7 @@ def qmatmul_blocks(low: Lowering, node, blocks: list[range] | None = None, vec_r
     requant = None if a.get("requant") is None else tuple(a["requant"])
     outs = [Output(o, requant) for o in node.outputs]
     yield from _qmatmul_steps(low, node.name, acts, weights, outs[0] if len(outs) == 1 else outs,
-                              a.get("segments"), blocks, vec_room, rings, a.get("gated"))
+                              a.get("segments"), blocks, vec_room, rings, a.get("gated"), defer)
 
 
 def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: Output | list[Output],
@@ -162,10 +164,11 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
 
 def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out: Output | list[Output],
                    segments: list[int] | None, blocks: list[range] | None, vec_room: int,
-                   rings: dict | None = None, gated: int | None = None):
+                   rings: dict | None = None, gated: int | None = None, defer: bool = False):
     """``lower_qmatmul``, yielding after each of ``blocks`` (row ranges of a plain matmul, each
     scheduled for its own rows; the constants are made once). ``gated``: which of the two
-    segments is the gate of the one output ReLU(gate)^2 * up (``passes/gated.py``)."""
+    segments is the gate of the one output ReLU(gate)^2 * up (``passes/gated.py``); ``defer``:
+    as ``qmatmul_blocks``."""
     em, arch = low.em, low.em.arch
     outs = out if isinstance(out, list) else [out]
     layouts = _Layouts(low, w, segments, gated)
@@ -194,7 +197,14 @@ def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out:
     corr = None if zero_point(low, acts) == acts.offset else correction_shape(arch, values[0], block)
     shapes = _Shapes(low, layouts, segments, rscale, block, corr, out.requant, exact, per, K, layouts.granule)
     width = low.schedules.width(arch, per, lambda: pick_width(arch, low.switches, shapes.widths(), shapes.part))
-    if width != arch.legions:
+    rest = None
+    if width == arch.legions and gated is None and batches == 1 and corr is None and not exact:
+        rest = qrest.split(arch, segments, shapes.tiles(), per)
+    if rest:
+        rest_part = _RestPart(low, name, layouts.raw, rest, dsts[-1].tensor, low.shape(outs[-1].name)[-1])
+        segments = qrest.kept(segments, rest)
+        layouts = _Layouts(low, _columns(layouts.raw, 0, sum(segments)), segments)
+    if width != arch.legions or rest:
         w, lay = layouts.laid(width)
         values = _batches(w)
         N = values.shape[-1]
@@ -207,7 +217,7 @@ def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out:
         np.broadcast_to(np.asarray(w.scales, np.float32).reshape(-1, N), (groups, N)), n_pad), "f32")
     bias = None if w.bias is None else em.const(f"{name}_bias", _pad_cols(
         np.asarray(w.bias, np.float32).reshape(1, N), n_pad)[0], "f32")
-    segs = () if lay is None else lay.segments(low, outs, dsts, segments)
+    segs = () if lay is None else lay.segments(low, outs, dsts, segments, rest is not None)
     made, plans, rings = {}, {}, {} if rings is None else rings
     for j, rows in enumerate(blocks):
         b = j if batches > 1 else 0
@@ -223,7 +233,52 @@ def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out:
                     dst.tensor, rows, K, N, n_pad, nonzero, segs, vec_room=vec_room, row_block=chained,
                     gated=layouts.granule)
         _emit_parts(low, p, width, plans, rings if batches == 1 else None)
-        yield rows
+        if j < len(blocks) - 1 or defer or not rest:
+            yield rows
+    if rest:
+        em.barrier()
+        rest_part.emit(replace(p, rows=range(blocks[0].start, blocks[-1].stop)), rings)
+        if not defer:
+            yield blocks[-1]
+
+
+def _columns(w: Weights, lo: int, hi: int) -> Weights:
+    """Columns ``lo`` .. ``hi - 1`` of a plain weight, with their scales and bias."""
+    n = np.shape(w.values)[-1]
+    scales = None if w.scales is None else np.asarray(w.scales, np.float32).reshape(-1, n)[:, lo:hi]
+    bias = None if w.bias is None else np.asarray(w.bias, np.float32).reshape(-1)[lo:hi]
+    return Weights(np.asarray(w.values)[:, lo:hi], scales, w.block, bias)
+
+
+class _RestPart:
+    """The last columns of a fused matmul split off to fill the Legions' last windows
+    (``qrest``): its constants, and its emission over all the rows after the last block."""
+
+    def __init__(self, low: Lowering, name: str, raw: Weights, rest: qrest.Rest, out: int, out_cols: int):
+        em, na = low.em, low.em.arch.array
+        n = np.shape(raw.values)[-1]
+        w = _columns(raw, n - rest.columns, n)
+        self.low, self.rest, self.plans = low, rest, {}
+        self.N = rest.columns
+        self.n_pad = math.ceil(self.N / na) * na
+        pieces, self.nonzero = _pieces(low, w.values, self.n_pad)
+        self.weights = tuple(_weight_const(em, f"{name}_rest_w{i or ''}", piece) for i, piece in enumerate(pieces))
+        self.scales = None if w.scales is None else em.const(f"{name}_rest_scales", _pad_cols(w.scales, self.n_pad), "f32")
+        self.bias = None if w.bias is None else em.const(f"{name}_rest_bias", _pad_cols(w.bias[None], self.n_pad)[0], "f32")
+        per_legion = math.ceil(self.n_pad / na / rest.width) * na
+        self.segment = qrest.segment(out, out_cols, rest, per_legion)
+
+    def emit(self, p: Problem, rings: dict | None) -> None:
+        """The split-off columns of ``p``'s rows; ``rings`` (``emit_tiles``): what the matmul
+        before left, whose activation slots read least recently each part takes first."""
+        if rings is not None:
+            act = rings.get(0, {}).get("act", [])
+            rings = {j: {"act": act} for j in range(self.low.em.arch.legions // self.rest.width)}
+        part = replace(p, weights=self.weights, scales=self.scales, bias=self.bias, out=self.segment.tensor,
+                       N=self.N, n_pad=self.n_pad, nonzero=self.nonzero, segments=(self.segment,))
+        arch, schedules = self.low.em.arch, self.low.schedules
+        with schedules.dealt((self.rest.width, arch.legions // self.rest.width)):
+            _emit_parts(self.low, part, self.rest.width, self.plans, rings)
 
 
 def _laid_out(w: Weights, segments: list[int] | None, legions: int, na: int, gated: int | None = None,
@@ -312,7 +367,11 @@ class _Shapes:
     def widths(self) -> list[int]:
         arch = self.low.em.arch
         p = self.part(arch.legions)
-        return part_widths(arch, self.rows, p.n_pad // arch.array, max(MODE_TILES[m] for _, m in p.weights))
+        return part_widths(arch, self.rows, p.n_pad // arch.array, self.tiles())
+
+    def tiles(self) -> int:
+        """Windows a pass of the widest mode of the weight's pieces holds."""
+        return max(MODE_TILES[m] for _, m in self.part(self.low.em.arch.legions).weights)
 
     def part(self, width: int) -> Problem:
         arch = self.low.em.arch
@@ -613,12 +672,15 @@ class LegionMajor:
         bias = None if w.bias is None else self.take(np.asarray(w.bias, np.float32).reshape(-1))
         return Weights(self.take(np.asarray(w.values)), scales, w.block, bias)
 
-    def segments(self, low: Lowering, outs: list[Output], dsts: list, sizes: list[int]) -> tuple:
-        for o, dst, n in zip(outs, dsts, sizes):
-            if low.shape(o.name)[-1] != n:
+    def segments(self, low: Lowering, outs: list[Output], dsts: list, sizes: list[int], cut: bool = False) -> tuple:
+        """The outputs' segments; ``cut``: the last output's last columns are stored by another
+        matmul (``qrest``), its segment only the first ``sizes[-1]``."""
+        widths = [low.shape(o.name)[-1] for o in outs]
+        for o, n, wide in zip(outs, sizes, widths):
+            if wide != n and not (cut and o is outs[-1] and wide > n):
                 raise ValueError(f"output '{o.name}' of shape {list(low.shape(o.name))} is not {n} columns wide")
-        return tuple(Segment(d.tensor, n, width, offset)
-                     for d, n, width, offset in zip(dsts, sizes, self.widths, self.offsets))
+        return tuple(Segment(d.tensor, wide, width, offset)
+                     for d, wide, width, offset in zip(dsts, widths, self.widths, self.offsets))
 
     def take(self, a: np.ndarray) -> np.ndarray:
         """``a``'s last axis in this layout, zero at padding. Copied by runs of consecutive

@@ -69,7 +69,7 @@ KERNEL_AHEAD = 3
 # idle (2B4T BitLinear stack at 256 on dlegion-8x8: 0 288,547 cycles, 4 287,002, 7 286,172,
 # 8 286,082, 9 286,384, 24 285,770; the layer at 128 240,715 -> 233,516 with 8, 245,983 with 24).
 KERNEL_BEHIND = 8
-# A step's loads for its first passes up to this one (from 0) go ahead of the last pass of the
+# A step's loads for each Legion's first passes up to this one (from 0) go ahead of the last pass of the
 # step before it (``_hoisted``; the same stack, its row blocks forwarding with 4 spare activation
 # slots, ``qplan.CHAIN_SPARE_SLOTS``: 0 291,997 cycles, 1 290,582, 2 289,605, 3 288,794, 4 289,093).
 HOISTED_PASSES = 3
@@ -185,6 +185,7 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
     heads) runs its rows before the last block so beside the matmul's last block, the rest
     after it; ``lower_node`` lowers its views and Concats as the graph would."""
     em, arch = low.em, low.em.arch
+    read = {name for n in chain for name in n.inputs}
     chain, views, tails, joins = split_tail(chain)
     start, spans, pairs = len(em.instrs), [], {}
     steps, done = list(_order(chain, ranges)), Counter()
@@ -194,8 +195,10 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
         cuts.update({t.name: ranges for t in tails})
     rooms = _vec_rooms(arch, steps)
     rings: dict = {}                # the slots each matmul block leaves the next (``emit_tiles``)
-    gens = {n.name: qmatmul_blocks(low, n, ranges, rooms[n.name], rings) if (n.domain, n.op) == MATMUL else
-            row_kernel_blocks(low, n, cuts[n.name]) for n in [*chain, *tails]}
+    # A matmul's columns split off (``qrest``, of its last output) wait for the chain's end
+    # unless the chain reads them.
+    gens = {n.name: qmatmul_blocks(low, n, ranges, rooms[n.name], rings, n.outputs[-1] not in read)
+            if (n.domain, n.op) == MATMUL else row_kernel_blocks(low, n, cuts[n.name]) for n in [*chain, *tails]}
     s = 0
     while s < len(steps):
         node, kernels = steps[s], _kernels_before(low, steps, s)
@@ -228,6 +231,8 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
             _step(low, node, gens, spans, done)
             s += 1
     tails = _last_rows_beside(low, tails, gens, cuts, spans, done, pairs)
+    for node in chain:
+        _leftovers(low, node, gens, spans)
     program = Program(arch.name, list(em.tensors), em.instrs[start:])
 
     def make(program):
@@ -354,6 +359,24 @@ def _step(low: Lowering, node: Node, gens: dict, spans: list, done: dict) -> int
     return len(spans) - 1
 
 
+def _leftovers(low: Lowering, node: Node, gens: dict, spans: list) -> None:
+    """What a matmul emits after its last row block (the columns ``qrest`` splits off, where
+    no node of the chain reads its outputs), a step of its own at the chain's end: its passes
+    run while the last step's drains and stores finish, and its first loads go ahead of that
+    step's last pass (``_hoisted``). 2B4T BitLinear stack at 256 on dlegion-8x8, before each
+    part's first loads went ahead (``_first_passes_end``): 283,837 cycles, 284,627 with the
+    columns a step of their own after the matmul's last block."""
+    if (node.domain, node.op) != MATMUL:
+        return
+    em, at = low.em, len(low.em.instrs)
+    low.schedules.begin(node.name)
+    for _ in gens[node.name]:
+        raise CompileError(f"internal: matmul '{node.name}' has more row blocks than its chain")
+    if len(em.instrs) > at:
+        spans.append((node, at, len(em.instrs)))
+        em.barrier()
+
+
 def _silent(low: Lowering, node: Node) -> bool:
     """Whether a matmul reads its activations as they are (no copy, no zero point: it emits
     nothing before its row blocks that would read rows of a block not yet written)."""
@@ -441,7 +464,7 @@ def _before_last_passes(program: Program, mine: list[int], kernel: list[int]) ->
 
 
 def _hoisted(program: Program, arch: Arch, steps: list[list[int]]) -> list[list[int]]:
-    """``steps`` with what each step with passes emits before its pass ``HOISTED_PASSES`` (its
+    """``steps`` with what each step with passes emits before every Legion's pass ``HOISTED_PASSES`` (its
     first activation and weight loads, the row kernel's first rows; not its passes) moved
     before the last pass of the step before it, where it shares nothing with what it passes over (nor with what stays
     behind it, nor waits for either): the queues run in order, and left after that step's last
@@ -455,8 +478,7 @@ def _hoisted(program: Program, arch: Arch, steps: list[list[int]]) -> list[list[
     out, targets = [list(step) for step in steps], _targets(program, arch)
     for before, step in zip(out, out[1:]):
         passes = [n for n, k in enumerate(before) if is_pass(k)]
-        own = [n for n, k in enumerate(step) if is_pass(k)]
-        first = own[min(len(own) - 1, HOISTED_PASSES)] if own else None
+        first = _first_passes_end(program, step)
         if not passes or not first:
             continue
         over, moved, kept = before[passes[-1]:], [], []
@@ -467,6 +489,23 @@ def _hoisted(program: Program, arch: Arch, steps: list[list[int]]) -> list[list[
         before[passes[-1]:passes[-1]] = moved
         step[:first] = kept
     return out
+
+
+def _first_passes_end(program: Program, step: list[int]) -> int | None:
+    """Where in ``step`` every Legion with passes there has come to its pass ``HOISTED_PASSES``
+    (or its last): the parts of a matmul's rows on Legions of their own (``qparts``) are emitted
+    one after another, and each part's first loads go ahead as the first part's do."""
+    seen: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for n, k in enumerate(step):
+        i = program.instrs[k]
+        if not isinstance(i, MatMul):
+            continue
+        for legion in range(i.legion, i.legion + _span(i)):
+            seen[legion] = seen.get(legion, 0) + 1
+            if seen[legion] <= HOISTED_PASSES + 1:
+                last[legion] = n
+    return max(last.values()) if last else None
 
 
 def _even(a: list[int], b: list[int]) -> list[int]:

@@ -13,6 +13,7 @@ the matmul first. A node the file does not name is searched as always.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -82,6 +83,16 @@ class Schedules:
         if why:
             raise self._error(1, why)
         return self._deal
+
+    @contextmanager
+    def dealt(self, deal: tuple[int, int]):
+        """The schedules asked for inside are of another deal of the node's columns (a part
+        split off, ``qrest``), recorded and checked against it."""
+        node_deal, self._deal = self._deal, deal
+        try:
+            yield
+        finally:
+            self._deal = node_deal
 
     def plan(self, arch: Arch, p: Problem, switches: Switches) -> Plan:
         """The schedule of ``p``: the node's next pinned one, checked, else the search's."""
