@@ -194,6 +194,23 @@ def test_causal_skipping_keeps_the_same_bits(tmp_path):
     assert a.timeline.counters["macs"] < b.timeline.counters["macs"]
 
 
+def test_the_causal_mask_is_loaded_and_added_only_past_its_zeros(tmp_path):
+    """The softmax kernel loads and adds the causal mask only past the columns where every row
+    of a block holds +0.0 in it (the scores there are left as they are, which changes no bit of
+    P); the program computes the same as the one that loads and adds it all (sparsity off)."""
+    path = attention(tmp_path / "attn.onnx", 2, 256)
+    x = _inputs(2, 256)
+    loaded, out = {}, {}
+    for sparsity in (True, False):
+        _, program = compile_model(path, Options(WIDE, attention="int8", sparsity=sparsity))
+        [mask] = [t for t, tensor in enumerate(program.tensors) if tensor.name == "mask"]
+        loaded[sparsity] = sum(i.rows * i.cols * (i.span or 1) for i in program.instrs
+                               if isinstance(i, DmaLoad) and i.src.tensor == mask)
+        out[sparsity] = run(program, WIDE, x).outputs["o"]
+    np.testing.assert_array_equal(out[True], out[False])
+    assert 0 < 3 * loaded[True] < 2 * loaded[False]
+
+
 def test_a_layer_of_many_heads_computes_the_same_with_causal_skipping(tmp_path):
     """Ten heads at sequence 128 (2B4T's head width): PV's weight slots once served a row block
     the chunk loaded for an earlier one of a shorter reach, whose rows past that reach were

@@ -11,12 +11,13 @@ from dataclasses import replace
 
 import numpy as np
 
+from isa.fields import View
 from isa.instructions import BY_MNEMONIC, VSelect
 from dlegion_cc.ir import DLEGION, Node
 from dlegion_cc.lower.context import Lowering, lowers
 from dlegion_cc.lower.elementwise import BINARY, UNARY, squares
 from dlegion_cc.lower.layout import Operand, broadcast, reshaped
-from dlegion_cc.lower.rowwise import Arg, rowwise
+from dlegion_cc.lower.rowwise import LEAD, Arg, past_columns, rowwise
 from dlegion_cc.passes.fuse import ROW_REDUCE, Frame, shape_kind
 from dlegion_cc.lower.reduce import REDUCE
 
@@ -133,7 +134,9 @@ def _kernel(low: Lowering, node, resumed: bool = False) -> tuple:
     kinds, scalars, ins = _kinds(node)
     reach = _reach(node, frame)
     slot, temps = _plan(node, kinds, scalars, set(ins), set(node.outputs), reach is not None)
-    args = [Arg(n, _frame_operand(low.operand(n), values[n].shape, kinds[n], frame)) for n in ins]
+    skips = _zero_lead_adds(low, node, slot, kinds, ins)
+    args = [Arg(n, _frame_operand(low.operand(n), values[n].shape, kinds[n], frame), const=skips.get(n, (None,))[-1])
+            for n in ins]
     args += [Arg(n, _frame_operand(low.operands[n] if resumed else low.result(n), values[n].shape, kinds[n], frame), out=True,
                  alias=slot[n] if slot.get(n, n) != n else None) for n in node.outputs]
     args += temps
@@ -146,11 +149,51 @@ def _kernel(low: Lowering, node, resumed: bool = False) -> tuple:
             if n.outputs[0] in idle:
                 _moved(em, legion, view[n.outputs[0]], view[n.inputs[0]], rows, cols)
                 continue
+            skip = max((views.get(i + LEAD, 0) for i in n.inputs if skips.get(i, (None,))[0] is n), default=0)
+            if skip:            # the columns a constant holds +0.0 in keep the other input (in place)
+                if skip < cols:
+                    shifted = {v: past_columns(x, skip) if isinstance(x, View) and x.cs else x for v, x in view.items()}
+                    emit_op(em, legion, n, shifted, scalars, rows, cols - skip, cols - skip, frame.cols)
+                continue
             emit_op(em, legion, n, view, scalars, rows, cols, cols if widths[n.outputs[0]] > 1 else 1, frame.cols)
     keep = any(k in ("col", "row") for k in kinds.values()) or any(
         n.op in ROW_REDUCE or n.op == "Softmax" for n in node.attrs["nodes"])
     where = f"node '{node.name}': "
     return args, body, keep, reach, where
+
+
+def _zero_lead_adds(low: Lowering, node, slot: dict, kinds: dict, ins: list) -> dict:
+    """Constant inputs (a causal mask) that only an Add reads, in place over its other input,
+    whose result's zeros may change sign unseen (``_sign_free``): by input, (that Add, the
+    constant's values flat). Where a block's rows of one hold +0.0 from its first column, the
+    Add and the load leave those columns out (``rowwise.lead``): x + 0.0 is x but for x = -0.0."""
+    subs, out = node.attrs["nodes"], {}
+    for n in subs if low.switches.sparsity else ():
+        if n.op != "Add" or len(set(n.inputs)) != 2 or n.outputs[0] in node.outputs:
+            continue
+        for c, x in (n.inputs, n.inputs[::-1]):
+            stored = low.graph.stored(c) if c in ins and kinds.get(c) in ("full", "tiled") else None
+            if (stored is None or sum(c in m.inputs for m in subs) != 1 or x not in slot
+                    or [v for v, s in slot.items() if s == slot[c]] != [c] or slot[x] != slot[n.outputs[0]]
+                    or not _sign_free(subs, n.outputs[0], node.outputs)):
+                continue
+            out[c] = (n, np.ascontiguousarray(stored, dtype=np.float32).reshape(-1))
+    return out
+
+
+def _sign_free(subs: list, value: str, outputs: list) -> bool:
+    """Whether the sign of a zero of ``value`` changes no result of the kernel: it is read by
+    ReduceMax (whose result is so too) and by Sub whose result only Exp reads (exp(-0) = exp(0))."""
+    if value in outputs:
+        return False
+    for m in (m for m in subs if value in m.inputs):
+        after = [r for r in subs if m.outputs[0] in r.inputs]
+        if m.op == "ReduceMax" and _sign_free(subs, m.outputs[0], outputs):
+            continue
+        if m.op == "Sub" and after and all(r.op == "Exp" for r in after) and m.outputs[0] not in outputs:
+            continue
+        return False
+    return True
 
 
 def head_axis(node) -> int | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -39,6 +39,8 @@ class Arg:
     an ``alias`` is computed in the block of that argument (an input or temp of the same shape
     that died making it) and stored from there: it takes no block of its own, so the blocks of
     a wide kernel may fit half the scratchpad, the next one loading while one computes.
+    ``const``: the values of a constant input's DRAM tensor, flat, when the body reads only the
+    columns past a block's leading +0.0 of it (``lead``): those are not loaded.
     """
 
     name: str
@@ -46,6 +48,7 @@ class Arg:
     out: bool = False
     col: bool = False
     alias: str | None = None
+    const: np.ndarray | None = field(default=None, compare=False, repr=False)
 
 
 Body = Callable[[Emitter, int, dict, int, int], None]   # (em, legion, views, rows, cols)
@@ -509,13 +512,42 @@ def _emit_group(em, span, base, args, at, strides, r0, n, cols, width, body, ste
             if (a.operand is not None and not a.out
                     and resident.wanted(a.name, legion, count)):
                 whole = a.name in resident.views        # loaded once, for every group's width
-                _load(em, legion, views[a.name], at[a.name], r0, n, cols, cols if whole else width, steps[a.name])
+                skip = 0 if whole else lead(a, at[a.name], r0, n, count, steps[a.name], width)
+                if skip:
+                    views[a.name + LEAD] = skip
+                if skip < width:
+                    _load(em, legion, past_columns(views[a.name], skip), past_columns(at[a.name], skip), r0, n, cols,
+                          (cols if whole else width) - skip, steps[a.name])
     loaded = em.issued.get((legion, "dma"), 0)
 
     def rest() -> None:
         _compute(em, span, views, n, cols, width, body, loaded)
         _store_outputs(em, span, args, views, at, r0, n, cols, width, steps)
     return rest
+
+
+# The key of ``views`` that gives the body the leading columns of a ``const`` input it skips.
+LEAD = "#lead"
+
+
+def lead(arg: Arg, op: Operand, r0: int, n: int, count: int, step: int | None, width: int) -> int:
+    """Leading columns of the blocks of ``count`` Legions, ``n`` rows from ``r0`` each, in
+    which the constant ``arg`` holds +0.0 in every row (0 for an input that is not one)."""
+    if arg.const is None or op.strides[-1] != 1 or not width:
+        return 0
+    rows = np.arange(count)[:, None] * (step or 0) + (r0 + np.arange(n))[None, :] * op.strides[-2]
+    block = arg.const[(op.offset + rows.reshape(-1))[:, None] + np.arange(width)[None, :]]
+    zero = ((block == 0) & ~np.signbit(block)).all(axis=0)
+    return width if zero.all() else int(zero.argmin())
+
+
+def past_columns(x, skip: int):
+    """A view or operand from ``skip`` columns on."""
+    if not skip:
+        return x
+    if isinstance(x, View):
+        return replace(x, addr=x.addr + skip * x.cs)
+    return replace(x, offset=x.offset + skip * x.strides[-1])
 
 
 def _compute(em, span, views, n, cols, width, body, loaded: int) -> None:
