@@ -32,7 +32,7 @@ import numpy as np
 
 from isa.arch import MODE_BITS, Arch
 from isa.fields import View
-from isa.instructions import Barrier, MatMul, Wait
+from isa.instructions import Barrier, DmaLoad, DmaStore, MatMul, Wait
 from isa.program import Program
 from dlegion_cc.errors import CompileError
 from dlegion_cc.ir import Node
@@ -437,7 +437,44 @@ def _before_last_passes(program: Program, mine: list[int], kernel: list[int]) ->
     ahead = min(KERNEL_AHEAD, len(passes) - 1)      # the first pass runs beside it, at least
     cut = passes[-ahead] if ahead > 0 else len(mine)
     lead = passes[KERNEL_BEHIND] if KERNEL_BEHIND < len(passes) - max(ahead, 1) else 0
-    return mine[:lead] + _even(mine[lead:cut], kernel) + mine[cut:]
+    merged, ks = _even(mine[lead:cut], kernel), set(kernel)
+    return mine[:lead] + _loads_early(program, _stores_late(program, merged, ks), ks) + mine[cut:]
+
+
+def _stores_late(program: Program, merged: list[int], kernel: set[int]) -> list[int]:
+    """``merged`` with each of the kernel's stores put as late as the kernel's own order lets it
+    (right before its next instruction): a store waits for the kernel's vector work, and ahead
+    of the matmul's next loads in the in-order DMA queue it held them back, the arrays idle. The
+    two share nothing (``_apart``), so only the queues' order changes (2B4T layer on dlegion-8x8
+    at sequence 128: 230,417 -> 224,014 cycles; at 512 818,706 -> 817,280)."""
+    out, held = [], []              # held: the kernel's stores since its last other instruction
+    for k in merged:
+        if k not in kernel:
+            out.append(k)
+        elif isinstance(program.instrs[k], DmaStore):
+            held.append(k)
+        else:
+            out += held + [k]
+            held = []
+    return out + held
+
+
+def _loads_early(program: Program, merged: list[int], kernel: set[int]) -> list[int]:
+    """``merged`` with each of the matmul's loads put as early as the matmul's own order lets
+    it (right after its instruction before), ahead of the kernel's loads and stores ``_even``
+    spread there, for the same reason (the layer at 128: 224,014 -> 222,419 cycles; at 512
+    817,280 -> 815,430)."""
+    out, mark = [], 0               # mark: right after the matmul's last instruction so far
+    for k in merged:
+        if k in kernel:
+            out.append(k)
+        elif isinstance(program.instrs[k], DmaLoad):
+            out.insert(mark, k)
+            mark += 1
+        else:
+            out.append(k)
+            mark = len(out)
+    return out
 
 
 def _hoisted(program: Program, arch: Arch, steps: list[list[int]]) -> list[list[int]]:
