@@ -370,9 +370,9 @@ def test_a_matmul_block_runs_beside_two_row_kernels_and_computes_the_same(tmp):
 
 def test_a_merged_row_kernel_starts_after_the_first_passes_of_its_matmul_step():
     """A row kernel merged with a matmul step is spread over it from its pass KERNEL_BEHIND to
-    before its last KERNEL_AHEAD passes: its first loads, which wait for the step before's last
-    stores, then do not hold the step's first loads back in the in-order DMA queue. A step with
-    too few passes takes it from its start."""
+    before its last KERNEL_AHEAD passes (at most half-way through those): its first loads, which
+    wait for the step before's last stores, then do not hold the step's first loads back in the
+    in-order DMA queue. A step with too few passes takes it from its start."""
     from types import SimpleNamespace
     from dlegion_cc.lower import rowblocks
     behind, ahead = rowblocks.KERNEL_BEHIND, rowblocks.KERNEL_AHEAD
@@ -384,9 +384,13 @@ def test_a_merged_row_kernel_starts_after_the_first_passes_of_its_matmul_step():
         order = rowblocks._before_last_passes(SimpleNamespace(instrs=instrs), list(range(2 * passes)), kernel)
         return order, [order.index(k) for k in kernel]
 
-    order, at = merged(behind + ahead + 4)
+    order, at = merged(2 * behind + ahead + 4)
     assert sorted(order) == list(range(len(order)))
-    assert min(at) > order.index(2 * behind + 1) and max(at) < order.index(2 * (behind + 4) + 1)
+    assert min(at) > order.index(2 * behind + 1) and max(at) < order.index(2 * (2 * behind + 4) + 1)
+    # Fewer passes: from half-way through those before the last KERNEL_AHEAD, before pass KERNEL_BEHIND.
+    order, at = merged(behind + ahead + 4)
+    half = (behind + 4) // 2
+    assert order.index(2 * half + 1) < min(at) < order.index(2 * behind + 1)
     order, at = merged(behind + ahead)
     assert min(at) < order.index(5)
 

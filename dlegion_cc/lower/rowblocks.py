@@ -68,6 +68,10 @@ KERNEL_AHEAD = 3
 # the in-order DMA queue ahead of the step's own first loads they held those back, the arrays
 # idle (2B4T BitLinear stack at 256 on dlegion-8x8: 0 288,547 cycles, 4 287,002, 7 286,172,
 # 8 286,082, 9 286,384, 24 285,770; the layer at 128 240,715 -> 233,516 with 8, 245,983 with 24).
+# A step with fewer passes starts it at most half-way through those before its last
+# ``KERNEL_AHEAD``, so that it spreads over half of them at least (the layer at 128, whose o_proj
+# blocks take 15 passes a Legion: 221,133 -> 219,993 cycles; starting a third of the way in,
+# 219,898, but with every step capped at a quarter, 225,811).
 KERNEL_BEHIND = 8
 # A step's loads for its first passes up to this one (from 0) go ahead of the last pass of the
 # step before it (``_hoisted``; the same stack, its row blocks forwarding with 4 spare activation
@@ -428,15 +432,16 @@ def _interleaved(program: Program, kernels: list[list[int]]) -> list[int]:
 
 
 def _before_last_passes(program: Program, mine: list[int], kernel: list[int]) -> list[int]:
-    """``kernel`` spread evenly over the matmul step ``mine`` from its pass ``KERNEL_BEHIND``
-    (from its start, when it has too few) up to its last ``KERNEL_AHEAD`` passes (all but its
-    first pass, when it has fewer), so that its last rows are stored while the arrays still
-    multiply and the next step's loads of them can go ahead of this step's last pass
+    """``kernel`` spread evenly over the matmul step ``mine`` from its pass ``KERNEL_BEHIND`` (at
+    most half-way to its last ``KERNEL_AHEAD`` passes; from its start, when it has too few) up to
+    those (all but its first pass, when it has fewer), so that its last rows are stored while the
+    arrays still multiply and the next step's loads of them can go ahead of this step's last pass
     (``_hoisted``)."""
     passes = [n for n, k in enumerate(mine) if isinstance(program.instrs[k], MatMul)]
     ahead = min(KERNEL_AHEAD, len(passes) - 1)      # the first pass runs beside it, at least
     cut = passes[-ahead] if ahead > 0 else len(mine)
-    lead = passes[KERNEL_BEHIND] if KERNEL_BEHIND < len(passes) - max(ahead, 1) else 0
+    behind = min(KERNEL_BEHIND, (len(passes) - ahead) // 2)
+    lead = passes[behind] if KERNEL_BEHIND < len(passes) - max(ahead, 1) else 0
     merged, ks = _even(mine[lead:cut], kernel), set(kernel)
     return mine[:lead] + _loads_early(program, _stores_late(program, merged, ks), ks) + mine[cut:]
 
