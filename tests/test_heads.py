@@ -86,7 +86,7 @@ def test_vs_quantization_runs_while_the_arrays_multiply_the_first_groups_qk(tmp)
         qk = sorted((k for k in range(len(timeline.start)) if isinstance(tasks[k], MatMul) and tasks[k].K <= D),
                     key=lambda k: timeline.start[k])
         assert stores and qk
-        first_group = qk[len(qk) // 4] if head_groups else qk[0]     # four groups of two heads
+        first_group = qk[len(qk) // 2] if head_groups else qk[0]     # two groups of four heads
         assert (timeline.done[stores].max() < timeline.start[first_group]) == head_groups
 
 
@@ -141,3 +141,23 @@ def test_a_single_head_is_not_grouped(tmp_path):
     low = Lowering(graph, Emitter(WIDE, graph.source))
     at = next(k for k, n in enumerate(graph.nodes) if n.op == "AttnMatMul")
     assert plan(low, graph.nodes, at) == ({}, [])
+
+
+def test_short_sequences_take_fewer_groups(tmp_path, monkeypatch):
+    """Groups of fewer than FEWEST_GROUP_ROWS rows of scores cost more than they hide: the most
+    groups that hold that many, two when none does."""
+    from dlegion_cc.pipeline import graph_of
+    from dlegion_cc.lower import heads
+    from dlegion_cc.lower.context import Lowering
+    from dlegion_cc.lower.emitter import Emitter
+    path = attention(tmp_path / "short.onnx", HEADS, SEQ, KV)
+    graph = graph_of(path, Options(WIDE, attention="int8"))
+    at = next(k for k, n in enumerate(graph.nodes) if n.op == "AttnMatMul")
+
+    def groups() -> int:
+        return len(plan(Lowering(graph, Emitter(WIDE, graph.source)), graph.nodes, at)[1])
+    assert HEADS // 2 * SEQ < heads.FEWEST_GROUP_ROWS and groups() == 2
+    monkeypatch.setattr(heads, "FEWEST_GROUP_ROWS", HEADS // 4 * SEQ)
+    assert groups() == 4
+    monkeypatch.setattr(heads, "FEWEST_GROUP_ROWS", HEADS // 4 * SEQ + 1)
+    assert groups() == 2

@@ -370,21 +370,41 @@ def test_a_matmul_block_runs_beside_two_row_kernels_and_computes_the_same(tmp):
 
 def test_a_merged_row_kernel_starts_after_the_first_passes_of_its_matmul_step():
     """A row kernel merged with a matmul step is spread over it from its pass KERNEL_BEHIND to
-    before its last KERNEL_AHEAD passes: its first loads, which wait for the step before's last
-    stores, then do not hold the step's first loads back in the in-order DMA queue. A step with
-    too few passes takes it from its start."""
+    before its last KERNEL_AHEAD passes (at most half-way through those): its first loads, which
+    wait for the step before's last stores, then do not hold the step's first loads back in the
+    in-order DMA queue. A step with too few passes takes it from its start."""
     from types import SimpleNamespace
     from dlegion_cc.lower import rowblocks
     behind, ahead = rowblocks.KERNEL_BEHIND, rowblocks.KERNEL_AHEAD
 
     def merged(passes: int) -> tuple[list, list[int]]:
-        instrs = [object.__new__(MatMul) if k % 2 else object() for k in range(2 * passes)]  # a load, a pass
+        instrs = [object.__new__(MatMul) if k < 2 * passes and k % 2 else object()      # a load, a pass
+                  for k in range(2 * passes + 5)]
         kernel = list(range(2 * passes, 2 * passes + 5))
         order = rowblocks._before_last_passes(SimpleNamespace(instrs=instrs), list(range(2 * passes)), kernel)
         return order, [order.index(k) for k in kernel]
 
-    order, at = merged(behind + ahead + 4)
+    order, at = merged(2 * behind + ahead + 4)
     assert sorted(order) == list(range(len(order)))
-    assert min(at) > order.index(2 * behind + 1) and max(at) < order.index(2 * (behind + 4) + 1)
+    assert min(at) > order.index(2 * behind + 1) and max(at) < order.index(2 * (2 * behind + 4) + 1)
+    # Fewer passes: from half-way through those before the last KERNEL_AHEAD, before pass KERNEL_BEHIND.
+    order, at = merged(behind + ahead + 4)
+    half = (behind + 4) // 2
+    assert order.index(2 * half + 1) < min(at) < order.index(2 * behind + 1)
     order, at = merged(behind + ahead)
     assert min(at) < order.index(5)
+
+
+def test_a_merged_row_kernel_stores_late_and_the_matmul_loads_early():
+    """A merged row kernel's store, which waits for its vector work, goes right before the
+    kernel's next instruction, and a matmul's load right after the matmul's instruction before
+    it, so that the kernel's DMA does not hold the matmul's next loads back in the in-order DMA
+    queue; each keeps its own order."""
+    from types import SimpleNamespace
+    from dlegion_cc.lower import rowblocks
+    store, load, other = object.__new__(DmaStore), object.__new__(DmaLoad), object()
+    instrs = SimpleNamespace(instrs=[other, object.__new__(MatMul), store, other, other, load, other, store, load])
+    kernel = {2, 4, 7}
+    assert rowblocks._stores_late(instrs, list(range(8)), kernel) == [0, 1, 3, 2, 4, 5, 6, 7]
+    assert rowblocks._stores_late(instrs, [2, 3, 5, 7], kernel) == [3, 5, 2, 7]
+    assert rowblocks._loads_early(instrs, [0, 1, 2, 4, 5, 6, 7, 8], kernel) == [0, 1, 5, 2, 4, 6, 8, 7]

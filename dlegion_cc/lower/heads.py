@@ -48,6 +48,11 @@ FEWEST_HEADS = 2
 # DRAM round trips (2B4T layer at 512 on dlegion-8x8, 20 heads: 4 groups 890,586 cycles,
 # 5 groups 892,828; attention alone about the same with 2 or 10).
 MOST_GROUPS = 4
+# The fewest rows of scores (heads by queries) a group of int8 products: below, a group's fill,
+# drain and DRAM round trips cost more than the softmax it hides (2B4T layer on dlegion-8x8,
+# 20 heads: at sequence 512 4 groups 815,430 cycles, 2 groups 818,509; at 256 4 groups 397,048,
+# 2 groups 394,841; at 128 4 groups 222,419, 2 groups 221,133, 5 groups 222,607).
+FEWEST_GROUP_ROWS = 2560
 # Products of two int8 pieces (``--attention int8x2``) take three times the passes, so the first
 # group's QK^T and the last one's P.V, which nothing hides, weigh more (2B4T layer at 512 on
 # dlegion-8x8: 4 groups 1,026,444 cycles, 5 groups 1,021,556, 10 groups 1,014,058, 20 groups
@@ -76,9 +81,12 @@ def plan(low: Lowering, nodes: list[Node], at: int) -> tuple[dict, list[range]]:
     found = _attention_at(low, nodes, at)
     if not found:
         return {}, []
-    heads = found["heads"]
-    most = MOST_GROUPS_OF_PIECES if len(found["qk"].inputs) > 4 else MOST_GROUPS
-    count = max((g for g in range(2, most + 1) if heads % g == 0 and heads // g >= FEWEST_HEADS), default=1)
+    heads, rows = found["heads"], found["softmax"].attrs["frame"].shape[-2]
+    pieces = len(found["qk"].inputs) > 4
+    fits = [g for g in range(2, (MOST_GROUPS_OF_PIECES if pieces else MOST_GROUPS) + 1)
+            if heads % g == 0 and heads // g >= FEWEST_HEADS]
+    # Too few rows for any more groups: two, which hide the most for their cost.
+    count = max([g for g in fits if pieces or heads // g * rows >= FEWEST_GROUP_ROWS] or fits[:1], default=1)
     if count < 2:
         return {}, []
     per = heads // count
