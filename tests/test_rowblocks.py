@@ -15,7 +15,7 @@ from dlegion_cc.lower.rowblocks import FEWEST_ROWS, split
 from dlegion_cc.lower.tails import with_tails
 from dlegion_cc.pipeline import Options, compile_model
 from models.bitnet import BitLinear, build_bitnet, preset, save
-from models.decoder import relu2
+from models.decoder import relu2, rms_norm
 from models.graph import FLOAT, GraphBuilder, tensor_info
 from runtime.emulator import random_inputs, run
 from runtime.report import regions_by_name
@@ -408,3 +408,42 @@ def test_a_merged_row_kernel_stores_late_and_the_matmul_loads_early():
     assert rowblocks._stores_late(instrs, list(range(8)), kernel) == [0, 1, 3, 2, 4, 5, 6, 7]
     assert rowblocks._stores_late(instrs, [2, 3, 5, 7], kernel) == [3, 5, 2, 7]
     assert rowblocks._loads_early(instrs, [0, 1, 2, 4, 5, 6, 7, 8], kernel) == [0, 1, 5, 2, 4, 6, 8, 7]
+
+
+@lru_cache(maxsize=None)
+def _with_residual(tmp: str, row_blocks: bool):
+    """The stack, then its input added to down_proj's output and the sum normed (a layer's
+    residual Add and final norm): one row kernel, the chain's last."""
+    config = preset("tiny", layers=1, seq=SEQ, hidden=128, ffn=256)
+    b, rng = GraphBuilder(), np.random.default_rng(0)
+    proj = BitLinear(config, rng)
+    xq = proj.prepare(b, "x")
+    hidden = b.op("Mul", relu2(b, proj.project(b, xq, "gate_proj", 128, 256)), proj.project(b, xq, "up_proj", 128, 256))
+    residual = b.op("Add", proj.project(b, proj.prepare(b, hidden), "down_proj", 256, 128), "x")
+    normed = rms_norm(b, residual, "norm", 128, 1e-5, rng)
+    path = f"{tmp}/residual.onnx"
+    save(b.model([tensor_info("x", FLOAT, [1, SEQ, 128])],
+                 [tensor_info(residual, FLOAT, [1, SEQ, 128]), tensor_info(normed, FLOAT, [1, SEQ, 128])]),
+         path, external_data=False)
+    return compile_model(path, Options(EIGHT, row_blocks=row_blocks))[1]
+
+
+def _last_rows_loaded_before_the_last_pass(program) -> int:
+    """Loads of the input's rows of the last row block (the residual's) from down_proj's first
+    step to its last pass."""
+    x = next(k for k, t in enumerate(program.tensors) if t.name == "x")
+    first = min(at for at, name in program.regions if name.startswith("down_proj"))
+    last = max(k for k, i in enumerate(program.instrs) if isinstance(i, MatMul))
+    return sum(isinstance(i, DmaLoad) and i.src.tensor == x and i.src.offset >= SEQ // 2 * 128
+               for i in program.instrs[first:last])
+
+
+def test_the_last_rows_after_the_chain_load_the_residual_before_the_last_pass(tmp):
+    """The residual Add and norm after down_proj's last row block run above what that block
+    keeps in ``vec``, so their first loads (of the residual, the input) go ahead of its last
+    pass; the outputs are the plain program's, race-checked."""
+    program, plain = _with_residual(tmp, True), _with_residual(tmp, False)
+    assert _last_rows_loaded_before_the_last_pass(program) > 0
+    inputs = random_inputs(plain, 0)
+    got, want = run(program, EIGHT, inputs).outputs, run(plain, EIGHT, inputs).outputs   # race-checked
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
