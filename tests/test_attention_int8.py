@@ -14,6 +14,8 @@ from isa import arch
 from isa.asm import format_program, load, parse
 from isa.encoding import decode_program, encode_program
 from isa.instructions import DmaLoad, Drain, MatMul, VUnary
+from dlegion_cc.lower import reduce
+from dlegion_cc.lower.quant import int_result
 from dlegion_cc.lower.schedules import Schedules
 from dlegion_cc.passes import attnoperands
 from dlegion_cc.pipeline import Options, compile_model, graph_of
@@ -371,6 +373,22 @@ def test_k_and_v_quantized_in_place_compute_the_same_bits(tmp_path, monkeypatch,
     # V's transpose before its quantization and the copy of V8 back before P.V are gone
     moved = lambda p: sum(i.rows * i.cols * (i.span or 1) for i in p.instrs if isinstance(i, DmaLoad))  # noqa: E731
     assert moved(fused) < moved(plain)
+
+
+@pytest.mark.parametrize("kv_heads", [None, 2])
+def test_k_codes_stored_transposed_need_no_copy_before_qk(tmp_path, monkeypatch, kv_heads):
+    """SmoothAbsmaxQuantize stores K's int8 codes as the arrays read K^T: the copy of K8
+    through the scratchpad before QK^T is gone, with the same bits, race-checked."""
+    heads, seq = 4, 128
+    path = attention(tmp_path / "attn.onnx", heads, seq, kv_heads)
+    x = _inputs(heads, seq, kv_heads)
+    _, stored = compile_model(path, Options(WIDE, attention="int8"))
+    got = run(stored, WIDE, x, races=True).outputs["o"]
+    monkeypatch.setattr(reduce, "_codes", lambda low, q: int_result(low, q))
+    _, copied = compile_model(path, Options(WIDE, attention="int8"))
+    np.testing.assert_array_equal(got, run(copied, WIDE, x, races=True).outputs["o"])
+    moved = lambda p: sum(i.rows * i.cols * (i.span or 1) for i in p.instrs if isinstance(i, DmaLoad))  # noqa: E731
+    assert moved(copied) - moved(stored) == (kv_heads or heads) * seq * D     # K8 loaded once less
 
 
 def test_the_race_check_finds_a_wait_removed_from_the_column_strips(tmp_path):

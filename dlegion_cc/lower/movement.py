@@ -34,7 +34,8 @@ def nd_copy(em: Emitter, dst: Operand, src: Operand, shape: tuple[int, ...], whe
 # The parts of ``vec`` a transposing copy's tiles take in turn on a Legion: a tile's load waits
 # for the store of the tile this many before, so the DMA round trips of that many overlap (2B4T's
 # K copied for the arrays before the first head group's passes; the layer at 512 on dlegion-8x8:
-# 1 part 810,822 cycles, 2 parts 810,644, 3 810,527, 4 810,598; at 128 230,401 -> 230,261 with 3).
+# 1 part 810,822 cycles, 2 parts 810,644, 3 810,527, 4 810,598; at 128 230,401 -> 230,261 with 3;
+# K's int8 codes are now stored transposed by their kernel instead, ``reduce._codes``).
 COPY_PARTS = 3
 
 

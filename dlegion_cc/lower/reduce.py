@@ -14,8 +14,8 @@ import numpy as np
 from isa.fields import DramRef, View
 from isa.instructions import BY_MNEMONIC, DmaLoad, DmaStore
 from dlegion_cc.ir import DLEGION
-from dlegion_cc.lower.context import Lowering, lowers, row_view
-from dlegion_cc.lower.layout import Operand, broadcast, contiguous_strides, whole
+from dlegion_cc.lower.context import Lowering, lowers, perm_of, row_view
+from dlegion_cc.lower.layout import Operand, broadcast, contiguous_strides, transposed, whole
 from dlegion_cc.lower.movement import nd_copy
 from dlegion_cc.lower.quant import V, absmax_rows, absmax_scale, int_result
 from dlegion_cc.lower.rowwise import Arg, rowwise
@@ -142,9 +142,25 @@ def smooth_absmax_quantize(low: Lowering, node) -> None:
         absmax_rows(e, l, v["q"], v["r"], v["x"], rows, cols)
     r_op = low.result(r)
     args = [Arg("x", low.operand(x)), Arg("mean", broadcast(low.operand(mean), low.shape(mean), shape)),
-            Arg("q", int_result(low, q), out=True),
+            Arg("q", _codes(low, q), out=True),
             Arg("r", Operand(r_op.tensor, r_op.offset, r_op.strides[:-1] + (0,)), out=True)]
     rowwise(low.em, shape, args, body, keep_last=True, where=f"node '{node.name}': ")
+
+
+def _codes(low: Lowering, q: str) -> Operand:
+    """K's int8 codes stored transposed when a transpose of the last two axes is their one
+    reader (the arrays read K^T, ``passes/attention.py``): the transpose is then the codes as
+    they lie, and nothing copies them between this kernel and QK^T."""
+    readers, shape = low.graph.consumers(q), low.shape(q)
+    rank = len(shape)
+    swap = list(range(rank - 2)) + [rank - 1, rank - 2]
+    if (q in low.graph.outputs or len(readers) != 1 or readers[0].domain or readers[0].op != "Transpose"
+            or rank < 2 or perm_of(readers[0], rank) != swap):
+        return int_result(low, q)
+    flipped = (*shape[:-2], shape[-1], shape[-2])
+    t = low.em.tensor(q, "i8", flipped, "scratch")
+    low.operands[q] = transposed(whole(t, flipped), swap)
+    return low.operands[q]
 
 
 @lowers("ColumnAbsmaxQuantize", domain=DLEGION, views=row_view)

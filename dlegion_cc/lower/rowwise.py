@@ -611,7 +611,18 @@ def _load(em, legion, view: View, op: Operand, r0, n, cols, width, lstride) -> N
 
 
 def _store(em, legion, view: View, op: Operand, r0, n, cols, width, lstride) -> None:
+    if op.strides[-2] == 1 and op.strides[-1] > 1:
+        _store_transposed(em, legion, view, op, r0, n, cols, width, lstride)
+        return
     _check_cols(op)
     full = op.strides[-1] != 0
     src = View("vec", view.addr, cols if full else 1, 1)
     em.emit(DmaStore(legion, _dram(op, r0, True), src, n, width if full else 1, lstride=lstride))
+
+
+def _store_transposed(em, legion, view: View, op: Operand, r0, n, cols, width, lstride) -> None:
+    """A block's columns stored as rows of an output laid out transposed (rows consecutive in
+    DRAM): the scratchpad read down its columns, DRAM written along its rows, the same bytes as
+    a row store (K's int8 codes where the arrays read them, ``reduce.smooth_absmax_quantize``)."""
+    src = View("vec", view.addr, 1, cols)
+    em.emit(DmaStore(legion, DramRef(op.tensor, op.offset + r0, op.strides[-1]), src, width, n, lstride=lstride))
