@@ -425,26 +425,38 @@ def test_a_reduction_over_the_tokens_reads_columns_in_place_with_the_same_bits(t
     np.testing.assert_array_equal(out["z"], rows.max(axis=-1))
 
 
+def rotary_layer(tmp_path, attention: str):
+    """A small 2B4T layer saved in ``tmp_path``, its path, fused graph and program compiled with
+    ``attention``."""
+    from models.bitnet import build_bitnet, preset, save
+    path = tmp_path / "layer.onnx"
+    config = preset("2b4t", layers=1, seq=64, vocab=256, hidden=512, heads=4, kv_heads=2, ffn=256)
+    save(build_bitnet(config), path, external_data=True)
+    return (path, *compile_model(path, Options(WIDE, attention=attention)))
+
+
+def same_bits_with_q_quantized_apart(monkeypatch, path, attention: str, fused, x) -> None:
+    """``fused``'s logits, race-checked, equal those of the program compiled with Q's quantization
+    left to AbsmaxQuantize (no QuantizeInRowKernel)."""
+    got = run(fused, WIDE, x, races=True).outputs["logits"]
+    monkeypatch.setattr(attnoperands.QuantizeInRowKernel, "run", lambda self, graph, options: None)
+    plain_graph, plain = compile_model(path, Options(WIDE, attention=attention))
+    assert [n for n in plain_graph.nodes if n.op == "AbsmaxQuantize"]
+    np.testing.assert_array_equal(got, run(plain, WIDE, x, races=True).outputs["logits"])
+
+
 def test_q_is_quantized_in_its_rotary_kernel_with_the_same_bits(tmp_path, monkeypatch):
     """Q's rotary halves are quantized in the row kernel that rotates them and stored int8
     (passes/attnoperands.py QuantizeInRowKernel): the rotated Q never goes to DRAM in fp32, no
     AbsmaxQuantize is left, and the layer computes the same bits as with it, race-checked;
     without the wait before the kernel's first store, a race."""
-    from models.bitnet import build_bitnet, preset, save
-    path = tmp_path / "layer.onnx"
-    config = preset("2b4t", layers=1, seq=64, vocab=256, hidden=512, heads=4, kv_heads=2, ffn=256)
-    save(build_bitnet(config), path, external_data=True)
-    graph, fused = compile_model(path, Options(WIDE, attention="int8"))
+    path, graph, fused = rotary_layer(tmp_path, "int8")
     assert not [n for n in graph.nodes if n.op == "AbsmaxQuantize"]
     [cat] = [n for n in graph.nodes if n.op == "Concat" and graph.values[n.outputs[0]].dtype == np.int8]
     kernel = graph.producer(cat.inputs[0])
     assert kernel.op == "RowKernel" and [t.dtype for t in fused.tensors if t.io_name == cat.outputs[0]] == ["i8"]
     x = random_inputs(fused, 0)
-    got = run(fused, WIDE, x, races=True).outputs["logits"]
-    monkeypatch.setattr(attnoperands.QuantizeInRowKernel, "run", lambda self, graph, options: None)
-    plain_graph, plain = compile_model(path, Options(WIDE, attention="int8"))
-    assert [n for n in plain_graph.nodes if n.op == "AbsmaxQuantize"]
-    np.testing.assert_array_equal(got, run(plain, WIDE, x, races=True).outputs["logits"])
+    same_bits_with_q_quantized_apart(monkeypatch, path, "int8", fused, x)
     region = next(m for name, m in regions_by_name(fused).items() if name.startswith(kernel.attrs["nodes"][0].name))
     k = next(k for k in region if type(fused.instrs[k]).__name__ == "DmaStore" and fused.instrs[k].condition() is not None)
     broken = replace(fused, instrs=[replace(i, wait=None) if j == k else i for j, i in enumerate(fused.instrs)])

@@ -11,7 +11,8 @@ from dlegion_cc.pipeline import Options, compile_model, graph_of
 from runtime.check import PROGRAM_APPROXIMATIONS, judge
 from runtime.emulator import random_inputs, run
 from runtime.reference64 import LOW_STEPS as REFERENCE_LOW_STEPS, float64_outputs
-from test_attention_int8 import ROOT, TINY, WIDE, _inputs, _onnxruntime, _rel, attention, plain_product
+from test_attention_int8 import (ROOT, TINY, WIDE, _inputs, _onnxruntime, _rel, attention, plain_product, rotary_layer,
+                                 same_bits_with_q_quantized_apart)
 
 
 def _pieces(v: np.ndarray):
@@ -144,18 +145,8 @@ def test_qs_two_pieces_are_made_in_its_rotary_kernel_with_the_same_bits(tmp_path
     """Q's second piece joins the rotary kernel that quantizes the first (QuantizeInRowKernel):
     no AbsmaxQuantize nor a kernel of its own is left, both pieces are stored int8 by that
     kernel, and the layer computes the same bits as with the pieces made apart, race-checked."""
-    from models.bitnet import build_bitnet, preset, save
-    from dlegion_cc.passes import attnoperands
-    path = tmp_path / "layer.onnx"
-    config = preset("2b4t", layers=1, seq=64, vocab=256, hidden=512, heads=4, kv_heads=2, ffn=256)
-    save(build_bitnet(config), path, external_data=True)
-    graph, fused = compile_model(path, Options(WIDE, attention="int8x2"))
+    path, graph, fused = rotary_layer(tmp_path, "int8x2")
     assert not [n for n in graph.nodes if n.op == "AbsmaxQuantize"]
     cats = [n for n in graph.nodes if n.op == "Concat" and graph.values[n.outputs[0]].dtype == np.int8]
     assert len(cats) == 2 and len({graph.producer(c.inputs[0]).name for c in cats}) == 1
-    x = random_inputs(fused, 0)
-    got = run(fused, WIDE, x, races=True).outputs["logits"]
-    monkeypatch.setattr(attnoperands.QuantizeInRowKernel, "run", lambda self, graph, options: None)
-    plain_graph, plain = compile_model(path, Options(WIDE, attention="int8x2"))
-    assert [n for n in plain_graph.nodes if n.op == "AbsmaxQuantize"]
-    np.testing.assert_array_equal(got, run(plain, WIDE, x, races=True).outputs["logits"])
+    same_bits_with_q_quantized_apart(monkeypatch, path, "int8x2", fused, random_inputs(fused, 0))

@@ -182,6 +182,7 @@ def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out:
     if batches > 1 and math.prod(shape[:-2]) != batches:
         raise ValueError(f"{batches} batches of weights but activations of shape {list(shape)}")
     block = w.block or K
+    groups = math.ceil(K / block)
     before = len(em.instrs)
     a8 = int8_rows(low, acts.name, acts.offset)
     rscale = row_scale(low, acts, M) if acts.rscale else None
@@ -201,7 +202,7 @@ def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out:
     if width == arch.legions and gated is None and batches == 1 and corr is None and not exact:
         rest = qrest.split(arch, segments, shapes.tiles(), per)
     if rest:
-        rest_part = _RestPart(low, name, layouts.raw, rest, dsts[-1].tensor, low.shape(outs[-1].name)[-1])
+        rest_part = _RestPart(low, name, layouts.raw, rest, groups, dsts[-1].tensor, low.shape(outs[-1].name)[-1])
         segments = qrest.kept(segments, rest)
         layouts = _Layouts(low, _columns(layouts.raw, 0, sum(segments)), segments)
     if width != arch.legions or rest:
@@ -212,11 +213,7 @@ def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out:
     if len(em.instrs) > before:
         em.barrier()                                    # every Legion reads what the vector unit wrote
     n_pad = math.ceil(N / arch.array) * arch.array
-    groups = math.ceil(K / block)
-    scales = None if w.scales is None else em.const(f"{name}_scales", _pad_cols(
-        np.broadcast_to(np.asarray(w.scales, np.float32).reshape(-1, N), (groups, N)), n_pad), "f32")
-    bias = None if w.bias is None else em.const(f"{name}_bias", _pad_cols(
-        np.asarray(w.bias, np.float32).reshape(1, N), n_pad)[0], "f32")
+    scales, bias = _drain_consts(em, name, w, groups, n_pad)
     segs = () if lay is None else lay.segments(low, outs, dsts, segments, rest is not None)
     made, plans, rings = {}, {}, {} if rings is None else rings
     for j, rows in enumerate(blocks):
@@ -242,6 +239,17 @@ def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out:
             yield blocks[-1]
 
 
+def _drain_consts(em: Emitter, name: str, w: Weights, groups: int, n_pad: int) -> tuple:
+    """The drains' scales (one row per group of K) and bias of weight ``w``, columns padded to
+    ``n_pad``; None where it has none."""
+    N = np.shape(w.values)[-1]
+    scales = None if w.scales is None else em.const(f"{name}_scales", _pad_cols(
+        np.broadcast_to(np.asarray(w.scales, np.float32).reshape(-1, N), (groups, N)), n_pad), "f32")
+    bias = None if w.bias is None else em.const(f"{name}_bias", _pad_cols(
+        np.asarray(w.bias, np.float32).reshape(1, N), n_pad)[0], "f32")
+    return scales, bias
+
+
 def _columns(w: Weights, lo: int, hi: int) -> Weights:
     """Columns ``lo`` .. ``hi - 1`` of a plain weight, with their scales and bias."""
     n = np.shape(w.values)[-1]
@@ -254,7 +262,8 @@ class _RestPart:
     """The last columns of a fused matmul split off to fill the Legions' last windows
     (``qrest``): its constants, and its emission over all the rows after the last block."""
 
-    def __init__(self, low: Lowering, name: str, raw: Weights, rest: qrest.Rest, out: int, out_cols: int):
+    def __init__(self, low: Lowering, name: str, raw: Weights, rest: qrest.Rest, groups: int, out: int,
+                 out_cols: int):
         em, na = low.em, low.em.arch.array
         n = np.shape(raw.values)[-1]
         w = _columns(raw, n - rest.columns, n)
@@ -263,8 +272,7 @@ class _RestPart:
         self.n_pad = math.ceil(self.N / na) * na
         pieces, self.nonzero = _pieces(low, w.values, self.n_pad)
         self.weights = tuple(_weight_const(em, f"{name}_rest_w{i or ''}", piece) for i, piece in enumerate(pieces))
-        self.scales = None if w.scales is None else em.const(f"{name}_rest_scales", _pad_cols(w.scales, self.n_pad), "f32")
-        self.bias = None if w.bias is None else em.const(f"{name}_rest_bias", _pad_cols(w.bias[None], self.n_pad)[0], "f32")
+        self.scales, self.bias = _drain_consts(em, f"{name}_rest", w, groups, self.n_pad)
         per_legion = math.ceil(self.n_pad / na / rest.width) * na
         self.segment = qrest.segment(out, out_cols, rest, per_legion)
 
