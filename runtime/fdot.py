@@ -31,12 +31,12 @@ def _rounded(a64: np.ndarray, b64: np.ndarray) -> np.ndarray:
     if k <= 1 or out.size == 0:
         return out                       # one product is exact in fp64: nothing to round twice
     err = _row_bounds(a64, b64, k)
-    doubt = ~_rounds_alike(s, err, out)
-    if not doubt.any():                  # the common case: no element to sum exactly
+    doubt = _doubtful(s, err, out)
+    if not len(doubt):                   # the common case: no element to sum exactly
         return out
     batch = out.shape[:-2]
     a64, b64 = np.broadcast_to(a64, batch + a64.shape[-2:]), np.broadcast_to(b64, batch + b64.shape[-2:])
-    for at in np.flatnonzero(doubt).tolist():
+    for at in doubt.tolist():
         *batch, m, n = np.unravel_index(at, out.shape)
         out[(*batch, m, n)] = _exact_dot(a64[(*batch, m)], b64[(*batch, slice(None), n)])
     return out
@@ -61,6 +61,14 @@ def _row_bounds(a64: np.ndarray, b64: np.ndarray, k: int) -> np.ndarray:
 def _rounds_alike(s: np.ndarray, err: np.ndarray, out: np.ndarray) -> np.ndarray:
     """True where every value within ``err`` of ``s`` rounds to ``out``; also where ``s`` is
     not finite, as any order gives the same infinity or NaN from the same products."""
+    alike = np.ones(s.shape, np.bool_)
+    alike.reshape(-1)[_doubtful(s, err, out)] = False
+    return alike
+
+
+def _doubtful(s: np.ndarray, err: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """The flat indices where :func:`_rounds_alike` is False (``s`` contiguous): in the common
+    case, none, three passes over the products."""
     # Rounding to fp32 is monotone: when both ends of the interval round to one value, so does
     # every value between them (out, the rounded s, among them). The ends' own fp64 rounding
     # is covered by err's margin (twice gamma_K). A tie on an end that err does not widen
@@ -69,11 +77,17 @@ def _rounds_alike(s: np.ndarray, err: np.ndarray, out: np.ndarray) -> np.ndarray
     lo = np.subtract(s, err, out=np.empty(s.shape, np.float32), casting="same_kind")
     hi = np.add(s, err, out=np.empty(s.shape, np.float32), casting="same_kind")
     alike = lo == hi
-    alike &= err > 0
-    doubt = ~alike
-    if doubt.any():
-        alike[doubt] = _within_edges(s[doubt], np.broadcast_to(err, s.shape)[doubt], out[doubt])
-    return alike
+    if not (err > 0).all():              # err: a column per row, or what broadcasts to s
+        alike &= err > 0
+    elif alike.all():
+        return _NONE
+    doubt = np.flatnonzero(~alike)
+    at = np.unravel_index(doubt, s.shape)
+    edges = _within_edges(s[at], np.broadcast_to(err, s.shape)[at], out[at])
+    return doubt[~edges]
+
+
+_NONE = np.zeros(0, np.int64)
 
 
 def _within_edges(s: np.ndarray, err: np.ndarray, out: np.ndarray) -> np.ndarray:
