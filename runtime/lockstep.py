@@ -63,12 +63,13 @@ def tasks_of(program, costed) -> Tasks:
     """``costed``: each instruction's cost and the instruction of each task (runtime/timing.py).
     The tasks of an instruction share its kind and cost; the expansion (isa/expand.py Tasks)
     holds their Legions, queues and conditions as arrays."""
-    instrs, origin = program.instrs, costed.origin
+    instrs, origin, ids = program.instrs, costed.origin, costed.ids
     kind_of = np.array([_kind(i) for i in instrs.source], dtype=np.int64)
-    timings, timing_of = {}, []
-    for c in costed.costs:
-        timing_of.append(timings.setdefault((c.cycles, c.lead, c.flow_bytes), len(timings)))
-    timing = np.asarray(timing_of, dtype=np.int64)[origin]
+    timings, timing_of = {}, np.zeros(len(ids), dtype=np.int64)
+    for o in np.flatnonzero(ids == np.arange(len(ids))).tolist():    # once per distinct instruction
+        c = costed.costs[o]
+        timing_of[o] = timings.setdefault((c.cycles, c.lead, c.flow_bytes), len(timings))
+    timing = timing_of[ids][origin]
     return Tasks(instrs.legion, instrs.queue, kind_of[origin], timing, instrs.cond, list(timings), instrs.names)
 
 

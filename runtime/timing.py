@@ -375,6 +375,7 @@ class Costed:
     costs: list             # per instruction of the source program
     origin: np.ndarray      # per task
     first: list             # per instruction, its first task
+    ids: np.ndarray         # per instruction, the first instruction equal to it (whose cost it shares)
 
     def per_task(self) -> list:
         return [self.costs[o] for o in self.origin.tolist()]
@@ -388,7 +389,7 @@ def _costs(program: Program, arch: Arch) -> Costed:
     tasks = program.instrs
     first, alike = tasks.first.tolist(), tasks.alike()     # alike instructions (each layer's) cost alike
     costs = [alike.get("cost", o, lambda: _cost(program, k, tasks.source[o], arch, env)) for o, k in enumerate(first)]
-    return Costed(costs, tasks.origin, first)
+    return Costed(costs, tasks.origin, first, np.asarray(alike.ids, dtype=np.int64))
 
 
 def _cost(program: Program, k: int, i, arch: Arch, env: Env):
@@ -403,18 +404,14 @@ def _counters(program: Program, costed: Costed, tasks, start: np.ndarray, free: 
     """The counters summed over the tasks, busy cycles by family and by queue, and the
     per-instruction rows of the matmuls; an instruction's tasks share its cost."""
     origin, costs, first = costed.origin, costed.costs, costed.first
-    tasks_of = np.bincount(origin, minlength=len(costs)).tolist()
     counters = dict.fromkeys(SUMMED, 0)
-    times: dict = {}                    # cost -> tasks that have it (alike instructions share one)
-    for c, n in zip(costs, tasks_of):
-        times[id(c)] = (c, times[id(c)][1] + n if id(c) in times else n)
-    for c, n in times.values():
-        for name, v in c.counters.items():
+    # Per distinct instruction (equal ones share a cost), the tasks of all its equals.
+    times = np.bincount(costed.ids[origin], minlength=len(costs))
+    for o in np.flatnonzero(times).tolist():
+        n = int(times[o])
+        for name, v in costs[o].counters.items():
             counters[name] += v * n
-    source = program.instrs.source
-    index = {c: FAMILIES.index(family(c)) for c in {type(i) for i in source}}   # class -> its family's
-    fam_of = np.array([index[type(i)] for i in source], dtype=np.int64)
-    fam = fam_of[origin] if len(origin) else origin
+    fam = _families(program.instrs.source, costed.ids)[origin] if len(origin) else origin
     held = free - start
     count = np.bincount(fam, minlength=len(FAMILIES))
     cycles = np.bincount(fam, weights=held, minlength=len(FAMILIES))
@@ -423,6 +420,19 @@ def _counters(program: Program, costed: Costed, tasks, start: np.ndarray, free: 
         counters[f"busy_{name}"] = ceil_cycles(cycles[f])
     counters["per_instr"] = _per_instr(program, costed, first, start, done, tasks.legion)
     return counters, _busy(tasks, fam, held)
+
+
+def _families(source: list, ids: np.ndarray) -> np.ndarray:
+    """Per instruction, the index of its family in FAMILIES, looked up once per distinct one."""
+    index: dict = {}                    # class -> its family's
+    distinct = np.flatnonzero(ids == np.arange(len(ids)))
+    for o in distinct.tolist():
+        cls = type(source[o])
+        if cls not in index:
+            index[cls] = FAMILIES.index(family(cls))
+    fam = np.zeros(len(ids), dtype=np.int64)
+    fam[distinct] = [index[type(source[o])] for o in distinct.tolist()]
+    return fam[ids]
 
 
 def _busy(tasks, fam: np.ndarray, held: np.ndarray) -> dict:
