@@ -36,14 +36,21 @@ OWN = -2               # a condition on the task's own Legion, in a signature
 
 @dataclass
 class Part:
-    """Tasks for the event loop, numbered from 0."""
+    """Tasks for the event loop, numbered from 0. A queue is named by an integer id,
+    ``legion * len(names) + queue`` (a barrier's, on no Legion, is -1)."""
 
-    keys: list        # per task: its queue (legion, queue name); a barrier's is unused
-    kinds: list       # TASK, WAIT or BARRIER
-    conds: list       # per task: ((legion, queue name), count) it waits for, or None
-    timing: list      # per task: (cycles, lead, flow_bytes) of its cost
-    mult: list        # per task: how many tasks it stands for (its DRAM flow counts that often)
-    parties: list     # the queues a barrier holds: the machine's
+    queue: np.ndarray  # per task: its queue's id; a barrier's is unused
+    kind: np.ndarray   # TASK, WAIT or BARRIER
+    conds: list        # per task: (queue id, count) it waits for, or None
+    timing: list       # per task: (cycles, lead, flow_bytes) of its cost
+    flows: list        # per task: whether it is a DRAM flow (a flow_bytes)
+    mult: list         # per task: how many tasks it stands for (its DRAM flow counts that often)
+    parties: list      # the ids of the queues a barrier holds: the machine's
+    names: list        # queue names by index
+
+    def key(self, queue: int) -> tuple[int, str]:
+        """The (legion, queue name) queue id ``queue`` stands for."""
+        return queue // len(self.names), self.names[queue % len(self.names)]
 
 
 @dataclass
@@ -91,18 +98,32 @@ def whole(tasks: Tasks, parties: list) -> Part:
 
 def _part(tasks: Tasks, order: np.ndarray, cond: np.ndarray, rep, size, parties: list) -> Part:
     """The tasks ``order`` for the event loop, with conditions ``cond`` (a row for each);
-    ``rep`` and ``size`` map a Legion to its class's representative and member count."""
-    legion = tasks.legion[order].tolist()
+    ``rep`` and ``size`` map a Legion to its class's representative and member count. Built
+    as arrays: only the tasks with a condition get a Python object of their own."""
     names = list(tasks.names) + ["*"]           # a barrier's queue, NONE, names the last
-    keys = [(l, names[q]) for l, q in zip(legion, tasks.queue[order].tolist())]
+    width = len(names)
+    legion = tasks.legion[order]
     on = cond[:, 0]
     if rep is not None and len(on):
         on = np.where(on == NONE, NONE, np.asarray(rep, dtype=np.int64)[on])
-    conds = [None if cl == NONE else ((cl, names[cq]), count)
-             for cl, cq, count in zip(on.tolist(), cond[:, 1].tolist(), cond[:, 2].tolist())]
-    timings = tasks.timings
-    return Part(keys, tasks.kind[order].tolist(), conds, [timings[t] for t in tasks.timing[order].tolist()],
-                [1] * len(legion) if size is None else [size[l] for l in legion], parties)
+    conds = [None] * len(order)
+    named = np.flatnonzero(on != NONE)
+    for k, q, count in zip(named.tolist(), (on[named] * width + cond[named, 1]).tolist(), cond[named, 2].tolist()):
+        conds[k] = (q, count)
+    timings, timing = tasks.timings, tasks.timing[order]
+    flows = np.array([flow is not None for _, _, flow in timings] or [False], dtype=bool)[timing]
+    return Part(legion * width + tasks.queue[order] % width, tasks.kind[order], conds,
+                [timings[t] for t in timing.tolist()], flows.tolist(), _mult(legion, size).tolist(),
+                [at * width + names.index(q) for at, q in parties], names)
+
+
+def _mult(legion: np.ndarray, size) -> np.ndarray:
+    """Per task, its class's member count (``size``, by representative), or 1 for none."""
+    if size is None or not len(legion):
+        return np.ones(len(legion), np.int64)
+    per_legion = np.zeros(max(size) + 1, np.int64)
+    per_legion[list(size)] = list(size.values())
+    return per_legion[legion]
 
 
 @dataclass

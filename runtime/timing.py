@@ -126,16 +126,43 @@ class _Dram:
 # --- queues ----------------------------------------------------------------------------------
 
 class _Queue:
-    __slots__ = ("key", "items", "head", "busy", "prefix", "ready", "waiting")
+    __slots__ = ("key", "id", "items", "head", "busy", "prefix", "ready", "waiting")
 
-    def __init__(self, key):
-        self.key = key
-        self.items: list[int] = []
+    def __init__(self, key, id_: int, items: list[int]):
+        self.key = key             # (legion, queue name)
+        self.id = id_              # the Part's id of it
+        self.items = items
         self.head = 0
         self.busy = False          # running an instruction (a DMA: until its flow ends)
         self.prefix = 0            # leading instructions that are done
         self.ready = 0.0           # when the conditions met since its last instruction came true
-        self.waiting: dict = {}    # key -> (queue waiting on this one's prefix, for what count)
+        self.waiting: dict = {}    # id -> (queue waiting on this one's prefix, for what count)
+
+
+def _queues(part) -> tuple[dict, list]:
+    """The queues of a :class:`~runtime.lockstep.Part` by id, each with its tasks in order (a
+    barrier's on every party), and each task's queue (a barrier's: the first party). The
+    parties come first, then the other queues as their first tasks come (an instruction on a
+    Legion the machine lacks, in an unverified program, gets a queue of its own, which holds
+    no barrier)."""
+    barrier = part.kind == BARRIER
+    own, bars = np.flatnonzero(~barrier), np.flatnonzero(barrier)
+    ids, first, where = np.unique(part.queue[own], return_index=True, return_inverse=True)
+    # each queue's own tasks in order: the tasks sorted by queue, cut where the queue changes
+    runs = np.split(own[np.argsort(where, kind="stable")], np.cumsum(np.bincount(where, minlength=len(ids)))[:-1])
+    mine = dict(zip(ids.tolist(), runs))
+    with_bars = (lambda q: np.sort(np.concatenate([q, bars]))) if len(bars) else (lambda q: q)
+    queues = {p: _Queue(part.key(p), p, with_bars(mine.get(p, bars[:0])).tolist()) for p in part.parties}
+    for q in ids[np.argsort(first, kind="stable")].tolist():
+        if q not in queues:
+            queues[q] = _Queue(part.key(q), q, mine[q].tolist())
+    at = np.empty(len(ids), dtype=object)
+    at[:] = [queues[q] for q in ids.tolist()]
+    of = np.empty(len(part.kind), dtype=object)
+    of[own] = at[where]
+    if len(bars):
+        of[bars] = queues[part.parties[0]]
+    return queues, of.tolist()
 
 
 def machine_queues(arch: Arch) -> list[tuple[int, str]]:
@@ -150,29 +177,15 @@ class _Sim:
     common case (a task issued on its queue); times are Python floats until :meth:`run` ends."""
 
     def __init__(self, part, arch: Arch):
-        n = len(part.kinds)
+        n = len(part.kind)
         self.part = part
+        self.kinds = part.kind.tolist()
         self.start, self.free, self.done = ([INF * 0] * n for _ in range(3))
         self.order: list[int] = []                  # tasks in completion order (not waits, barriers)
         self.is_done = [False] * n
-        self.is_flow = [flow is not None for _, _, flow in part.timing]
-        self.queues: dict[tuple, _Queue] = {k: _Queue(k) for k in part.parties}
-        # An instruction on a Legion the machine lacks (an unverified program) gets a queue of
-        # its own, which holds no barrier.
-        self.parties = list(self.queues.values())
-        self.queue_of: list[_Queue] = []
-        queues, queue_of = self.queues, self.queue_of
-        for k, (key, kind) in enumerate(zip(part.keys, part.kinds)):
-            if kind == BARRIER:
-                for q in self.parties:
-                    q.items.append(k)
-                queue_of.append(self.parties[0])
-                continue
-            q = queues.get(key)
-            if q is None:
-                q = queues[key] = _Queue(key)
-            q.items.append(k)
-            queue_of.append(q)
+        self.is_flow = part.flows
+        self.queues, self.queue_of = _queues(part)
+        self.parties = [self.queues[p] for p in part.parties]
         self.arrived: dict[int, set] = defaultdict(set)        # barrier -> queues that reached it
         self.events: list[tuple[float, int]] = []              # (done time, instruction)
         self.dram = _Dram(arch.derived.dram_bytes_per_cycle, arch.derived.link_bytes_per_cycle)
@@ -215,7 +228,7 @@ class _Sim:
             if waiting:           # only the queues whose count it reached: the others would wait on
                 due = [other for other, count in waiting.values() if count <= q.prefix]
                 for other in due:
-                    del waiting[other.key]
+                    del waiting[other.id]
                 for other in due:
                     advance(other, t)
         self.start, self.free, self.done = (np.array(x, dtype=np.float64)
@@ -244,7 +257,7 @@ class _Sim:
         """``advance(q, t)`` for one :meth:`run`: a closure over the state it reads (it runs per
         event; a closure kept on the _Sim would make it a reference cycle, whose many tuples
         only the cycle collector frees)."""
-        conds, kinds, timing, mult = self.part.conds, self.part.kinds, self.part.timing, self.part.mult
+        conds, kinds, timing, mult = self.part.conds, self.kinds, self.part.timing, self.part.mult
         queues, done, is_done, woken, start, free = self.queues, self.done, self.is_done, self._woken, self.start, self.free
         events, dram, barrier, push = self.events, self.dram, self._barrier, heapq.heappush
 
@@ -263,7 +276,7 @@ class _Sim:
                         target = queues.get(key)
                         if target is None or target.prefix < count:
                             if target is not None:         # woken when the named queue progresses
-                                target.waiting[q.key] = (q, count)
+                                target.waiting[q.id] = (q, count)
                             break
                         if count:                          # queues complete in order: when its count-th did
                             at = done[target.items[count - 1]]
@@ -307,7 +320,7 @@ class _Sim:
         """Mark ``k`` done and move the completed prefix of its queue(s)."""
         is_done = self.is_done
         is_done[k] = True
-        for q in self.parties if self.part.kinds[k] == BARRIER else (self.queue_of[k],):
+        for q in self.parties if self.kinds[k] == BARRIER else (self.queue_of[k],):
             items, n = q.items, len(q.items)
             while q.prefix < n and is_done[items[q.prefix]]:
                 q.prefix += 1
@@ -344,7 +357,7 @@ def _why_stuck(program: Program, sim: _Sim, k: int, q: _Queue) -> str:
     i = program.instrs[k]
     cond = i.condition()
     if cond is not None:
-        target = sim.queues.get((cond.legion, cond.queue))
+        target = next((t for t in sim.queues.values() if t.key == (cond.legion, cond.queue)), None)
         reached = target.prefix if target is not None else 0
         return (f"{i.MNEMONIC} on L{q.key[0]} {q.key[1]} waits for {cond}, never satisfied "
                 f"(L{cond.legion}.{cond.queue} completed {reached})")
