@@ -400,9 +400,11 @@ def _costs(program: Program, arch: Arch) -> Costed:
     span and condition, which no cost reads either)."""
     env = Env(tuple(program.tensors), _masks(program))
     tasks = program.instrs
-    first, alike = tasks.first.tolist(), tasks.alike()     # alike instructions (each layer's) cost alike
-    costs = [alike.get("cost", o, lambda: _cost(program, k, tasks.source[o], arch, env)) for o, k in enumerate(first)]
-    return Costed(costs, tasks.origin, first, np.asarray(alike.ids, dtype=np.int64))
+    first, ids = tasks.first.tolist(), tasks.alike().ids    # alike instructions (each layer's) cost alike
+    costs = [None] * len(first)
+    for o in np.flatnonzero(np.asarray(ids) == np.arange(len(ids))).tolist():     # each distinct one, once
+        costs[o] = _cost(program, first[o], tasks.source[o], arch, env)
+    return Costed([costs[i] for i in ids], tasks.origin, first, np.asarray(ids, dtype=np.int64))
 
 
 def _cost(program: Program, k: int, i, arch: Arch, env: Env):
