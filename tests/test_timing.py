@@ -11,6 +11,7 @@ from isa.arch import load
 from isa.fields import QUEUES, Cond, DramRef, View
 from isa.instructions import BY_MNEMONIC, Barrier, DmaLoad, DmaStore, Drain, MatMul, VMatMul, Wait
 from isa.program import Program, Tensor
+from runtime.costs import Env, cost
 from runtime.timing import Deadlock, TimingError, simulate
 
 TINY = load("dlegion-tiny")          # 2 Legions x 2 cores, 8x8 arrays, 16 lanes
@@ -377,6 +378,22 @@ def test_counts_per_family_and_per_matmul_rows():
     (row,) = c["per_instr"]
     assert (row["index"], row["mode"], row["macs"], row["cycles"]) == (2, "w4", 256, 4 + 8)
     assert row["done"] - row["start"] == 8 + 4 + 8     # its weights' load shows: they came with the wait
+
+
+def test_equal_instructions_share_a_cost_and_count_once_per_task():
+    # Equal instructions are costed once; the counters still add that cost for every task of
+    # each (a span of 2 is two tasks), and each task keeps its own family's count.
+    x = [x_tensor(1, 16)]
+    spanned = dataclasses.replace(vop("vadd", 1, 16), span=2)
+    instrs = [load_x(cols=16), load_x(cols=16), vop("vadd", 1, 16), vop("vadd", 1, 16),
+              vop("vadd", 1, 16, legion=1), spanned, spanned, mm(4, 8, 8), mm(4, 8, 8), mm(4, 8, 16)]
+    c = simulate(prog(instrs, x), TINY).counters
+    want = Counter()
+    for i in instrs:
+        for _ in range(getattr(i, "span", None) or 1):
+            want.update(cost(i, TINY, Env(tuple(x), {})).counters)
+    assert {name: c[name] for name in want} == dict(want)
+    assert (c["count_dma"], c["count_vector"], c["count_matrix"]) == (2, 7, 3)
 
 
 def test_twenty_thousand_instructions_with_barriers_simulate():
