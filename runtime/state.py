@@ -152,8 +152,13 @@ class Bank:
     def name(self, legion: int) -> str:
         return f"L{legion + self.first} {self.space}"
 
-    def _check_bounds(self, legion: int, view: View, rows: int, cols: int) -> bool:
-        """Whether the window is non-empty; traps when it leaves the scratchpad."""
+    def _check_bounds(self, legion: int, span: int, view: View, rows: int, cols: int) -> bool:
+        """Whether the window is non-empty; traps when a Legion of the span does not exist or
+        the window leaves the scratchpad. Only a window not seen before is checked: the
+        machine's accesses look their bank up unchecked (they run per instruction)."""
+        if legion < 0 or legion + span > len(self.data):
+            bad = legion if legion < 0 else legion + span - 1
+            raise Trap(f"Legion L{bad} does not exist (the machine has {len(self.data)})")
         if rows == 0 or cols == 0:
             return False
         last = last_element(view.addr, rows, cols, view.rs, view.cs)
@@ -172,7 +177,7 @@ class Bank:
         out = self._reads.get(key)
         if out is not None:
             return out
-        if not self._check_bounds(legion, view, rows, cols):
+        if not self._check_bounds(legion, span, view, rows, cols):
             return np.zeros((span, rows, cols), self.data.dtype)
         seen = self._rows(self.written, legion, span, view, rows, cols)
         if not seen.all():
@@ -232,7 +237,7 @@ class Bank:
 
     def _checked_target(self, legion: int, span: int, view: View, rows: int, cols: int) -> tuple | None:
         """The writeable (data, written) views of a window a store may use; None when empty."""
-        if not self._check_bounds(legion, view, rows, cols):
+        if not self._check_bounds(legion, span, view, rows, cols):
             return None
         if overlaps(rows, cols, view.rs, view.cs):
             raise Trap(f"write to {self.name(legion)} through {view} ({rows}x{cols}) hits some "
@@ -403,16 +408,9 @@ class Machine:
 
     # -- scratchpads --
 
-    def bank(self, legion: int, span: int, space: str) -> Bank:
-        last = legion + span - 1
-        if legion < 0 or last >= self.legions:
-            bad = legion if legion < 0 else last
-            raise Trap(f"Legion L{bad} does not exist (the machine has {self.arch.legions})")
-        return self.banks[space]
-
     def read(self, legion: int, view: View, rows: int, cols: int, span: int = 1) -> np.ndarray:
         """Legions legion..legion+span-1's windows, span x rows x cols; rows x cols for one."""
-        out = self.bank(legion, span, view.space).read(legion, span, view, rows, cols)
+        out = self.banks[view.space].read(legion, span, view, rows, cols)
         if self.watch is not None:      # after the read: a trap of the read comes first
             self.watch.spad(legion, span, view, rows, cols, False)
         return out
@@ -422,7 +420,7 @@ class Machine:
         space's dtype), stored back: the read and the write of an accumulation, as
         ``write(legion, view, read(...) + values)`` makes them, without the sum's copy."""
         span, rows, cols = values.shape
-        bank = self.bank(legion, span, view.space)
+        bank = self.banks[view.space]
         bank.read(legion, span, view, rows, cols)      # traps on a never-written element
         if self.watch is not None:
             self.watch.spad(legion, span, view, rows, cols, False)
@@ -434,7 +432,7 @@ class Machine:
         """The writeable span x rows x cols window of Legions legion.. a whole store fills,
         for the caller to compute into at once (None when empty): checked, marked written and
         told as :meth:`write` does."""
-        out = self.bank(legion, span, view.space).target(legion, span, view, rows, cols)
+        out = self.banks[view.space].target(legion, span, view, rows, cols)
         if self.watch is not None:
             self.watch.spad(legion, span, view, rows, cols, True)
         return out
@@ -467,7 +465,7 @@ class Machine:
               where: np.ndarray | None = None) -> None:
         """Store span x rows x cols ``values`` into Legions legion..legion+span-1."""
         span = values.shape[0]
-        self.bank(legion, span, view.space).write(legion, view, values, where)
+        self.banks[view.space].write(legion, view, values, where)
         if self.watch is not None:
             self.watch.spad(legion, span, view, *values.shape[1:], True)
 

@@ -482,6 +482,20 @@ def test_view_outside_the_scratchpad_traps():
         m.write(1, View("acc", cap - 4, 4), np.zeros((1, 2, 4), np.int32))
 
 
+def test_a_span_past_the_last_legion_traps_even_on_a_window_seen_before():
+    m = Builder().machine()
+    n, view = m.arch.legions, View("vec", 0, 4)
+    m.write(n - 2, view, np.zeros((2, 1, 4), np.float32))      # the window on the last two Legions
+    assert m.read(n - 2, view, 1, 4, span=2).shape == (2, 1, 4)
+    for legion, span, bad in ((n - 2, 3, n), (-1, 1, -1)):
+        for access in (lambda: m.read(legion, view, 1, 4, span=span),
+                       lambda: m.target(legion, view, 1, 4, span=span),
+                       lambda: m.write(legion, view, np.zeros((span, 1, 4), np.float32)),
+                       lambda: m.read(legion, View("vec", 0, 0), 0, 4, span=span)):     # empty, too
+            with pytest.raises(Trap, match=rf"Legion L{bad} does not exist \(the machine has {n}\)"):
+                access()
+
+
 def test_read_of_never_written_scratchpad_traps():
     b = Builder()
     b.add(BY_MNEMONIC["vexp"](L0, View("vec", 100, 4), View("vec", 0, 4), 2, 4))
