@@ -64,11 +64,11 @@ VIEWS = ("Reshape", "Unsqueeze", "Squeeze", "Identity")
 VIEWS_AHEAD = ("Transpose", "Expand", *VIEWS)
 MOST_AHEAD_VIEWS = 6
 SMOOTH = (DLEGION, "SmoothAbsmaxQuantize")
-# The fewest elements of K a Legion for its mean and smoothing to run in two parts (``_ahead``):
-# below, each part takes about as long as the whole, its loads' latency the most of it (8 heads
-# of 32 over 2 K heads at sequence 128 on dlegion-8x8, 1,024 a Legion: 10,110 cycles whole,
-# 10,762 in parts; the 2B4T layer at 128, 10,240 a Legion: 218,698 -> 218,233).
-FEWEST_AHEAD_ELEMS = 4096
+# The fewest elements of K a Legion for its smoothing to run in two parts (``_ahead``): below,
+# the first part takes about as long as the whole, its loads' latency the most of it (8 heads
+# of 32 over 2 K heads on dlegion-8x8: at sequence 128, 1,024 a Legion, 10,121 cycles whole and
+# 10,433 in parts; at 256, 2,048 a Legion, 20,080 whole and 19,289 in parts).
+FEWEST_AHEAD_ELEMS = 2048
 # The most nodes between the three: --attention int8x2 has 11 (the views of two pieces of P,
 # and V's second piece with its views).
 MOST_BETWEEN = 12
@@ -126,9 +126,10 @@ def _ahead(nodes: list[Node], at: int) -> list[Node]:
 
 
 def _ahead_split(low: Lowering, found: dict, ahead: list[Node], first: range) -> dict:
-    """K's mean and smoothing (``ahead``) as lowered: ``{"kernels", "views", "part"}``, the
-    kernels run for the K heads the first group reads (``part``) before its QK^T and for the
-    rest beside it; nothing when they do not run so."""
+    """K's mean and smoothing (``ahead``) as lowered: ``{"kernels", "views", "part", "total"}``,
+    the mean over all ``total`` K heads and the smoothing over the ``part`` the first group
+    reads before its QK^T, the smoothing of the rest beside it; nothing when they do not run
+    so."""
     kernels = [n for n in ahead if n.op not in VIEWS_AHEAD]
     if not ahead or any(carry.pending(low, n) for n in ahead) or kernels[1].inputs[1] != kernels[0].outputs[0] \
             or not all(down_columns_in_parts(low, n) for n in kernels):
@@ -210,8 +211,9 @@ def lower_attention(low: Lowering, found: dict, groups: list[range], lower_node,
 
     qk, sm, pv = found["qk"], found["softmax"], found["pv"]
     ahead = found.get("ahead") or {}
-    if ahead:       # K's mean and smoothing for the heads the first group reads
-        _lower_ahead(low, ahead, range(ahead["part"]), spans, ("ahead", 0), None)
+    if ahead:       # K's mean, and its smoothing for the heads the first group reads
+        mean, smooth = ahead["kernels"]
+        _lower_ahead(low, [(mean, range(ahead["total"])), (smooth, range(ahead["part"]))], spans, ("ahead", 0))
         for node in ahead["views"]:
             _lower_between(low, node, lower_node, spans, own_regions, {node.name}, room)
     # K's copy into the rows the arrays take as weights stays in the products' part too, so
@@ -219,8 +221,9 @@ def lower_attention(low: Lowering, found: dict, groups: list[range], lower_node,
     with em.reserving("vec", em.capacity("vec") - room):
         run(("qk", qk), _attn(low, qk, groups, room))
     if ahead:       # and for the rest, beside the first group
-        own_regions.append(" + ".join(region_name(n) for n in ahead["kernels"]))
-        _lower_ahead(low, ahead, range(ahead["part"], ahead["total"]), spans, ("node", len(own_regions) - 1), room)
+        own_regions.append(region_name(smooth))
+        _lower_ahead(low, [(smooth, range(ahead["part"], ahead["total"]))], spans, ("node", len(own_regions) - 1),
+                     room)
     for node in found["between"]["before"]:
         _lower_between(low, node, lower_node, spans, own_regions, found["between"]["views"], room)
     with em.reserving("vec", room):
@@ -251,12 +254,12 @@ def lower_attention(low: Lowering, found: dict, groups: list[range], lower_node,
             regions.append((start + min(starts[k] for k in ks), name))
 
 
-def _lower_ahead(low: Lowering, ahead: dict, part: range, spans: dict, key, room: int | None) -> None:
-    """K's mean and smoothed quantization over the K heads ``part``; given a ``room``, in the
-    part of ``vec`` past it, which the first group's QK^T leaves alone."""
+def _lower_ahead(low: Lowering, parts: list[tuple[Node, range]], spans: dict, key, room: int | None = None) -> None:
+    """K's mean or smoothed quantization, each node over its K heads of ``parts``; given a
+    ``room``, in the part of ``vec`` past it, which the first group's QK^T leaves alone."""
     em, at = low.em, len(low.em.instrs)
     with em.reserving("vec", room) if room else nullcontext():
-        for node in ahead["kernels"]:
+        for node, part in parts:
             lower_matrices(low, node, part)
             em.barrier()
     if room:
