@@ -836,12 +836,12 @@ def dram_rate(arch: Arch, p: Problem) -> float:
 
 
 def multicaster(p: Problem, legions: list[int]) -> int:
-    """The Legion whose DMA queue issues the multicast loads: the first; under a causal reach
-    (attention's products) the last, whose arrays the triangle leaves the least work when
-    QK^T's columns are dealt in order, so its queue holds the other Legions' passes back the
-    least (2B4T layer on dlegion-8x8: at 512 799,700 -> 799,450 cycles, at 128 218,233 ->
-    218,175; int8x2 at 512 950,162 -> 949,983)."""
-    return legions[-1 if p.n_reach is not None or p.k_reach is not None else 0]
+    """The Legion whose DMA queue issues the multicast loads: the first; for a causal QK^T
+    whose columns are dealt in order the last, whose arrays the triangle leaves the fewest
+    passes, so its queue holds the other Legions' passes back the least (2B4T layer on
+    dlegion-8x8: at 512 799,561 -> 798,572 cycles, at 128 217,933 -> 217,880; int8x2, whose
+    columns are dealt interleaved, at 512 and 256 unchanged, at 128 245,105 -> 245,155)."""
+    return legions[-1 if p.n_reach is not None and p.n_origin is None else 0]
 
 
 class _Model:
