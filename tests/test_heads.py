@@ -20,11 +20,11 @@ HEADS, SEQ, KV = 8, 128, 2
 
 
 @lru_cache(maxsize=None)
-def _compiled(tmp: str, head_groups: bool):
+def _compiled(tmp: str, head_groups: bool, seq: int = SEQ):
     from pathlib import Path
-    path = Path(tmp) / "attn.onnx"
+    path = Path(tmp) / f"attn{seq}.onnx"
     if not path.exists():
-        attention(path, HEADS, SEQ, KV)
+        attention(path, HEADS, seq, KV)
     return compile_model(path, Options(WIDE, attention="int8", head_groups=head_groups))[1]
 
 
@@ -51,7 +51,7 @@ def test_attention_by_head_groups_matches_all_heads_at_once_and_onnxruntime(tmp)
     x = _inputs(HEADS, SEQ, KV)
     got = run(grouped, WIDE, x, races=True).outputs["o"]
     np.testing.assert_array_equal(got, run(plain, WIDE, x, races=True).outputs["o"])
-    err = _rel(got, _onnxruntime(f"{tmp}/attn.onnx", x))
+    err = _rel(got, _onnxruntime(f"{tmp}/attn{SEQ}.onnx", x))
     assert 1e-4 < err < 2e-2
 
 
@@ -90,6 +90,34 @@ def test_vs_quantization_runs_while_the_arrays_multiply_the_first_groups_qk(tmp)
         assert (timeline.done[stores].max() < timeline.start[first_group]) == head_groups
 
 
+LONG = 256      # K of 16384 elements, 2048 a Legion: its smoothing runs in two parts
+
+
+def test_ks_smoothing_runs_for_the_first_groups_k_heads_before_its_qk_and_for_the_rest_beside_it(tmp):
+    """K's mean over the tokens, and its smoothed quantization for the K head the first group
+    reads (one of two), run in a region of their own, the smoothing of the other merged with the
+    first group's QK^T, whose first pass starts before K's last codes are stored; over all heads
+    at once, each node over all of K before QK^T. The same bits either way, both race-checked;
+    at sequence 128 (1024 elements of K a Legion) they run whole."""
+    assert "k5_mean_1" in [name for _, name in _compiled(tmp, True).regions]
+    x = _inputs(HEADS, LONG, KV)
+    outs = [run(_compiled(tmp, head_groups, LONG), WIDE, x, races=True).outputs["o"] for head_groups in (True, False)]
+    np.testing.assert_array_equal(*outs)
+    for head_groups in (True, False):
+        program = _compiled(tmp, head_groups, LONG)
+        names = [name for _, name in program.regions]
+        assert ("k5_mean_1 + k5_smooth_0_absmax_0" in names) == head_groups
+        assert ("MatMul_7 + k5_smooth_0_absmax_0 + v5_t_0_absmax_0" in names) == head_groups
+        assert ("k5_mean_1" in names and "k5_smooth_0_absmax_0" in names) != head_groups
+        timeline = simulate(program, WIDE)
+        tasks = timeline.program.instrs
+        codes = next(t for t, tensor in enumerate(program.tensors) if tensor.name == "k5_smooth_0_q_0")
+        stores = [k for k in range(len(timeline.start)) if isinstance(tasks[k], DmaStore) and tasks[k].dst.tensor == codes]
+        qk = [k for k in range(len(timeline.start)) if isinstance(tasks[k], MatMul) and tasks[k].K <= D]
+        assert stores and qk
+        assert (timeline.start[qk].min() < timeline.done[stores].max()) == head_groups
+
+
 def test_the_race_check_finds_a_wait_removed_between_a_softmax_and_its_pv(tmp):
     """P.V's first loads wait (the waits its DMA queue issues right before them) for the softmax
     that stored P on other Legions and for the QK^T drains merged before them that used their
@@ -109,11 +137,12 @@ def test_the_race_check_finds_a_wait_removed_between_a_softmax_and_its_pv(tmp):
 
 def _waits_before(program, k: int) -> list[int]:
     """The waits, and the loads that wait, in the run of P.V's own loads (of P, its row scales,
-    V and its scales) and waits that ``k``'s Legion's DMA queue issues up to ``k``."""
+    V and its scales) and waits that ``k``'s Legion's DMA queue issues up to ``k`` (spanned ones
+    over it too)."""
     i, out = program.instrs[k], []
     for j in range(k, -1, -1):
         w = program.instrs[j]
-        if w.legion != i.legion or w.queue() != "dma":
+        if not w.legion <= i.legion < w.legion + (getattr(w, "span", None) or 1) or w.queue() != "dma":
             continue
         if isinstance(w, Wait):
             out.append(j)

@@ -39,9 +39,10 @@ def lower_graph(graph: Graph, arch: Arch, data_file: str | None, switches: Switc
             chain, ranges = rowblocks.plan(low, graph.nodes, at) if switches.row_blocks and not attention else ([], [])
             if attention:           # attention's products and softmax pipelined by head groups
                 _lower_attention(low, attention, groups, problems, regions)
-                for node in (attention["qk"], attention["softmax"], attention["pv"]):
+                ahead = attention["ahead"].get("kernels", []) + attention["ahead"].get("views", [])
+                for node in (*ahead, attention["qk"], attention["softmax"], attention["pv"]):
                     _record_approximations(em, node)
-                chain = [attention["qk"], attention["softmax"], attention["pv"],
+                chain = [*ahead, attention["qk"], attention["softmax"], attention["pv"],
                          *attention["between"]["before"], *attention["between"]["after"]]
             elif chain:               # matmuls and row kernels pipelined by row blocks
                 rowblocks.lower_chain(low, chain, ranges, regions, region_name, _lower_node)

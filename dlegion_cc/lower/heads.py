@@ -17,7 +17,10 @@ and the barriers between the steps are replaced by the waits that keep them orde
 (``overlap.py``'s rewrite in the new order), which the race check proves. Nodes between the
 three that read none of them (the quantization of V) run beside S(0), in the part of ``vec``
 the softmax takes later (2B4T layer at 512 on dlegion-8x8: 858,735 -> 854,069 cycles); the
-products' copies (K's rows for the arrays) stay in their own part for it.
+products' copies (K's rows for the arrays) stay in their own part for it. Before S(0) come K's
+mean over the tokens and K's smoothed quantization of only the K heads S(0) reads, the rest of
+it beside S(0) the same way (``_ahead``; the layer at 512 801,743 -> 799,561 cycles, at 128
+218,698 -> 217,933).
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ from dlegion_cc.lower.context import Lowering
 from dlegion_cc.lower.fused import head_axis, row_kernel_heads, row_kernel_width
 from dlegion_cc.lower.overlap import _Rewrite, _span, reused
 from dlegion_cc.lower.qmatmul import run_time_weights_groups
-from dlegion_cc.lower.reduce import strips_fit
+from dlegion_cc.lower.reduce import down_columns_in_parts, lower_matrices, strips_fit
 from dlegion_cc.lower.rowblocks import _apart, _shift_vec
 from runtime.costs import Env, cost
 
@@ -60,6 +63,15 @@ FEWEST_GROUP_ROWS = 2560
 MOST_GROUPS_OF_PIECES = 10
 # Ops between the three nodes that may read them: views, which emit nothing.
 VIEWS = ("Reshape", "Unsqueeze", "Squeeze", "Identity")
+# Ops between K's smoothed quantization and QK^T (``_ahead``): views of K's codes and scales.
+VIEWS_AHEAD = ("Transpose", "Expand", *VIEWS)
+MOST_AHEAD_VIEWS = 6
+SMOOTH = (DLEGION, "SmoothAbsmaxQuantize")
+# The fewest elements of K a Legion for its smoothing to run in two parts (``_ahead``): below,
+# the first part takes about as long as the whole, its loads' latency the most of it (8 heads
+# of 32 over 2 K heads on dlegion-8x8: at sequence 128, 1,024 a Legion, 10,121 cycles whole and
+# 10,433 in parts; at 256, 2,048 a Legion, 20,080 whole and 19,289 in parts).
+FEWEST_AHEAD_ELEMS = 2048
 # The most nodes between the three: --attention int8x2 has 11 (the views of two pieces of P,
 # and V's second piece with its views).
 MOST_BETWEEN = 12
@@ -76,9 +88,11 @@ def products_room(arch) -> int:
 
 
 def plan(low: Lowering, nodes: list[Node], at: int) -> tuple[dict, list[range]]:
-    """The attention at ``nodes[at]`` (``{"qk", "softmax", "pv", "between"}``: its nodes and
-    those between them) and its head groups; nothing when there is none or one group."""
-    found = _attention_at(low, nodes, at)
+    """The attention at ``nodes[at]`` (``{"qk", "softmax", "pv", "between", "ahead"}``: its
+    nodes, those between them and K's mean and smoothing before them) and its head groups;
+    nothing when there is none or one group."""
+    ahead = _ahead(nodes, at)
+    found = _attention_at(low, nodes, at + len(ahead))
     if not found:
         return {}, []
     heads, rows = found["heads"], found["softmax"].attrs["frame"].shape[-2]
@@ -90,7 +104,54 @@ def plan(low: Lowering, nodes: list[Node], at: int) -> tuple[dict, list[range]]:
     if count < 2:
         return {}, []
     per = heads // count
-    return found, [range(g * per, (g + 1) * per) for g in range(count)]
+    groups = [range(g * per, (g + 1) * per) for g in range(count)]
+    found["ahead"] = _ahead_split(low, found, ahead, groups[0])
+    if ahead and not found["ahead"]:
+        return {}, []       # K's mean and smoothing lowered as nodes; the attention after them
+    return found, groups
+
+
+def _ahead(nodes: list[Node], at: int) -> list[Node]:
+    """K's mean over the tokens at ``nodes[at]``, its smoothed quantization and the views up to
+    the QK^T after them; nothing when ``nodes[at]`` is not such a mean."""
+    if nodes[at].op != "ReduceMean" or nodes[at].domain:
+        return []
+    made, out = set(nodes[at].outputs), [nodes[at]]
+    for node in nodes[at + 1:at + 2 + MOST_AHEAD_VIEWS]:
+        if (node.domain, node.op) == ATTN:
+            kernels = [n for n in out if n.op not in VIEWS_AHEAD]
+            return out if [n.op for n in kernels] == ["ReduceMean", "SmoothAbsmaxQuantize"] else []
+        if not made & set(node.inputs) or ((node.domain, node.op) != SMOOTH and node.op not in VIEWS_AHEAD):
+            return []
+        made |= set(node.outputs)
+        out.append(node)
+    return []
+
+
+def _ahead_split(low: Lowering, found: dict, ahead: list[Node], first: range) -> dict:
+    """K's mean and smoothing (``ahead``) as lowered: ``{"kernels", "views", "part", "total"}``,
+    the mean over all ``total`` K heads and the smoothing over the ``part`` the first group
+    reads before its QK^T, the smoothing of the rest beside it; nothing when they do not run
+    so."""
+    kernels = [n for n in ahead if n.op not in VIEWS_AHEAD]
+    if not ahead or any(carry.pending(low, n) for n in ahead) or kernels[1].inputs[1] != kernels[0].outputs[0] \
+            or not all(down_columns_in_parts(low, n) for n in kernels):
+        return {}
+    room, S = products_room(low.em.arch), low.shape(kernels[0].inputs[0])[-2]
+    if not strips_fit(low.em, S, room) or 4 * low.shape(kernels[1].inputs[0])[-1] > low.em.capacity("vec") - room:
+        return {}
+    k_lead, q_lead = low.shape(kernels[1].inputs[0])[:-2], low.shape(found["qk"].outputs[0])[:-2]
+    if len(k_lead) != len(q_lead) or any(k not in (1, q) for k, q in zip(k_lead, q_lead)):
+        return {}
+    # The K matrix each query head of the first group reads (a K head repeated: index 0).
+    reads = [np.ravel_multi_index([i if k > 1 else 0 for i, k in zip(np.unravel_index(h, q_lead), k_lead)], k_lead)
+             for h in first]
+    part = int(max(reads)) + 1
+    elems = math.prod(low.shape(kernels[1].inputs[0]))
+    if part >= math.prod(k_lead) or elems < FEWEST_AHEAD_ELEMS * low.em.arch.legions:
+        return {}
+    return {"kernels": kernels, "views": [n for n in ahead if n not in kernels], "part": part,
+            "total": math.prod(k_lead)}
 
 
 def _attention_at(low: Lowering, nodes: list[Node], at: int) -> dict:
@@ -152,10 +213,20 @@ def lower_attention(low: Lowering, found: dict, groups: list[range], lower_node,
             raise AssertionError("more head groups than planned")
 
     qk, sm, pv = found["qk"], found["softmax"], found["pv"]
+    ahead = found.get("ahead") or {}
+    if ahead:       # K's mean, and its smoothing for the heads the first group reads
+        mean, smooth = ahead["kernels"]
+        _lower_ahead(low, [(mean, range(ahead["total"])), (smooth, range(ahead["part"]))], spans, ("ahead", 0))
+        for node in ahead["views"]:
+            _lower_between(low, node, lower_node, spans, own_regions, {node.name}, room)
     # K's copy into the rows the arrays take as weights stays in the products' part too, so
     # that V's quantization can run beside the first group (``_steps``).
     with em.reserving("vec", em.capacity("vec") - room):
         run(("qk", qk), _attn(low, qk, groups, room))
+    if ahead:       # and for the rest, beside the first group
+        own_regions.append(region_name(smooth))
+        _lower_ahead(low, [(smooth, range(ahead["part"], ahead["total"]))], spans, ("node", len(own_regions) - 1),
+                     room)
     for node in found["between"]["before"]:
         _lower_between(low, node, lower_node, spans, own_regions, found["between"]["views"], room)
     with em.reserving("vec", room):
@@ -169,17 +240,34 @@ def lower_attention(low: Lowering, found: dict, groups: list[range], lower_node,
 
     def make(program):
         steps = _steps(program, arch, spans, len(groups), start, [k for k in spans if k[0] == "node"])
+        if ("ahead", 0) in spans:
+            steps.insert(0, (("ahead",), [k - start for k in range(*spans["ahead", 0])
+                                          if not isinstance(program.instrs[k - start], Barrier)]))
         out, starts = _Rewrite(program, arch, order=[k for _, ks in steps for k in ks]).run()
         return out, (steps, starts)
     how = (tuple(sorted((key, lo - start, hi - start) for key, (lo, hi) in spans.items())), len(groups))
     out, (steps, starts) = reused(program, low.rewrites, how, make)
     em.instrs[start:] = out
     names = {"qk": region_name(qk), "softmax": region_name(sm), "pv": region_name(pv),
-             "between": " + ".join(own_regions)}
+             "between": " + ".join(own_regions),
+             "ahead": " + ".join(region_name(n) for n in ahead.get("kernels", []))}
     for label, ks in steps:
         if ks:
             name = own_regions[label[1]] if label[0] == "node" else " + ".join(names[p] for p in label)
             regions.append((start + min(starts[k] for k in ks), name))
+
+
+def _lower_ahead(low: Lowering, parts: list[tuple[Node, range]], spans: dict, key, room: int | None = None) -> None:
+    """K's mean or smoothed quantization, each node over its K heads of ``parts``; given a
+    ``room``, in the part of ``vec`` past it, which the first group's QK^T leaves alone."""
+    em, at = low.em, len(low.em.instrs)
+    with em.reserving("vec", room) if room else nullcontext():
+        for node, part in parts:
+            lower_matrices(low, node, part)
+            em.barrier()
+    if room:
+        _shift_vec(em, (None, at, len(em.instrs)), room)
+    spans[key] = (at, len(em.instrs))
 
 
 def _attn(low: Lowering, node: Node, groups: list[range], room: int):

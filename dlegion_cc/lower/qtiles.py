@@ -32,7 +32,7 @@ from isa.instructions import BY_MNEMONIC, DmaLoad, DmaStore, Drain, MatMul, NocM
 from dlegion_cc.lower.emitter import Emitter
 from dlegion_cc.lower.qplan import (CV_SLOTS, RS_SLOTS, Chunk, Group, Homes, Plan, Problem, RowScale, Segment, Slots,
                                     Switches, act_key, act_slot_elems, choose, chunk_blocks, dead_tile, find_weights,
-                                    groups, in_order, last_visit, legion_tiles, owners, pieces, products, reach_blocks,
+                                    groups, in_order, last_visit, legion_tiles, multicaster, owners, pieces, products, reach_blocks,
                                     row_blocks, stores, column_runs, legion_step, tail_pieces, tile_order, units, weight_key, weights_wait, wgt_slot_bytes)
 
 __all__ = ["Plan", "Problem", "RowScale", "Segment", "emit_tiles", "plan_tiles"]
@@ -168,7 +168,7 @@ class _Tiles:
         self.sync = Sync(em)
         self.legions = owners(em.arch, p, plan)
         self.groups = groups(em.arch, p, plan) if spans else [Group(l, 1) for l in self.legions]
-        self.lead = Group(self.legions[0], 1)          # issues the multicasts
+        self.lead = Group(multicaster(p, self.legions), 1)          # issues the multicasts
         self.tiles = {g: legion_tiles(p, plan, g.base) for g in self.groups}
         self.blocks = row_blocks(p, plan)
         self.units = units(p, plan)

@@ -15,7 +15,7 @@ from isa.fields import DramRef, View
 from isa.instructions import BY_MNEMONIC, DmaLoad, DmaStore
 from dlegion_cc.ir import DLEGION
 from dlegion_cc.lower.context import Lowering, lowers, perm_of, row_view
-from dlegion_cc.lower.layout import Operand, broadcast, contiguous_strides, transposed, whole
+from dlegion_cc.lower.layout import Operand, broadcast, contiguous_strides, reshaped, transposed, whole
 from dlegion_cc.lower.movement import nd_copy
 from dlegion_cc.lower.quant import V, absmax_rows, absmax_scale, int_result
 from dlegion_cc.lower.rowwise import Arg, rowwise
@@ -75,8 +75,7 @@ def reduction(low: Lowering, node) -> None:
         fill(low, out, EMPTY[node.op])
         return
     if _down_columns(low, x, axes):
-        dst = low.result(out)
-        column_reduce(low, node, x, Operand(dst.tensor, dst.offset, contiguous_strides((*shape[:-2], shape[-1]))))
+        column_reduce(low, node, x, _column_result(low, out, shape))
         return
     src, (rows, n) = to_rows(low, x, axes, where)
     dst = low.result(out)      # the kept axes in order: the output's layout whether or not keepdims
@@ -88,6 +87,33 @@ def reduction(low: Lowering, node) -> None:
             em.emit(BY_MNEMONIC["vdiv"](legion, v["out"], v["out"], float(n), r, 1))
     args = [Arg("x", src), Arg("out", Operand(dst.tensor, dst.offset, (1, 0)), out=True)]
     rowwise(low.em, (rows, n), args, body, keep_last=True, where=where)
+
+
+def _column_result(low: Lowering, out: str, shape: tuple) -> Operand:
+    """Where a reduction down the columns of ``shape`` writes ``out`` [.., D], made once (a
+    node lowered in parts of its matrices writes the one tensor)."""
+    dst = low.operands.get(out) or low.result(out)
+    return Operand(dst.tensor, dst.offset, contiguous_strides((*shape[:-2], shape[-1])))
+
+
+def down_columns_in_parts(low: Lowering, node) -> bool:
+    """Whether ``node`` may be lowered in parts of the matrices of its input
+    (``lower_matrices``): a mean down the columns (K's over the tokens) or K's smoothed
+    quantization."""
+    if (node.domain, node.op) == (DLEGION, "SmoothAbsmaxQuantize"):
+        return True
+    return node.op == "ReduceMean" and not node.domain and _down_columns(low, node.inputs[0], _axes(low, node))
+
+
+def lower_matrices(low: Lowering, node, part: range) -> None:
+    """``node`` (``down_columns_in_parts``) over the matrices ``part`` of its input only (the
+    leading dimensions flattened), so that attention's first head group waits only for the
+    heads it reads."""
+    if node.op == "ReduceMean":
+        x = node.inputs[0]
+        column_reduce(low, node, x, _column_result(low, node.outputs[0], low.shape(x)), part)
+    else:
+        smooth_absmax_quantize(low, node, part)
 
 
 def _copy(low: Lowering, node) -> None:
@@ -131,20 +157,35 @@ def _softmax_rows(low: Lowering, src: Operand, dst: Operand, rows: int, n: int, 
 # --- attention's K and V quantized in place (passes/attnoperands.py) ------------------------
 
 @lowers("SmoothAbsmaxQuantize", domain=DLEGION, views=row_view)
-def smooth_absmax_quantize(low: Lowering, node) -> None:
+def smooth_absmax_quantize(low: Lowering, node, part: range | None = None) -> None:
     """q = round(s / r) with s = x - mean, r = max(max|s|, floor) / 127 per row (int8), and r:
-    the instructions of Sub then AbsmaxQuantize, without storing s."""
+    the instructions of Sub then AbsmaxQuantize, without storing s; with ``part``, of those
+    matrices of x only (its leading dimensions flattened)."""
     (x, mean), (q, r) = node.inputs, node.outputs
     shape = low.shape(x)
 
     def body(e, l, v, rows, cols):
         e.emit(V("vsub")(l, v["x"], v["x"], v["mean"], rows, cols))
         absmax_rows(e, l, v["q"], v["r"], v["x"], rows, cols)
-    r_op = low.result(r)
-    args = [Arg("x", low.operand(x)), Arg("mean", broadcast(low.operand(mean), low.shape(mean), shape)),
-            Arg("q", _codes(low, q), out=True),
-            Arg("r", Operand(r_op.tensor, r_op.offset, r_op.strides[:-1] + (0,)), out=True)]
+    r_op = low.operands.get(r) or low.result(r)
+    q_op = low.operands.get(q) or _codes(low, q)
+    ops = [low.operand(x), broadcast(low.operand(mean), low.shape(mean), shape), q_op,
+           Operand(r_op.tensor, r_op.offset, r_op.strides[:-1] + (0,))]
+    if part is not None:
+        shape, ops = _matrices(shape, ops, part)
+    args = [Arg("x", ops[0]), Arg("mean", ops[1]), Arg("q", ops[2], out=True), Arg("r", ops[3], out=True)]
     rowwise(low.em, shape, args, body, keep_last=True, where=f"node '{node.name}': ")
+
+
+def _matrices(shape: tuple, ops: list[Operand], part: range) -> tuple[tuple, list[Operand]]:
+    """The matrices ``part`` of the frame ``shape`` (its leading dimensions flattened) and of
+    each of ``ops`` in it."""
+    flat = (math.prod(shape[:-2]), *shape[-2:])
+    flat_ops = [reshaped(op, shape, flat) for op in ops]
+    if any(op is None for op in flat_ops):
+        raise AssertionError("the matrices of a frame whose leading dimensions do not merge")
+    return (len(part), *shape[-2:]), [Operand(op.tensor, op.offset + part.start * op.strides[0], op.strides)
+                                      for op in flat_ops]
 
 
 def _codes(low: Lowering, q: str) -> Operand:
@@ -202,7 +243,7 @@ def strips_fit(em, S: int, reserve: int = 0) -> bool:
     return 3 * S + 2 <= em.capacity("vec") - reserve and S <= em.extent()
 
 
-def column_reduce(low: Lowering, node, x: str, out: Operand) -> None:
+def column_reduce(low: Lowering, node, x: str, out: Operand, part: range | None = None) -> None:
     """A reduction over the next-to-last axis of ``x`` (rows contiguous) into ``out`` [.., D]:
     each strip of columns is loaded transposed into the scratchpad, where its columns are
     contiguous rows, reduced as the copy through DRAM that ``to_rows`` makes would have them,
@@ -215,7 +256,7 @@ def column_reduce(low: Lowering, node, x: str, out: Operand) -> None:
 
     def stores(legion, v, idx, c0, S, w):
         return [_row_store(legion, out.at(idx), c0 * out.strides[-1], v.r, w)]
-    _strips(low, node, x, True, body, stores)
+    _strips(low, node, x, True, body, stores, part)
 
 
 def _row_store(legion: int, op: Operand, offset: int, addr: int, w: int) -> DmaStore:
@@ -234,14 +275,17 @@ class _Buffer:
     width: int
 
 
-def _strips(low: Lowering, node, x: str, transposed: bool, body, stores) -> None:
-    """Run ``body`` on strips of whole columns of every matrix of ``x`` [.., S, D], then
-    ``stores(legion, buffer, batch index, first column, S, columns)``."""
+def _strips(low: Lowering, node, x: str, transposed: bool, body, stores, part: range | None = None) -> None:
+    """Run ``body`` on strips of whole columns of every matrix of ``x`` [.., S, D] (of the
+    matrices ``part``, in the order of ``np.ndindex``), then ``stores(legion, buffer, batch
+    index, first column, S, columns)``."""
     shape, src = low.shape(x), low.operand(x)
     S, D = shape[-2:]
-    width = _strip_width(low.em, math.prod(shape[:-2]), S, D, f"node '{node.name}': ")
+    matrices = list(np.ndindex(*shape[:-2]))
+    matrices = matrices if part is None else matrices[part.start:part.stop]
+    width = _strip_width(low.em, len(matrices), S, D, f"node '{node.name}': ")
     strips = _Strips(low.em, S, width, transposed)
-    for idx in np.ndindex(*shape[:-2]):
+    for idx in matrices:
         for c0 in range(0, D, width):
             strips.emit(src.at(idx), c0, min(width, D - c0), body,
                         lambda legion, v, w, idx=idx, c0=c0: stores(legion, v, idx, c0, S, w))
