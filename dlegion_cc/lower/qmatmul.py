@@ -203,7 +203,7 @@ def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out:
         rest = qrest.split(arch, segments, shapes.tiles(), per)
     if rest:
         n, out_cols = np.shape(layouts.raw.values)[-1], low.shape(outs[-1].name)[-1]
-        rest_part = _ColumnPart(low, f"{name}_rest", layouts.raw, n - rest.columns, n, groups, dsts[-1].tensor,
+        rest_part = _plain_part(low, f"{name}_rest", layouts.raw, n - rest.columns, n, groups, dsts[-1].tensor,
                                 out_cols, out_cols - rest.columns, rest.width)
         segments = qrest.kept(segments, rest)
         layouts = _Layouts(low, _columns(layouts.raw, 0, sum(segments)), segments)
@@ -254,8 +254,8 @@ def _long_steps(low: Lowering, name: str, raw: Weights, head: int, p: Problem, b
     with the last block; then, when the caller asks once more (a step of its own at the chain's
     end, whose first loads go ahead of the long passes' last), the first columns' last block."""
     legions, out, N = low.em.arch.legions, p.out, p.N
-    first = _ColumnPart(low, f"{name}_head", raw, 0, head, p.groups, out, N, 0, legions)
-    rest = _ColumnPart(low, f"{name}_long", raw, head, N, p.groups, out, N, head, legions)
+    first = _plain_part(low, f"{name}_head", raw, 0, head, p.groups, out, N, 0, legions)
+    rest = _plain_part(low, f"{name}_long", raw, head, N, p.groups, out, N, head, legions)
     for j, rows in enumerate(blocks):
         if j:
             low.em.barrier()    # each block's plan reuses the scratchpad slots of the one before
@@ -266,6 +266,15 @@ def _long_steps(low: Lowering, name: str, raw: Weights, head: int, p: Problem, b
         yield rows
     low.em.barrier()
     first.emit(replace(p, rows=blocks[-1]), rings)
+
+
+def _plain_part(low: Lowering, name: str, raw: Weights, lo: int, hi: int, groups: int, out: int, out_cols: int,
+                at: int, width: int) -> "_ColumnPart":
+    """Columns ``lo`` .. ``hi - 1`` of a plain weight on parts of ``width`` Legions, stored from
+    column ``at`` of output ``out`` [rows, ``out_cols``]."""
+    na = low.em.arch.array
+    per_legion = math.ceil(math.ceil((hi - lo) / na) / width) * na
+    return _ColumnPart(low, name, _columns(raw, lo, hi), groups, Segment(out, out_cols, per_legion, 0, at), width)
 
 
 def _drain_consts(em: Emitter, name: str, w: Weights, groups: int, n_pad: int) -> tuple:
@@ -288,23 +297,18 @@ def _columns(w: Weights, lo: int, hi: int) -> Weights:
 
 
 class _ColumnPart:
-    """Columns ``lo`` .. ``hi - 1`` of a matmul's weight as a matmul of their own, on parts of
-    ``width`` Legions, stored from column ``at`` of output ``out`` [rows, ``out_cols``]: its
-    constants (named ``name``) and its emission (``qrest``'s split-off columns, ``qlong``'s
-    long passes)."""
+    """Some of a matmul's columns as a matmul of their own, on parts of ``width`` Legions: ``w``
+    (laid out for them) stored as ``segment`` says; its constants (named ``name``) and its
+    emission (``qrest``'s split-off columns, ``qlong``'s cuts)."""
 
-    def __init__(self, low: Lowering, name: str, raw: Weights, lo: int, hi: int, groups: int, out: int,
-                 out_cols: int, at: int, width: int):
+    def __init__(self, low: Lowering, name: str, w: Weights, groups: int, segment: Segment, width: int):
         em, na = low.em, low.em.arch.array
-        w = _columns(raw, lo, hi)
-        self.low, self.width, self.plans = low, width, {}
-        self.N = hi - lo
+        self.low, self.width, self.plans, self.segment = low, width, {}, segment
+        self.N = np.shape(w.values)[-1]
         self.n_pad = math.ceil(self.N / na) * na
         pieces, self.nonzero = _pieces(low, w.values, self.n_pad)
         self.weights = tuple(_weight_const(em, f"{name}_w{i or ''}", piece) for i, piece in enumerate(pieces))
         self.scales, self.bias = _drain_consts(em, name, w, groups, self.n_pad)
-        per_legion = math.ceil(self.n_pad / na / width) * na
-        self.segment = Segment(out, out_cols, per_legion, 0, at)
 
     def emit(self, p: Problem, rings: dict | None) -> None:
         """These columns of ``p``'s rows; ``rings`` (``emit_tiles``): what the matmul before
