@@ -179,7 +179,7 @@ def _wide(tmp: str, row_blocks: bool):
 
 def test_a_wide_row_kernel_with_its_output_in_place_leaves_the_matmuls_whole_row_blocks(tmp):
     """The row of ReLU^2 * up's norm and quantization counted with its output in place (as ``rowwise`` then lays it): the
-    matmuls beside it keep the row blocks' 128 rows a pass (counted with a row of its own,
+    matmuls beside it keep at least the row blocks' 128 rows a pass (counted with a row of its own,
     gate/up and down were left room for passes of 64 rows, each paying its fill and drain),
     the kernel's blocks still merged with the matmul blocks after them; the same outputs as
     without row blocks, race-checked."""
@@ -188,7 +188,8 @@ def test_a_wide_row_kernel_with_its_output_in_place_leaves_the_matmuls_whole_row
     kernel = _product_kernel(program)
     assert any("gate_proj" in n and f" with {kernel}" in n for n in names)
     assert any("down_proj" in n and f" with {kernel}" in n for n in names)
-    assert {i.M for i in program.instrs if isinstance(i, MatMul)} == {SEQ // 2}
+    # (the last matmul's columns past its first windows pass all the rows at once: ``qlong``)
+    assert min(i.M for i in program.instrs if isinstance(i, MatMul)) == SEQ // 2
     inputs = random_inputs(plain, 0)
     got, want = run(program, EIGHT, inputs).outputs, run(plain, EIGHT, inputs).outputs   # race-checked
     assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)

@@ -31,7 +31,7 @@ from isa.instructions import BY_MNEMONIC
 from dlegion_cc.ir import DLEGION
 from dlegion_cc.lower.context import Lowering, lowers
 from dlegion_cc.lower.emitter import Emitter
-from dlegion_cc.lower import qrest
+from dlegion_cc.lower import qlong, qrest
 from dlegion_cc.lower.layout import Operand, is_contiguous, whole
 from dlegion_cc.lower.movement import nd_copy
 from dlegion_cc.lower.rowwise import Arg, rowwise
@@ -202,7 +202,9 @@ def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out:
     if width == arch.legions and gated is None and batches == 1 and corr is None and not exact:
         rest = qrest.split(arch, segments, shapes.tiles(), per)
     if rest:
-        rest_part = _RestPart(low, name, layouts.raw, rest, groups, dsts[-1].tensor, low.shape(outs[-1].name)[-1])
+        n, out_cols = np.shape(layouts.raw.values)[-1], low.shape(outs[-1].name)[-1]
+        rest_part = _plain_part(low, f"{name}_rest", layouts.raw, n - rest.columns, n, groups, dsts[-1].tensor,
+                                out_cols, out_cols - rest.columns, rest.width)
         segments = qrest.kept(segments, rest)
         layouts = _Layouts(low, _columns(layouts.raw, 0, sum(segments)), segments)
     if width != arch.legions or rest:
@@ -213,6 +215,13 @@ def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out:
     if len(em.instrs) > before:
         em.barrier()                                    # every Legion reads what the vector unit wrote
     n_pad = math.ceil(N / arch.array) * arch.array
+    plain = chained and defer and width == arch.legions and not segments and lay is None and not rest
+    head = qlong.head_columns(arch, N, shapes.tiles(), blocks) if plain and corr is None and not exact else 0
+    if head:
+        p = Problem(a8, rscale, (), None, groups, block, None, *corrs[0], out.requant, exact, dst.tensor,
+                    blocks[0], K, N, n_pad, vec_room=vec_room, row_block=chained)
+        yield from _long_steps(low, name, layouts.raw, head, p, blocks, {} if rings is None else rings)
+        return
     scales, bias = _drain_consts(em, name, w, groups, n_pad)
     segs = () if lay is None else lay.segments(low, outs, dsts, segments, rest is not None)
     made, plans, rings = {}, {}, {} if rings is None else rings
@@ -239,6 +248,35 @@ def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out:
             yield blocks[-1]
 
 
+def _long_steps(low: Lowering, name: str, raw: Weights, head: int, p: Problem, blocks: list[range], rings: dict):
+    """``qlong``'s cut of the plain matmul ``p``: its first ``head`` columns block by block, all
+    but the last block's rows yielded after each; the rest of its columns over all the rows
+    with the last block; then, when the caller asks once more (a step of its own at the chain's
+    end, whose first loads go ahead of the long passes' last), the first columns' last block."""
+    legions, out, N = low.em.arch.legions, p.out, p.N
+    first = _plain_part(low, f"{name}_head", raw, 0, head, p.groups, out, N, 0, legions)
+    rest = _plain_part(low, f"{name}_long", raw, head, N, p.groups, out, N, head, legions)
+    for j, rows in enumerate(blocks):
+        if j:
+            low.em.barrier()    # each block's plan reuses the scratchpad slots of the one before
+        if j < len(blocks) - 1:
+            first.emit(replace(p, rows=rows), rings)
+        else:                   # nothing of the chain reads its rows: no kernel beside it needs ``vec``
+            rest.emit(replace(p, rows=range(blocks[0].start, rows.stop), vec_room=0), rings)
+        yield rows
+    low.em.barrier()
+    first.emit(replace(p, rows=blocks[-1]), rings)
+
+
+def _plain_part(low: Lowering, name: str, raw: Weights, lo: int, hi: int, groups: int, out: int, out_cols: int,
+                at: int, width: int) -> "_ColumnPart":
+    """Columns ``lo`` .. ``hi - 1`` of a plain weight on parts of ``width`` Legions, stored from
+    column ``at`` of output ``out`` [rows, ``out_cols``]."""
+    na = low.em.arch.array
+    per_legion = math.ceil(math.ceil((hi - lo) / na) / width) * na
+    return _ColumnPart(low, name, _columns(raw, lo, hi), groups, Segment(out, out_cols, per_legion, 0, at), width)
+
+
 def _drain_consts(em: Emitter, name: str, w: Weights, groups: int, n_pad: int) -> tuple:
     """The drains' scales (one row per group of K) and bias of weight ``w``, columns padded to
     ``n_pad``; None where it has none."""
@@ -258,35 +296,32 @@ def _columns(w: Weights, lo: int, hi: int) -> Weights:
     return Weights(np.asarray(w.values)[:, lo:hi], scales, w.block, bias)
 
 
-class _RestPart:
-    """The last columns of a fused matmul split off to fill the Legions' last windows
-    (``qrest``): its constants, and its emission over all the rows after the last block."""
+class _ColumnPart:
+    """Some of a matmul's columns as a matmul of their own, on parts of ``width`` Legions: ``w``
+    (laid out for them) stored as ``segment`` says; its constants (named ``name``) and its
+    emission (``qrest``'s split-off columns, ``qlong``'s cuts)."""
 
-    def __init__(self, low: Lowering, name: str, raw: Weights, rest: qrest.Rest, groups: int, out: int,
-                 out_cols: int):
+    def __init__(self, low: Lowering, name: str, w: Weights, groups: int, segment: Segment, width: int):
         em, na = low.em, low.em.arch.array
-        n = np.shape(raw.values)[-1]
-        w = _columns(raw, n - rest.columns, n)
-        self.low, self.rest, self.plans = low, rest, {}
-        self.N = rest.columns
+        self.low, self.width, self.plans, self.segment = low, width, {}, segment
+        self.N = np.shape(w.values)[-1]
         self.n_pad = math.ceil(self.N / na) * na
         pieces, self.nonzero = _pieces(low, w.values, self.n_pad)
-        self.weights = tuple(_weight_const(em, f"{name}_rest_w{i or ''}", piece) for i, piece in enumerate(pieces))
-        self.scales, self.bias = _drain_consts(em, f"{name}_rest", w, groups, self.n_pad)
-        per_legion = math.ceil(self.n_pad / na / rest.width) * na
-        self.segment = qrest.segment(out, out_cols, rest, per_legion)
+        self.weights = tuple(_weight_const(em, f"{name}_w{i or ''}", piece) for i, piece in enumerate(pieces))
+        self.scales, self.bias = _drain_consts(em, name, w, groups, self.n_pad)
 
     def emit(self, p: Problem, rings: dict | None) -> None:
-        """The split-off columns of ``p``'s rows; ``rings`` (``emit_tiles``): what the matmul
-        before left, whose activation slots read least recently each part takes first."""
-        if rings is not None:
+        """These columns of ``p``'s rows; ``rings`` (``emit_tiles``): what the matmul before
+        left, whose activation slots read least recently each part takes first."""
+        arch, schedules = self.low.em.arch, self.low.schedules
+        parts = arch.legions // self.width
+        if rings is not None and parts > 1:
             act = rings.get(0, {}).get("act", [])
-            rings = {j: {"act": act} for j in range(self.low.em.arch.legions // self.rest.width)}
+            rings = {j: {"act": act} for j in range(parts)}
         part = replace(p, weights=self.weights, scales=self.scales, bias=self.bias, out=self.segment.tensor,
                        N=self.N, n_pad=self.n_pad, nonzero=self.nonzero, segments=(self.segment,))
-        arch, schedules = self.low.em.arch, self.low.schedules
-        with schedules.dealt((self.rest.width, arch.legions // self.rest.width)):
-            _emit_parts(self.low, part, self.rest.width, self.plans, rings)
+        with schedules.dealt((self.width, parts)):
+            _emit_parts(self.low, part, self.width, self.plans, rings)
 
 
 def _laid_out(w: Weights, segments: list[int] | None, legions: int, na: int, gated: int | None = None,

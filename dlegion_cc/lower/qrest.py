@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 from isa.arch import Arch
 from dlegion_cc.lower.qparts import PART_ROWS
-from dlegion_cc.lower.qplan import Segment
 
 @dataclass(frozen=True)
 class Rest:
@@ -50,8 +49,3 @@ def kept(segments: list[int], rest: Rest) -> list[int]:
     """The segments of the matmul left after ``rest`` is split off."""
     return segments[:-1] + [segments[-1] - rest.columns]
 
-
-def segment(out: int, N: int, rest: Rest, per_legion: int) -> Segment:
-    """Where the split-off matmul stores: the last ``rest.columns`` of output ``out`` [rows,
-    N], Legion l of a part its l-th ``per_legion`` of them."""
-    return Segment(out, N, per_legion, 0, N - rest.columns)

@@ -234,6 +234,24 @@ class _Tiles:
         for ring in self.a.values():
             ring.free.sort(key=last_use)
 
+    def last_windows(self) -> dict:
+        """(kind, Legion) -> the window of ``acc`` or ``vec`` its last tile took (``slots_after``)."""
+        out = {}
+        for (kind, g), turn in self.turn.items():
+            s = (turn - 1) % _slot_count(self.plan, kind)
+            out |= {(kind, legion): (s * self.addr[kind], (s + 1) * self.addr[kind]) for legion in g.legions if turn}
+        return out
+
+    def slots_after(self, last: dict) -> None:
+        """Start each accumulator and result ring at its first slot that meets none of the
+        window another plan's last tile took on that Legion (``last_windows``): its drain may
+        still read it when this plan's first passes start."""
+        for kind, g in self.turn:
+            lo, hi = last.get((kind, g.base), (0, 0))
+            size = self.addr[kind]
+            free = (s for s in range(_slot_count(self.plan, kind)) if not (lo < (s + 1) * size and s * size < hi))
+            self.turn[(kind, g)] = next(free, 0)
+
     def continue_rings(self, rings: dict) -> None:
         self.turn.update({k: v for k, v in rings["turn"].items() if k in self.turn})
         for kind in ("a", "w", "rs", "cv"):
@@ -486,6 +504,7 @@ def emit_tiles(em: Emitter, p: Problem, plan: Plan, written: dict | None = None,
         st.continue_rings(rings)
     elif rings is not None and "act" in rings:
         st.act_after(rings["act"])
+        st.slots_after(rings.get("last", {}))
     for i, problem in enumerate((p, *more)):
         if i:
             st.next_problem(problem)
@@ -494,7 +513,7 @@ def emit_tiles(em: Emitter, p: Problem, plan: Plan, written: dict | None = None,
         _flush(st, g)
     if rings is not None:
         windows = st.act_windows()
-        rings.update(st.rings(), plan=plan, act=windows)
+        rings.update(st.rings(), plan=plan, act=windows, last=st.last_windows())
 
 
 def _emit_problem(st: _Tiles) -> None:
@@ -545,9 +564,12 @@ def _zero_point_row(st: _Tiles) -> None:
         st.corr_loaded |= {u: mark for u in users}
 
 
+def _slot_count(plan: Plan, kind: str) -> int:
+    return {"acc": plan.acc_slots, "res": plan.res_slots}[kind]
+
+
 def _next(st: _Tiles, kind: str, g: Group) -> int:
-    slots = {"acc": st.plan.acc_slots, "res": st.plan.res_slots}[kind]
-    s = st.turn[(kind, g)] % slots
+    s = st.turn[(kind, g)] % _slot_count(st.plan, kind)
     st.turn[(kind, g)] += 1
     return s
 

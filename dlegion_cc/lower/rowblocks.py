@@ -239,7 +239,7 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
             _step(low, node, gens, spans, done)
             s += 1
     tails = _last_rows_beside(low, tails, gens, cuts, spans, done, pairs)
-    for node in chain:
+    for node in reversed(chain):    # the last matmul's first: its rows are passed and stored longest
         _leftovers(low, node, gens, spans)
     program = Program(arch.name, list(em.tensors), em.instrs[start:])
 

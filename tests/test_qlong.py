@@ -1,0 +1,55 @@
+"""A chain's last matmul, whose rows nothing in the chain reads, in long passes for most of its
+columns (``lower/qlong.py``): its first windows a Legion pass block by block beside the row
+kernel before it, the rest pass all the rows at once."""
+import numpy as np
+import onnx
+
+from isa import arch
+from dlegion_cc.lower import qlong
+from dlegion_cc.pipeline import Options, compile_model
+from models.bitnet import BitLinear, preset
+from models.graph import FLOAT, GraphBuilder, tensor_info
+from runtime.check import compare, onnx_reference
+from runtime.emulator import run
+from runtime.timing import simulate
+
+EIGHT = arch.load("dlegion-8x8")
+TWO = [range(0, 128), range(128, 256)]
+DEPTH, WIDE = 512, 2048         # WIDE: 4 w2 windows a Legion of dlegion-8x8
+
+
+def test_the_first_windows_of_each_legion_pass_block_by_block():
+    window = EIGHT.legions * EIGHT.array * 4
+    assert qlong.head_columns(EIGHT, 2560, 4, TWO) == qlong.HEAD_WINDOWS * window
+    assert qlong.head_columns(EIGHT, 2560, 4, TWO[:1]) == 0                 # one block: nothing to cover
+    assert qlong.head_columns(EIGHT, qlong.HEAD_WINDOWS * window, 4, TWO) == 0    # no windows left over
+    assert qlong.head_columns(EIGHT, 2560 + 16, 4, TWO) == 0               # a part-empty window
+
+
+def _model(path):
+    """An absmax-quantized input projected to ``WIDE`` columns: with row blocks, a chain of the
+    quantization and the matmul, which nothing reads."""
+    b, rng = GraphBuilder(), np.random.default_rng(7)
+    linear = BitLinear(preset("tiny", seed=7), rng)
+    out = linear.project(b, linear.prepare(b, "x"), "last", DEPTH, WIDE)
+    onnx.save(b.model([tensor_info("x", FLOAT, [1, 256, DEPTH])], [tensor_info(out, FLOAT, [1, 256, WIDE])]), path)
+    return path, {"x": rng.standard_normal((1, 256, DEPTH)).astype(np.float32)}
+
+
+def _arrays_busy(program) -> int:
+    return max(c for (_, queue), c in simulate(program, EIGHT).busy.items() if queue == "mat")
+
+
+def test_long_passes_match_onnxruntime_and_the_uncut_program_in_fewer_array_cycles(tmp_path, monkeypatch):
+    path, inputs = _model(tmp_path / "chain.onnx")
+    program = compile_model(path, Options(EIGHT))[1]
+    names = {t.name.rsplit("_", 1)[-1] for t in program.tensors if t.name.endswith(("_head_w", "_long_w"))}
+    assert names == {"w"} and sum(t.name.endswith("_long_w") for t in program.tensors) == 1
+    ours = run(program, EIGHT, inputs).outputs                     # race-checked
+    for row in compare(ours, onnx_reference(path, inputs)):
+        assert row.ok, f"{row.name}: relative L2 {row.rel_l2:.2e}"
+    monkeypatch.setattr(qlong, "head_columns", lambda *a: 0)
+    uncut = compile_model(path, Options(EIGHT))[1]
+    for name, value in run(uncut, EIGHT, inputs).outputs.items():
+        np.testing.assert_array_equal(ours[name], value)
+    assert _arrays_busy(program) < _arrays_busy(uncut)
