@@ -14,8 +14,8 @@ layout the drain's residual rows would not follow.
 The 2B4T layer on dlegion-8x8 (o_proj and down_proj): at sequence 128 218,698 -> 216,733
 cycles (the rows after down_proj's last pass: 2.6 -> 1.3 MB of DRAM), at 512 801,743 ->
 794,697. A plan with one result slot waits for a tile's stores before the next tile's
-residual rows load: with tiles of few passes that costs more than it saves (a block of
-512 x 1024 with row blocks: 40,446 -> 42,079 cycles).
+residual rows load: with tiles of few passes that costs more than it saves (a
+512 x 1024 block in row blocks of 128: 40,446 -> 42,079 cycles).
 """
 from __future__ import annotations
 
