@@ -25,6 +25,7 @@ from dlegion_cc.passes.dynamic_int8 import RecognizeDynamicInt8
 from dlegion_cc.passes.legalize import Legalize
 from dlegion_cc.passes.matmul_nbits import RecognizeMatMulNBits
 from dlegion_cc.passes.gated import GateInDrain
+from dlegion_cc.passes.residual import ResidualInDrain
 from dlegion_cc.passes.siblings import FuseSiblings
 from dlegion_cc.passes.qdq import RecognizeQDQMatMul
 from dlegion_cc.passes.census import Census
@@ -39,6 +40,7 @@ PASSES = (
     QuantizeWeights(),          # --quantize: float-weight MatMul/Gemm -> per-token int8 x w8/w4/w2
     FuseSiblings(),             # matmuls sharing their input -> one, each Legion a slice of each
     GateInDrain(),              # ReLU(gate)^2 * up of a fused gate/up matmul -> in its drain
+    ResidualInDrain(),          # Add(residual, matmul) -> the residual added in the matmul's drain
     CausalSkip(),               # attention blocks a constant causal mask wipes out are not computed
     SplitGroupedHeads(),        # query heads read their group's key/value head, not a copy of it
     SplitRotaryHalves(),        # rotary embeddings by halves of q, not a rotated copy
@@ -134,7 +136,7 @@ def _check_skips(graph: Graph, options: Options) -> None:
                                f"(its MatMul and Gemm nodes: {shown or 'none'})")
 
 
-FUSIONS = (FuseSiblings, GateInDrain, FuseRowwise)
+FUSIONS = (FuseSiblings, GateInDrain, ResidualInDrain, FuseRowwise)
 
 
 def passes(options: Options) -> tuple:

@@ -98,7 +98,7 @@ def test_the_race_check_finds_a_wait_removed_from_the_chain(tmp):
 
 
 def test_a_row_kernel_block_runs_while_the_arrays_multiply_the_next(tmp):
-    """The kernel of ReLU^2 * up's quantization: its first row block computes before the arrays start the last pass
+    """The kernel of ReLU^2 * up's quantization: its first row block computes before the arrays finish the last pass
     of gate/up's second block (the two merged into one region); one after the other, none would."""
     timeline = simulate(_compiled(tmp, True), EIGHT)
     tasks = timeline.program.instrs
@@ -108,7 +108,7 @@ def test_a_row_kernel_block_runs_while_the_arrays_multiply_the_next(tmp):
     passes = [k for k in members if isinstance(tasks[k], MatMul)]
     vector = [k for k in members if isinstance(tasks[k], (VUnary, VBinary, VReduce))]
     assert passes and vector
-    assert timeline.done[vector].min() < timeline.start[passes].max()
+    assert timeline.done[vector].min() < timeline.done[passes].max()
 
 
 def test_a_matmul_leaves_a_wide_row_kernel_before_it_a_row_of_vec(monkeypatch):

@@ -119,6 +119,7 @@ class Activations:
 class Output:
     name: str
     requant: tuple[float, int, int] | None = None   # (zero point, lo, hi): clip(round(v) + zp)
+    residual: str | None = None        # a graph value of the output's shape added before the store
 
 
 @lowers("QMatMul", domain=DLEGION)
@@ -136,7 +137,7 @@ def qmatmul_blocks(low: Lowering, node, blocks: list[range] | None = None, vec_r
     on from block to block and to the matmul after it. ``defer``: columns split off (``qrest``)
     are emitted after the last yield, when the caller asks once more, not with the last block."""
     a = node.attrs
-    q, s, zp = (node.inputs + ["", ""])[:3]
+    q, s, zp, residual = (node.inputs + ["", "", ""])[:4]
     scales = a.get("scales")
     if scales is None and a.get("cscale") is not None:
         scales = np.asarray(a["cscale"], np.float32)[None, :]
@@ -144,7 +145,7 @@ def qmatmul_blocks(low: Lowering, node, blocks: list[range] | None = None, vec_r
                        a.get("row_divisor", False), a.get("rscale_factor"))
     weights = Weights(np.asarray(a["weight"]), scales, a.get("block", 0), a.get("bias"))
     requant = None if a.get("requant") is None else tuple(a["requant"])
-    outs = [Output(o, requant) for o in node.outputs]
+    outs = [Output(o, requant, residual or None) for o in node.outputs]
     yield from _qmatmul_steps(low, node.name, acts, weights, outs[0] if len(outs) == 1 else outs,
                               a.get("segments"), blocks, vec_room, rings, a.get("gated"), defer)
 
@@ -196,7 +197,8 @@ def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out:
     blocks = blocks or [range(b * per, (b + 1) * per) for b in range(batches)]
     per = len(blocks[0])
     corr = None if zero_point(low, acts) == acts.offset else correction_shape(arch, values[0], block)
-    shapes = _Shapes(low, layouts, segments, rscale, block, corr, out.requant, exact, per, K, layouts.granule)
+    shapes = _Shapes(low, layouts, segments, rscale, block, corr, out.requant, exact, per, K, layouts.granule,
+                     out.residual is not None)
     width = low.schedules.width(arch, per, lambda: pick_width(arch, low.switches, shapes.widths(), shapes.part))
     rest = None
     if width == arch.legions and gated is None and batches == 1 and corr is None and not exact:
@@ -212,6 +214,7 @@ def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out:
         values = _batches(w)
         N = values.shape[-1]
     corrs = [correction(low, f"{name}_{b}" if batches > 1 else name, acts, v, block) for b, v in enumerate(values)]
+    resid = residual_rows(low, out, dst)
     if len(em.instrs) > before:
         em.barrier()                                    # every Legion reads what the vector unit wrote
     n_pad = math.ceil(N / arch.array) * arch.array
@@ -237,7 +240,7 @@ def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out:
         weights, nonzero = made[b]
         p = Problem(a8, rscale, weights, scales, groups, block, bias, *corrs[b], out.requant, exact,
                     dst.tensor, rows, K, N, n_pad, nonzero, segs, vec_room=vec_room, row_block=chained,
-                    gated=layouts.granule)
+                    gated=layouts.granule, residual=resid)
         _emit_parts(low, p, width, plans, rings if batches == 1 else None)
         if j < len(blocks) - 1 or defer or not rest:
             yield rows
@@ -406,6 +409,7 @@ class _Shapes:
     rows: int
     K: int
     granule: int = 0
+    residual: bool = False
 
     def widths(self) -> list[int]:
         arch = self.low.em.arch
@@ -430,7 +434,8 @@ class _Shapes:
         return Problem(0, self.rscale, weights, None if w.scales is None else 0, math.ceil(self.K / self.block),
                        self.block, None if w.bias is None else 0, *((None, None, 0, "w8") if self.corr is None
                                                                      else (0, 0, *self.corr)), self.requant, self.exact,
-                       0, rows, self.K, N, n_pad, nonzero, segs, legions=range(width), gated=self.granule)
+                       0, rows, self.K, N, n_pad, nonzero, segs, legions=range(width), gated=self.granule,
+                       residual=0 if self.residual else None)
 
 
 def lower_run_time_weights(low: Lowering, a: str, b: str, out: str, ra: str | None = None,
@@ -802,6 +807,23 @@ def _weight_const(em: Emitter, name: str, piece: np.ndarray) -> tuple[int, str]:
 
 
 # --- operands ------------------------------------------------------------------------------
+
+def residual_rows(low: Lowering, out: Output, dst: Operand) -> int | None:
+    """The DRAM tensor of ``out``'s residual, laid out as ``dst`` (a whole fp32 tensor of the
+    output's shape, a copy where it is not); None when it has none."""
+    if out.residual is None:
+        return None
+    shape, em = low.shape(out.name), low.em
+    if dst != whole(dst.tensor, shape) or tuple(low.shape(out.residual)) != tuple(shape):
+        raise ValueError(f"residual '{out.residual}' of '{out.name}': the output is not a whole tensor of its shape")
+    src = low.operand(out.residual)
+    if em.tensors[src.tensor].dtype == "f32" and src == whole(src.tensor, shape):
+        return src.tensor
+    t = em.tensor(f"{out.residual}_rows", "f32", shape, "scratch")
+    rowwise(em, shape, [Arg("x", src), Arg("out", whole(t, shape), out=True)],
+            lambda e, legion, v, rows, cols: e.emit(BY_MNEMONIC["vmov"](legion, v["out"], v["x"], rows, cols)))
+    return t
+
 
 def int8_rows(low: Lowering, name: str, offset: int, width: int | None = None) -> int:
     """An i8 DRAM copy of ``name`` - ``offset`` (shared by every matmul reading it), its rows

@@ -94,6 +94,9 @@ class Problem:
     # Per column, the output column it is (columns dealt to the Legions in another order: a
     # causal QK^T's interleaved, ``qmatmul``), which ``n_reach`` counts in; None: itself.
     n_origin: np.ndarray | None = None
+    # f32 [M, N], laid out as the output: loaded into each tile's result slot, which its one
+    # drain adds to (a residual Add, ``passes/residual.py``); None: none.
+    residual: int | None = None
 
 
 def room(arch: Arch, p: Problem) -> dict[str, int]:
@@ -741,7 +744,8 @@ class Alike:
             p, a8=tensor(p.a8), a_pieces=tuple(tensor(t) for t in p.a_pieces), rscale=rscale,
             weights=tuple((tensor(t), mode) for t, mode in p.weights), scales=tensor(p.scales),
             bias=tensor(p.bias), corr_row=tensor(p.corr_row), corr_weight=tensor(p.corr_weight),
-            out=tensor(p.out), segments=tuple(replace(s, tensor=tensor(s.tensor)) for s in p.segments)))
+            out=tensor(p.out), segments=tuple(replace(s, tensor=tensor(s.tensor)) for s in p.segments),
+            residual=tensor(p.residual)))
 
     def __hash__(self) -> int:
         return hash(self.key)
@@ -1116,10 +1120,19 @@ def _model_unit_end(m: _Model, st: _State, l: int, mb: int, nb: int, acc: int, b
 def _model_drain(m: _Model, st: _State, l: int, elems: int, acc: int) -> None:
     """A drain into the current result slot; the accumulators are free after it."""
     res = _res_slot(m, st, l)
-    start = max(m.vec[l], m.mat[l], st.res_free[(l, res)])
+    start = max(m.vec[l], m.mat[l], st.res_free[(l, res)] + _residual_load(m, elems))
     m.vec[l] = start + -(-elems // m.arch.vector_lanes)
     m.instructions += l in m.emitted
     st.acc_free[(l, acc)] = m.vec[l]
+
+
+def _residual_load(m: _Model, elems: int) -> float:
+    """Cycles from a result slot's last store to its residual rows in it (none without one):
+    the load waits for the store, every Legion loading alike."""
+    if m.p.residual is None:
+        return 0.0
+    nbytes = elems * 4
+    return max(nbytes / m.link, nbytes * len(m.legions) / m.dram_rate) + m.lat
 
 
 def _res_slot(m: _Model, st: _State, l: int) -> int:
@@ -1140,6 +1153,8 @@ def _model_tile_end(m: _Model, st: _State, l: int, mb: int, tile: tuple, acc: in
         if p.requant is not None:
             m.vec[l] += 4 * -(-len(rows) * nb // m.arch.vector_lanes)
         m.vec[l] += gated_ops(p) * -(-len(rows) * nb // 2 // m.arch.vector_lanes)
+        if p.residual is not None:          # its rows loaded into the result slot, the drain adds
+            m.bytes += len(rows) * cols * 4
         ready = m.mat[l] if p.exact else m.vec[l]
         st.stores[l].append((ready, len(rows) * cols * 4, slot))
     if not p.exact:

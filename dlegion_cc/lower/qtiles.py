@@ -531,8 +531,11 @@ def _emit_problem(st: _Tiles) -> None:
         for u, unit in enumerate(st.units):
             acc = {g: _next(st, "acc", g) for g in here}   # its pending store: ``acc_readers``
             first = {g: True for g in here}
-            for c in in_order(unit, backwards):
+            for n, c in enumerate(in_order(unit, backwards)):
                 _chunk(st, b, t, c, here, acc, first)
+                if u == 0 and n == 0 and plan.res_slots > 1:
+                    for g in here:
+                        _residual_rows(st, b, t, g)
             if u == 0:
                 # The drains' row scales after the first unit's loads, not before them: a
                 # multicast into every Legion's vec waits for every vector unit, and the loads
@@ -646,6 +649,8 @@ def _finish_unit(st: _Tiles, b: int, t: int, u: int, g: Group, acc: int, first: 
         return
     if u == 0:
         _flush(st, g)
+        if st.plan.res_slots == 1:
+            _residual_rows(st, b, t, g)
     if u < len(st.units) - 1:
         _drain(st, b, t, u, g, acc, unit[0].group, range(mb))
 
@@ -719,7 +724,7 @@ def _drain(st: _Tiles, b: int, t: int, u: int, g: Group, acc: int, grp: int, row
     """Rows ``rows`` of the tile's accumulators, scaled, into its result slot."""
     p = st.p
     nb = st.tiles[g][t][1]
-    if u == 0 and rows.start == 0:
+    if u == 0 and rows.start == 0 and p.residual is None:
         st.res_slot[g] = _next(st, "res", g)
     res = st.res_slot[g]
     cv = st.cv_slot[g]
@@ -729,6 +734,8 @@ def _drain(st: _Tiles, b: int, t: int, u: int, g: Group, acc: int, grp: int, row
     needs = [st.sync.mark(g, "mat")] + rs_needs
     if u == 0:
         needs += st.readers.pop(("res", g, res), [])
+    if p.residual is not None:
+        needs.append(st.loaded[("res", g, res)])
     if ("cv", g, cv) in st.loaded:
         needs.append(st.loaded[("cv", g, cv)])
     base = st.cv_at + cv * st.cv_size
@@ -737,7 +744,7 @@ def _drain(st: _Tiles, b: int, t: int, u: int, g: Group, acc: int, grp: int, row
     at = rows.start * nb
     done = st.emit(g, Drain(legion=g.base, dst=View("vec", res * st.addr["res"] + at, nb, 1),
                             acc=View("acc", acc * st.addr["acc"] + at, nb, 1), M=len(rows), N=nb, zp=None,
-                            rscale=rscale, cscale=cscale, bias=bias, accumulate="set" if u == 0 else "add"),
+                            rscale=rscale, cscale=cscale, bias=bias, accumulate="set" if u == 0 and p.residual is None else "add"),
                    needs)
     st.read_by(("acc", g, acc), done)
     st.read_by(("cv", g, cv), done)
@@ -771,6 +778,34 @@ def _end_tile(st: _Tiles, b: int, t: int, g: Group, acc: int, rows: range) -> No
         store = DmaStore(g.base, DramRef(seg.tensor, p.o_offset + seg.at + m0 * stride + col, stride), piece, mb, cols,
                          lstride=seg.width if g.count > 1 else None)
         st.deferred[g].append((store, ready, space_slot))
+
+
+def _residual_rows(st: _Tiles, b: int, t: int, g: Group) -> None:
+    """The residual's rows of the tile into its result slot, which its one drain adds to, from
+    where the tile's stores put the output (the residual is laid out as the output:
+    ``passes/residual.py``). Emitted after the tile's first chunk where the slot was last read
+    by the stores of a tile before the one before (they are long done), else after the tile's
+    loads and the stores of the tile before, which it waits for: ahead of the loads it held
+    them back in the in-order DMA queue (2B4T layer at sequence 128 on dlegion-8x8, one result
+    slot: 216,733 cycles, 223,878 after the first chunk; a decode step, two slots: 38,472,
+    38,637 after the loads)."""
+    p = st.p
+    if p.residual is None:
+        return
+    if len(st.units) > 1:
+        raise ValueError("internal: a residual added in the drain of a matmul of several scale groups")
+    n0, nb = st.tiles[g][t]
+    m0, mb = st.blocks[b]
+    res = st.res_slot[g] = _next(st, "res", g)
+    if any(slot == ("res", g, res) for _, _, slot in st.deferred[g]):
+        _flush(st, g)
+    loads = []
+    for seg, j, col, cols in stores(p, st.plan, g.base, n0, nb):
+        stride = p.o_stride or seg.N
+        loads.append(DmaLoad(g.base, frozenset({g.base}), View("vec", res * st.addr["res"] + j, nb, 1),
+                             DramRef(p.residual, p.o_offset + seg.at + m0 * stride + col, stride), mb, cols,
+                             lstride=seg.width if g.count > 1 else None))
+    st._load("res", g, res, g, loads)
 
 
 def _gate(st: _Tiles, g: Group, src: View, elems: int) -> None:
