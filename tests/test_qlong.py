@@ -18,12 +18,30 @@ TWO = [range(0, 128), range(128, 256)]
 DEPTH, WIDE = 512, 2048         # WIDE: 4 w2 windows a Legion of dlegion-8x8
 
 
+def _window_cycles(rows: int, K: int) -> float:
+    """A w2 window of 4 tiles a Legion over ``rows`` rows, fill and drain included."""
+    d = EIGHT.derived
+    return rows * K * EIGHT.array * 4 * EIGHT.legions / d.macs_per_cycle["w2"] * (1 + d.pass_overhead / rows)
+
+
+def test_the_first_windows_cover_the_vector_work_beside_a_block():
+    one = _window_cycles(128, 6912)
+    assert qlong.head_windows(EIGHT, "w2", 6912, 4, 128, 0) == 1
+    assert qlong.head_windows(EIGHT, "w2", 6912, 4, 128, one) == 1
+    assert qlong.head_windows(EIGHT, "w2", 6912, 4, 128, one + 1) == 2
+    # The stack's down_proj beside the quantization of ReLU^2 x up (8 operations an element of
+    # 128 x 6912 on 8 Legions of 64 lanes): 2 windows, the best measured.
+    assert qlong.head_windows(EIGHT, "w2", 6912, 4, 128, 8 * 128 * 6912 / 512) == 2
+    assert qlong.head_windows(EIGHT, "w4", 6912, 4, 128, one + 1) == 1       # half the MACs a cycle
+
+
 def test_the_first_windows_of_each_legion_pass_block_by_block():
-    window = EIGHT.legions * EIGHT.array * 4
-    assert qlong.head_columns(EIGHT, 2560, 4, TWO) == qlong.HEAD_WINDOWS * window
-    assert qlong.head_columns(EIGHT, 2560, 4, TWO[:1]) == 0                 # one block: nothing to cover
-    assert qlong.head_columns(EIGHT, qlong.HEAD_WINDOWS * window, 4, TWO) == 0    # no windows left over
-    assert qlong.head_columns(EIGHT, 2560 + 16, 4, TWO) == 0               # a part-empty window
+    window, beside = EIGHT.legions * EIGHT.array * 4, 1.5 * _window_cycles(128, 6912)
+    assert qlong.head_columns(EIGHT, "w2", 6912, 2560, 4, TWO, beside) == 2 * window
+    assert qlong.head_columns(EIGHT, "w2", 6912, 2560, 4, TWO[:1], beside) == 0         # one block: nothing to cover
+    assert qlong.head_columns(EIGHT, "w2", 6912, 2 * window, 4, TWO, beside) == 0       # no windows left over
+    assert qlong.head_columns(EIGHT, "w2", 6912, 2560 + 16, 4, TWO, beside) == 0        # a part-empty window
+    assert qlong.head_columns(EIGHT, "w2", 6912, 2560, 4, TWO, 9 * beside) == 0         # every window needed
 
 
 def _model(path):

@@ -5,24 +5,36 @@ kernel before it works on one block while the arrays multiply another; every pas
 the array's fill and drain (M + N cycles for M rows) once a block: 1/8 more than the rows' own
 cycles at blocks of 128 rows on 16-wide arrays. Only the blocks before the last run beside a
 kernel. A matmul whose rows nothing else in the chain reads (its last: down_proj in the
-BitLinear stack) is therefore cut by columns: its first ``HEAD_WINDOWS`` weight windows a
-Legion pass block by block as before, beside the kernel's blocks, and the rest pass all the
-rows at once with the last block, their fill and drain paid once.
+BitLinear stack) is therefore cut by columns: its first weight windows a Legion pass block by
+block as before, beside the kernel's blocks, as many as their passes take to cover the kernel's
+vector work on a block (``head_windows``), and the rest pass all the rows at once with the last
+block, their fill and drain paid once.
 """
 from __future__ import annotations
 
+import math
+
 from isa.arch import Arch
 
-# 2B4T BitLinear stack at 256 on dlegion-8x8 (down_proj: 5 w2 windows a Legion): 1 window
-# 291,382 cycles (the quantization's block is no longer covered), 2 282,075, 3 283,029; uncut 283,112.
-HEAD_WINDOWS = 2
+
+def head_windows(arch: Arch, mode: str, K: int, tiles: int, rows: int, beside: float) -> int:
+    """The fewest weight windows (of ``tiles`` tiles, ``K`` deep, in ``mode``) a Legion passes
+    over a block of ``rows`` rows in at least ``beside`` cycles, the vector work of the row
+    kernels beside the block: fewer leave it exposed, more pay fill and drain a block. 2B4T
+    BitLinear stack at 256 on dlegion-8x8, down_proj (5 w2 windows a Legion) beside the
+    quantization of ReLU^2 x up: 1 window 291,382 cycles, 2 (the rule's) 282,075, 3 283,029."""
+    d = arch.derived
+    window = rows * K * arch.array * tiles * arch.legions / d.macs_per_cycle[mode]
+    return max(1, math.ceil(beside / (window * (1 + d.pass_overhead / rows))))
 
 
-def head_columns(arch: Arch, N: int, tiles: int, blocks: list[range]) -> int:
+def head_columns(arch: Arch, mode: str, K: int, N: int, tiles: int, blocks: list[range], beside: float) -> int:
     """The columns passed block by block (the rest pass all the rows with the last block) of a
-    chain's last matmul of ``N`` columns whose passes hold ``tiles`` windows; 0: no cut (one
-    block, or too few whole windows a Legion)."""
+    chain's last matmul of ``N`` columns, ``K`` deep, whose passes hold ``tiles`` windows, beside
+    row kernels of ``beside`` vector cycles a block; 0: no cut (one block, a part-empty window,
+    or no whole window left for the long passes)."""
     share = arch.legions * arch.array * tiles
-    if len(blocks) < 2 or N % share or N // share <= HEAD_WINDOWS:
+    if len(blocks) < 2 or N % share:
         return 0
-    return HEAD_WINDOWS * share
+    head = head_windows(arch, mode, K, tiles, len(blocks[0]), beside)
+    return head * share if head < N // share else 0

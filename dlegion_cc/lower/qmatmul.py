@@ -129,13 +129,14 @@ def qmatmul(low: Lowering, node) -> None:
 
 
 def qmatmul_blocks(low: Lowering, node, blocks: list[range] | None = None, vec_room: int = 0,
-                   rings: dict | None = None, defer: bool = False):
+                   rings: dict | None = None, defer: bool = False, beside: float = 0):
     """``qmatmul``, a generator that emits the rows of each of ``blocks`` in turn (all the rows
     when None) and yields after each: a caller interleaves them with other nodes' row blocks
     (``rowblocks.py``), whose kernels run in ``vec`` past the plans' ``vec_room`` (0: all).
     ``rings``: the scratchpad slots the matmul emitted before it left (``emit_tiles``), handed
     on from block to block and to the matmul after it. ``defer``: columns split off (``qrest``)
-    are emitted after the last yield, when the caller asks once more, not with the last block."""
+    are emitted after the last yield, when the caller asks once more, not with the last block.
+    ``beside``: the vector cycles of the row kernels beside its first block (``qlong``)."""
     a = node.attrs
     q, s, zp, residual = (node.inputs + ["", "", ""])[:4]
     scales = a.get("scales")
@@ -147,7 +148,7 @@ def qmatmul_blocks(low: Lowering, node, blocks: list[range] | None = None, vec_r
     requant = None if a.get("requant") is None else tuple(a["requant"])
     outs = [Output(o, requant, residual or None) for o in node.outputs]
     yield from _qmatmul_steps(low, node.name, acts, weights, outs[0] if len(outs) == 1 else outs,
-                              a.get("segments"), blocks, vec_room, rings, a.get("gated"), defer)
+                              a.get("segments"), blocks, vec_room, rings, a.get("gated"), defer, beside)
 
 
 def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: Output | list[Output],
@@ -165,11 +166,12 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
 
 def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out: Output | list[Output],
                    segments: list[int] | None, blocks: list[range] | None, vec_room: int,
-                   rings: dict | None = None, gated: int | None = None, defer: bool = False):
+                   rings: dict | None = None, gated: int | None = None, defer: bool = False,
+                   beside: float = 0):
     """``lower_qmatmul``, yielding after each of ``blocks`` (row ranges of a plain matmul, each
     scheduled for its own rows; the constants are made once). ``gated``: which of the two
-    segments is the gate of the one output ReLU(gate)^2 * up (``passes/gated.py``); ``defer``:
-    as ``qmatmul_blocks``."""
+    segments is the gate of the one output ReLU(gate)^2 * up (``passes/gated.py``); ``defer``,
+    ``beside``: as ``qmatmul_blocks``."""
     em, arch = low.em, low.em.arch
     outs = out if isinstance(out, list) else [out]
     layouts = _Layouts(low, w, segments, gated)
@@ -219,7 +221,8 @@ def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out:
         em.barrier()                                    # every Legion reads what the vector unit wrote
     n_pad = math.ceil(N / arch.array) * arch.array
     plain = chained and defer and width == arch.legions and not segments and lay is None and not rest
-    head = qlong.head_columns(arch, N, shapes.tiles(), blocks) if plain and corr is None and not exact else 0
+    mode = pick_mode(arch, mode_for(np.asarray(layouts.raw.values)) or "w8")
+    head = qlong.head_columns(arch, mode, K, N, shapes.tiles(), blocks, beside) if plain and corr is None and not exact else 0
     if head:
         p = Problem(a8, rscale, (), None, groups, block, None, *corrs[0], out.requant, exact, dst.tensor,
                     blocks[0], K, N, n_pad, vec_room=vec_room, row_block=chained)

@@ -197,11 +197,11 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
     if tails:
         steps = with_tails(steps, chain[-1], tails)
         cuts.update({t.name: ranges for t in tails})
-    rooms = _vec_rooms(arch, steps)
+    rooms, beside = _vec_rooms(arch, steps), _vector_beside(arch, steps, ranges)
     rings: dict = {}                # the slots each matmul block leaves the next (``emit_tiles``)
     # A matmul's columns split off (``qrest``, of its last output) wait for the chain's end
     # unless the chain reads them.
-    gens = {n.name: qmatmul_blocks(low, n, ranges, rooms[n.name], rings, n.outputs[-1] not in read)
+    gens = {n.name: qmatmul_blocks(low, n, ranges, rooms[n.name], rings, n.outputs[-1] not in read, beside[n.name])
             if (n.domain, n.op) == MATMUL else row_kernel_blocks(low, n, cuts[n.name]) for n in [*chain, *tails]}
     s = 0
     while s < len(steps):
@@ -347,6 +347,14 @@ def _vec_rooms(arch: Arch, steps: list[Node]) -> dict[str, int]:
             if node.name in rooms and left < rooms[node.name]:
                 rooms[node.name] = max(left, vec // LEAST_VEC_SHARE)
     return rooms
+
+
+def _vector_beside(arch: Arch, steps: list[Node], ranges: list[range]) -> dict[str, float]:
+    """The vector cycles (``_vector_cycles``, for a row block) of the row kernels merged with
+    each matmul's first block."""
+    share = len(ranges[0]) / ranges[-1].stop
+    at = {n.name: k for k, n in reversed(list(enumerate(steps))) if (n.domain, n.op) == MATMUL}
+    return {name: share * sum(_vector_cycles(arch, n) for n in _rows_before(steps, k)) for name, k in at.items()}
 
 
 def _rows_before(steps: list[Node], at: int) -> list[Node]:
