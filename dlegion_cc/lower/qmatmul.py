@@ -221,8 +221,10 @@ def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out:
         em.barrier()                                    # every Legion reads what the vector unit wrote
     n_pad = math.ceil(N / arch.array) * arch.array
     plain = chained and defer and width == arch.legions and not segments and lay is None and not rest
-    mode = pick_mode(arch, mode_for(np.asarray(layouts.raw.values)) or "w8")
-    head = qlong.head_columns(arch, mode, K, N, shapes.tiles(), blocks, beside) if plain and corr is None and not exact else 0
+    head = 0
+    if plain and corr is None and not exact:        # the weights' range is read only where a cut may apply
+        mode = pick_mode(arch, mode_for(np.asarray(layouts.raw.values)) or "w8")
+        head = qlong.head_columns(arch, mode, K, N, shapes.tiles(), blocks, beside)
     if head:
         p = Problem(a8, rscale, (), None, groups, block, None, *corrs[0], out.requant, exact, dst.tensor,
                     blocks[0], K, N, n_pad, vec_room=vec_room, row_block=chained)

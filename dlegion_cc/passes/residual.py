@@ -24,9 +24,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from dlegion_cc.ir import DLEGION, Graph, Node
+from dlegion_cc.lower.context import VIEW_OPS
 
-# Readers that place their input inside another tensor (``Lowering.result``).
-PLACING = {"Concat", "Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze"}
+# Readers that place their input inside another tensor (``Lowering.result``): a Concat, a view.
+PLACING = VIEW_OPS | {"Concat"}
 
 
 @dataclass
