@@ -75,8 +75,10 @@ KERNEL_AHEAD = 3
 KERNEL_BEHIND = 8
 # A step's loads for each Legion's first passes up to this one (from 0) go ahead of the last pass of the
 # step before it (``_hoisted``; the same stack, its row blocks forwarding with 4 spare activation
-# slots, ``qplan.CHAIN_SPARE_SLOTS``: 0 291,997 cycles, 1 290,582, 2 289,605, 3 288,794, 4 289,093).
-HOISTED_PASSES = 3
+# slots, ``qplan.CHAIN_SPARE_SLOTS``: 0 291,997 cycles, 1 290,582, 2 289,605, 3 288,794, 4 289,093;
+# since its down_proj was cut by columns, 3 281,026, 4 280,498, 5 280,376, 6 280,708; with 5 the
+# layer at 256 384,312 -> 383,712, at 512 789,914 -> 789,036, at 128 212,170 -> 212,142).
+HOISTED_PASSES = 5
 # The row kernel steps at most merged with the matmul step after them: the kernel of the matmul
 # before's block and the next block of the kernel before the matmul, or that one and the block
 # before of a chain's tail kernels.
