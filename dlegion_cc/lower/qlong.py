@@ -9,6 +9,11 @@ BitLinear stack) is therefore cut by columns: its first weight windows a Legion 
 block as before, beside the kernel's blocks, as many as their passes take to cover the kernel's
 vector work on a block (``head_windows``), and the rest pass all the rows at once with the last
 block, their fill and drain paid once.
+
+A gated matmul (``passes/gated.py``) in the middle of a chain of two row blocks is cut in three
+(``gated_windows``): its first windows pass block by block, the first block beside the kernel
+before it; its middle windows over all the rows; its last windows block by block, the last block
+beside the first block of the kernel after it, which needs every column of that block.
 """
 from __future__ import annotations
 
@@ -17,15 +22,17 @@ import math
 from isa.arch import Arch
 
 
-def head_windows(arch: Arch, mode: str, K: int, tiles: int, rows: int, beside: float) -> int:
+def head_windows(arch: Arch, mode: str, K: int, tiles: int, rows: int, beside: float, ops: float = 1) -> int:
     """The fewest weight windows (of ``tiles`` tiles, ``K`` deep, in ``mode``) a Legion passes
     over a block of ``rows`` rows in at least ``beside`` cycles, the vector work of the row
-    kernels beside the block: fewer leave it exposed, more pay fill and drain a block. 2B4T
-    BitLinear stack at 256 on dlegion-8x8, down_proj (5 w2 windows a Legion) beside the
-    quantization of ReLU^2 x up: 1 window 291,382 cycles, 2 (the rule's) 282,075, 3 283,029."""
+    kernels beside the block, besides the ``ops`` vector operations an element of the window's
+    drains take on the same vector unit: fewer leave it exposed, more pay fill and drain a
+    block. 2B4T BitLinear stack at 256 on dlegion-8x8, down_proj (5 w2 windows a Legion) beside
+    the quantization of ReLU^2 x up: 1 window 291,382 cycles, 2 (the rule's) 282,075, 3 283,029."""
     d = arch.derived
     window = rows * K * arch.array * tiles * arch.legions / d.macs_per_cycle[mode]
-    return max(1, math.ceil(beside / (window * (1 + d.pass_overhead / rows))))
+    drains = ops * rows * arch.array * tiles / arch.vector_lanes
+    return max(1, math.ceil(beside / (window * (1 + d.pass_overhead / rows) - drains)))
 
 
 def head_columns(arch: Arch, mode: str, K: int, N: int, tiles: int, blocks: list[range], beside: float) -> int:
@@ -38,3 +45,20 @@ def head_columns(arch: Arch, mode: str, K: int, N: int, tiles: int, blocks: list
         return 0
     head = head_windows(arch, mode, K, tiles, len(blocks[0]), beside)
     return head * share if head < N // share else 0
+
+
+def gated_windows(arch: Arch, mode: str, K: int, N: int, tiles: int, blocks: list[range], before: float,
+                  after: float, ops: float) -> tuple[int, int]:
+    """(first, last) windows a Legion of a gated matmul of ``N`` laid-out columns (``K`` deep,
+    passes of ``tiles`` windows, drains of ``ops`` vector operations an element) that pass
+    block by block beside row kernels of ``before`` and ``after`` vector cycles a block, the
+    rest over all the rows; (0, 0): no cut (not two blocks, a part-empty window, or no window
+    left for the long passes). Three steps more than the blocks' two: only two blocks leave
+    the kernel after it one block to run beside the last windows' last block."""
+    share = arch.legions * arch.array * tiles
+    if len(blocks) != 2 or N % share:
+        return 0, 0
+    rows = len(blocks[0])
+    first = head_windows(arch, mode, K, tiles, rows, before, ops)
+    last = head_windows(arch, mode, K, tiles, rows, after, ops)
+    return (first, last) if first + last < N // share else (0, 0)

@@ -36,6 +36,7 @@ from dlegion_cc.lower.layout import Operand, is_contiguous, whole
 from dlegion_cc.lower.movement import nd_copy
 from dlegion_cc.lower.rowwise import Arg, rowwise
 from dlegion_cc.lower.qparts import part_widths, pick_width, row_parts, split_rows
+from dlegion_cc.lower.qplan import GATE_OPS
 from dlegion_cc.lower.qtiles import Problem, RowScale, Segment, emit_tiles
 from dlegion_cc.passes.attention import LOW_STEPS
 from dlegion_cc.passes.causal import reach
@@ -129,14 +130,17 @@ def qmatmul(low: Lowering, node) -> None:
 
 
 def qmatmul_blocks(low: Lowering, node, blocks: list[range] | None = None, vec_room: int = 0,
-                   rings: dict | None = None, defer: bool = False, beside: float = 0):
+                   rings: dict | None = None, defer: bool = False, beside: float = 0,
+                   cut: tuple[int, int] = (0, 0)):
     """``qmatmul``, a generator that emits the rows of each of ``blocks`` in turn (all the rows
     when None) and yields after each: a caller interleaves them with other nodes' row blocks
     (``rowblocks.py``), whose kernels run in ``vec`` past the plans' ``vec_room`` (0: all).
     ``rings``: the scratchpad slots the matmul emitted before it left (``emit_tiles``), handed
     on from block to block and to the matmul after it. ``defer``: columns split off (``qrest``)
     are emitted after the last yield, when the caller asks once more, not with the last block.
-    ``beside``: the vector cycles of the row kernels beside its first block (``qlong``)."""
+    ``beside``: the vector cycles of the row kernels beside its first block (``qlong``). ``cut``:
+    a gated matmul's first and last windows a Legion block by block (``gated_cut``), in the
+    steps ``GATED_STEPS``; (0, 0): none."""
     a = node.attrs
     q, s, zp, residual = (node.inputs + ["", "", ""])[:4]
     scales = a.get("scales")
@@ -148,7 +152,20 @@ def qmatmul_blocks(low: Lowering, node, blocks: list[range] | None = None, vec_r
     requant = None if a.get("requant") is None else tuple(a["requant"])
     outs = [Output(o, requant, residual or None) for o in node.outputs]
     yield from _qmatmul_steps(low, node.name, acts, weights, outs[0] if len(outs) == 1 else outs,
-                              a.get("segments"), blocks, vec_room, rings, a.get("gated"), defer, beside)
+                              a.get("segments"), blocks, vec_room, rings, a.get("gated"), defer, beside, cut)
+
+
+def gated_cut(low: Lowering, node, blocks: list[range], before: float, after: float) -> tuple[int, int]:
+    """``qlong.gated_windows`` of the chained gated matmul ``node`` in ``blocks``, beside row
+    kernels of ``before`` and ``after`` vector cycles a block; (0, 0) for any other matmul. Its
+    drains take an operation an element and the gate's on half of them (``qtiles._gate``)."""
+    a, arch = node.attrs, low.em.arch
+    if a.get("gated") is None:
+        return 0, 0
+    w = np.asarray(a["weight"])
+    mode = pick_mode(arch, mode_for(w) or "w8")
+    K, N = w.shape
+    return qlong.gated_windows(arch, mode, K, N, MODE_TILES[mode], blocks, before, after, 1 + GATE_OPS / 2)
 
 
 def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: Output | list[Output],
@@ -167,11 +184,11 @@ def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: 
 def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out: Output | list[Output],
                    segments: list[int] | None, blocks: list[range] | None, vec_room: int,
                    rings: dict | None = None, gated: int | None = None, defer: bool = False,
-                   beside: float = 0):
+                   beside: float = 0, cut: tuple[int, int] = (0, 0)):
     """``lower_qmatmul``, yielding after each of ``blocks`` (row ranges of a plain matmul, each
     scheduled for its own rows; the constants are made once). ``gated``: which of the two
     segments is the gate of the one output ReLU(gate)^2 * up (``passes/gated.py``); ``defer``,
-    ``beside``: as ``qmatmul_blocks``."""
+    ``beside``, ``cut``: as ``qmatmul_blocks``."""
     em, arch = low.em, low.em.arch
     outs = out if isinstance(out, list) else [out]
     layouts = _Layouts(low, w, segments, gated)
@@ -210,7 +227,7 @@ def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out:
         rest_part = _plain_part(low, f"{name}_rest", layouts.raw, n - rest.columns, n, groups, dsts[-1].tensor,
                                 out_cols, out_cols - rest.columns, rest.width)
         segments = qrest.kept(segments, rest)
-        layouts = _Layouts(low, _columns(layouts.raw, 0, sum(segments)), segments)
+        layouts = _Layouts(low, _columns(layouts.raw, slice(0, sum(segments))), segments)
     if width != arch.legions or rest:
         w, lay = layouts.laid(width)
         values = _batches(w)
@@ -230,8 +247,15 @@ def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out:
                     blocks[0], K, N, n_pad, vec_room=vec_room, row_block=chained)
         yield from _long_steps(low, name, layouts.raw, head, p, blocks, {} if rings is None else rings)
         return
-    scales, bias = _drain_consts(em, name, w, groups, n_pad)
     segs = () if lay is None else lay.segments(low, outs, dsts, segments, rest is not None)
+    if any(cut) and width == arch.legions:
+        p = Problem(a8, rscale, (), None, groups, block, None, *corrs[0], out.requant, exact, dst.tensor,
+                    blocks[0], K, N, n_pad, vec_room=vec_room, row_block=chained, gated=layouts.granule,
+                    residual=resid)
+        parts = _gated_parts(low, name, w, cut, arch.array * shapes.tiles(), groups, segs[0])
+        yield from _gated_steps(low, parts, p, blocks, {} if rings is None else rings)
+        return
+    scales, bias = _drain_consts(em, name, w, groups, n_pad)
     made, plans, rings = {}, {}, {} if rings is None else rings
     for j, rows in enumerate(blocks):
         b = j if batches > 1 else 0
@@ -249,6 +273,8 @@ def _qmatmul_steps(low: Lowering, name: str, acts: Activations, w: Weights, out:
         _emit_parts(low, p, width, plans, rings if batches == 1 else None)
         if j < len(blocks) - 1 or defer or not rest:
             yield rows
+        if not j and any(cut):      # a cut the deal of the Legions leaves no room for: its steps empty
+            yield from [rows] * (len(GATED_STEPS) - len(blocks))
     if rest:
         em.barrier()
         rest_part.emit(replace(p, rows=range(blocks[0].start, blocks[-1].stop)), rings)
@@ -276,13 +302,51 @@ def _long_steps(low: Lowering, name: str, raw: Weights, head: int, p: Problem, b
     first.emit(replace(p, rows=blocks[-1]), rings)
 
 
+# The steps of a gated matmul's cut (``qlong.gated_windows``), in order: (its windows, row
+# block; None: all the rows).
+GATED_STEPS = (("first", 0), ("middle", None), ("first", 1), ("last", 0), ("last", 1))
+
+
+def _gated_steps(low: Lowering, parts: dict, p: Problem, blocks: list[range], rings: dict):
+    """The gated matmul ``p`` in two row blocks cut into ``parts`` (``_gated_parts``), a step
+    each (``GATED_STEPS``): its first windows a Legion over the first block (beside the kernel
+    before it, which makes the last block's rows), its middle windows over all the rows, its
+    first windows over the last block, its last windows over the first block, which the kernel
+    after it then has whole, and over the last block, beside that kernel's first block."""
+    for j, (part, block) in enumerate(GATED_STEPS):
+        if j:
+            low.em.barrier()    # each step's plan reuses the scratchpad slots of the one before
+        rows = range(blocks[0].start, blocks[-1].stop) if block is None else blocks[block]
+        # No kernel runs beside the middle windows: their tiles of all the rows take all of ``vec``.
+        parts[part].emit(replace(p, rows=rows, vec_room=p.vec_room if block is not None else 0), rings)
+        yield rows
+
+
+def _gated_parts(low: Lowering, name: str, laid: Weights, cut: tuple[int, int], window: int, groups: int,
+                 seg: Segment) -> dict:
+    """The first, middle and last windows of ``window`` columns of every Legion's slice of a
+    gated weight ``laid`` out (``gated_major``: whole pairs of granules), ``cut`` first and
+    last, each stored where it is in output ``seg``: half as many columns, from half its first
+    on in each Legion's."""
+    legions, (first, last) = low.em.arch.legions, cut
+    per = np.shape(laid.values)[-1] // legions
+    windows = per // window
+    bounds = {"first": (0, first), "middle": (first, windows - last), "last": (windows - last, windows)}
+    parts = {}
+    for part, (lo, hi) in bounds.items():
+        cols = (np.arange(legions)[:, None] * per + np.arange(lo * window, hi * window)).reshape(-1)
+        parts[part] = _ColumnPart(low, f"{name}_{part}", _columns(laid, cols), groups,
+                                  replace(seg, at=seg.at + lo * window // 2), legions)
+    return parts
+
+
 def _plain_part(low: Lowering, name: str, raw: Weights, lo: int, hi: int, groups: int, out: int, out_cols: int,
                 at: int, width: int) -> "_ColumnPart":
     """Columns ``lo`` .. ``hi - 1`` of a plain weight on parts of ``width`` Legions, stored from
     column ``at`` of output ``out`` [rows, ``out_cols``]."""
     na = low.em.arch.array
     per_legion = math.ceil(math.ceil((hi - lo) / na) / width) * na
-    return _ColumnPart(low, name, _columns(raw, lo, hi), groups, Segment(out, out_cols, per_legion, 0, at), width)
+    return _ColumnPart(low, name, _columns(raw, slice(lo, hi)), groups, Segment(out, out_cols, per_legion, 0, at), width)
 
 
 def _drain_consts(em: Emitter, name: str, w: Weights, groups: int, n_pad: int) -> tuple:
@@ -296,12 +360,12 @@ def _drain_consts(em: Emitter, name: str, w: Weights, groups: int, n_pad: int) -
     return scales, bias
 
 
-def _columns(w: Weights, lo: int, hi: int) -> Weights:
-    """Columns ``lo`` .. ``hi - 1`` of a plain weight, with their scales and bias."""
+def _columns(w: Weights, cols) -> Weights:
+    """Columns ``cols`` (a slice or indices) of a plain weight, with their scales and bias."""
     n = np.shape(w.values)[-1]
-    scales = None if w.scales is None else np.asarray(w.scales, np.float32).reshape(-1, n)[:, lo:hi]
-    bias = None if w.bias is None else np.asarray(w.bias, np.float32).reshape(-1)[lo:hi]
-    return Weights(np.asarray(w.values)[:, lo:hi], scales, w.block, bias)
+    scales = None if w.scales is None else np.asarray(w.scales, np.float32).reshape(-1, n)[:, cols]
+    bias = None if w.bias is None else np.asarray(w.bias, np.float32).reshape(-1)[cols]
+    return Weights(np.asarray(w.values)[:, cols], scales, w.block, bias)
 
 
 class _ColumnPart:

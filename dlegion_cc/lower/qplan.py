@@ -218,9 +218,13 @@ def _gated_stores(p: Problem, plan: Plan, legion: int, local: int, nb: int) -> l
     return out
 
 
+# Vector operations a gated tile's gate columns take after the drain: ReLU, square, product.
+GATE_OPS = 3
+
+
 def gated_ops(p: Problem) -> int:
-    """Vector operations a gated tile's outputs take after the drain: ReLU, square, product."""
-    return 3 if p.gated else 0
+    """Vector operations a gated tile's outputs take after the drain (``GATE_OPS``)."""
+    return GATE_OPS if p.gated else 0
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from dlegion_cc.lower.context import Lowering
 from dlegion_cc.lower.fused import row_kernel_blocks, row_kernel_width
 from dlegion_cc.lower.layout import whole
 from dlegion_cc.lower.overlap import _Rewrite, _span, _targets, accesses, footprint, reused
-from dlegion_cc.lower.qmatmul import mode_for, pick_mode, qmatmul_blocks
+from dlegion_cc.lower.qmatmul import GATED_STEPS, gated_cut, mode_for, pick_mode, qmatmul_blocks
 from dlegion_cc.lower.tails import MATMUL, ROWS, causal, kernel_rooms, split_tail, tail_of, with_tails
 
 MOST_BLOCKS = 4
@@ -195,15 +195,24 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
     chain, views, tails, joins = split_tail(chain)
     start, spans, pairs, last = len(em.instrs), [], {}, None
     steps, done = list(_order(chain, ranges)), Counter()
+    # A gated matmul cut by windows takes more steps than the blocks (``qmatmul.GATED_STEPS``);
+    # not in blocks below ``FEWEST_ROWS``, where its three joins more cost more than the fill and
+    # drain its long passes save (the 2B4T layer at 128 on dlegion-8x8, blocks of 64: 212,170
+    # cycles uncut, 215,944 to 217,188 cut with 3 to 8 windows first and 9 to 14 last).
+    beside, after = _vector_beside(arch, steps, ranges), _vector_after(arch, chain, ranges)
+    gated = {n.name: gated_cut(low, n, ranges, beside[n.name], after[n.name]) if len(ranges[0]) >= FEWEST_ROWS
+             else (0, 0) for n in chain if (n.domain, n.op) == MATMUL}
+    steps = list(_order(chain, ranges, {k: len(GATED_STEPS) - len(ranges) for k, c in gated.items() if any(c)}))
     cuts = {n.name: ranges for n in chain}
     if tails:
         steps = with_tails(steps, chain[-1], tails)
         cuts.update({t.name: ranges for t in tails})
-    rooms, beside = _vec_rooms(arch, steps), _vector_beside(arch, steps, ranges)
+    rooms = _vec_rooms(arch, steps)
     rings: dict = {}                # the slots each matmul block leaves the next (``emit_tiles``)
     # A matmul's columns split off (``qrest``, of its last output) wait for the chain's end
     # unless the chain reads them.
-    gens = {n.name: qmatmul_blocks(low, n, ranges, rooms[n.name], rings, n.outputs[-1] not in read, beside[n.name])
+    gens = {n.name: qmatmul_blocks(low, n, ranges, rooms[n.name], rings, n.outputs[-1] not in read, beside[n.name],
+                                   gated[n.name])
             if (n.domain, n.op) == MATMUL else row_kernel_blocks(low, n, cuts[n.name]) for n in [*chain, *tails]}
     s = 0
     while s < len(steps):
@@ -357,6 +366,18 @@ def _vector_beside(arch: Arch, steps: list[Node], ranges: list[range]) -> dict[s
     share = len(ranges[0]) / ranges[-1].stop
     at = {n.name: k for k, n in reversed(list(enumerate(steps))) if (n.domain, n.op) == MATMUL}
     return {name: share * sum(_vector_cycles(arch, n) for n in _rows_before(steps, k)) for name, k in at.items()}
+
+
+def _vector_after(arch: Arch, chain: list[Node], ranges: list[range]) -> dict[str, float]:
+    """The vector cycles (``_vector_cycles``, for a row block) of the row kernels after each
+    matmul of the chain, up to the next."""
+    share, out, last = len(ranges[0]) / ranges[-1].stop, {}, None
+    for node in chain:
+        if (node.domain, node.op) == MATMUL:
+            out[node.name], last = 0.0, node.name
+        elif last is not None:
+            out[last] += share * _vector_cycles(arch, node)
+    return out
 
 
 def _rows_before(steps: list[Node], at: int) -> list[Node]:
@@ -643,8 +664,11 @@ def _meets(union: tuple[list[int], list[int]], lo: int, hi: int) -> bool:
     return lo < hi and ((k > 0 and ends[k - 1] > lo) or (k < len(starts) and starts[k] < hi))
 
 
-def _order(chain: list[Node], ranges: list[range]):
-    """The chain's nodes, one for each row block step, in the pipelined order."""
+def _order(chain: list[Node], ranges: list[range], more: dict[str, int] | None = None):
+    """The chain's nodes, one for each row block step, in the pipelined order; a matmul that
+    takes ``more`` steps than the blocks (by name) takes them before its first block's row
+    kernels."""
+    more = more or {}
     first = next(k for k, n in enumerate(chain) if (n.domain, n.op) == MATMUL)
     after = next((k for k in range(first + 1, len(chain)) if (chain[k].domain, chain[k].op) == MATMUL), len(chain))
     if first == 1:
@@ -656,6 +680,7 @@ def _order(chain: list[Node], ranges: list[range]):
         for b in range(len(ranges)):
             if b + 1 < len(ranges):
                 yield chain[0]
+            yield from [chain[1]] * (more.get(chain[1].name, 0) if b == 0 else 0)
             yield from chain[1:after]
         first = after
     else:
@@ -665,6 +690,7 @@ def _order(chain: list[Node], ranges: list[range]):
     segment = []
     for n in chain[first:] + [None]:
         if segment and (n is None or (n.domain, n.op) == MATMUL):
+            yield from [segment[0]] * more.get(segment[0].name, 0)
             for _ in ranges:
                 yield from segment
             segment = []
