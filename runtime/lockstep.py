@@ -71,13 +71,14 @@ def tasks_of(program, costed) -> Tasks:
     The tasks of an instruction share its kind and cost; the expansion (isa/expand.py Tasks)
     holds their Legions, queues and conditions as arrays."""
     instrs, origin, ids = program.instrs, costed.origin, costed.ids
-    kind_of = np.array([_kind(i) for i in instrs.source], dtype=np.int64)
-    timings, timing_of = {}, np.zeros(len(ids), dtype=np.int64)
+    kind_of, timing_of = np.zeros(len(ids), dtype=np.int64), np.zeros(len(ids), dtype=np.int64)
+    timings = {}
     for o in np.flatnonzero(ids == np.arange(len(ids))).tolist():    # once per distinct instruction
         c = costed.costs[o]
+        kind_of[o] = _kind(instrs.source[o])
         timing_of[o] = timings.setdefault((c.cycles, c.lead, c.flow_bytes), len(timings))
-    timing = timing_of[ids][origin]
-    return Tasks(instrs.legion, instrs.queue, kind_of[origin], timing, instrs.cond, list(timings), instrs.names)
+    return Tasks(instrs.legion, instrs.queue, kind_of[ids][origin], timing_of[ids][origin], instrs.cond,
+                 list(timings), instrs.names)
 
 
 def _kind(i) -> int:
@@ -112,8 +113,10 @@ def _part(tasks: Tasks, order: np.ndarray, cond: np.ndarray, rep, size, parties:
         conds[k] = (q, count)
     timings, timing = tasks.timings, tasks.timing[order]
     flows = np.array([flow is not None for _, _, flow in timings] or [False], dtype=bool)[timing]
+    table = np.empty(len(timings), dtype=object)        # indexed in numpy: one lookup per task in C
+    table[:] = timings
     return Part(legion * width + tasks.queue[order] % width, tasks.kind[order], conds,
-                [timings[t] for t in timing.tolist()], flows.tolist(), _mult(legion, size).tolist(),
+                table[timing].tolist(), flows.tolist(), _mult(legion, size).tolist(),
                 [at * width + names.index(q) for at, q in parties], names)
 
 
