@@ -97,15 +97,21 @@ class Cost:
 # --- DMA -------------------------------------------------------------------------------------
 
 def dma(i: Instr, arch: Arch, env: Env) -> Cost:
-    ref_field, counter = DMA_SIDE[type(i)]
-    ref = getattr(i, ref_field)
+    ref = getattr(i, DMA_SIDE[type(i)][0])
     if ref.tensor >= len(env.tensors):
         raise CostError(f"tensor index {ref.tensor} out of range ({len(env.tensors)} tensors)")
-    tensor = env.tensors[ref.tensor]
-    nbytes = i.rows * i.cols * np.dtype(STORAGE[tensor.dtype]).itemsize
     fanout = len(getattr(i, "dests", ())) or 1      # only a load has several receivers
-    spad = i.rows * i.cols * ELEM_BYTES[_spad_view(i).space] * fanout
-    if not arch.multicast:
+    return _dma(type(i), i.rows, i.cols, env.tensors[ref.tensor].dtype, _spad_view(i).space, fanout, arch.multicast)
+
+
+@lru_cache(maxsize=4096)
+def _dma(cls: type, rows: int, cols: int, dtype: str, space: str, fanout: int, multicast: bool) -> Cost:
+    """A DMA's cost from the fields it depends on: a program's many DMAs that differ only in
+    their offsets share it."""
+    counter = DMA_SIDE[cls][1]
+    nbytes = rows * cols * np.dtype(STORAGE[dtype]).itemsize
+    spad = rows * cols * ELEM_BYTES[space] * fanout
+    if not multicast:
         # Without multicast every receiving Legion needs its own read.
         return Cost(flow_bytes=nbytes * fanout, counters={counter: nbytes * fanout, "spad_bytes": spad})
     return Cost(flow_bytes=nbytes,
