@@ -97,15 +97,21 @@ class Cost:
 # --- DMA -------------------------------------------------------------------------------------
 
 def dma(i: Instr, arch: Arch, env: Env) -> Cost:
-    ref_field, counter = DMA_SIDE[type(i)]
-    ref = getattr(i, ref_field)
+    ref = getattr(i, DMA_SIDE[type(i)][0])
     if ref.tensor >= len(env.tensors):
         raise CostError(f"tensor index {ref.tensor} out of range ({len(env.tensors)} tensors)")
-    tensor = env.tensors[ref.tensor]
-    nbytes = i.rows * i.cols * np.dtype(STORAGE[tensor.dtype]).itemsize
     fanout = len(getattr(i, "dests", ())) or 1      # only a load has several receivers
-    spad = i.rows * i.cols * ELEM_BYTES[_spad_view(i).space] * fanout
-    if not arch.multicast:
+    return _dma(type(i), i.rows, i.cols, env.tensors[ref.tensor].dtype, _spad_view(i).space, fanout, arch.multicast)
+
+
+@lru_cache(maxsize=4096)
+def _dma(cls: type, rows: int, cols: int, dtype: str, space: str, fanout: int, multicast: bool) -> Cost:
+    """A DMA's cost from the fields it depends on: a program's many DMAs that differ only in
+    their offsets share it."""
+    counter = DMA_SIDE[cls][1]
+    nbytes = rows * cols * np.dtype(STORAGE[dtype]).itemsize
+    spad = rows * cols * ELEM_BYTES[space] * fanout
+    if not multicast:
         # Without multicast every receiving Legion needs its own read.
         return Cost(flow_bytes=nbytes * fanout, counters={counter: nbytes * fanout, "spad_bytes": spad})
     return Cost(flow_bytes=nbytes,
@@ -220,24 +226,32 @@ def _mask_blocks(i: Instr, arch: Arch, env: Env) -> Blocks | None:
 
 
 def matmul(i: Instr, arch: Arch, env: Env) -> Cost:
-    kreduce = i.split == "k" and arch.parallel_accumulators
-    shape = (i.K, i.N, arch.array, MODE_TILES[i.mode], arch.cores, i.split, kreduce)
-    s = block_stats(*shape, _mask_blocks(i, arch, env))
+    return _matmul(arch, i.M, i.K, i.N, i.mode, i.split, i.accumulate, _mask_blocks(i, arch, env))
+
+
+@lru_cache(maxsize=4096)
+def _matmul(arch: Arch, M: int, K: int, N: int, mode: str, split: str, accumulate: str,
+            blocks: Blocks | None) -> Cost:
+    """A MatMul's cost from the fields it depends on: the many matmuls of a program that differ
+    only in their operands' places share it."""
+    kreduce = split == "k" and arch.parallel_accumulators
+    shape = (K, N, arch.array, MODE_TILES[mode], arch.cores, split, kreduce)
+    s = block_stats(*shape, blocks)
     d = block_stats(*shape, None)
-    first = s.psum_first if i.accumulate == "set" else 0
-    dense_first = d.psum_first if i.accumulate == "set" else 0
-    psum_words = i.M * (s.psum_rmw - first)
-    cycles = max(pass_cycles(arch, i.M, s.passes_max), psum_cycles(arch, psum_words))
-    dense_cycles = max(pass_cycles(arch, i.M, d.passes_max), psum_cycles(arch, i.M * (d.psum_rmw - dense_first)))
-    macs = i.M * s.block_macs
-    counters = {"macs": macs, "dense_macs": i.M * i.K * i.N,
-                "padded_macs": s.passes * i.M * arch.array * arch.array * MODE_TILES[i.mode] - macs,
+    first = s.psum_first if accumulate == "set" else 0
+    dense_first = d.psum_first if accumulate == "set" else 0
+    psum_words = M * (s.psum_rmw - first)
+    cycles = max(pass_cycles(arch, M, s.passes_max), psum_cycles(arch, psum_words))
+    dense_cycles = max(pass_cycles(arch, M, d.passes_max), psum_cycles(arch, M * (d.psum_rmw - dense_first)))
+    macs = M * s.block_macs
+    counters = {"macs": macs, "dense_macs": M * K * N,
+                "padded_macs": s.passes * M * arch.array * arch.array * MODE_TILES[mode] - macs,
                 "passes": s.passes, "dense_passes": d.passes,
                 "windows_skipped": d.passes - s.passes,
                 "sparsity_cycles_saved": dense_cycles - cycles,
                 "psum_bytes": ACC_BYTES * psum_words,
-                "spad_bytes": s.passes * (i.M * arch.array + arch.array * arch.array)}
-    detail = {"mode": i.mode, "split": i.split, "M": i.M, "K": i.K, "N": i.N,
+                "spad_bytes": s.passes * (M * arch.array + arch.array * arch.array)}
+    detail = {"mode": mode, "split": split, "M": M, "K": K, "N": N,
               "passes_max": s.passes_max, "psum_cycles": psum_cycles(arch, psum_words), "cycles": cycles,
               "dense_cycles": dense_cycles,
               **counters}
@@ -271,8 +285,11 @@ def vector_matmul(i: Instr, arch: Arch, env: Env) -> Cost:
                 counters={"vector_elems": elems, "vector_ops": elems, "vector_macs": elems, "spad_bytes": spad})
 
 
+SYNC = Cost()          # what a wait or barrier costs: nothing, shared by all of them
+
+
 def sync(i: Instr, arch: Arch, env: Env) -> Cost:
-    return Cost()
+    return SYNC
 
 
 # By family; a class listed in BY_CLASS has a formula of its own within its family.

@@ -71,13 +71,14 @@ def tasks_of(program, costed) -> Tasks:
     The tasks of an instruction share its kind and cost; the expansion (isa/expand.py Tasks)
     holds their Legions, queues and conditions as arrays."""
     instrs, origin, ids = program.instrs, costed.origin, costed.ids
-    kind_of = np.array([_kind(i) for i in instrs.source], dtype=np.int64)
-    timings, timing_of = {}, np.zeros(len(ids), dtype=np.int64)
+    kind_of, timing_of = np.zeros(len(ids), dtype=np.int64), np.zeros(len(ids), dtype=np.int64)
+    timings = {}
     for o in np.flatnonzero(ids == np.arange(len(ids))).tolist():    # once per distinct instruction
         c = costed.costs[o]
+        kind_of[o] = _kind(instrs.source[o])
         timing_of[o] = timings.setdefault((c.cycles, c.lead, c.flow_bytes), len(timings))
-    timing = timing_of[ids][origin]
-    return Tasks(instrs.legion, instrs.queue, kind_of[origin], timing, instrs.cond, list(timings), instrs.names)
+    return Tasks(instrs.legion, instrs.queue, kind_of[ids][origin], timing_of[ids][origin], instrs.cond,
+                 list(timings), instrs.names)
 
 
 def _kind(i) -> int:
@@ -112,8 +113,10 @@ def _part(tasks: Tasks, order: np.ndarray, cond: np.ndarray, rep, size, parties:
         conds[k] = (q, count)
     timings, timing = tasks.timings, tasks.timing[order]
     flows = np.array([flow is not None for _, _, flow in timings] or [False], dtype=bool)[timing]
+    table = np.empty(len(timings), dtype=object)        # indexed in numpy: one lookup per task in C
+    table[:] = timings
     return Part(legion * width + tasks.queue[order] % width, tasks.kind[order], conds,
-                [timings[t] for t in timing.tolist()], flows.tolist(), _mult(legion, size).tolist(),
+                table[timing].tolist(), flows.tolist(), _mult(legion, size).tolist(),
                 [at * width + names.index(q) for at, q in parties], names)
 
 
@@ -130,7 +133,7 @@ def _mult(legion: np.ndarray, size) -> np.ndarray:
 class Segment:
     lo: int             # its tasks are lo..hi-1 (maybe none); task hi is the barrier after it, if any
     hi: int
-    key: bytes          # equal keys, equal times
+    key: tuple          # equal keys, equal times
     order: np.ndarray   # the tasks simulated: the representatives', in program order
     dst: np.ndarray     # tasks that take a simulated task's times ...
     src: np.ndarray     # ... and the simulated task (its position in ``order``) they take them from
@@ -174,18 +177,23 @@ def _segment(tasks: Tasks, lo: int, hi: int, base: np.ndarray, legions: int, par
     legion, cond = tasks.legion[lo:hi], _relative(tasks.cond[lo:hi], base)
     rows = np.stack([tasks.queue[lo:hi], tasks.kind[lo:hi], tasks.timing[lo:hi],
                      cond[:, 0], cond[:, 1], cond[:, 2]], axis=1)
-    own = [np.flatnonzero(legion == l) for l in range(legions)]
+    # the rows by Legion, each Legion's in order: its signature is one slice of them
+    by_legion = np.argsort(legion, kind="stable")
+    cut = np.searchsorted(legion[by_legion], np.arange(legions + 1))
+    own = [by_legion[cut[l]:cut[l + 1]] for l in range(legions)]
+    sigs = rows[by_legion]
+    sigs[:, 3] = np.where(sigs[:, 3] == legion[by_legion], OWN, sigs[:, 3])
     classes: dict = {}                      # signature -> its Legions
     for l in range(legions):
-        sig = rows[own[l]]
-        sig[:, 3] = np.where(sig[:, 3] == l, OWN, sig[:, 3])
-        classes.setdefault(sig.tobytes(), []).append(l)
+        classes.setdefault(sigs[cut[l]:cut[l + 1]].tobytes(), []).append(l)
     rep = np.empty(legions, dtype=np.int64)
     size = {}
     for members in classes.values():
         rep[members], size[members[0]] = members[0], len(members)
     reps = sorted(size)
-    order = np.sort(np.concatenate([own[r] for r in reps])) if reps else np.zeros(0, np.int64)
+    is_rep = np.zeros(legions, dtype=bool)
+    is_rep[reps] = True
+    order = np.flatnonzero(is_rep[legion])
     at = np.full(hi - lo, -1, dtype=np.int64)
     at[order] = np.arange(len(order))
     dst, src = [], []
@@ -193,7 +201,7 @@ def _segment(tasks: Tasks, lo: int, hi: int, base: np.ndarray, legions: int, par
         for m in members[1:]:
             dst.append(own[m]), src.append(at[own[members[0]]])
     layout = [tuple(m) for m in classes.values()]
-    key = repr(layout).encode() + b"|" + b"".join(classes) + b"|" + rep[legion[order]].tobytes()
+    key = (tuple(layout), *classes, rep[legion[order]].tobytes())     # (the signatures' hashes are kept)
     glob = order + lo
 
     def part() -> Part:

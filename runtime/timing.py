@@ -98,7 +98,9 @@ class _Dram:
         self.due = None                                # add and finish change the flows next
 
     def add(self, k: int, nbytes: int, t: float, mult: int) -> None:
-        self.advance(t)
+        if t != self.t:                                # (at the same time, advance moves nothing)
+            self.advance(t)
+        self.due = None
         self.active += mult
         heapq.heappush(self.flows, (self.served + nbytes, k, mult))
 
@@ -112,15 +114,16 @@ class _Dram:
     def finish(self, t: float) -> list[int]:
         """Flows ending at ``t`` (the first is due by construction; others within rounding)."""
         self.advance(t)
-        ended = [self._pop()]
-        while self.flows and self.flows[0][0] <= self.served + 1e-9 * max(1.0, self.served):
-            ended.append(self._pop())
+        flows, pop = self.flows, heapq.heappop
+        _, k, mult = pop(flows)
+        ended, active = [k], self.active - mult
+        level = self.served + 1e-9 * max(1.0, self.served)
+        while flows and flows[0][0] <= level:
+            _, k, mult = pop(flows)
+            ended.append(k)
+            active -= mult
+        self.active = active
         return ended
-
-    def _pop(self) -> int:
-        _, k, mult = heapq.heappop(self.flows)
-        self.active -= mult
-        return k
 
 
 # --- queues ----------------------------------------------------------------------------------
@@ -196,8 +199,9 @@ class _Sim:
         advance = self._advancer()
         for q in self.queues.values():
             advance(q, 0.0)
-        events, dram, pop = self.events, self.dram, heapq.heappop
+        events, dram, pop, push = self.events, self.dram, heapq.heappop, heapq.heappush
         flows = dram.flows
+        conds, kinds, timing, start, free = self.part.conds, self.kinds, self.part.timing, self.start, self.free
         queue_of, done, is_flow, order, is_done = self.queue_of, self.done, self.is_flow, self.order, self.is_done
         while True:
             if flows:
@@ -223,7 +227,20 @@ class _Sim:
                 prefix += 1
             q.prefix = prefix
             if not q.busy and q.head < n:       # else advance would issue nothing and wake none
-                advance(q, t)
+                k = items[q.head]
+                if conds[k] is None and kinds[k] == TASK and not is_flow[k]:
+                    # advance's common case, inline: the queue's next task needs nothing but the queue
+                    cycles, lead, _ = timing[k]
+                    start[k] = t
+                    q.busy = True
+                    after = q.ready + lead
+                    q.ready = 0.0
+                    end = (after if after > t else t) + cycles
+                    free[k] = end
+                    push(events, (end, k))
+                    q.head += 1
+                else:
+                    advance(q, t)
             waiting = q.waiting
             if waiting:           # only the queues whose count it reached: the others would wait on
                 due = [other for other, count in waiting.values() if count <= q.prefix]
@@ -243,13 +260,25 @@ class _Sim:
     # scheduled after that one completed, so the completion order is always a valid order.
 
     def _flows_end(self, t: float, advance) -> None:
-        latency, events, queue_of, free = self.latency, self.events, self.queue_of, self.free
-        for k in self.dram.finish(t):
+        latency, events, queue_of, free, dram = self.latency, self.events, self.queue_of, self.free, self.dram
+        conds, kinds, is_flow = self.part.conds, self.kinds, self.is_flow
+        for k in dram.finish(t):
             q = queue_of[k]
             free[k] = t
             q.busy = False
             heapq.heappush(events, (t + latency, k))
-            advance(q, t)
+            if q.head == len(q.items):
+                continue
+            k = q.items[q.head]
+            if conds[k] is None and kinds[k] == TASK and is_flow[k]:
+                # advance's common case, inline: the queue's next DMA needs nothing but the queue
+                self.start[k] = t
+                q.busy = True
+                q.ready = 0.0
+                dram.add(k, self.part.timing[k][2], t, self.part.mult[k])
+                q.head += 1
+            else:
+                advance(q, t)
 
     # Issuing: run a queue as far as it can go at time t; progress may wake other queues.
 
@@ -368,9 +397,11 @@ def _why_stuck(program: Program, sim: _Sim, k: int, q: _Queue) -> str:
 
 # --- costs and counters ----------------------------------------------------------------------
 
-def _masks(program: Program) -> dict:
-    """Decoded block masks of the u8 const tensors MatMuls name."""
-    used = {getattr(i, "mask", None) for i in program.instrs.source} - {None}
+def _masks(program: Program, distinct: list | None = None) -> dict:
+    """Decoded block masks of the u8 const tensors MatMuls name; ``distinct``, if given, the
+    index of one instruction of each set of equal ones, which name the same mask."""
+    source = program.instrs.source
+    used = {getattr(source[o], "mask", None) for o in (range(len(source)) if distinct is None else distinct)} - {None}
     out = {}
     for m in sorted(used):
         t = program.tensors[m] if m < len(program.tensors) else None
@@ -398,11 +429,12 @@ def _costs(program: Program, arch: Arch) -> Costed:
     """The tasks of one span differ only by Legion, DRAM offset and destinations, which no
     cost depends on: each instruction is costed once, as written (its first task but for the
     span and condition, which no cost reads either)."""
-    env = Env(tuple(program.tensors), _masks(program))
     tasks = program.instrs
     first, ids = tasks.first.tolist(), tasks.alike().ids    # alike instructions (each layer's) cost alike
+    distinct = np.flatnonzero(np.asarray(ids) == np.arange(len(ids))).tolist()
+    env = Env(tuple(program.tensors), _masks(program, distinct))
     costs = [None] * len(first)
-    for o in np.flatnonzero(np.asarray(ids) == np.arange(len(ids))).tolist():     # each distinct one, once
+    for o in distinct:                                      # each distinct one, once
         costs[o] = _cost(program, first[o], tasks.source[o], arch, env)
     return Costed([costs[i] for i in ids], tasks.origin, first, np.asarray(ids, dtype=np.int64))
 
@@ -468,9 +500,12 @@ def _per_instr(program: Program, costed: Costed, first: list, start, done, legio
     for o in detailed:
         lo = first[o]
         hi = first[o + 1] if o + 1 < len(first) else n
-        detail = costed.costs[o].detail
+        # each row a copy of one laid out in the report's order (half the time of building it)
+        layout = {"index": 0, "legion": 0, **costed.costs[o].detail, "start": 0.0, "done": 0.0}
         for k, lg, s, d in zip(range(lo, hi), legion[lo:hi].tolist(), start[lo:hi].tolist(), done[lo:hi].tolist()):
-            rows.append({"index": k, "legion": lg, **detail, "start": s, "done": d})
+            row = layout.copy()
+            row["index"], row["legion"], row["start"], row["done"] = k, lg, s, d
+            rows.append(row)
     return rows
 
 

@@ -4,7 +4,7 @@ its dependencies allow."""
 import dataclasses
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from isa.arch import load
@@ -139,3 +139,26 @@ def test_tasks_in_completion_order_are_the_copies_of_each_completed_task(program
         copies = seg.copies()
         want = [k for j in sim.order for k in copies[j]]
         assert seg.in_order(sim.order).tolist() == want
+
+
+@settings(max_examples=60, deadline=None)
+@given(programs())
+def test_tasks_issued_inline_time_as_through_the_general_issue(program):
+    # A queue's next task with no condition (a plain task after a completion, a DMA after its
+    # flow ended) is issued inline; a condition met from the start (count 0, on its own queue)
+    # sends the same task through the general issue step, which must give the same timeline.
+    flat = timing.expand(program, ARCH.legions).program
+    tasks = lockstep.tasks_of(flat, timing._costs(flat, ARCH))
+    free = (tasks.cond[:, 0] == lockstep.NONE) & (tasks.kind != lockstep.BARRIER)
+    assume(free.any())
+    cond = tasks.cond.copy()
+    cond[free] = np.stack([tasks.legion[free], tasks.queue[free], np.zeros(int(free.sum()), np.int64)], axis=1)
+    runs = []
+    for c in (tasks.cond, cond):
+        sim = timing._Sim(lockstep.whole(dataclasses.replace(tasks, cond=c), timing.machine_queues(ARCH)), ARCH)
+        sim.run()
+        runs.append((sim.start, sim.free, sim.done, sim.order))
+    (start, free_at, done, order), (start0, free0, done0, order0) = runs
+    assert order == order0
+    for got, want in ((start, start0), (free_at, free0), (done, done0)):
+        np.testing.assert_array_equal(got, want)

@@ -396,6 +396,29 @@ def test_equal_instructions_share_a_cost_and_count_once_per_task():
     assert (c["count_dma"], c["count_vector"], c["count_matrix"]) == (2, 7, 3)
 
 
+def test_costs_shared_by_place_differ_by_every_field_they_read():
+    """DMA and MatMul costs are cached by the fields they depend on: the same cost for another
+    place, a different one for another type, dtype, receiver count, shape or accumulation."""
+    env = Env((x_tensor(1, 64), x_tensor(1, 64, "f32")), {})
+    ld = load_x(cols=64)
+    moved = dataclasses.replace(ld, src=DramRef(0, 32, 64), dst=View("act", 128, 64))
+    assert cost(moved, TINY, env) == cost(ld, TINY, env)
+    assert cost(dataclasses.replace(ld, src=DramRef(1, 0, 64)), TINY, env).flow_bytes == 4 * 64
+    both = cost(load_x(cols=64, dests={0, 1}), TINY, env).counters
+    assert both["multicast_saved_bytes"] == 64 and both["spad_bytes"] == 2 * 64
+    store = DmaStore(0, DramRef(0, 0, 64), View("act", 0, 64), 1, 64)
+    assert cost(store, TINY, env).counters["dram_write_bytes"] == 64
+    assert "dram_write_bytes" not in cost(ld, TINY, env).counters
+    a = mm(16, 32, 8)
+    assert cost(dataclasses.replace(a, acc=View("acc", 64, 8), legion=1), TINY, env) == cost(a, TINY, env)
+    assert cost(mm(8, 32, 8), TINY, env).cycles < cost(a, TINY, env).cycles
+    psum = cost(a, TINY, env).counters["psum_bytes"]
+    assert cost(mm(16, 32, 8, accumulate="add"), TINY, env).counters["psum_bytes"] > psum
+    k = mm(16, 32, 8, split="k")
+    assert cost(k, ONE_CORE, env).cycles > cost(k, TINY, env).cycles
+    assert cost(a, dataclasses.replace(TINY, dataflow="ws"), env).cycles > cost(a, TINY, env).cycles
+
+
 def test_twenty_thousand_instructions_with_barriers_simulate():
     # Speed is measured in bench/bench_layer.py, not here: the machine is shared.
     a = load("dlegion-8x8")
