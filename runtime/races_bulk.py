@@ -175,10 +175,14 @@ def _not_known_done(acc: dict, order: Order):
             # known[task, queue], flat
             known = order.known.reshape(-1).take(acc["task"][b] * order.nq + np.repeat(g_queue[start:stop], counts))
             first, last = at[start], at[stop]      # searched among the block's groups' accesses only
-            lo = np.searchsorted(by_place[first:last], (g << 32) + known, side="left")
-            hi = np.searchsorted(by_time[first:last], (g << 32) + b, side="left")
-            count = np.maximum(hi - lo, 0)
-            yield by[_runs(lo + first, count)], np.repeat(b, count)
+            lo = first + np.searchsorted(by_place[first:last], (g << 32) + known, side="left")
+            # Most keys know done every access of the group before them: a run is empty unless
+            # the first access not known done came before the key, so only those search for
+            # where it ends.
+            some = (lo < at[g + 1]) & (by[np.minimum(lo, len(by) - 1)] < b)
+            g, b, lo = g[some], b[some], lo[some]
+            hi = first + np.searchsorted(by_time[first:last], (g << 32) + b, side="left")
+            yield by[_runs(lo, hi - lo)], np.repeat(b, hi - lo)
             start = stop
     return blocks()
 
