@@ -16,7 +16,7 @@ from isa.program import Program, ProgramError, Tensor
 from isa.progress import SILENT, Progress
 from isa.verify import verify
 from runtime import semantics
-from runtime.liveness import Liveness
+from runtime.liveness import Liveness, last_uses
 from runtime.races import RaceCheck, segment_key
 from runtime.races_bulk import AccessLog
 from runtime.state import Machine, Trap, host_array
@@ -97,7 +97,7 @@ def _by_instruction(machine: Machine, program: Program, keep: bool, advance, unc
     check skips the segments ``unchecked`` marks (see :func:`_repeated_segments`)."""
     tasks = program.instrs
     source, first = tasks.source, tasks.first.tolist()
-    dead = {} if keep else Liveness(program, source).last_uses()
+    dead = {} if keep else last_uses(program)
     watch = machine.watch
     skip = unchecked.tolist()
     ran = _Blocks(advance)
