@@ -10,7 +10,7 @@ import numpy as np
 
 from isa.arch import Arch
 from isa.bulk import no_cycle_collection
-from isa.expand import in_program_order
+from isa.expand import in_program_order, opcodes, word_matrix
 from isa.instructions import Barrier, Wait
 from isa.program import Program, ProgramError, Tensor
 from isa.progress import SILENT, Progress
@@ -190,9 +190,14 @@ def time_only(program: Program, arch: Arch, progress: Progress = SILENT) -> RunR
 
 def _executed(program: Program) -> int:
     """Tasks the timing model hands to ``execute``: all but waits and barriers (counted per
-    instruction of an expansion, whose tasks are made only when read)."""
+    instruction of an expansion, whose tasks are made only when read; from its words, when it
+    was read from a file)."""
     tasks = program.instrs
-    runs = np.array([not isinstance(i, (Wait, Barrier)) for i in tasks.source], dtype=bool)
+    if tasks.words is not None:
+        op = opcodes(word_matrix(tasks.words, len(tasks.source)))
+        runs = (op != Wait.OPCODE) & (op != Barrier.OPCODE)
+    else:
+        runs = np.array([not isinstance(i, (Wait, Barrier)) for i in tasks.source], dtype=bool)
     return int(np.count_nonzero(runs[tasks.origin]))
 
 
