@@ -118,7 +118,7 @@ def _repeated_segments(source: list, program: Program) -> np.ndarray:
     barrier) repeats an earlier one in the form the race check depends on
     (races.segment_key): its verdict is that one's, so it is not checked again."""
     out = np.zeros(len(source), np.bool_)
-    starts = [0] + [o for o, ins in enumerate(source) if isinstance(ins, Barrier) and o > 0]
+    starts = [0] + [o for o in np.flatnonzero(program.instrs.barrier).tolist() if o > 0]
     bounds = list(zip(starts, starts[1:] + [len(source)]))
     # Equal keys have equal lengths: a segment whose length no other has repeats none, and
     # needs no key (a single layer's segments all differ so).
