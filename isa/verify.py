@@ -74,9 +74,7 @@ def check(program: Program, arch: Arch) -> list[str]:
 
 def _checked(program: Program, arch: Arch) -> tuple[list[str], Program | None]:
     """The problems of ``program`` and its expansion (None when a span cannot be expanded)."""
-    out = list(tensor_problems(program))
-    out += [f"{program.where(i)}: {ins.MNEMONIC}: span: {why}" for i, ins in enumerate(program.instrs)
-            if (why := span_problem(ins, arch))]
+    out = list(tensor_problems(program)) + _span_problems(program, arch)
     if out:
         return out, None
     flat = expand(program, arch.legions)
@@ -337,6 +335,34 @@ def span_problem(ins: Instr, arch: Arch) -> str | None:
         has = f"{n} Legion: L0" if n == 1 else f"{n} Legions: L0 to L{n - 1}"
         return f"{missing} exist ({arch.name} has {has})"
     return None
+
+
+def _span_problems(program: Program, arch: Arch) -> list[str]:
+    """:func:`span_problem` of every instruction that may have one: of a program read from a
+    file, those whose words hold a span of 0 or past the last Legion, found at once (a call
+    per instruction costs a tenth of verifying a layer); else every instruction."""
+    instrs, words = program.instrs, encoding.kept_words(program)
+    maybe = range(len(instrs)) if words is None else _span_candidates(words, len(instrs), arch.legions)
+    return [f"{program.where(i)}: {instrs[i].MNEMONIC}: span: {why}" for i in maybe
+            if (why := span_problem(instrs[i], arch))]
+
+
+def _span_candidates(words: bytes, n: int, legions: int) -> list[int]:
+    """The instructions whose words hold a span (its lowest bit set, the span above it) of 0
+    or reaching past Legion ``legions - 1``."""
+    u = word_matrix(words, n)
+    op = opcodes(u)
+    out = []
+    for code in np.unique(op).tolist():
+        at = encoding.FIELD_AT[encoding.BY_OPCODE[code]]
+        if "span" not in at:
+            continue
+        rows = np.flatnonzero(op == code)
+        s = bits_at(u[rows], at["span"][0], at["span"][1].bits).astype(np.int64)
+        legion_ = bits_at(u[rows], at["legion"][0], at["legion"][1].bits).astype(np.int64)
+        span = s >> 1
+        out += rows[(s & 1 == 1) & ((span == 0) | (legion_ + span > legions))].tolist()
+    return sorted(out)
 
 
 def own_queue(cond, before: int) -> Problems:

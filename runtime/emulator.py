@@ -10,13 +10,13 @@ import numpy as np
 
 from isa.arch import Arch
 from isa.bulk import no_cycle_collection
-from isa.expand import in_program_order
+from isa.expand import in_program_order, opcodes, word_matrix
 from isa.instructions import Barrier, Wait
 from isa.program import Program, ProgramError, Tensor
 from isa.progress import SILENT, Progress
 from isa.verify import verify
 from runtime import semantics
-from runtime.liveness import Liveness
+from runtime.liveness import Liveness, last_uses
 from runtime.races import RaceCheck, segment_key
 from runtime.races_bulk import AccessLog
 from runtime.state import Machine, Trap, host_array
@@ -97,7 +97,7 @@ def _by_instruction(machine: Machine, program: Program, keep: bool, advance, unc
     check skips the segments ``unchecked`` marks (see :func:`_repeated_segments`)."""
     tasks = program.instrs
     source, first = tasks.source, tasks.first.tolist()
-    dead = {} if keep else Liveness(program, source).last_uses()
+    dead = {} if keep else last_uses(program)
     watch = machine.watch
     skip = unchecked.tolist()
     ran = _Blocks(advance)
@@ -118,7 +118,7 @@ def _repeated_segments(source: list, program: Program) -> np.ndarray:
     barrier) repeats an earlier one in the form the race check depends on
     (races.segment_key): its verdict is that one's, so it is not checked again."""
     out = np.zeros(len(source), np.bool_)
-    starts = [0] + [o for o, ins in enumerate(source) if isinstance(ins, Barrier) and o > 0]
+    starts = [0] + [o for o in np.flatnonzero(program.instrs.barrier).tolist() if o > 0]
     bounds = list(zip(starts, starts[1:] + [len(source)]))
     # Equal keys have equal lengths: a segment whose length no other has repeats none, and
     # needs no key (a single layer's segments all differ so).
@@ -190,9 +190,14 @@ def time_only(program: Program, arch: Arch, progress: Progress = SILENT) -> RunR
 
 def _executed(program: Program) -> int:
     """Tasks the timing model hands to ``execute``: all but waits and barriers (counted per
-    instruction of an expansion, whose tasks are made only when read)."""
+    instruction of an expansion, whose tasks are made only when read; from its words, when it
+    was read from a file)."""
     tasks = program.instrs
-    runs = np.array([not isinstance(i, (Wait, Barrier)) for i in tasks.source], dtype=bool)
+    if tasks.words is not None:
+        op = opcodes(word_matrix(tasks.words, len(tasks.source)))
+        runs = (op != Wait.OPCODE) & (op != Barrier.OPCODE)
+    else:
+        runs = np.array([not isinstance(i, (Wait, Barrier)) for i in tasks.source], dtype=bool)
     return int(np.count_nonzero(runs[tasks.origin]))
 
 

@@ -47,9 +47,11 @@ def known_by_chains(order, tasks) -> np.ndarray:
     # Rows of a batch by chain: sorted by (batch, queue); a row follows its chain's row before
     # it unless its predecessor's row comes from outside the batch.
     batch_of = np.zeros(len(ks), np.int64)
+    lows = np.zeros(len(ks), np.int64)     # per row, its batch's first
     for j, (kind, lo, hi) in enumerate(steps):
         if kind:
             batch_of[lo:hi] = j
+            lows[lo:hi] = lo
     perm = np.lexsort((ks, order.queue[ks], batch_of))
     row = np.empty(len(ks), np.int64)
     row[perm] = base + np.arange(len(ks))
@@ -63,7 +65,7 @@ def known_by_chains(order, tasks) -> np.ndarray:
     chained = (pa == base + np.arange(len(ks)) - 1) & (bo == np.concatenate([[-1], bo[:-1]]))
     pa = np.where(chained, 0, pa)
     offset = (np.cumsum(~chained) * SEGMENT)[:, None]
-    bump = np.arange(len(ks)) * nq + tq        # a row's own place in its batch's rows, flat
+    bump = (np.arange(len(ks)) - lows) * nq + tq        # a row's own place in its batch's rows, flat
     bar_start = np.zeros((len(bars), nq), np.int64)
     bar_deps = _barrier_deps(order, bars, own, skip, anchor)
     # Per batch: whether a row reads its chain's row from before the batch, or the one before it.
@@ -74,8 +76,10 @@ def known_by_chains(order, tasks) -> np.ndarray:
         if not kind:
             _barrier(S, order, bars[lo], lo, bar_deps[lo], bar_start, skip)
             continue
-        rows = S[ta[lo:hi]]
-        flat, mine = rows.reshape(-1), bump[lo:hi] - lo * nq
+        # Computed in place: a batch's targets' rows are all before its own.
+        rows = S[base + lo:base + hi]
+        S.take(ta[lo:hi], axis=0, out=rows, mode="clip")
+        flat, mine = rows.reshape(-1), bump[lo:hi]
         flat[mine] = np.maximum(flat[mine], tp[lo:hi])
         if next(from_before):
             np.maximum(rows, S[pa[lo:hi]], out=rows)
@@ -83,7 +87,6 @@ def known_by_chains(order, tasks) -> np.ndarray:
             rows += offset[lo:hi]
             np.maximum.accumulate(rows, axis=0, out=rows)
             rows -= offset[lo:hi]
-        S[base + lo:base + hi] = rows
     # The chains' offsets are taken off again: every row is counts, which int32 holds. Row 0
     # (nothing known) stands for the tasks not computed, barriers set below.
     live = np.flatnonzero(own & ~skip)

@@ -70,6 +70,16 @@ def test_a_span_past_the_last_legion_is_rejected_with_its_line():
     assert "t.s:2: vadd: span: a span of 0 Legions runs nowhere" in problems
 
 
+def test_a_span_past_the_last_legion_is_rejected_in_a_program_read_from_text():
+    # Read from text, its spans are found from its words: the same problems, the good span not.
+    p = asm.parse(".arch dlegion-tiny\n"
+                  "vadd L1 vec[0,16,1] vec[0,16,1] #1 rows=1 cols=16 span=2\n"
+                  "vadd L0 vec[0,16,1] vec[0,16,1] #1 rows=1 cols=16 span=0\n"
+                  "vadd L0 vec[0,16,1] vec[0,16,1] #1 rows=1 cols=16 span=2\n")
+    assert check(p, TINY) == ["<text>:2: vadd: span: L2 does not exist (dlegion-tiny has 2 Legions: L0 to L1)",
+                              "<text>:3: vadd: span: a span of 0 Legions runs nowhere"]
+
+
 def test_problems_of_a_task_name_the_line_it_came_from_once():
     bad = DmaLoad(0, frozenset({0}), View("vec", 0, 16, 1), DramRef(0, 0, 16), 4, 16, span=2, lstride=16)
     problems = check(_program([bad]), TINY)

@@ -6,7 +6,8 @@ from isa.arch import load
 from isa.asm import parse
 from isa.program import ProgramError
 from runtime.emulator import run
-from runtime.liveness import Liveness
+from isa.verify import verify
+from runtime.liveness import Liveness, last_uses
 
 ARCH = load("dlegion-tiny")
 PROGRAM = """.arch dlegion-tiny
@@ -32,6 +33,14 @@ def test_last_use_frees_each_scratch_tensor_once():
 
     # Every instruction run once in program order: the last uses, found at once.
     assert Liveness(parse(PROGRAM)).last_uses() == {k: dead for k, dead in freed.items() if dead}
+
+
+def test_last_uses_from_the_words_are_those_from_the_instructions():
+    program = verify(parse(PROGRAM), ARCH)
+    assert program.instrs.words is not None
+    found = last_uses(program)
+    assert found == Liveness(program, program.instrs.source).last_uses()
+    assert found == {2: [program.tensor_index("t")], 5: [program.tensor_index("u")]}
 
 
 def test_freed_tensors_are_released_and_results_unchanged():

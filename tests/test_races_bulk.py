@@ -13,10 +13,12 @@ from hypothesis import strategies as st
 from isa.arch import load
 from isa.asm import parse
 from isa.expand import in_program_order
+from isa.fields import QUEUES
 from isa.instructions import Wait
 from isa.progress import SILENT
 from isa.verify import verify
 from runtime.emulator import _emulate, _repeated_segments, random_inputs, run
+from runtime.races import DMA
 from runtime.races_bulk import AccessLog
 from runtime.state import Trap
 
@@ -179,13 +181,16 @@ vadd L0 vec[96,8,1] vec[200,8,1] #1 rows=4 cols=8 wait=L0.dma>=1
 
 def _pairs_by_brute_force(acc, order):
     """Every (earlier, later) pair of rank accesses of one space, one writing, the later's
-    task not knowing the earlier's done: each pair looked at."""
+    task not knowing the earlier's done, but for a later write on the earlier's DMA queue
+    (ordered by the queue): each pair looked at."""
     task, space, write = acc["task"], acc["space"], acc["write"]
     out = set()
     for y in range(len(task)):
         for x in range(y):
-            if space[x] == space[y] and (write[x] or write[y]) \
-                    and order.place[task[x]] >= order.known[task[y], order.queue[task[x]]]:
+            q = order.queue[task[x]]
+            by_queue = write[y] and q == order.queue[task[y]] and q % len(QUEUES) == DMA
+            if space[x] == space[y] and (write[x] or write[y]) and not by_queue \
+                    and order.place[task[x]] >= order.known[task[y], q]:
                 out.add((x, y))
     return out
 

@@ -12,10 +12,12 @@ from rich.console import Console
 
 from dlegion_cc.pipeline import Options, compile_model
 from isa import arch
-from isa.asm import save
+from isa.asm import load, save
+from isa.instructions import Barrier, Wait
 from isa.progress import Progress
 from runtime.cli import run_command
-from runtime.emulator import random_inputs, run, time_only
+from isa.verify import verify
+from runtime.emulator import _executed, random_inputs, run, time_only
 
 ROOT = Path(__file__).parent.parent
 TINY = arch.load("dlegion-tiny")
@@ -79,6 +81,15 @@ def test_progress_is_drawn_on_a_terminal(compiled):
     screen = io.StringIO()
     time_only(program, TINY, progress=Progress(True, Console(file=screen, force_terminal=True)))
     assert "timing" in screen.getvalue()
+
+
+def test_progress_counts_the_tasks_run_from_the_words_as_from_the_instructions(compiled):
+    # Read from its file, the program's waits and barriers are told apart by their words.
+    _, path = compiled["bitnet_tiny_relu2"]
+    program = verify(load(path), TINY)
+    assert program.instrs.words is not None
+    runs = [not isinstance(i, (Wait, Barrier)) for i in program.instrs.source]
+    assert _executed(program) == sum(runs[o] for o in program.instrs.origin.tolist()) < len(program.instrs)
 
 
 @pytest.mark.parametrize("flags", [[], ["-q"], ["--timing-only"], ["--timing-only", "--quiet"]])
