@@ -85,8 +85,9 @@ PRODUCTS_VEC = (3, 8)
 # many times its vector work on the busiest Legions: the passes then wait for loads queued behind the
 # drains' stores, where nearer the vector work the softmax waits for the stores held back (2B4T layer
 # on dlegion-8x8, in every step: at 512 789,914 -> 790,739 cycles, at 128 212,170 -> 211,753, int8x2
-# at 512 941,025 -> 928,257; where the passes outweigh the vector work, 790,613 at 512; at 3/2,
-# 789,914, 211,864 and 929,656).
+# at 512 941,025 -> 928,257; where the passes outweigh the vector work, 790,613 at 512; at 3/2 and
+# 5/4, 789,914, 211,864 and 929,656; at 6/5, 790,122 at 512; at 2, int8x2 941,025: its steps between
+# the first and the last take 1.9 times their vector work in passes).
 ARRAYS_BOUND = (3, 2)
 
 
