@@ -190,3 +190,34 @@ def test_short_sequences_take_fewer_groups(tmp_path, monkeypatch):
     assert groups() == 4
     monkeypatch.setattr(heads, "FEWEST_GROUP_ROWS", HEADS // 4 * SEQ + 1)
     assert groups() == 2
+
+
+def test_steps_bound_by_the_arrays_load_ahead_of_their_stores_and_compute_the_same(tmp, monkeypatch):
+    """Where a step's passes outweigh its vector work (ARRAYS_BOUND: the last P.V at least), its
+    loads go ahead of its stores in the DMA queues: the same bits as without, both race-checked,
+    and P.V's passes no longer wait a DRAM round trip for each next load."""
+    from pathlib import Path
+    from dlegion_cc.lower import heads
+    path = Path(tmp) / f"attn{SEQ}.onnx"
+    ahead = _compiled(tmp, True)
+    monkeypatch.setattr(heads, "ARRAYS_BOUND", (10 ** 9, 1))
+    behind = compile_model(path, Options(WIDE, attention="int8", head_groups=True))[1]
+    x = _inputs(HEADS, SEQ, KV)
+    np.testing.assert_array_equal(run(ahead, WIDE, x, races=True).outputs["o"],
+                                  run(behind, WIDE, x, races=True).outputs["o"])
+    assert _stores_before_loads(ahead) < _stores_before_loads(behind)
+    assert simulate(ahead, WIDE).cycles < simulate(behind, WIDE).cycles
+
+
+def _stores_before_loads(program) -> int:
+    """Pairs of a store and a later load on one Legion's DMA queue in the last P.V's step (the
+    region after the last of merged steps)."""
+    ranges = program.region_ranges()
+    last = max(n for n, (_, name) in enumerate(program.regions) if " + " in name) + 1
+    count, stores = 0, {}
+    for i in (program.instrs[k] for k in ranges[last]):
+        if isinstance(i, DmaStore):
+            stores[i.legion] = stores.get(i.legion, 0) + 1
+        elif isinstance(i, DmaLoad):
+            count += stores.get(i.legion, 0)
+    return count

@@ -448,3 +448,63 @@ def test_the_last_rows_after_the_chain_load_the_residual_before_the_last_pass(tm
     inputs = random_inputs(plain, 0)
     got, want = run(program, EIGHT, inputs).outputs, run(plain, EIGHT, inputs).outputs   # race-checked
     assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_a_steps_loads_go_ahead_of_the_instructions_before_them_they_share_nothing_with(tmp):
+    """A load goes ahead of the stores before it in the in-order DMA queue, up to one that reads
+    the scratchpad it writes; one reading what a store before it writes stays behind that store."""
+    from isa.fields import DramRef, View
+    from isa.program import Program
+    from dlegion_cc.lower import rowblocks
+    tensors = _compiled(tmp, True).tensors
+    t = next(n for n, x in enumerate(tensors) if x.kind not in ("const", "input"))
+
+    def store(addr: int, offset: int) -> DmaStore:
+        return DmaStore(legion=0, dst=DramRef(t, offset, 16), src=View("vec", addr, 16), rows=1, cols=16)
+
+    def load(addr: int, offset: int) -> DmaLoad:
+        return DmaLoad(legion=0, dests=frozenset({0}), dst=View("vec", addr, 16), src=DramRef(t, offset, 16),
+                       rows=1, cols=16)
+    program = Program(EIGHT.name, tensors, [store(0, 0), store(64, 16), load(128, 64), load(0, 96), load(256, 16)])
+    assert rowblocks._loads_ahead(program, EIGHT, list(range(5)), {}) == [2, 0, 3, 1, 4]
+
+
+@lru_cache(maxsize=None)
+def _short_blocks(tmp: str, loads_ahead_rows: int):
+    """The stack's chain over FEWEST_ROWS rows, in two blocks of half as many."""
+    from dlegion_cc.lower import rowblocks
+    config = preset("tiny", layers=1, seq=FEWEST_ROWS, hidden=128, ffn=256)
+    b, proj = GraphBuilder(), BitLinear(config, np.random.default_rng(0))
+    xq = proj.prepare(b, rms_norm(b, "x", "norm", 128, 1e-5, np.random.default_rng(1)))
+    down = proj.project(b, proj.prepare(b, relu2(b, proj.project(b, xq, "up_proj", 128, 256))), "down_proj", 256, 128)
+    path = f"{tmp}/short.onnx"
+    save(b.model([tensor_info("x", FLOAT, [1, FEWEST_ROWS, 128])], [tensor_info(down, FLOAT, [1, FEWEST_ROWS, 128])]),
+         path, external_data=False)
+    kept, rowblocks.LOADS_AHEAD_ROWS = rowblocks.LOADS_AHEAD_ROWS, loads_ahead_rows
+    try:
+        return compile_model(path, Options(EIGHT))[1]
+    finally:
+        rowblocks.LOADS_AHEAD_ROWS = kept
+
+
+def _loads_by(program, legion: int) -> list[int]:
+    """The loads among the first n loads and stores of ``legion``'s DMA queue, for each n."""
+    kinds = [isinstance(i, DmaLoad) for i in program.instrs
+             if isinstance(i, (DmaLoad, DmaStore)) and i.legion == legion]
+    return np.cumsum(kinds).tolist()
+
+
+def test_a_chain_of_short_blocks_loads_ahead_and_computes_the_same(tmp):
+    """Blocks of fewer than LOADS_AHEAD_ROWS rows put their loads ahead of their stores in the DMA
+    queues: the same bits as without, both race-checked."""
+    ahead, behind = _short_blocks(tmp, FEWEST_ROWS), _short_blocks(tmp, 0)
+    for legion in range(EIGHT.legions):
+        a, b = _loads_by(ahead, legion), _loads_by(behind, legion)
+        assert len(a) == len(b) and all(x >= y for x, y in zip(a, b))
+    assert any(_loads_by(ahead, legion) != _loads_by(behind, legion) for legion in range(EIGHT.legions))
+    assert sum(" with " in name for _, name in ahead.regions) >= 1
+    x = random_inputs(ahead, 0)
+    got = run(ahead, EIGHT, x, races=True).outputs
+    want = run(behind, EIGHT, x, races=True).outputs
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])

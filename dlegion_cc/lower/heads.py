@@ -25,6 +25,7 @@ it beside S(0) the same way (``_ahead``; the layer at 512 801,743 -> 799,561 cyc
 from __future__ import annotations
 
 import math
+from collections import Counter
 from contextlib import nullcontext
 
 from dataclasses import replace
@@ -37,10 +38,10 @@ from dlegion_cc.ir import DLEGION, Node
 from dlegion_cc.lower import carry
 from dlegion_cc.lower.context import Lowering
 from dlegion_cc.lower.fused import head_axis, row_kernel_heads, row_kernel_width
-from dlegion_cc.lower.overlap import _Rewrite, _span, reused
+from dlegion_cc.lower.overlap import _Rewrite, _span, _targets, reused
 from dlegion_cc.lower.qmatmul import run_time_weights_groups
 from dlegion_cc.lower.reduce import down_columns_in_parts, lower_matrices, strips_fit
-from dlegion_cc.lower.rowblocks import _apart, _shift_vec
+from dlegion_cc.lower.rowblocks import _apart, _loads_ahead, _shift_vec
 from runtime.costs import Env, cost
 
 ATTN, ROWS = (DLEGION, "AttnMatMul"), (DLEGION, "RowKernel")
@@ -79,6 +80,15 @@ MOST_BETWEEN = 12
 # blocks then hold more rows (2B4T layer at 512 on dlegion-8x8: a quarter 892,238 cycles,
 # three eighths 886,478, a half 890,586, five eighths 910,583).
 PRODUCTS_VEC = (3, 8)
+
+# A step puts its loads ahead of its stores (``rowblocks._loads_ahead``) where its passes take this
+# many times its vector work on the busiest Legions: the passes then wait for loads queued behind the
+# drains' stores, where nearer the vector work the softmax waits for the stores held back (2B4T layer
+# on dlegion-8x8, in every step: at 512 789,914 -> 790,739 cycles, at 128 212,170 -> 211,753, int8x2
+# at 512 941,025 -> 928,257; where the passes outweigh the vector work, 790,613 at 512; at 3/2 and
+# 5/4, 789,914, 211,864 and 929,656; at 6/5, 790,122 at 512; at 2, int8x2 941,025: its steps between
+# the first and the last take 1.9 times their vector work in passes).
+ARRAYS_BOUND = (3, 2)
 
 
 def products_room(arch) -> int:
@@ -243,6 +253,9 @@ def lower_attention(low: Lowering, found: dict, groups: list[range], lower_node,
         if ("ahead", 0) in spans:
             steps.insert(0, (("ahead",), [k - start for k in range(*spans["ahead", 0])
                                           if not isinstance(program.instrs[k - start], Barrier)]))
+        targets = _targets(program, arch)
+        steps = [(label, _loads_ahead(program, arch, ks, targets) if _arrays_bound(program, arch, ks) else ks)
+                 for label, ks in steps]
         out, starts = _Rewrite(program, arch, order=[k for _, ks in steps for k in ks]).run()
         return out, (steps, starts)
     how = (tuple(sorted((key, lo - start, hi - start) for key, (lo, hi) in spans.items())), len(groups))
@@ -342,6 +355,26 @@ def _timed(program: Program, arch, mats: list[int], rows: list[int]) -> list[int
     return [k for *_, k in keyed]
 
 
+def _arrays_bound(program: Program, arch, ks: list[int]) -> bool:
+    """Whether the busiest Legion's passes among ``ks`` take ``ARRAYS_BOUND`` times the busiest
+    Legion's vector work there."""
+    env, busy = Env(tuple(program.tensors), {}), Counter()
+    for k in ks:
+        i = program.instrs[k]
+        if not isinstance(i, Wait) and i.queue() in ("mat", "vec"):
+            for legion in range(i.legion, i.legion + _span(i)):
+                busy[i.queue(), legion] += _cycles(i, arch, env)
+    most = {q: max((c for (queue, _), c in busy.items() if queue == q), default=0) for q in ("mat", "vec")}
+    times, of = ARRAYS_BOUND
+    return most["mat"] * of > most["vec"] * times
+
+
+def _cycles(i, arch, env) -> int:
+    """An instruction's cycles, a masked one's dense: an upper bound."""
+    i = replace(i, mask=None) if getattr(i, "mask", None) is not None else i
+    return cost(i, arch, env).cycles
+
+
 def _progress(program: Program, arch, ks: list[int], queue: str) -> list[float]:
     """For each of ``ks``, the share of its ``queue`` cycles done before it."""
     env = Env(tuple(program.tensors), {})
@@ -351,8 +384,7 @@ def _progress(program: Program, arch, ks: list[int], queue: str) -> list[float]:
         if isinstance(i, Wait) or i.queue() != queue:
             cycles.append(0)
             continue
-        i = replace(i, mask=None) if getattr(i, "mask", None) is not None else i   # dense: an upper bound
-        cycles.append(cost(i, arch, env).cycles * _span(i))
+        cycles.append(_cycles(i, arch, env) * _span(i))
     total = sum(cycles) or 1
     done = np.cumsum([0] + cycles[:-1]) / total
     return done.tolist()

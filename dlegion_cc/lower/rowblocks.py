@@ -79,6 +79,11 @@ KERNEL_BEHIND = 8
 # since its down_proj was cut by columns, 3 281,026, 4 280,498, 5 280,376, 6 280,708; with 5 the
 # layer at 256 384,312 -> 383,712, at 512 789,914 -> 789,036, at 128 212,170 -> 212,142).
 HOISTED_PASSES = 5
+# A chain of blocks of fewer rows than this puts each step's loads ahead of its stores
+# (``_loads_ahead``): a pass of 64 rows takes 80 cycles, against a load's DRAM round trip of some 300,
+# so its next loads must not wait for the stores before them (2B4T layer on dlegion-8x8 at 128: 211,864
+# -> 211,093 cycles; in the blocks of 128 rows at 256 and 512, 384,132 -> 385,676 and 789,914 -> 793,550).
+LOADS_AHEAD_ROWS = FEWEST_ROWS
 # The row kernel steps at most merged with the matmul step after them: the kernel of the matmul
 # before's block and the next block of the kernel before the matmul, or that one and the block
 # before of a chain's tail kernels.
@@ -254,9 +259,11 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
         _leftovers(low, node, gens, spans)
     program = Program(arch.name, list(em.tensors), em.instrs[start:])
 
+    ahead = len(ranges[0]) < LOADS_AHEAD_ROWS
+
     def make(program):
-        return _Rewrite(program, arch, order=_merged(program, arch, spans, pairs, start, last)).run()
-    how = (tuple((lo - start, hi - start) for _, lo, hi in spans), tuple(sorted(pairs.items())), last)
+        return _Rewrite(program, arch, order=_merged(program, arch, spans, pairs, start, last, ahead)).run()
+    how = (tuple((lo - start, hi - start) for _, lo, hi in spans), tuple(sorted(pairs.items())), last, ahead)
     out, starts = reused(program, low.rewrites, how, make)
     em.instrs[start:] = out
     merged = {r: x for x, rs in pairs.items() for r in rs}
@@ -479,10 +486,12 @@ def _moved(v, base: int):
     return v
 
 
-def _merged(program: Program, arch: Arch, spans: list, pairs: dict, start: int, last: int | None = None) -> list[int]:
+def _merged(program: Program, arch: Arch, spans: list, pairs: dict, start: int, last: int | None = None,
+            loads_ahead: bool = False) -> list[int]:
     """The chain's instructions (not its barriers) span by span, each matmul span of ``pairs``
     merged evenly with its row kernel's span, each step's loads before its first pass hoisted
-    into the step before it (``_hoisted``), and those of the span ``last`` (``_last_rows``)."""
+    into the step before it (``_hoisted``), and those of the span ``last`` (``_last_rows``); given
+    ``loads_ahead``, each step's loads ahead of its stores (``_loads_ahead``)."""
     instrs, merged = program.instrs, {r for rs in pairs.values() for r in rs}
     ahead = set()
 
@@ -502,7 +511,11 @@ def _merged(program: Program, arch: Arch, spans: list, pairs: dict, start: int, 
             steps.append(_before_last_passes(program, mine, other) if _apart(program, mine, other) else mine + other)
         else:
             steps.append(mine)
-    return [k for step in _hoisted(program, arch, steps, ahead) for k in step]
+    steps = _hoisted(program, arch, steps, ahead)
+    if loads_ahead:
+        targets = _targets(program, arch)
+        steps = [_loads_ahead(program, arch, step, targets) for step in steps]
+    return [k for step in steps for k in step]
 
 
 def _interleaved(program: Program, kernels: list[list[int]]) -> list[int]:
@@ -597,6 +610,37 @@ def _hoisted(program: Program, arch: Arch, steps: list[list[int]], ahead: set[in
         before[passes[-1]:passes[-1]] = moved
         step[:first] = kept
     return out
+
+
+def _loads_ahead(program: Program, arch: Arch, step: list[int], targets: dict) -> list[int]:
+    """``step`` with each load put ahead of the instructions before it that it shares nothing with
+    (by the bounds of their windows), up to the load before it, a wait its Legion's DMA queue issues or an
+    instruction its condition names (``targets``, overlap's ``_targets``). The DMA queue runs in
+    order: a drain's stores wait for their pass and drain, and the loads of the passes after the
+    next, queued behind them, started a DRAM round trip too late (2B4T layer at sequence 128 on
+    dlegion-8x8: attention's last P.V passed for 160 cycles and idled 342 after each pass)."""
+    out = []
+    for k in step:
+        at = len(out)
+        if isinstance(program.instrs[k], DmaLoad):
+            named = {t[2] for t in (targets.get((k, legion)) for legion in range(arch.legions)) if t}
+            while at and out[at - 1] not in named and _passable(program, out[at - 1], k):
+                at -= 1
+        out.insert(at, k)
+    return out
+
+
+def _passable(program: Program, j: int, k: int) -> bool:
+    """Whether the load ``k`` may go ahead of ``j``: neither a load (loads keep their order) nor
+    a wait its Legion's DMA queue issues (a wait issued for a span of Legions may be passed: 2B4T
+    layer at 128 on dlegion-8x8, 211,225 -> 211,093 cycles; any wait, 211,087, but at 512 789,914
+    -> 790,106), and touching nothing ``k`` touches, one of them writing."""
+    i, load = program.instrs[j], program.instrs[k]
+    if isinstance(i, DmaLoad):
+        return False
+    if isinstance(i, Wait) and i.queue() == DmaLoad.QUEUE and i.legion == load.legion:
+        return False
+    return _apart(program, [j], [k])
 
 
 def _first_passes_end(program: Program, step: list[int]) -> int | None:
