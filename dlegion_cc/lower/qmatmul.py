@@ -155,17 +155,19 @@ def qmatmul_blocks(low: Lowering, node, blocks: list[range] | None = None, vec_r
                               a.get("segments"), blocks, vec_room, rings, a.get("gated"), defer, beside, cut)
 
 
-def gated_cut(low: Lowering, node, blocks: list[range], before: float, after: float) -> tuple[int, int]:
+def gated_cut(low: Lowering, node, blocks: list[range], before: float, after: float, late: int) -> tuple[int, int]:
     """``qlong.gated_windows`` of the chained gated matmul ``node`` in ``blocks``, beside row
-    kernels of ``before`` and ``after`` vector cycles a block; (0, 0) for any other matmul. Its
-    drains take an operation an element and the gate's on half of them (``qtiles._gate``)."""
+    kernels of ``before`` and ``after`` vector cycles a block, starting ``late`` passes into
+    their steps; (0, 0) for any other matmul. Its drains take an operation an element and the
+    gate's on half of them (``qtiles._gate``)."""
     a, arch = node.attrs, low.em.arch
     if a.get("gated") is None:
         return 0, 0
     w = np.asarray(a["weight"])
     mode = pick_mode(arch, mode_for(w) or "w8")
     K, N = w.shape
-    return qlong.gated_windows(arch, mode, K, N, MODE_TILES[mode], blocks, before, after, 1 + GATE_OPS / 2)
+    return qlong.gated_windows(arch, mode, K, N, MODE_TILES[mode], blocks, before, after, 1 + GATE_OPS / 2,
+                               late)
 
 
 def lower_qmatmul(low: Lowering, name: str, acts: Activations, w: Weights, out: Output | list[Output],
