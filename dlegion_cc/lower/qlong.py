@@ -58,7 +58,7 @@ def head_columns(arch: Arch, mode: str, K: int, N: int, tiles: int, blocks: list
 # pass contracts, for the passes a kernel starts behind: the plans' pick in the 2B4T BitLinear
 # stack's gate/up and down_proj at 256 on dlegion-8x8 (256 weight rows, 10 passes a window of
 # gate/up's 128 rows). Taking the shallowest (1) the rule keeps the stack's gate/up at 3 first
-# and 6 last windows, 276,025 cycles against 275,482 with 7.
+# and 6 last windows, 275,955 cycles against 275,255 with 7.
 PASS_CHUNKS = 2
 
 
@@ -87,9 +87,9 @@ def _cheapest_windows(arch: Arch, mode: str, K: int, tiles: int, rows: int, most
     left exposed past the windows' passes (less their drains' vector work; the passes before
     its start, ``PASS_CHUNKS``, add to it), plus the fill and drain each window pays once more
     in blocks than over all the rows. 2B4T BitLinear stack at 256 on dlegion-8x8, gate/up (27
-    w2 windows a Legion): the rule's 3 first and 7 last 275,482 cycles; without the late start
-    (as ``head_windows``) 2 and 6, 277,065; 3/6 276,025, 3/8 275,861, 4/7 276,139. The layer
-    at 256: 383,047 -> 382,719."""
+    w2 windows a Legion, steps in ``qmatmul.GATED_STEPS``' order): the rule's 3 first and 7 last
+    275,255 cycles; without the late start (as ``head_windows``) 2 and 6, 277,398; 2/7 277,139,
+    3/6 275,955, 3/8 275,759, 4/7 276,246. The layer at 256 (5 and 11): 382,654."""
     window, covered = _window_cycles(arch, mode, K, tiles, rows, ops)
     exposed = beside + late * window * PASS_CHUNKS * arch.array * arch.cores / K
 
