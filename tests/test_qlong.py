@@ -50,14 +50,18 @@ def test_the_first_windows_of_each_legion_pass_block_by_block():
 
 def test_a_gated_matmul_of_two_blocks_passes_its_first_and_last_windows_block_by_block():
     # The stack's gate/up (27 w2 windows a Legion, drains of 2.5 operations an element) beside
-    # Q's quantization and ReLU^2 x up's, 8 operations an element of 128 x 2560 and 128 x 6912.
-    cut = qlong.gated_windows(EIGHT, "w2", 2560, 2 * 6912, 4, TWO, 8 * 128 * 2560 / 512, 8 * 128 * 6912 / 512, 2.5)
-    window = _window_cycles(128, 2560, 2.5)
-    assert cut == (2, 6) and 8 * 128 * 2560 / 512 <= 2 * window and 8 * 128 * 6912 / 512 > 5 * window
-    assert qlong.gated_windows(EIGHT, "w2", 2560, 2 * 6912, 4, TWO[:1], 1, 1, 2.5) == (0, 0)
-    assert qlong.gated_windows(EIGHT, "w2", 2560, 2 * 6912, 4, TWO * 2, 1, 1, 2.5) == (0, 0)   # four blocks
-    assert qlong.gated_windows(EIGHT, "w2", 2560, 2 * 6912, 4, TWO, 14 * window, 13 * window, 2.5) == (0, 0)
-    assert qlong.gated_windows(EIGHT, "w2", 2560, 2 * 6912 + 16, 4, TWO, 1, 1, 2.5) == (0, 0)
+    # Q's quantization and ReLU^2 x up's, 8 operations an element of 128 x 2560 and 128 x 6912,
+    # each starting 8 passes (of 256 weight rows) into its step.
+    before, after = 8 * 128 * 2560 / 512, 8 * 128 * 6912 / 512
+    cut = qlong.gated_windows(EIGHT, "w2", 2560, 2 * 6912, 4, TWO, before, after, 2.5, 8)
+    window, late = _window_cycles(128, 2560, 2.5), 8 * _window_cycles(128, 2560) * 256 / 2560
+    assert cut == (3, 7) and before + late <= 3 * window and after + late > 6 * window
+    # Starting with its step, a kernel needs fewer windows: one more costs its fill and drain.
+    assert qlong.gated_windows(EIGHT, "w2", 2560, 2 * 6912, 4, TWO, before, after, 2.5, 0) == (2, 6)
+    assert qlong.gated_windows(EIGHT, "w2", 2560, 2 * 6912, 4, TWO[:1], 1, 1, 2.5, 8) == (0, 0)
+    assert qlong.gated_windows(EIGHT, "w2", 2560, 2 * 6912, 4, TWO * 2, 1, 1, 2.5, 8) == (0, 0)   # four blocks
+    assert qlong.gated_windows(EIGHT, "w2", 2560, 2 * 6912, 4, TWO, 14 * window, 13 * window, 2.5, 0) == (0, 0)
+    assert qlong.gated_windows(EIGHT, "w2", 2560, 2 * 6912 + 16, 4, TWO, 1, 1, 2.5, 8) == (0, 0)
 
 
 def _model(path):

@@ -205,8 +205,8 @@ def lower_chain(low: Lowering, chain: list[Node], ranges: list[range], regions: 
     # drain its long passes save (the 2B4T layer at 128 on dlegion-8x8, blocks of 64: 212,170
     # cycles uncut, 215,944 to 217,188 cut with 3 to 8 windows first and 9 to 14 last).
     beside, after = _vector_beside(arch, steps, ranges), _vector_after(arch, chain, ranges)
-    gated = {n.name: gated_cut(low, n, ranges, beside[n.name], after[n.name]) if len(ranges[0]) >= FEWEST_ROWS
-             else (0, 0) for n in chain if (n.domain, n.op) == MATMUL}
+    gated = {n.name: gated_cut(low, n, ranges, beside[n.name], after[n.name], KERNEL_BEHIND)
+             if len(ranges[0]) >= FEWEST_ROWS else (0, 0) for n in chain if (n.domain, n.op) == MATMUL}
     steps = list(_order(chain, ranges, {k: len(GATED_STEPS) - len(ranges) for k, c in gated.items() if any(c)}))
     cuts = {n.name: ranges for n in chain}
     if tails:
