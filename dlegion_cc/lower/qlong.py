@@ -61,6 +61,9 @@ def head_columns(arch: Arch, mode: str, K: int, N: int, tiles: int, blocks: list
 # and 6 last windows, 275,955 cycles against 275,255 with 7.
 PASS_CHUNKS = 2
 
+# The row blocks of a chain in which a gated matmul is cut (``gated_windows`` says why two).
+GATED_BLOCKS = 2
+
 
 def gated_windows(arch: Arch, mode: str, K: int, N: int, tiles: int, blocks: list[range], before: float,
                   after: float, ops: float, late: int) -> tuple[int, int]:
@@ -72,7 +75,7 @@ def gated_windows(arch: Arch, mode: str, K: int, N: int, tiles: int, blocks: lis
     the blocks' two: only two blocks leave the kernel after it one block to run beside the last
     windows' last block."""
     share = arch.legions * arch.array * tiles
-    if len(blocks) != 2 or N % share:
+    if len(blocks) != GATED_BLOCKS or N % share:
         return 0, 0
     windows = N // share
     first, last = (_cheapest_windows(arch, mode, K, tiles, len(blocks[0]), windows, v, ops, late)

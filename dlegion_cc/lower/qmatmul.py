@@ -161,7 +161,7 @@ def gated_cut(low: Lowering, node, blocks: list[range], before: float, after: fl
     their steps; (0, 0) for any other matmul. Its drains take an operation an element and the
     gate's on half of them (``qtiles._gate``)."""
     a, arch = node.attrs, low.em.arch
-    if a.get("gated") is None:
+    if a.get("gated") is None or len(blocks) != qlong.GATED_BLOCKS:    # no cut: its weights' range unread
         return 0, 0
     w = np.asarray(a["weight"])
     mode = pick_mode(arch, mode_for(w) or "w8")
