@@ -450,12 +450,10 @@ def test_the_last_rows_after_the_chain_load_the_residual_before_the_last_pass(tm
     assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
 
 
-def test_a_steps_loads_go_ahead_of_the_instructions_before_them_they_share_nothing_with(tmp):
-    """A load goes ahead of the stores before it in the in-order DMA queue, up to one that reads
-    the scratchpad it writes; one reading what a store before it writes stays behind that store."""
+def _scratch_dma(tmp: str):
+    """(tensors of the stack's program, a store of 16 elements of ``vec`` at ``addr`` to a scratch
+    tensor at ``offset``, a load of them back): DMA transfers of Legion 0 that touch what they name."""
     from isa.fields import DramRef, View
-    from isa.program import Program
-    from dlegion_cc.lower import rowblocks
     tensors = _compiled(tmp, True).tensors
     t = next(n for n, x in enumerate(tensors) if x.kind not in ("const", "input"))
 
@@ -465,8 +463,34 @@ def test_a_steps_loads_go_ahead_of_the_instructions_before_them_they_share_nothi
     def load(addr: int, offset: int) -> DmaLoad:
         return DmaLoad(legion=0, dests=frozenset({0}), dst=View("vec", addr, 16), src=DramRef(t, offset, 16),
                        rows=1, cols=16)
+    return tensors, store, load
+
+
+def test_a_steps_loads_go_ahead_of_the_instructions_before_them_they_share_nothing_with(tmp):
+    """A load goes ahead of the stores before it in the in-order DMA queue, up to one that reads
+    the scratchpad it writes; one reading what a store before it writes stays behind that store."""
+    from isa.program import Program
+    from dlegion_cc.lower import rowblocks
+    tensors, store, load = _scratch_dma(tmp)
     program = Program(EIGHT.name, tensors, [store(0, 0), store(64, 16), load(128, 64), load(0, 96), load(256, 16)])
     assert rowblocks._loads_ahead(program, EIGHT, list(range(5)), {}) == [2, 0, 3, 1, 4]
+
+
+def test_the_stores_after_a_steps_last_pass_go_behind_the_next_steps_first_loads(tmp):
+    """A store behind a step's last pass that nothing after it in the step reads over or waits
+    for goes into the next step ahead of its first drain or store, behind its first loads and
+    passes; one whose slot a later instruction of the step, or a load it would pass, writes stays."""
+    from isa.fields import View
+    from isa.program import Program
+    from dlegion_cc.lower import rowblocks
+    tensors, store, load = _scratch_dma(tmp)
+    passed = MatMul(legion=0, acc=View("acc", 0, 16), act=View("act", 0, 16), wgt=View("wgt", 0, 16), M=1, K=16,
+                    N=16, mode="w8", split="n", accumulate="set", mask=None)
+    program = Program(EIGHT.name, tensors, [passed, store(0, 0), store(64, 16), load(64, 32),
+                                            load(128, 48), passed, store(256, 64), store(128, 80)])
+    before, step = [0, 1, 2, 3, 7], [4, 5, 6]
+    rowblocks._stores_after(program, EIGHT, before, step, {})
+    assert before == [0, 2, 3, 7] and step == [4, 5, 1, 6]
 
 
 @lru_cache(maxsize=None)
