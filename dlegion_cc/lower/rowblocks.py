@@ -635,7 +635,8 @@ def _stores_after(program: Program, arch: Arch, before: list[int], step: list[in
     stores = [k for n, k in enumerate(before[tail:], tail) if isinstance(program.instrs[k], DmaStore)
               and k not in named and _apart(program, [k], before[n + 1:] + step[:at])]
     if stores:
-        before[:] = [k for k in before if k not in set(stores)]
+        moved = set(stores)
+        before[:] = [k for k in before if k not in moved]
         step[at:at] = stores
 
 
