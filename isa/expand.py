@@ -323,8 +323,7 @@ def _word_fields(words: bytes, n: int):
     u = word_matrix(words, n)
     op = opcodes(u)
     barrier = op == Barrier.OPCODE
-    span = np.ones(n, dtype=np.int64)
-    start = np.full(n, NONE, dtype=np.int64)
+    start, span, _ = word_spans(u, op)
     queue = np.full(n, NONE, dtype=np.int64)
     cond = np.full((n, 4), NONE, dtype=np.int64)
     cond[:, 3] = 0
@@ -334,11 +333,6 @@ def _word_fields(words: bytes, n: int):
         at = encoding.FIELD_AT[cls]
         rows = np.flatnonzero(op == code)
         w = u[rows]
-        if "legion" in at:
-            start[rows] = bits_at(w, *_width(at["legion"])).astype(np.int64)
-        if "span" in at:
-            s = bits_at(w, *_width(at["span"])).astype(np.int64)
-            span[rows] = np.where(s & 1, s >> 1, 1)
         if cls is Wait:
             queue[rows] = bits_at(w, *_width(at["queue_name"])).astype(np.int64)
             c = bits_at(w, *_width(at["until"])).astype(np.int64)
@@ -362,6 +356,24 @@ def _word_fields(words: bytes, n: int):
         cond[rows, 2] = np.where(relative, NONE, number)
         cond[rows, 3] = np.where(relative, number, 0)
     return barrier, span, start, queue, cond
+
+
+def word_spans(u: np.ndarray, op: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row of :func:`word_matrix` (``op``: its :func:`opcodes`), its first Legion (NONE
+    without one), its span (1 where it names none) and whether it names one: an optional
+    span's lowest bit says it is given, the span stands above it."""
+    n = len(op)
+    start, span, named = np.full(n, NONE, dtype=np.int64), np.ones(n, dtype=np.int64), np.zeros(n, dtype=bool)
+    for code in np.unique(op).tolist():
+        at = encoding.FIELD_AT[encoding.BY_OPCODE[code]]
+        rows = np.flatnonzero(op == code)
+        if "legion" in at:
+            start[rows] = bits_at(u[rows], *_width(at["legion"])).astype(np.int64)
+        if "span" in at:
+            s = bits_at(u[rows], *_width(at["span"])).astype(np.int64)
+            named[rows] = (s & 1).astype(bool)
+            span[rows] = np.where(s & 1, s >> 1, 1)
+    return start, span, named
 
 
 def _width(shift_kind) -> tuple[int, int]:

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from isa.arch import MODE_BITS, Arch
-from isa.expand import DRAM_FIELD, NONE, Queues, Tasks, bits_at, dram_of, expand, opcodes, word_matrix
+from isa.expand import DRAM_FIELD, NONE, Queues, Tasks, bits_at, dram_of, expand, opcodes, word_matrix, word_spans
 from isa.fields import View
 from isa.fields import QUEUES
 from isa.instructions import (TRANSFER_CLASSES, Barrier, DmaLoad, DmaStore, Drain, Gather, Instr, MatMul, NocAdd, NocMove, VBinary,
@@ -348,21 +348,10 @@ def _span_problems(program: Program, arch: Arch) -> list[str]:
 
 
 def _span_candidates(words: bytes, n: int, legions: int) -> list[int]:
-    """The instructions whose words hold a span (its lowest bit set, the span above it) of 0
-    or reaching past Legion ``legions - 1``."""
+    """The instructions whose words name a span of 0 or one reaching past Legion ``legions - 1``."""
     u = word_matrix(words, n)
-    op = opcodes(u)
-    out = []
-    for code in np.unique(op).tolist():
-        at = encoding.FIELD_AT[encoding.BY_OPCODE[code]]
-        if "span" not in at:
-            continue
-        rows = np.flatnonzero(op == code)
-        s = bits_at(u[rows], at["span"][0], at["span"][1].bits).astype(np.int64)
-        legion_ = bits_at(u[rows], at["legion"][0], at["legion"][1].bits).astype(np.int64)
-        span = s >> 1
-        out += rows[(s & 1 == 1) & ((span == 0) | (legion_ + span > legions))].tolist()
-    return sorted(out)
+    start, span, named = word_spans(u, opcodes(u))
+    return np.flatnonzero(named & ((span == 0) | (start + span > legions))).tolist()
 
 
 def own_queue(cond, before: int) -> Problems:

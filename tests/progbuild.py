@@ -57,3 +57,16 @@ def compile_without(path, machine, without: type | None = None, row_blocks: bool
         p.run(graph, options)
         graph.remove_dead()
     return graph, pipeline.lower_graph(graph, machine, None, options.switches())
+
+
+def assert_matches_onnx(outputs: dict, path, inputs: dict) -> None:
+    """Every output of a program within the tolerance of onnxruntime's run of ``path``."""
+    from runtime.check import compare, onnx_reference
+    for row in compare(outputs, onnx_reference(path, inputs)):
+        assert row.ok, f"{row.name}: relative L2 {row.rel_l2:.2e}"
+
+
+def assert_bitwise_equal(ours: dict, theirs: dict) -> None:
+    """Every output of ``theirs`` (the program a rewrite is compared with) equal in ``ours``, bit for bit."""
+    for name in theirs:
+        np.testing.assert_array_equal(ours[name], theirs[name])

@@ -17,7 +17,7 @@ from models.decoder import relu2
 from models.graph import FLOAT, GraphBuilder, tensor_info
 from runtime.check import compare, onnx_reference
 from runtime.emulator import run
-from progbuild import compile_without
+from progbuild import assert_bitwise_equal, assert_matches_onnx, compile_without
 from runtime.timing import simulate
 
 TINY, EIGHT = arch.load("dlegion-tiny"), arch.load("dlegion-8x8")
@@ -57,14 +57,12 @@ def test_the_product_in_the_drain_is_the_separate_kernels_bit_for_bit(tmp_path, 
     assert not any(n.op in ("Relu", "Pow") or (n.op == "RowKernel" and any(s.op == "Relu" for s in n.attrs["nodes"]))
                    for n in graph.nodes)
     ours = run(program, machine, inputs).outputs                          # race-checked
-    for row in compare(ours, onnx_reference(path, inputs)):
-        assert row.ok, f"{row.name}: relative L2 {row.rel_l2:.2e}"
+    assert_matches_onnx(ours, path, inputs)
     apart_graph, apart = _compile(path, machine, gated=False, row_blocks=row_blocks)
     assert not _gated_nodes(apart_graph)
     theirs = run(apart, machine, inputs).outputs
     assert ours.keys() == theirs.keys()
-    for name in theirs:
-        np.testing.assert_array_equal(ours[name], theirs[name])
+    assert_bitwise_equal(ours, theirs)
 
 
 def test_the_drain_stores_half_the_bytes_and_the_kernel_after_it_reads_half(tmp_path):

@@ -14,6 +14,7 @@ from models.graph import FLOAT, GraphBuilder, tensor_info
 from runtime.check import compare, onnx_reference
 from runtime.emulator import run
 from runtime.timing import simulate
+from progbuild import assert_bitwise_equal
 
 EIGHT = arch.load("dlegion-8x8")
 QKV = (2560, 640, 640)
@@ -76,8 +77,7 @@ def test_split_off_columns_match_onnxruntime_and_save_array_cycles(tmp_path, mon
     monkeypatch.setattr(qrest, "split", lambda *a: None)
     whole = compile_model(path, Options(EIGHT, row_blocks=row_blocks))[1]
     theirs = run(whole, EIGHT, inputs).outputs
-    for name in theirs:
-        np.testing.assert_array_equal(ours[name], theirs[name])
+    assert_bitwise_equal(ours, theirs)
     assert _arrays_busy(program) < _arrays_busy(whole)
 
 

@@ -13,7 +13,7 @@ from models.decoder import rms_norm
 from models.graph import FLOAT, GraphBuilder, tensor_info
 from runtime.check import compare, onnx_reference
 from runtime.emulator import run
-from progbuild import compile_without
+from progbuild import assert_bitwise_equal, assert_matches_onnx, compile_without
 from runtime.timing import simulate
 
 TINY, EIGHT = arch.load("dlegion-tiny"), arch.load("dlegion-8x8")
@@ -48,14 +48,12 @@ def test_the_sum_in_the_drain_is_the_add_kernels_bit_for_bit(tmp_path, machine, 
     [node] = _residual_nodes(graph)
     assert node.inputs[3] == "x" and not any(n.op == "Add" and "x" in n.inputs for n in graph.nodes)
     ours = run(program, machine, inputs).outputs                          # race-checked
-    for row in compare(ours, onnx_reference(path, inputs)):
-        assert row.ok, f"{row.name}: relative L2 {row.rel_l2:.2e}"
+    assert_matches_onnx(ours, path, inputs)
     apart_graph, apart = compile_without(path, machine, ResidualInDrain, row_blocks)
     assert not _residual_nodes(apart_graph)
     theirs = run(apart, machine, inputs).outputs
     assert ours.keys() == theirs.keys()
-    for name in theirs:
-        np.testing.assert_array_equal(ours[name], theirs[name])
+    assert_bitwise_equal(ours, theirs)
 
 
 def test_a_product_read_elsewhere_stays_a_product(tmp_path):

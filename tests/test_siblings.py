@@ -14,7 +14,7 @@ from models.bitnet import BitLinear, preset
 from models.graph import FLOAT, GraphBuilder, tensor_info
 from runtime.check import compare, onnx_reference
 from runtime.emulator import run
-from progbuild import compile_without
+from progbuild import assert_bitwise_equal, assert_matches_onnx, compile_without
 from runtime.timing import simulate
 
 TINY = arch.load("dlegion-tiny")
@@ -43,12 +43,10 @@ def test_fused_matmul_matches_onnxruntime_and_the_unfused_program(tmp_path, widt
     [node] = [n for n in graph.nodes if n.op == "QMatMul"]
     assert node.attrs["segments"] == list(widths)
     ours = run(fused, TINY, inputs).outputs
-    for row in compare(ours, onnx_reference(path, inputs)):
-        assert row.ok, f"{row.name}: relative L2 {row.rel_l2:.2e}"
+    assert_matches_onnx(ours, path, inputs)
     _, apart = _compile(path, TINY, fuse=False)
     theirs = run(apart, TINY, inputs).outputs
-    for name in theirs:
-        np.testing.assert_array_equal(ours[name], theirs[name])
+    assert_bitwise_equal(ours, theirs)
 
 
 def test_fused_matmul_runs_fewer_passes_than_its_members(tmp_path):
