@@ -10,6 +10,7 @@ from onnx import TensorProto, helper
 
 from isa import arch
 from isa.instructions import VMatMul
+from dlegion_cc.lower.fmatmul import TILE
 from dlegion_cc.pipeline import Options, compile_model
 from runtime.emulator import random_inputs, run
 
@@ -36,6 +37,21 @@ def test_few_heads_use_every_legion_and_give_numpys_product(tmp_path, heads, M, 
     got = run(program, EIGHT, inputs).outputs["c"]        # the race check runs too
     want = inputs["a"].astype(np.float64) @ inputs["b"].astype(np.float64)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4 * np.sqrt(K))
+
+
+def test_a_product_shorter_than_a_dram_round_trip_keeps_one_legion_per_head(tmp_path):
+    """A first token's P.V (one key deep): each head on a Legion of one span, one product per
+    block of its columns for all the heads, not one per head and part; still numpy's product."""
+    heads, M, K, N = 5, 4, 1, 128
+    assert M * K * N / EIGHT.vector_lanes < EIGHT.dram_latency_cycles
+    path = tmp_path / "heads.onnx"
+    _product(path, heads, M, K, N)
+    _, program = compile_model(path, Options(EIGHT))
+    products = [i for i in program.instrs if isinstance(i, VMatMul)]
+    assert {i.span for i in products} == {heads} and len(products) == -(-N // TILE)
+    inputs = random_inputs(program, 0)
+    got = run(program, EIGHT, inputs).outputs["c"]
+    np.testing.assert_array_equal(got, inputs["a"] @ inputs["b"])    # one product each: exact
 
 
 def test_a_2b4t_decode_step_copying_its_cache_is_onnxruntimes(tmp_path):

@@ -414,7 +414,7 @@ def matmul(low: Lowering, node) -> None:
         for idx in outer_indices(batch + (1, 1)):
             matmul_blocks(low.em, a.at(idx), b.at(idx), out.at(idx), M, K, N, skip)
         return
-    if _spread(low.em, M, batch[-1], skip):
+    if _spread(low.em, M, K, N, batch[-1], skip):
         for idx in outer_indices(batch[:-1] + (1, 1)):
             spread_heads(low.em, a, b, out, idx, M, K, N, batch[-1])
         return
@@ -427,11 +427,16 @@ def matmul(low: Lowering, node) -> None:
             matmul_blocks(low.em, a.at(at), b.at(at), out.at(at), M, K, N, skip, (count, step))
 
 
-def _spread(em: Emitter, M: int, heads: int, skip: Skip) -> bool:
+def _spread(em: Emitter, M: int, K: int, N: int, heads: int, skip: Skip) -> bool:
     """Whether a batched product goes to Legions by parts of its heads' columns: fewer heads
     than Legions and rows that fit one block (a decode step's few query rows per key/value head),
-    where a span of one Legion per head would leave the others idle for the whole product."""
-    return heads < em.arch.legions and M <= TILE and not skip.any
+    where a span of one Legion per head would leave the others idle for the whole product.
+    Not when a head's product takes the lanes less time than a DRAM round trip, which each part
+    of it pays again (a first token's P.V, one key deep): the others then idle for less than
+    the parts would cost, and the heads' products are one instruction of each kind, not one
+    per part."""
+    lanes_cycles = M * K * N / em.arch.vector_lanes
+    return heads < em.arch.legions and M <= TILE and not skip.any and lanes_cycles > em.arch.dram_latency_cycles
 
 
 def spread_heads(em: Emitter, a: Operand, b: Operand, out: Operand, idx: tuple, M: int, K: int, N: int,
