@@ -13,7 +13,7 @@ from onnx import helper, numpy_helper
 from isa import arch
 from isa.asm import format_program, load, parse
 from isa.encoding import decode_program, encode_program
-from isa.instructions import DmaLoad, Drain, MatMul, VUnary
+from isa.instructions import DmaLoad, DmaStore, Drain, MatMul, VUnary
 from dlegion_cc.lower import reduce
 from dlegion_cc.lower.quant import int_result
 from dlegion_cc.lower.schedules import Schedules
@@ -23,6 +23,7 @@ from runtime.check import approximation_tolerance, flip_one_weight, judge
 from runtime.emulator import random_inputs, run
 from runtime.report import regions_by_name
 from runtime.state import Trap
+from runtime.timing import simulate
 
 ROOT = Path(__file__).parent.parent
 WIDE = arch.load("dlegion-8x8")
@@ -423,6 +424,29 @@ def test_a_reduction_over_the_tokens_reads_columns_in_place_with_the_same_bits(t
     rows = np.ascontiguousarray(np.swapaxes(x, -1, -2))
     np.testing.assert_array_equal(out["m"][:, :, 0], np.sum(rows, axis=-1, dtype=np.float32) / np.float32(S))
     np.testing.assert_array_equal(out["z"], rows.max(axis=-1))
+
+
+def test_column_strips_take_a_buffer_each_and_load_ahead_of_their_stores(tmp_path, monkeypatch):
+    """K's mean over the tokens of 5 K heads in strips of columns, 5 a Legion (2B4T's at 128 on
+    dlegion-8x8): each strip takes a buffer of its own (``reduce.ring``), so every Legion's loads
+    are issued before its first store, and the program computes the bits of the one with two
+    buffers, race-checked, in fewer cycles."""
+    shape = [1, 5, 128, 128]
+    node = helper.make_node("ReduceMean", ["x"], ["m"], axes=[2], keepdims=1)
+    model = onnx.helper.make_model(helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("x", TP.FLOAT, shape)],
+        [helper.make_tensor_value_info("m", TP.FLOAT, [*shape[:2], 1, shape[-1]])]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(model, tmp_path / "r.onnx")
+    x = {"x": (np.random.default_rng(5).standard_normal(shape) * 9 + 2).astype(np.float32)}
+    _, ringed = compile_model(tmp_path / "r.onnx", Options(WIDE))
+    for legion in range(WIDE.legions):
+        dma = [type(i) for i in ringed.instrs if isinstance(i, (DmaLoad, DmaStore)) and i.legion == legion]
+        assert dma == [DmaLoad] * 5 + [DmaStore] * 5
+    monkeypatch.setattr(reduce, "ring", lambda em, size, strips, temp: 2)
+    _, two = compile_model(tmp_path / "r.onnx", Options(WIDE))
+    np.testing.assert_array_equal(run(ringed, WIDE, x, races=True).outputs["m"], run(two, WIDE, x, races=True).outputs["m"])
+    assert simulate(ringed, WIDE).cycles < simulate(two, WIDE).cycles
 
 
 def rotary_layer(tmp_path, attention: str):
