@@ -14,7 +14,7 @@ from isa import arch
 from isa.asm import format_program, load, parse
 from isa.encoding import decode_program, encode_program
 from isa.instructions import DmaLoad, DmaStore, Drain, MatMul, VUnary
-from dlegion_cc.lower import reduce
+from dlegion_cc.lower import reduce, rowwise
 from dlegion_cc.lower.quant import int_result
 from dlegion_cc.lower.schedules import Schedules
 from dlegion_cc.passes import attnoperands
@@ -447,6 +447,32 @@ def test_column_strips_take_a_buffer_each_and_load_ahead_of_their_stores(tmp_pat
     _, two = compile_model(tmp_path / "r.onnx", Options(WIDE))
     np.testing.assert_array_equal(run(ringed, WIDE, x, races=True).outputs["m"], run(two, WIDE, x, races=True).outputs["m"])
     assert simulate(ringed, WIDE).cycles < simulate(two, WIDE).cycles
+
+
+def test_row_blocks_in_flight_are_counted_as_dealt(tmp_path, monkeypatch):
+    """K's smoothed quantization ahead of the first head group (4 heads of 128 rows) takes 16 rows
+    a Legion a head, where half the vector scratchpad holds more: three blocks fit in flight
+    (``rowwise.dealt``), so each Legion's loads of a head's block go ahead of the stores of the
+    head two before, and the layer computes the bits of the one sized by the rows half the
+    scratchpad holds, race-checked."""
+    from models.bitnet import build_bitnet, preset, save
+    path = tmp_path / "layer.onnx"
+    save(build_bitnet(preset("2b4t", layers=1, seq=128, vocab=256, hidden=1024, heads=8, kv_heads=8, ffn=256)),
+         path, external_data=True)
+
+    def loads_before_codes(program) -> int:
+        """Legion 0's loads ahead of K's smoothing before the first group, before its first codes stored."""
+        [region] = [m for name, m in regions_by_name(program).items() if "mean" in name and "smooth" in name]
+        dma = [program.instrs[k] for k in region if isinstance(program.instrs[k], (DmaLoad, DmaStore))
+               and program.instrs[k].legion == 0]
+        return next(n for n, i in enumerate(dma) if isinstance(i, DmaStore) and i.rows > 1)
+    _, dealt = compile_model(path, Options(WIDE, attention="int8"))
+    monkeypatch.setattr(rowwise, "dealt", lambda rows, most, legions: most)
+    _, halves = compile_model(path, Options(WIDE, attention="int8"))
+    assert loads_before_codes(dealt) > loads_before_codes(halves)
+    x = random_inputs(dealt, 0)
+    np.testing.assert_array_equal(run(dealt, WIDE, x, races=True).outputs["logits"],
+                                  run(halves, WIDE, x, races=True).outputs["logits"])
 
 
 def rotary_layer(tmp_path, attention: str):
