@@ -536,9 +536,8 @@ def act_slot_elems(p: Problem, plan: Plan) -> int:
 # before drained from, so with two slots its load waited in the in-order DMA queue for that
 # drain, and the next pass's operands queued behind it (attention's last P.V at 128: its passes
 # idled some 300 cycles each); the row scales likewise. Three of each: the 2B4T layer on
-# dlegion-8x8 at 128 210,639 -> 209,666 cycles, at 256 381,680 -> 381,441, at 512 788,058 ->
-# 787,603 (column vectors alone: 209,631, 381,441, 788,058; row scales alone: 210,639 and
-# 787,603; four row scales 209,730 and 787,767, four column vectors 209,645 and 381,646).
+# dlegion-8x8 at 128 210,639 -> 209,666 cycles, at 512 788,058 -> 787,603 (a fourth of either
+# moves them by less than 200 cycles, and is slower at 256 or 512).
 RS_SLOTS = 3
 CV_SLOTS = 3
 
