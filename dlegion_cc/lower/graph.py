@@ -21,6 +21,7 @@ from dlegion_cc.lower.emitter import ConstData, Emitter
 from dlegion_cc.lower.movement import nd_copy
 from dlegion_cc.lower.overlap import overlap
 from dlegion_cc.lower.prefetch import prefetch_weights
+from dlegion_cc.lower.spanwaits import span_waits
 
 
 def lower_graph(graph: Graph, arch: Arch, data_file: str | None, switches: Switches = Switches(),
@@ -68,7 +69,8 @@ def lower_graph(graph: Graph, arch: Arch, data_file: str | None, switches: Switc
     program = side_by_side(program, arch)
     program = prefetch_weights(program, arch) if switches.prefetch else program
     program = load_early(program, arch) if switches.prefetch else program
-    return overlap(program, arch) if switches.overlap else program
+    program = overlap(program, arch) if switches.overlap else program
+    return span_waits(program)
 
 
 def _lower_node(low: Lowering, node: Node, problems: list, regions: list) -> None:
