@@ -176,15 +176,32 @@ def legion_tiles(p: Problem, plan: Plan, legion: int) -> list[tuple[int, int]]:
     return [(n0, min(plan.cols, stop - n0)) for n0 in range(start, stop, plan.cols)]
 
 
-def weights_wait(plan: Plan, first: bool) -> bool:
+def weights_wait(plan: Plan, first: bool, light: bool = False) -> bool:
     """Whether a weight chunk's load waits for the chunk's activations. Activations cut in K
     chunks are loaded again with every chunk, and every Legion's passes wait for them: weight
     loads behind them never compete with them for DRAM, and a pass that waits for its weights
     needs no second condition. Activations held whole are loaded once, before everything:
     then the weights start streaming at once (each pass waits for both). A Legion's ``first``
     weight load never waits: before the first pass both loads are on the critical path.
-    Forwarded activations come over the NoC, not from DRAM: the weights never wait for them."""
-    return not plan.whole_rows and not first and not plan.forward
+    Forwarded activations come over the NoC, not from DRAM: the weights never wait for them.
+    Nor do weights ``light`` against multicast activations (``light_weights``)."""
+    return not plan.whole_rows and not first and not plan.forward and not (light and plan.multicast)
+
+
+# Weights whose bytes over every Legion are at most this share of the multicast activations'
+# of a chunk take little of DRAM beside them; waiting for the multicast to complete put their
+# load's round trip after it, and every Legion's pass waited for both in turn (attention's P.V
+# at 512 on dlegion-8x8: 256 rows of V's codes, 16 columns a Legion, against 512 rows of P).
+LIGHT_WEIGHTS = 2
+# The fewest activation rows a tile for that: below, the multicast is short and the weights'
+# wait costs little (a chain of 64-row blocks of the BitLinear stack kept its loads' order).
+LIGHT_ROWS = 256
+
+
+def light_weights(plan: Plan, legions: int, nb: int, mode: str) -> bool:
+    """Whether ``legions`` weight tiles of ``nb`` columns in ``mode`` are light against the
+    activations of a row block (``LIGHT_WEIGHTS``, ``LIGHT_ROWS``), per row of K."""
+    return plan.rows >= LIGHT_ROWS and legions * nb * MODE_BITS[mode] // 8 * LIGHT_WEIGHTS <= plan.rows
 
 
 def segments(p: Problem, plan: Plan) -> tuple:
@@ -1046,7 +1063,7 @@ def _model_chunk(m: _Model, st: _State, b: int, t: int, c: Chunk, here: list, ti
                 first = not st.w[l].held
                 s = st.w[l].take(key_w)
                 free = st.free.get(("w", l, s), 0.0)
-                if weights_wait(plan, first):
+                if weights_wait(plan, first, light_weights(plan, len(m.legions), nb, mode)):
                     free = max(free, st.ready[("a", *a_slot[l])])
                 flows.append((l, _loaded_bytes(m.arch, c.kc, nb, mode, nz), free))
                 where.append(("w", l, s))
