@@ -542,8 +542,7 @@ def test_light_weights_load_beside_the_multicast_activations(tmp_path, monkeypat
     path = attention(tmp_path / "attn.onnx", 8, 256)
     x = _inputs(8, 256)
     _, light = compile_model(path, Options(WIDE, attention="int8"))
-    for module in (qplan, qtiles):
-        monkeypatch.setattr(module, "light_weights", lambda *_: False)
+    monkeypatch.setattr(qplan, "light_weights", lambda *_: False)
     _, heavy = compile_model(path, Options(WIDE, attention="int8"))
     np.testing.assert_array_equal(run(light, WIDE, x, races=True).outputs["o"], run(heavy, WIDE, x, races=True).outputs["o"])
     assert simulate(light, WIDE).cycles < simulate(heavy, WIDE).cycles

@@ -176,7 +176,7 @@ def legion_tiles(p: Problem, plan: Plan, legion: int) -> list[tuple[int, int]]:
     return [(n0, min(plan.cols, stop - n0)) for n0 in range(start, stop, plan.cols)]
 
 
-def weights_wait(plan: Plan, first: bool, light: bool = False) -> bool:
+def weights_wait(plan: Plan, first: bool, legions: int, nb: int, mode: str) -> bool:
     """Whether a weight chunk's load waits for the chunk's activations. Activations cut in K
     chunks are loaded again with every chunk, and every Legion's passes wait for them: weight
     loads behind them never compete with them for DRAM, and a pass that waits for its weights
@@ -184,8 +184,10 @@ def weights_wait(plan: Plan, first: bool, light: bool = False) -> bool:
     then the weights start streaming at once (each pass waits for both). A Legion's ``first``
     weight load never waits: before the first pass both loads are on the critical path.
     Forwarded activations come over the NoC, not from DRAM: the weights never wait for them.
-    Nor do weights ``light`` against multicast activations (``light_weights``)."""
-    return not plan.whole_rows and not first and not plan.forward and not (light and plan.multicast)
+    Nor do ``legions`` weight tiles of ``nb`` columns in ``mode`` light against multicast
+    activations (``light_weights``)."""
+    return not plan.whole_rows and not first and not plan.forward \
+        and not (plan.multicast and light_weights(plan, legions, nb, mode))
 
 
 # Weights whose bytes over every Legion are at most this share of the multicast activations'
@@ -1063,7 +1065,7 @@ def _model_chunk(m: _Model, st: _State, b: int, t: int, c: Chunk, here: list, ti
                 first = not st.w[l].held
                 s = st.w[l].take(key_w)
                 free = st.free.get(("w", l, s), 0.0)
-                if weights_wait(plan, first, light_weights(plan, len(m.legions), nb, mode)):
+                if weights_wait(plan, first, len(m.legions), nb, mode):
                     free = max(free, st.ready[("a", *a_slot[l])])
                 flows.append((l, _loaded_bytes(m.arch, c.kc, nb, mode, nz), free))
                 where.append(("w", l, s))

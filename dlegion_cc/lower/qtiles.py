@@ -33,7 +33,7 @@ from dlegion_cc.lower.emitter import Emitter
 from dlegion_cc.lower.qplan import (CV_SLOTS, RS_SLOTS, Chunk, Group, Homes, Plan, Problem, RowScale, Segment, Slots,
                                     Switches, act_key, act_slot_elems, choose, chunk_blocks, dead_tile, find_weights,
                                     groups, in_order, last_visit, legion_tiles, multicaster, owners, pieces, products, reach_blocks,
-                                    row_blocks, stores, column_runs, legion_step, tail_pieces, tile_order, units, weight_key, weights_wait, wgt_slot_bytes, light_weights)
+                                    row_blocks, stores, column_runs, legion_step, tail_pieces, tile_order, units, weight_key, weights_wait, wgt_slot_bytes)
 
 __all__ = ["Plan", "Problem", "RowScale", "Segment", "emit_tiles", "plan_tiles"]
 
@@ -368,8 +368,7 @@ class _Tiles:
         # them (a queue completes in order): waiting here would only serialize the two loads.
         same_queue = {(l, q) for l, q, _ in act} == {(l, "dma") for l in g.legions}
         self._load("wgt", g, s, g, self._weight_loads(g, s, tensor, mode, c.k0, c.kc, n0, nb, nz),
-                   [act] if weights_wait(self.plan, first, light_weights(self.plan, len(self.legions), nb, mode))
-                   and not same_queue else [])
+                   [act] if weights_wait(self.plan, first, len(self.legions), nb, mode) and not same_queue else [])
         return s
 
     def _weight_loads(self, g, s, tensor, mode, k0, kc, n0, nb, nz) -> list:
