@@ -172,24 +172,48 @@ def test_a_single_head_is_not_grouped(tmp_path):
     assert plan(low, graph.nodes, at) == ({}, [])
 
 
-def test_short_sequences_take_fewer_groups(tmp_path, monkeypatch):
-    """Groups of fewer than FEWEST_GROUP_ROWS rows of scores cost more than they hide: the most
-    groups that hold that many, two when none does."""
+def _groups(path) -> int:
+    """The head groups ``plan`` picks for the attention model at ``path``."""
     from dlegion_cc.pipeline import graph_of
-    from dlegion_cc.lower import heads
     from dlegion_cc.lower.context import Lowering
     from dlegion_cc.lower.emitter import Emitter
-    path = attention(tmp_path / "short.onnx", HEADS, SEQ, KV)
     graph = graph_of(path, Options(WIDE, attention="int8"))
     at = next(k for k, n in enumerate(graph.nodes) if n.op == "AttnMatMul")
+    return len(plan(Lowering(graph, Emitter(WIDE, graph.source)), graph.nodes, at)[1])
 
-    def groups() -> int:
-        return len(plan(Lowering(graph, Emitter(WIDE, graph.source)), graph.nodes, at)[1])
-    assert HEADS // 2 * SEQ < heads.FEWEST_GROUP_ROWS and groups() == 2
-    monkeypatch.setattr(heads, "FEWEST_GROUP_ROWS", HEADS // 4 * SEQ)
-    assert groups() == 4
-    monkeypatch.setattr(heads, "FEWEST_GROUP_ROWS", HEADS // 4 * SEQ + 1)
-    assert groups() == 2
+
+def test_short_sequences_take_fewer_groups(tmp_path, monkeypatch):
+    """Groups of fewer than FEWEST_GROUP_SCORES scores cost more than they hide: the most
+    groups that hold that many, two when none does."""
+    from dlegion_cc.lower import heads
+    path = attention(tmp_path / "short.onnx", HEADS, SEQ, KV)
+    assert HEADS // 2 * SEQ * SEQ < heads.FEWEST_GROUP_SCORES and _groups(path) == 2
+    monkeypatch.setattr(heads, "FEWEST_GROUP_SCORES", HEADS // 4 * SEQ * SEQ)
+    assert _groups(path) == 4
+    monkeypatch.setattr(heads, "FEWEST_GROUP_SCORES", HEADS // 4 * SEQ * SEQ + 1)
+    assert _groups(path) == 2
+
+
+def test_long_sequences_take_groups_by_their_scores(tmp_path, monkeypatch):
+    """A group's products grow with the square of the sequence: 2B4T's attention (20 heads of
+    128 over 5 K heads) takes 10 groups at 512, where a group's rows of scores (heads by
+    queries) would hold too few for more than 4, and 2 at 256. The same bits as in 4 groups,
+    both race-checked, in fewer cycles."""
+    import test_attention_int8
+    from dlegion_cc.lower import heads
+    monkeypatch.setattr(test_attention_int8, "D", 128)
+    heads_, kv = 20, 5
+    assert _groups(attention(tmp_path / "at256.onnx", heads_, 256, kv)) == 2
+    path = attention(tmp_path / "at512.onnx", heads_, 512, kv)
+    assert _groups(path) == 10
+    ten = compile_model(path, Options(WIDE, attention="int8"))[1]
+    monkeypatch.setattr(heads, "MOST_GROUPS", 4)
+    assert _groups(path) == 4
+    four = compile_model(path, Options(WIDE, attention="int8"))[1]
+    x = _inputs(heads_, 512, kv)
+    np.testing.assert_array_equal(run(ten, WIDE, x, races=True).outputs["o"],
+                                  run(four, WIDE, x, races=True).outputs["o"])
+    assert simulate(ten, WIDE).cycles < simulate(four, WIDE).cycles
 
 
 def test_steps_bound_by_the_arrays_load_ahead_of_their_stores_and_compute_the_same(tmp, monkeypatch):

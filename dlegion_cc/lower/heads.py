@@ -49,19 +49,22 @@ ATTN, ROWS = (DLEGION, "AttnMatMul"), (DLEGION, "RowKernel")
 # paid once a group.
 FEWEST_HEADS = 2
 # More groups hide more of the first QK^T and last P.V but pay each group's fill, drain and
-# DRAM round trips (2B4T layer at 512 on dlegion-8x8, 20 heads: 4 groups 890,586 cycles,
-# 5 groups 892,828; attention alone about the same with 2 or 10).
-MOST_GROUPS = 4
-# The fewest rows of scores (heads by queries) a group of int8 products: below, a group's fill,
-# drain and DRAM round trips cost more than the softmax it hides (2B4T layer on dlegion-8x8,
-# 20 heads: at sequence 512 4 groups 815,430 cycles, 2 groups 818,509; at 256 4 groups 397,048,
-# 2 groups 394,841; at 128 4 groups 222,419, 2 groups 221,133, 5 groups 222,607).
-FEWEST_GROUP_ROWS = 2560
-# Products of two int8 pieces (``--attention int8x2``) take three times the passes, so the first
-# group's QK^T and the last one's P.V, which nothing hides, weigh more (2B4T layer at 512 on
-# dlegion-8x8: 4 groups 1,026,444 cycles, 5 groups 1,021,556, 10 groups 1,014,058, 20 groups
-# 1,026,852; at 256, 10 groups 463,340 and 4 464,431; at 128, 4 groups are faster by 0.8%).
-MOST_GROUPS_OF_PIECES = 10
+# DRAM round trips. Products of two int8 pieces (``--attention int8x2``) take three times the
+# passes, so the first group's QK^T and the last one's P.V, which nothing hides, weigh more
+# (2B4T layer at 512 on dlegion-8x8: 4 groups 1,026,444 cycles, 5 groups 1,021,556, 10 groups
+# 1,014,058, 20 groups 1,026,852; at 256, 10 groups 463,340 and 4 464,431; at 128, 4 groups are
+# faster by 0.8%); products of one piece take as many groups where each holds enough scores
+# (``FEWEST_GROUP_SCORES``).
+MOST_GROUPS = 10
+# The fewest scores (heads by queries by keys) a group of int8 products: below, a group's fill,
+# drain and DRAM round trips cost more than the first QK^T and the last P.V it hides. A group's
+# products grow with the square of the sequence, its fill and round trips with the sequence, so
+# rows of scores alone (heads by queries, at least 2,560) could not take 10 groups at 512 and 2
+# at 256 (2B4T layer on dlegion-8x8, 20 heads: at 512, 2 groups 788,658 cycles, 4 783,078,
+# 5 784,821, 10 776,769; at 256, 2 groups 378,774, 4 383,347, 5 385,614, 10 389,916; at 128,
+# 2 groups 209,666, 4 212,003, 5 213,243, 10 215,004): between a group's 327,680 scores at 256
+# in 4 groups and its 524,288 at 512 in 10.
+FEWEST_GROUP_SCORES = 393_216
 # Ops between the three nodes that may read them: views, which emit nothing.
 VIEWS = ("Reshape", "Unsqueeze", "Squeeze", "Identity")
 # Ops between K's smoothed quantization and QK^T (``_ahead``): views of K's codes and scales.
@@ -105,12 +108,11 @@ def plan(low: Lowering, nodes: list[Node], at: int) -> tuple[dict, list[range]]:
     found = _attention_at(low, nodes, at + len(ahead))
     if not found:
         return {}, []
-    heads, rows = found["heads"], found["softmax"].attrs["frame"].shape[-2]
+    heads, scores = found["heads"], math.prod(found["softmax"].attrs["frame"].shape[-2:])
     pieces = len(found["qk"].inputs) > 4
-    fits = [g for g in range(2, (MOST_GROUPS_OF_PIECES if pieces else MOST_GROUPS) + 1)
-            if heads % g == 0 and heads // g >= FEWEST_HEADS]
-    # Too few rows for any more groups: two, which hide the most for their cost.
-    count = max([g for g in fits if pieces or heads // g * rows >= FEWEST_GROUP_ROWS] or fits[:1], default=1)
+    fits = [g for g in range(2, MOST_GROUPS + 1) if heads % g == 0 and heads // g >= FEWEST_HEADS]
+    # Too few scores for any more groups: two, which hide the most for their cost.
+    count = max([g for g in fits if pieces or heads // g * scores >= FEWEST_GROUP_SCORES] or fits[:1], default=1)
     if count < 2:
         return {}, []
     per = heads // count
