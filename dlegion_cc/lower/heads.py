@@ -84,13 +84,14 @@ MOST_BETWEEN = 12
 # three eighths 886,478, a half 890,586, five eighths 910,583).
 PRODUCTS_VEC = (3, 8)
 
-# A step puts its loads ahead of its stores (``rowblocks._loads_ahead``) where its passes take this
-# many times its vector work on the busiest Legions: the passes then wait for loads queued behind the
-# drains' stores, where nearer the vector work the softmax waits for the stores held back (2B4T layer
-# on dlegion-8x8, in every step: at 512 789,914 -> 790,739 cycles, at 128 212,170 -> 211,753, int8x2
-# at 512 941,025 -> 928,257; where the passes outweigh the vector work, 790,613 at 512; at 3/2 and
-# 5/4, 789,914, 211,864 and 929,656; at 6/5, 790,122 at 512; at 2, int8x2 941,025: its steps between
-# the first and the last take 1.9 times their vector work in passes).
+# A step puts its loads ahead of its stores (``rowblocks._loads_ahead``), the softmax's too where its
+# passes take this many times its vector work on the busiest Legions (``_staying``): the passes then
+# wait for loads queued behind the drains' stores, where nearer the vector work the softmax waits
+# for the stores held back (2B4T layer on dlegion-8x8, in every step: at 512 789,914 -> 790,739
+# cycles, at 128 212,170 -> 211,753, int8x2 at 512 941,025 -> 928,257; where the passes outweigh
+# the vector work, 790,613 at 512; at 3/2 and 5/4, 789,914, 211,864 and 929,656; at 6/5, 790,122
+# at 512; at 2, int8x2 941,025: its steps between the first and the last take 1.9 times their
+# vector work in passes).
 ARRAYS_BOUND = (3, 2)
 
 
@@ -256,7 +257,8 @@ def lower_attention(low: Lowering, found: dict, groups: list[range], lower_node,
             steps.insert(0, (("ahead",), [k - start for k in range(*spans["ahead", 0])
                                           if not isinstance(program.instrs[k - start], Barrier)]))
         targets = _targets(program, arch)
-        steps = [(label, _loads_ahead(program, arch, ks, targets) if _arrays_bound(program, arch, ks) else ks)
+        rows = {k - start for g in range(len(groups)) for k in range(*spans["softmax", g])}
+        steps = [(label, _loads_ahead(program, arch, ks, targets, _staying(program, arch, ks, rows)))
                  for label, ks in steps]
         out, starts = _Rewrite(program, arch, order=[k for _, ks in steps for k in ks]).run()
         return out, (steps, starts)
@@ -355,6 +357,16 @@ def _timed(program: Program, arch, mats: list[int], rows: list[int]) -> list[int
     keyed = sorted([(x, 0, n, k) for n, (k, x) in enumerate(zip(mats, a))] +
                    [(x, 1, n, k) for n, (k, x) in enumerate(zip(rows, b))])
     return [k for *_, k in keyed]
+
+
+def _staying(program: Program, arch, ks: list[int], rows: set[int]) -> set[int]:
+    """The loads of the step ``ks`` that keep their place: the softmax's (among ``rows``) unless
+    the arrays bound the step (``ARRAYS_BOUND``). The products' loads go ahead of the softmax's
+    stores in every step: queued behind them, they waited for the softmax's vector work, and the
+    arrays idled (2B4T layer on dlegion-8x8: at 512 776,769 -> 774,784 cycles, at 256 378,774 ->
+    378,660, at 128 209,666 -> 209,141, int8x2 at 512 926,959 -> 926,803; past the softmax's
+    loads too, at 512 774,098 but at 256 379,133)."""
+    return set() if _arrays_bound(program, arch, ks) else rows
 
 
 def _arrays_bound(program: Program, arch, ks: list[int]) -> bool:

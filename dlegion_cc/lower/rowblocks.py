@@ -640,35 +640,39 @@ def _stores_after(program: Program, arch: Arch, before: list[int], step: list[in
         step[at:at] = stores
 
 
-def _loads_ahead(program: Program, arch: Arch, step: list[int], targets: dict) -> list[int]:
-    """``step`` with each load put ahead of the instructions before it that it shares nothing with
-    (by the bounds of their windows), up to the load before it, a wait its Legion's DMA queue issues or an
-    instruction its condition names (``targets``, overlap's ``_targets``). The DMA queue runs in
-    order: a drain's stores wait for their pass and drain, and the loads of the passes after the
-    next, queued behind them, started a DRAM round trip too late (2B4T layer at sequence 128 on
-    dlegion-8x8: attention's last P.V passed for 160 cycles and idled 342 after each pass)."""
+def _loads_ahead(program: Program, arch: Arch, step: list[int], targets: dict,
+                 staying: set[int] = frozenset()) -> list[int]:
+    """``step`` with each load but those ``staying`` put ahead of the instructions before it that it
+    shares nothing with (by the bounds of their windows), up to the load before it, a wait its
+    Legion's DMA queue issues or an instruction its condition names (``targets``, overlap's
+    ``_targets``). The DMA queue runs in order: a drain's stores wait for their pass and drain,
+    and the loads of the passes after the next, queued behind them, started a DRAM round trip too
+    late (2B4T layer at sequence 128 on dlegion-8x8: attention's last P.V passed for 160 cycles
+    and idled 342 after each pass)."""
     out = []
     for k in step:
         at = len(out)
-        if isinstance(program.instrs[k], DmaLoad):
+        if isinstance(program.instrs[k], DmaLoad) and k not in staying:
             named = {t[2] for t in (targets.get((k, legion)) for legion in range(arch.legions)) if t}
-            while at and out[at - 1] not in named and _passable(program, out[at - 1], k):
+            mine = _spans(program, [k])
+            while at and out[at - 1] not in named and _passable(program, out[at - 1], k, mine):
                 at -= 1
         out.insert(at, k)
     return out
 
 
-def _passable(program: Program, j: int, k: int) -> bool:
+def _passable(program: Program, j: int, k: int, mine: dict) -> bool:
     """Whether the load ``k`` may go ahead of ``j``: neither a load (loads keep their order) nor
     a wait its Legion's DMA queue issues (a wait issued for a span of Legions may be passed: 2B4T
     layer at 128 on dlegion-8x8, 211,225 -> 211,093 cycles; any wait, 211,087, but at 512 789,914
-    -> 790,106), and touching nothing ``k`` touches, one of them writing."""
+    -> 790,106), and touching nothing ``k`` touches (``mine``: its ``_spans``), one of them
+    writing."""
     i, load = program.instrs[j], program.instrs[k]
     if isinstance(i, DmaLoad):
         return False
     if isinstance(i, Wait) and i.queue() == DmaLoad.QUEUE and i.legion == load.legion:
         return False
-    return _apart(program, [j], [k])
+    return _apart(program, [j], [k], mine)
 
 
 def _first_passes_end(program: Program, step: list[int]) -> int | None:
@@ -699,13 +703,10 @@ def _even(a: list[int], b: list[int]) -> list[int]:
     return out + b[j:]
 
 
-def _apart(program: Program, a: list[int], b: list[int]) -> bool:
+def _apart(program: Program, a: list[int], b: list[int], sb: dict | None = None) -> bool:
     """Whether no element is touched by an instruction of ``a`` and one of ``b``, one of them
-    writing (by the bounds of their windows)."""
-    def spans_of(ks):
-        return {space: [(win[0], win[1], write) for win, write in found]
-                for space, found in accesses(program, ks).items()}
-    sa, sb = spans_of(a), spans_of(b)
+    writing (by the bounds of their windows); ``sb``: ``b``'s ``_spans``, if known."""
+    sa, sb = _spans(program, a), _spans(program, b) if sb is None else sb
     for space in sa.keys() & sb.keys():
         # Sorted unions of b's windows and of its written ones: each window of a is then
         # checked in log time, not against every window of b.
@@ -715,6 +716,12 @@ def _apart(program: Program, a: list[int], b: list[int]) -> bool:
             if _meets(touched if write else written, lo, hi):
                 return False
     return True
+
+
+def _spans(program: Program, ks: list[int]) -> dict:
+    """Space -> [(first, end, write)] of every access the instructions ``ks`` make."""
+    return {space: [(win[0], win[1], write) for win, write in found]
+            for space, found in accesses(program, ks).items()}
 
 
 def _union(windows: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
