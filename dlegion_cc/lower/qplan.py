@@ -872,8 +872,14 @@ def multicaster(p: Problem, legions: list[int]) -> int:
     whose columns are dealt in order the last, whose arrays the triangle leaves the fewest
     passes, so its queue holds the other Legions' passes back the least (2B4T layer on
     dlegion-8x8: at 512 799,561 -> 798,572 cycles, at 128 217,933 -> 217,880; int8x2, whose
-    columns are dealt interleaved, at 512 and 256 unchanged, at 128 245,105 -> 245,155)."""
-    return legions[-1 if p.n_reach is not None and p.n_origin is None else 0]
+    columns are dealt interleaved, at 512 and 256 unchanged, at 128 245,105 -> 245,155). For a
+    causal P.V (``k_reach``) the last too: by head groups it runs beside the next group's QK^T,
+    and from the first Legion, the one with the most QK^T passes, its multicasts took that
+    Legion's DMA queue half as long again as the others' (2B4T layer: at 512 774,784 -> 769,701,
+    at 256 378,660 -> 378,491, at 128 unchanged; int8x2 at 512 and 128 unchanged, at 256 436,928
+    -> 436,892)."""
+    causal = (p.n_reach is not None and p.n_origin is None) or p.k_reach is not None
+    return legions[-1 if causal else 0]
 
 
 class _Model:
