@@ -12,8 +12,8 @@ whole work of ``dlegion-run`` after parsing (``runtime.emulator.run``: verificat
 functional emulation, timing model, race check, scratch tensors freed after their last use),
 onnxruntime's is ``InferenceSession.run`` with ``intra_op_num_threads=1``, on the same
 inputs. Both processes get one BLAS/OpenMP thread: the thread-count variables are set in their
-environment before numpy is imported, and threadpoolctl (when installed) limits the BLAS
-pools as well. Wall time is the median of ``--repeats`` runs; CPU time (user + system of the
+environment before numpy is imported, and threadpoolctl limits the BLAS pools as well (the
+emulator's own run holds them to one thread: ``runtime.emulator.one_blas_thread``). Wall time is the median of ``--repeats`` runs; CPU time (user + system of the
 process over those runs, per run) is printed beside it, since a busy machine stretches wall
 time and not CPU time. The two sides alternate for ``--rounds`` rounds (emulator, onnxruntime,
 emulator, ...), so that a machine whose speed drifts during the bench slows both alike; a
@@ -43,14 +43,6 @@ ONE_THREAD = {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", 
 
 # --- the measured side, in a process of its own ----------------------------------------------
 
-def _one_blas_thread():
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        return None                  # the environment variables alone hold the pools to one thread
-    return threadpool_limits(1)
-
-
 def _times(work, repeats: int) -> dict:
     walls = []
     cpu0 = os.times()
@@ -68,11 +60,9 @@ def measure_emulator(program_path: str, repeats: int) -> dict:
     from runtime.emulator import random_inputs, run
     program = load(program_path)
     arch, inputs = arch_of(program), random_inputs(program, 0)
-    limits = _one_blas_thread()
     cycles = []
     out = _times(lambda: cycles.append(run(program, arch, inputs, races=True, keep=False).timeline.cycles),
                  repeats)
-    del limits
     out["cycles"] = cycles[0]     # printed, so that a change to the emulator shows it keeps them
     return out
 
@@ -80,14 +70,12 @@ def measure_emulator(program_path: str, repeats: int) -> dict:
 def measure_onnxruntime(model_path: str, program_path: str, repeats: int) -> dict:
     from isa.asm import load
     from runtime.check import session
-    from runtime.emulator import random_inputs
+    from runtime.emulator import one_blas_thread, random_inputs
     inputs = random_inputs(load(program_path, read_data=False), 0)    # the emulator's inputs
-    limits = _one_blas_thread()
     sess = session(model_path, threads=1)
     feeds = {i.name: inputs[i.name] for i in sess.get_inputs()}
-    out = _times(lambda: sess.run(None, feeds), repeats)
-    del limits
-    return out
+    with one_blas_thread():
+        return _times(lambda: sess.run(None, feeds), repeats)
 
 
 def _child(args) -> None:

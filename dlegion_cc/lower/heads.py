@@ -257,8 +257,8 @@ def lower_attention(low: Lowering, found: dict, groups: list[range], lower_node,
             steps.insert(0, (("ahead",), [k - start for k in range(*spans["ahead", 0])
                                           if not isinstance(program.instrs[k - start], Barrier)]))
         targets = _targets(program, arch)
-        rows = {k - start for g in range(len(groups)) for k in range(*spans["softmax", g])}
-        steps = [(label, _loads_ahead(program, arch, ks, targets, _staying(program, arch, ks, rows)))
+        softmax = {k - start for g in range(len(groups)) for k in range(*spans["softmax", g])}
+        steps = [(label, _loads_ahead(program, arch, ks, targets, _staying(program, arch, ks, softmax)))
                  for label, ks in steps]
         out, starts = _Rewrite(program, arch, order=[k for _, ks in steps for k in ks]).run()
         return out, (steps, starts)
@@ -359,14 +359,14 @@ def _timed(program: Program, arch, mats: list[int], rows: list[int]) -> list[int
     return [k for *_, k in keyed]
 
 
-def _staying(program: Program, arch, ks: list[int], rows: set[int]) -> set[int]:
-    """The loads of the step ``ks`` that keep their place: the softmax's (among ``rows``) unless
+def _staying(program: Program, arch, ks: list[int], softmax: set[int]) -> set[int]:
+    """The loads of the step ``ks`` that keep their place: the softmax's (among ``softmax``) unless
     the arrays bound the step (``ARRAYS_BOUND``). The products' loads go ahead of the softmax's
     stores in every step: queued behind them, they waited for the softmax's vector work, and the
     arrays idled (2B4T layer on dlegion-8x8: at 512 776,769 -> 774,784 cycles, at 256 378,774 ->
     378,660, at 128 209,666 -> 209,141, int8x2 at 512 926,959 -> 926,803; past the softmax's
     loads too, at 512 774,098 but at 256 379,133)."""
-    return set() if _arrays_bound(program, arch, ks) else rows
+    return set() if _arrays_bound(program, arch, ks) else softmax
 
 
 def _arrays_bound(program: Program, arch, ks: list[int]) -> bool:
