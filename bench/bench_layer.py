@@ -28,8 +28,11 @@ matmuls) cut to one element each: what hiding the quantizations entirely would l
 ``--kernels``: each region of the layer (a matmul node, a fused row kernel, a copy) with its
 cycles (first start to last completion), its busiest Legion's vector queue, its vector roofline
 (lane operations over every lane of every Legion; a transcendental counts its cycles), its DRAM
-bytes and their roofline at the DRAM rate, and its array MACs at the peak of their mode: where a region
-runs far above the largest of its rooflines, its queues wait on each other.
+bytes and their roofline at the DRAM rate, its array MACs at the peak of their mode and its busiest
+Legion's passes (``mat max``: the MAC roofline with each pass's fill and drain, and the Legions' uneven
+shares): where a region runs far above the largest of its rooflines, its queues wait on each other.
+The layer's line gives the same for the whole layer: its busiest Legion's passes against the bound,
+and the cycles left, in which those arrays idle.
 """
 from __future__ import annotations
 
@@ -236,8 +239,11 @@ def main(seq: int | None, arch_name: str, prefetch: bool, attention: str, overla
     layer = _layer_cycles(timeline)
     other_layers = {other: _layer_cycles(simulate(p, machine)) for other, p in other_programs.items()}
     flipped = _layer_cycles(simulate(barriers, machine))
+    arrays = _layer_arrays_busy(timeline)
     print(f"  the layer alone (without the embedding and the fp32 lm head): {layer:,} cycles, {layer / limit:.2f}x its "
-          f"bound of {limit:,.0f} (matmuls {matmul:,.0f}, DRAM {dram:,.0f}; target <= 1.25x); "
+          f"bound of {limit:,.0f} (matmuls {matmul:,.0f}, DRAM {dram:,.0f}; target <= 1.25x), the busiest Legion's "
+          f"arrays busy {arrays:,} ({arrays / limit:.2f}x by themselves: each pass's fill and drain, attention's diagonal "
+          f"blocks, Legions loaded unevenly) and idle {layer - arrays:,}; "
           + "; ".join(f"attention {other} (ablation): {c:,} cycles, {c / limit:.2f}x" for other, c in other_layers.items())
           + f"; {'no ' if overlap else 'with '}overlap: {flipped:,} cycles, {flipped / limit:.2f}x")
     if kernels:
@@ -253,21 +259,32 @@ def _print_kernels(timeline, machine) -> None:
     tasks, env = timeline.program.instrs, Env(tuple(timeline.program.tensors), _masks(timeline.program))
     lanes, peak = machine.vector_lanes * machine.legions, machine.derived.macs_per_cycle
     print(f"  {'region':<58} {'cycles':>9} {'vec max':>9} {'vec roof':>9} {'DRAM MB':>8} {'DRAM roof':>9} "
-          f"{'MAC roof':>9}")
+          f"{'MAC roof':>9} {'mat max':>9}")
     for name, members in _layer_regions(timeline):
         start, done = _span(timeline, members)
         legion, queue = tasks.legion[members], np.array(tasks.names)[tasks.queue[members]]
-        busy = (timeline.free[members] - timeline.start[members]) * (queue == "vec")
-        per_legion = np.bincount(legion[legion >= 0], busy[legion >= 0], minlength=machine.legions)
+        busy = timeline.free[members] - timeline.start[members]
+        most = {q: int(np.bincount(legion[legion >= 0], (busy * (queue == q))[legion >= 0],
+                                   minlength=machine.legions).max()) for q in ("vec", "mat")}
         sums, mac_cycles = Counter(), 0.0
         for k in members:
             c = cost(tasks[k], machine, env)
             sums.update(c.counters)
             mac_cycles += c.counters["macs"] / peak[c.detail["mode"]] if c.detail else 0.0
         nbytes = sums["dram_read_bytes"] + sums["dram_write_bytes"]
-        print(f"  {name[:58]:<58} {int(done - start):>9,} {int(per_legion.max()):>9,} "
+        print(f"  {name[:58]:<58} {int(done - start):>9,} {most['vec']:>9,} "
               f"{sums['vector_ops'] / lanes:>9,.0f} {nbytes / 1e6:>8.2f} "
-              f"{nbytes / machine.derived.dram_bytes_per_cycle:>9,.0f} {mac_cycles:>9,.0f}")
+              f"{nbytes / machine.derived.dram_bytes_per_cycle:>9,.0f} {mac_cycles:>9,.0f} {most['mat']:>9,}")
+
+
+def _layer_arrays_busy(timeline) -> int:
+    """The cycles the busiest Legion's arrays pass in the layer's regions (``_layer_regions``)."""
+    tasks = timeline.program.instrs
+    members = np.concatenate([np.asarray(m) for _, m in _layer_regions(timeline)])
+    passes = members[np.array(tasks.names)[tasks.queue[members]] == "mat"]
+    busy = timeline.free[passes] - timeline.start[passes]
+    legion = tasks.legion[passes]
+    return int(np.bincount(legion[legion >= 0], busy[legion >= 0]).max(initial=0))
 
 
 def _layer_regions(timeline) -> list:
