@@ -262,10 +262,7 @@ def _print_kernels(timeline, machine) -> None:
           f"{'MAC roof':>9} {'mat max':>9}")
     for name, members in _layer_regions(timeline):
         start, done = _span(timeline, members)
-        legion, queue = tasks.legion[members], np.array(tasks.names)[tasks.queue[members]]
-        busy = timeline.free[members] - timeline.start[members]
-        most = {q: int(np.bincount(legion[legion >= 0], (busy * (queue == q))[legion >= 0],
-                                   minlength=machine.legions).max()) for q in ("vec", "mat")}
+        most = {q: _busiest(timeline, members, q) for q in ("vec", "mat")}
         sums, mac_cycles = Counter(), 0.0
         for k in members:
             c = cost(tasks[k], machine, env)
@@ -279,12 +276,15 @@ def _print_kernels(timeline, machine) -> None:
 
 def _layer_arrays_busy(timeline) -> int:
     """The cycles the busiest Legion's arrays pass in the layer's regions (``_layer_regions``)."""
+    return _busiest(timeline, np.concatenate([np.asarray(m) for _, m in _layer_regions(timeline)]), "mat")
+
+
+def _busiest(timeline, members, queue: str) -> int:
+    """The busiest Legion's cycles on ``queue`` among the tasks ``members``."""
     tasks = timeline.program.instrs
-    members = np.concatenate([np.asarray(m) for _, m in _layer_regions(timeline)])
-    passes = members[np.array(tasks.names)[tasks.queue[members]] == "mat"]
-    busy = timeline.free[passes] - timeline.start[passes]
-    legion = tasks.legion[passes]
-    return int(np.bincount(legion[legion >= 0], busy[legion >= 0]).max(initial=0))
+    members = np.asarray(members)
+    mine = members[(np.array(tasks.names)[tasks.queue[members]] == queue) & (tasks.legion[members] >= 0)]
+    return int(np.bincount(tasks.legion[mine], timeline.free[mine] - timeline.start[mine]).max(initial=0))
 
 
 def _layer_regions(timeline) -> list:
