@@ -487,14 +487,20 @@ def float64_outputs(path: str | Path, inputs: dict[str, np.ndarray], threads: in
 
 
 def approximated_float32_outputs(path: str | Path, inputs: dict[str, np.ndarray], int8_attention: Collection[str],
-                                 pieces: int) -> dict[str, np.ndarray]:
+                                 pieces: int, exact_products: bool = False) -> dict[str, np.ndarray]:
     """The graph as the compiler computes it (``float64_model`` with ``approximations``) run in
     float32: its float64 tensors, types and casts made float32. Its distance from the float64
     run is fp32's own spread on that graph, where rounding in fp32 moves the int8 pieces'
-    roundings (a second piece's steps are LOW_STEPS times finer than the first's)."""
+    roundings (a second piece's steps are LOW_STEPS times finer than the first's). Given
+    ``exact_products``, each product of int8 pieces multiplies their codes and then scales the
+    sums, as the program does (``_products_of_codes``): its sums are then exact, as the
+    program's int32 accumulation is, where the dequantized pieces' fp32 sums round (``--check``
+    takes those: its floor's cases were measured with them, tests/test_check_floor.py)."""
     import onnxruntime as ort
     from onnx import numpy_helper
     model = float64_model(path, True, int8_attention, {k: v.shape for k, v in inputs.items()}, pieces)
+    if exact_products:
+        _products_of_codes(model)
     g = model.graph
 
     def narrow(t):
@@ -517,6 +523,36 @@ def approximated_float32_outputs(path: str | Path, inputs: dict[str, np.ndarray]
     sess = _session(model, opts)
     names = [o.name for o in sess.get_outputs()]
     return dict(zip(names, sess.run(names, inputs)))
+
+
+def _products_of_codes(model) -> None:
+    """Each MatMul of two int8 pieces dequantized (``_dequantized``'s ``q * r``, a row scale
+    on the left and a column scale on the right) made the MatMul of their codes, times the
+    left scale, times the right one: the drain's order (runtime/semantics.py). Integer codes'
+    sums are exact in float32 below 2**24 (127 * 127 * 512 at sequence 512), so run in float32
+    the products round only where the program's do."""
+    from onnx import helper
+    made = {o: n for n in model.graph.node for o in n.output}
+
+    def codes(name: str):
+        mul = made.get(name)
+        if mul is None or mul.op_type != "Mul" or len(mul.input) != 2:
+            return None
+        q, r = (made.get(x) for x in mul.input)
+        return tuple(mul.input) if q is not None and r is not None and q.op_type == r.op_type == "Cast" else None
+
+    nodes = []
+    for n in model.graph.node:
+        a, b = (codes(x) for x in n.input) if n.op_type == "MatMul" and len(n.input) == 2 else (None, None)
+        if a is None or b is None:
+            nodes.append(n)
+            continue
+        y = n.output[0]
+        nodes += [helper.make_node("MatMul", [a[0], b[0]], [f"{y}/codes"]),
+                  helper.make_node("Mul", [f"{y}/codes", a[1]], [f"{y}/row_scaled"]),
+                  helper.make_node("Mul", [f"{y}/row_scaled", b[1]], [y])]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
 
 
 def _evaluated(model, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

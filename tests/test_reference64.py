@@ -137,3 +137,36 @@ def test_an_operator_onnxruntime_has_no_double_kernel_for_is_evaluated_by_the_re
     got = float64_outputs(tmp_path / "erf.onnx", {"x": values})["y"]
     assert got.dtype == np.float64
     np.testing.assert_allclose(got, [[math.erf(float(v)) for v in row] for row in values], rtol=1e-15)
+
+
+def test_products_of_codes_sum_the_codes_exactly_then_scale_as_the_drain_does():
+    """A product of two dequantized int8 operands (``q * r``: a row scale on the left, a column
+    scale on the right) becomes the product of their codes, times the row scale, times the
+    column scale: in float32 its sums are then exact, as the program's int32 accumulation, where
+    the dequantized operands' float32 sums round."""
+    import onnx
+    from onnx import TensorProto, helper
+    from runtime.reference64 import _products_of_codes
+    rng = np.random.default_rng(0)
+    M, K, N = 4, 512, 8
+    qa, qb = (rng.integers(-127, 128, size=s).astype(np.float32) for s in ((M, K), (K, N)))
+    ra = rng.uniform(1e-3, 1e-2, (M, 1)).astype(np.float32)
+    rb = rng.uniform(1e-3, 1e-2, (1, N)).astype(np.float32)
+    f = TensorProto.FLOAT
+    nodes = []
+    for side in ("a", "b"):
+        nodes += [helper.make_node("Cast", [f"q{side}"], [f"q{side}64"], to=f),
+                  helper.make_node("Cast", [f"r{side}"], [f"r{side}64"], to=f),
+                  helper.make_node("Mul", [f"q{side}64", f"r{side}64"], [side])]
+    nodes.append(helper.make_node("MatMul", ["a", "b"], ["y"]))
+    inputs = {"qa": qa, "ra": ra, "qb": qb, "rb": rb}
+    graph = helper.make_graph(nodes, "product", [helper.make_tensor_value_info(k, f, v.shape) for k, v in inputs.items()],
+                              [helper.make_tensor_value_info("y", f, (M, N))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    _products_of_codes(model)
+    assert [n.op_type for n in model.graph.node][-3:] == ["MatMul", "Mul", "Mul"]
+    onnx.checker.check_model(model)
+    import onnxruntime as ort
+    [y] = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(["y"], inputs)
+    exact = qa.astype(np.int64) @ qb.astype(np.int64)
+    assert np.array_equal(y, (exact.astype(np.float32) * ra) * rb)
