@@ -239,11 +239,13 @@ def main(seq: int | None, arch_name: str, prefetch: bool, attention: str, overla
     layer = _layer_cycles(timeline)
     other_layers = {other: _layer_cycles(simulate(p, machine)) for other, p in other_programs.items()}
     flipped = _layer_cycles(simulate(barriers, machine))
-    arrays = _layer_arrays_busy(timeline)
+    arrays, streamed = _layer_arrays_busy(timeline, machine)
     print(f"  the layer alone (without the embedding and the fp32 lm head): {layer:,} cycles, {layer / limit:.2f}x its "
           f"bound of {limit:,.0f} (matmuls {matmul:,.0f}, DRAM {dram:,.0f}; target <= 1.25x), the busiest Legion's "
-          f"arrays busy {arrays:,} ({arrays / limit:.2f}x by themselves: each pass's fill and drain, attention's diagonal "
-          f"blocks, Legions loaded unevenly) and idle {layer - arrays:,}; "
+          f"arrays busy {arrays:,} ({arrays / limit:.2f}x by themselves: rows streaming through its passes {streamed:,}, "
+          f"{streamed - matmul:+,.0f} on the matmuls' bound for attention's whole diagonal blocks, windows left part "
+          f"empty and Legions loaded unevenly, and the passes' fill and drain {arrays - streamed:,}) and idle "
+          f"{layer - arrays:,}; "
           + "; ".join(f"attention {other} (ablation): {c:,} cycles, {c / limit:.2f}x" for other, c in other_layers.items())
           + f"; {'no ' if overlap else 'with '}overlap: {flipped:,} cycles, {flipped / limit:.2f}x")
     if kernels:
@@ -274,17 +276,31 @@ def _print_kernels(timeline, machine) -> None:
               f"{nbytes / machine.derived.dram_bytes_per_cycle:>9,.0f} {mac_cycles:>9,.0f} {most['mat']:>9,}")
 
 
-def _layer_arrays_busy(timeline) -> int:
-    """The cycles the busiest Legion's arrays pass in the layer's regions (``_layer_regions``)."""
-    return _busiest(timeline, np.concatenate([np.asarray(m) for _, m in _layer_regions(timeline)]), "mat")
+def _layer_arrays_busy(timeline, machine) -> tuple[int, int]:
+    """The busiest Legion's arrays in the layer: cycles busy, and of those the cycles its passes
+    stream rows (each pass's M; the rest is the passes' fill and drain)."""
+    members = np.concatenate([np.asarray(m) for _, m in _layer_regions(timeline)])
+    busy, legion = _busiest(timeline, members, "mat", which=True)
+    tasks, program = timeline.program.instrs, timeline.program
+    env = Env(tuple(program.tensors), _masks(program))
+    mine = members[(tasks.legion[members] == legion) & (np.array(tasks.names)[tasks.queue[members]] == "mat")]
+    streamed = 0
+    for k in mine.tolist():
+        i = tasks.source[tasks.origin[k]]
+        if isinstance(i, MatMul):
+            streamed += cost(i, machine, env).detail["passes_max"] * i.M
+    return busy, streamed
 
 
-def _busiest(timeline, members, queue: str) -> int:
-    """The busiest Legion's cycles on ``queue`` among the tasks ``members``."""
+def _busiest(timeline, members, queue: str, which: bool = False):
+    """The busiest Legion's cycles on ``queue`` among the tasks ``members`` (with ``which``,
+    and that Legion)."""
     tasks = timeline.program.instrs
     members = np.asarray(members)
     mine = members[(np.array(tasks.names)[tasks.queue[members]] == queue) & (tasks.legion[members] >= 0)]
-    return int(np.bincount(tasks.legion[mine], timeline.free[mine] - timeline.start[mine]).max(initial=0))
+    per = np.bincount(tasks.legion[mine], timeline.free[mine] - timeline.start[mine])
+    most = int(per.max(initial=0))
+    return (most, int(per.argmax()) if len(per) else 0) if which else most
 
 
 def _layer_regions(timeline) -> list:
