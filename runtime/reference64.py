@@ -386,7 +386,7 @@ def _tensor(name: str, value: np.ndarray):
 def _shapes(model, input_shapes: dict[str, tuple]) -> dict[str, tuple]:
     """Each value's dimensions as shape inference gives them with the graph inputs' bound to
     ``input_shapes``, as the compiler binds them (a symbolic one left by its name)."""
-    graph = _inferred(_bound(model, input_shapes))
+    graph = _inferred(_bound(_light(model), input_shapes))
     # An unknown dimension is None, not 0: a bound empty cache (past 0) is a known 0.
     dim = lambda d: d.dim_param if d.HasField("dim_param") else d.dim_value if d.HasField("dim_value") else None  # noqa: E731
     dims = lambda vi: tuple(dim(d) for d in vi.type.tensor_type.shape.dim)  # noqa: E731
@@ -410,9 +410,54 @@ def _opset(model) -> int:
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
 
 
-def _inferred(model):
-    """``model``'s graph with the types and shapes of its intermediates inferred."""
+# Initializers up to this many bytes keep their elements in the copies shape inference and the
+# session are given (shapes, axes, scalars: what inference propagates); larger ones are shown as
+# graph inputs, or handed to the session as arrays.
+KEPT_BYTES = 1 << 16
+
+
+def _large(t) -> bool:
+    from onnx import helper
+    size = helper.tensor_dtype_to_np_dtype(t.data_type).itemsize if t.data_type else 0
+    return int(np.prod(t.dims, dtype=np.int64)) * size > KEPT_BYTES
+
+
+def _skeleton(model, large):
+    """A copy of ``model`` without its ``large`` initializers (a list of them): the rest of the
+    graph, its functions and opsets. Copying the weights, or serializing them (shape inference
+    and a session from bytes both do), took 26 s of a 4-layer 2B4T yardstick's 41."""
     import onnx
+    names = {t.name for t in large}
+    light = onnx.ModelProto()
+    for field in ("ir_version", "producer_name", "producer_version", "domain", "model_version", "doc_string"):
+        setattr(light, field, getattr(model, field))
+    light.opset_import.extend(model.opset_import)
+    light.functions.extend(model.functions)
+    g, src = light.graph, model.graph
+    g.name = src.name
+    for field in ("node", "input", "output", "value_info"):
+        getattr(g, field).extend(getattr(src, field))
+    g.initializer.extend(t for t in src.initializer if t.name not in names)
+    return light
+
+
+def _light(model):
+    """``model`` for shape inference: a copy whose large initializers are graph inputs of their
+    type and shape (``model`` itself when it has none)."""
+    from onnx import helper
+    large = [t for t in model.graph.initializer if _large(t)]
+    if not large:
+        return model
+    light = _skeleton(model, large)
+    light.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in large)
+    return light
+
+
+def _inferred(model):
+    """``model``'s graph with the types and shapes of its intermediates inferred (from
+    ``_light(model)``)."""
+    import onnx
+    model = _light(model)
     if any(n.domain not in ("", "ai.onnx") for n in model.graph.node):
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
         # Its handlers know ReduceSum's axes input (opset 18) but not ReduceMax's, whose output
@@ -576,15 +621,31 @@ def _erf64():
 
 
 def _session(model, opts):
-    """A session of ``model``, through a file with external data: a float64 copy of a few
-    layers already passes protobuf's 2 GiB."""
-    import tempfile
-    import onnx
+    """A session of ``model`` made in memory: its large initializers handed to onnxruntime as
+    arrays (``add_external_initializers``), the rest of the model as bytes (a float64 copy of a
+    few layers passes protobuf's 2 GiB, and a file of it took seconds to write and read back).
+    The session keeps the arrays alive."""
     import onnxruntime as ort
-    with tempfile.TemporaryDirectory() as tmp:
-        path = f"{tmp}/model.onnx"
-        onnx.save_model(model, path, save_as_external_data=True, location="model.onnx.data")
-        return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+    from onnx import TensorProto, numpy_helper
+    large = [t for t in model.graph.initializer if _large(t)]
+    light = _skeleton(model, large)
+    # onnxruntime drops an initializer nothing reads, and then cannot take its array
+    from dlegion_cc.importer import node_reads
+    read = set().union(*(node_reads(n) for n in model.graph.node)) | {o.name for o in model.graph.output}
+    large = [t for t in large if t.name in read]
+    arrays = [np.ascontiguousarray(numpy_helper.to_array(t)) for t in large]
+    for t in large:
+        stub = TensorProto(name=t.name, data_type=t.data_type, dims=t.dims, data_location=TensorProto.EXTERNAL)
+        for key, value in (("location", "in-memory"), ("offset", "0"), ("length", "0")):
+            entry = stub.external_data.add()
+            entry.key, entry.value = key, value
+        light.graph.initializer.append(stub)
+    values = [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays]
+    if large:
+        opts.add_external_initializers([t.name for t in large], values)
+    sess = ort.InferenceSession(light.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    sess.kept_initializers = (arrays, values)
+    return sess
 
 
 def parameter_bytes(path: str | Path) -> int:
