@@ -435,7 +435,7 @@ def _skeleton(model, large):
     light.functions.extend(model.functions)
     g, src = light.graph, model.graph
     g.name = src.name
-    for field in ("node", "input", "output", "value_info"):
+    for field in ("node", "input", "output", "value_info", "sparse_initializer"):
         getattr(g, field).extend(getattr(src, field))
     g.initializer.extend(t for t in src.initializer if t.name not in names)
     return light
