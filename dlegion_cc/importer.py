@@ -385,7 +385,7 @@ def _drop_unused(model: onnx.ModelProto) -> None:
     for node in reversed(g.node):
         if any(o in live for o in node.output):
             kept.append(node)
-            live |= node_reads(node)
+            live |= _reads(node)
     if len(kept) < len(g.node):
         kept.reverse()
         del g.node[:]
@@ -403,13 +403,13 @@ def _check_domains(model: onnx.ModelProto, source: str) -> None:
         raise UnsupportedNodes(source, problems)
 
 
-def node_reads(node: onnx.NodeProto) -> set[str]:
+def _reads(node: onnx.NodeProto) -> set[str]:
     """The values ``node`` reads, those its subgraphs (If, Loop, Scan) read included."""
     names = set(node.input)
     for a in node.attribute:
         for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
             for n in sub.node:
-                names |= node_reads(n)
+                names |= _reads(n)
     return names
 
 
