@@ -280,27 +280,31 @@ def _layer_arrays_busy(timeline, machine) -> tuple[int, int]:
     """The busiest Legion's arrays in the layer: cycles busy, and of those the cycles its passes
     stream rows (each pass's M; the rest is the passes' fill and drain)."""
     members = np.concatenate([np.asarray(m) for _, m in _layer_regions(timeline)])
-    busy, legion = _busiest(timeline, members, "mat", which=True)
+    mat = _on_queue(timeline, members, "mat")
+    per = _per_legion(timeline, mat)
+    legion = int(per.argmax())
     tasks, program = timeline.program.instrs, timeline.program
     env = Env(tuple(program.tensors), _masks(program))
-    mine = members[(tasks.legion[members] == legion) & (np.array(tasks.names)[tasks.queue[members]] == "mat")]
-    streamed = 0
-    for k in mine.tolist():
-        i = tasks.source[tasks.origin[k]]
-        if isinstance(i, MatMul):
-            streamed += cost(i, machine, env).detail["passes_max"] * i.M
-    return busy, streamed
+    passes = (tasks.source[tasks.origin[k]] for k in mat[tasks.legion[mat] == legion].tolist())
+    streamed = sum(cost(i, machine, env).detail["passes_max"] * i.M for i in passes if isinstance(i, MatMul))
+    return int(per[legion]), streamed
 
 
-def _busiest(timeline, members, queue: str, which: bool = False):
-    """The busiest Legion's cycles on ``queue`` among the tasks ``members`` (with ``which``,
-    and that Legion)."""
-    tasks = timeline.program.instrs
-    members = np.asarray(members)
-    mine = members[(np.array(tasks.names)[tasks.queue[members]] == queue) & (tasks.legion[members] >= 0)]
-    per = np.bincount(tasks.legion[mine], timeline.free[mine] - timeline.start[mine])
-    most = int(per.max(initial=0))
-    return (most, int(per.argmax()) if len(per) else 0) if which else most
+def _busiest(timeline, members, queue: str) -> int:
+    """The busiest Legion's cycles on ``queue`` among the tasks ``members``."""
+    return int(_per_legion(timeline, _on_queue(timeline, members, queue)).max(initial=0))
+
+
+def _on_queue(timeline, members, queue: str) -> np.ndarray:
+    """The tasks among ``members`` on a Legion's ``queue``."""
+    tasks, members = timeline.program.instrs, np.asarray(members)
+    return members[(np.array(tasks.names)[tasks.queue[members]] == queue) & (tasks.legion[members] >= 0)]
+
+
+def _per_legion(timeline, tasks_on_queue: np.ndarray) -> np.ndarray:
+    """Each Legion's cycles busy with ``tasks_on_queue``."""
+    legion = timeline.program.instrs.legion[tasks_on_queue]
+    return np.bincount(legion, timeline.free[tasks_on_queue] - timeline.start[tasks_on_queue])
 
 
 def _layer_regions(timeline) -> list:

@@ -410,22 +410,29 @@ def _opset(model) -> int:
     return next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
 
 
-# Initializers up to this many bytes keep their elements in the copies shape inference and the
-# session are given (shapes, axes, scalars: what inference propagates); larger ones are shown as
-# graph inputs, or handed to the session as arrays.
+# Initializers up to this many bytes keep their elements in the copy shape inference is given
+# (shapes, axes, scalars: what inference propagates); larger ones are shown to it as graph inputs.
 KEPT_BYTES = 1 << 16
 
 
-def _large(t) -> bool:
+def _tensor_bytes(t) -> int:
+    """Bytes of initializer ``t``'s elements, from its type and dims (its data not read)."""
     from onnx import helper
     size = helper.tensor_dtype_to_np_dtype(t.data_type).itemsize if t.data_type else 0
-    return int(np.prod(t.dims, dtype=np.int64)) * size > KEPT_BYTES
+    return int(np.prod(t.dims, dtype=np.int64)) * size
 
 
-def _skeleton(model, large):
-    """A copy of ``model`` without its ``large`` initializers (a list of them): the rest of the
-    graph, its functions and opsets."""
+def _light(model):
+    """``model`` for shape inference: a copy whose initializers over KEPT_BYTES are graph inputs
+    of their type and shape, the rest of the graph, its functions and opsets as they are
+    (``model`` itself when it has none). onnx's inference serializes the model it is given,
+    weights and all: on 4 2B4T layers at 256 each float64 evaluation took 24-28 s with it and
+    12-16 s with this copy, the same outputs bit for bit."""
     import onnx
+    from onnx import helper
+    large = [t for t in model.graph.initializer if _tensor_bytes(t) > KEPT_BYTES]
+    if not large:
+        return model
     names = {t.name for t in large}
     light = onnx.ModelProto()
     for field in ("ir_version", "producer_name", "producer_version", "domain", "model_version", "doc_string"):
@@ -437,20 +444,7 @@ def _skeleton(model, large):
     for field in ("node", "input", "output", "value_info", "sparse_initializer"):
         getattr(g, field).extend(getattr(src, field))
     g.initializer.extend(t for t in src.initializer if t.name not in names)
-    return light
-
-
-def _light(model):
-    """``model`` for shape inference: a copy whose large initializers are graph inputs of their
-    type and shape (``model`` itself when it has none). onnx's inference serializes the model it
-    is given, weights and all: on 4 2B4T layers at 256 each float64 evaluation took 24-28 s with
-    it and 12-16 s with this copy, the same outputs bit for bit."""
-    from onnx import helper
-    large = [t for t in model.graph.initializer if _large(t)]
-    if not large:
-        return model
-    light = _skeleton(model, large)
-    light.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in large)
+    g.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in large)
     return light
 
 
@@ -636,13 +630,8 @@ def _session(model, opts):
 def parameter_bytes(path: str | Path) -> int:
     """Bytes of the model's initializers as stored (external data counted, not read)."""
     import onnx
-    from onnx import helper
     m = onnx.load(str(path), load_external_data=False)
-    total = 0
-    for t in m.graph.initializer:
-        size = helper.tensor_dtype_to_np_dtype(t.data_type).itemsize if t.data_type else 0
-        total += int(np.prod(t.dims, dtype=np.int64)) * size
-    return total
+    return sum(_tensor_bytes(t) for t in m.graph.initializer)
 
 
 def rel_l2(x: np.ndarray, ref: np.ndarray) -> float:
