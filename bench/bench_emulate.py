@@ -159,8 +159,8 @@ def _print_table(rows) -> None:
         cpu = statistics.median(emu["cpu_s"] / ort["cpu_s"] for emu, ort in rounds)
         emu_mb, ort_mb = max(r[0]["rss_mb"] for r in rounds), _median(rounds, "rss_mb", 1)
         print(f"{name:<9} {layers:>6} {seq:>4} | {_median(rounds, 'wall_s'):>9.2f} {_median(rounds, 'wall_s', 1):>7.3f} "
-              f"{statistics.median(walls):>6.1f} {f'{walls[0]:.1f}-{walls[-1]:.1f}':>9} {'<= ' + str(TIME_TARGET):>6} "
-              f"{cpu:>9.1f} | {emu_mb:>7.0f} {ort_mb:>7.0f} {emu_mb / ort_mb:>6.2f} {'<= ' + str(RSS_TARGET):>6}")
+              f"{statistics.median(walls):>6.2f} {f'{walls[0]:.2f}-{walls[-1]:.2f}':>9} {'<= ' + str(TIME_TARGET):>6} "
+              f"{cpu:>9.2f} | {emu_mb:>7.0f} {ort_mb:>7.0f} {emu_mb / ort_mb:>6.2f} {'<= ' + str(RSS_TARGET):>6}")
 
 
 if __name__ == "__main__":
