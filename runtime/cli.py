@@ -14,7 +14,7 @@ from isa import arch as arch_mod
 from isa.asm import arch_of, load
 from isa.bulk import no_cycle_collection
 from isa.cli import program_files
-from isa.console import check_outputs, no_empty_path, read_arrays, version_option
+from isa.console import check_outputs, no_empty_path, printable, read_arrays, version_option
 from isa.expand import dram_of
 from isa.files import atomic_write_all
 from isa.progress import SILENT, Progress
@@ -246,6 +246,8 @@ def run_command(ctx, program, arch, inputs_path, seed, out_path, check_model, ch
         numbers = rep.summarize(result)
         if report:
             rep.print_report(numbers)
+        else:       # the run's result in a line, as dlegion-cc ends with its program's
+            click.echo(printable(f"{program}: {rep.headline(numbers)} (--report: utilization and traffic)"))
     given = tolerance       # --check-all judges values no approximation reaches at it
     if check_model and prog.approximations and not _given(ctx, "tolerance"):
         tolerance = _approximated(prog, tolerance, check_model, reference)

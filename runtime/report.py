@@ -336,10 +336,14 @@ def report_console() -> Console:
     return table_console(LOG_WIDTH)
 
 
+def headline(n: dict) -> str:
+    """The run in a line: the machine, its cycles and their time at its clock."""
+    return f"{n['arch']}: {n['cycles']:,} cycles = {n['time_s'] * 1e6:.3f} us at {n['clock_ghz']:g} GHz"
+
+
 def print_report(n: dict, console: Console | None = None) -> None:
     console = console or report_console()
-    console.print(f"[bold]{n['arch']}[/bold]: {n['cycles']:,} cycles = {n['time_s'] * 1e6:.3f} us "
-                  f"at {n['clock_ghz']:g} GHz")
+    console.print(headline(n), markup=False, highlight=False)
     peaks = ", ".join(f"{m} {t:.2f}" for m, t in n["peak_tops"].items())
     console.print(f"throughput: {n['achieved_tops']:.3f} TOPS achieved ({n['macs']:,} useful MACs); "
                   f"peak TOPS {peaks}")

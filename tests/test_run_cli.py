@@ -47,6 +47,14 @@ def test_outputs_json_and_trace(tmp_path):
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
 
 
+def test_a_run_without_report_says_its_cycles_in_a_line():
+    plain, report = dlegion_run(EXAMPLES / "softmax.s"), dlegion_run(EXAMPLES / "softmax.s", "--report")
+    assert plain.returncode == report.returncode == 0, plain.stderr + report.stderr
+    [line] = plain.stdout.splitlines()
+    headline = report.stdout.splitlines()[0]        # the report's first line: the machine and its cycles
+    assert " cycles = " in headline and line == f"{EXAMPLES / 'softmax.s'}: {headline} (--report: utilization and traffic)"
+
+
 def test_inputs_and_check_against_onnxruntime(tmp_path):
     model = tmp_path / "softmax.onnx"
     _softmax_model(model)
