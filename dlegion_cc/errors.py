@@ -17,3 +17,16 @@ class UnsupportedNodes(CompileError):
         self.problems = problems
         lines = [f"{source}: node '{n}' ({op}): {why}" for n, op, why in problems]
         super().__init__("\n".join(lines))
+
+
+# onnxruntime's QOperator format (quantize_static(quant_format=QuantFormat.QOperator)) writes these
+# contrib operators; its QDQ format writes the same computation in standard ops, which compile.
+QOPERATOR_HINT = "onnxruntime's QOperator format: quantize with quant_format=QuantFormat.QDQ, which compiles"
+MS = "com.microsoft"
+
+
+def not_supported(op: str, domain: str = "") -> str:
+    """Why a node of no lowering is rejected, with what to do where there is something."""
+    if domain == MS and (op.startswith("QLinear") or op == "QGemm"):
+        return f"operator not supported (domain {domain}; {QOPERATOR_HINT})"
+    return "operator not supported" + (f" (domain {domain})" if domain else "")

@@ -27,7 +27,7 @@ from isa.files import check_readable
 from isa.progress import SILENT, Progress
 from dlegion_cc import canon
 from dlegion_cc.canon.gqa import cache_head_dims
-from dlegion_cc.errors import CompileError, UnsupportedNodes, node_error
+from dlegion_cc.errors import CompileError, UnsupportedNodes, node_error, not_supported
 from dlegion_cc.ir import Graph, Lazy, Mapped, Node, Spill, Value
 from dlegion_cc.ort_schemas import DEFAULT_DOMAINS, lent_to_onnx, missing_ops
 
@@ -397,7 +397,7 @@ def _check_domains(model: onnx.ModelProto, source: str) -> None:
     cannot infer their shapes and would fail without naming them."""
     from dlegion_cc.lower.graph import LOWERINGS
     known = {"", "ai.onnx"} | {domain for domain, _ in LOWERINGS}
-    problems = [(n.name or f"{n.op_type}_{k}", n.op_type, f"operator not supported (domain {n.domain})")
+    problems = [(n.name or f"{n.op_type}_{k}", n.op_type, not_supported(n.op_type, n.domain))
                 for k, n in enumerate(model.graph.node) if n.domain not in known]
     if problems:
         raise UnsupportedNodes(source, problems)
@@ -595,7 +595,7 @@ def _check_static(nodes: list[Node], values: dict[str, Value], source: str) -> N
     for n in nodes:
         absent = [o for o in n.outputs if o and o not in values]
         if (n.domain, n.op) not in LOWERINGS:
-            problems.append((n.name, n.op, "operator not supported" + (f" (domain {n.domain})" if n.domain else "")))
+            problems.append((n.name, n.op, not_supported(n.op, n.domain)))
         elif absent:
             problems.append((n.name, n.op, f"output '{absent[0]}' has no static shape after shape inference"))
     raise UnsupportedNodes(source, problems)

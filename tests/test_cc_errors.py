@@ -296,3 +296,31 @@ def test_a_dim_bound_twice_alike_is_still_a_slip(tmp_path, cc):
     model = _symbolic(tmp_path / "sym.onnx")
     _error(cc(model, "-o", tmp_path / "p.s", "--dim", "batch=1", "--dim", "sequence=8", "--dim", "sequence=8"),
            "'sequence' bound twice")
+
+
+def test_onnxruntimes_qoperator_format_is_named_with_the_format_that_compiles(tmp_path, cc):
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+    rng = np.random.default_rng(0)
+    inits = [(name, rng.standard_normal(shape).astype(np.float32)) for name, shape in
+             (("w1", (16, 32)), ("b1", (32,)), ("w2", (32, 8)))]
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Add", ["h", "b1"], ["hb"]),
+             helper.make_node("Relu", ["hb"], ["r"]), helper.make_node("MatMul", ["r", "w2"], ["y"])]
+    floats = tmp_path / "mlp.onnx"
+    _save(floats, nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 16])],
+          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])], inits)
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.feeds = iter([{"x": rng.standard_normal((4, 16)).astype(np.float32)} for _ in range(2)])
+
+        def get_next(self):
+            return next(self.feeds, None)
+
+    for fmt, expected in ((QuantFormat.QOperator, 2), (QuantFormat.QDQ, 0)):
+        model = tmp_path / f"{fmt.name}.onnx"
+        quantize_static(floats, model, Reader(), quant_format=fmt, weight_type=QuantType.QInt8)
+        status, lines = cc(model, "-o", tmp_path / f"{fmt.name}.s", "--arch", "dlegion-tiny")
+        assert status == expected, lines
+        if expected:
+            assert "(QLinearAdd): operator not supported (domain com.microsoft; onnxruntime's QOperator format: " \
+                   "quantize with quant_format=QuantFormat.QDQ, which compiles)" in lines[0], lines

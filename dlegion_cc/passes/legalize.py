@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dlegion_cc.errors import UnsupportedNodes
+from dlegion_cc.errors import UnsupportedNodes, not_supported
 from dlegion_cc.ir import Graph
 
 SUPPORTED_DTYPES = {np.dtype(t) for t in (np.float32, np.bool_, np.int64, np.int32, np.int8, np.uint8)}
@@ -28,8 +28,7 @@ class Legalize:
     @staticmethod
     def _why(graph: Graph, node, lowerings) -> str | None:
         if (node.domain, node.op) not in lowerings:
-            domain = f" (domain {node.domain})" if node.domain else ""
-            return f"operator not supported{domain}"
+            return not_supported(node.op, node.domain)
         for name in node.inputs + node.outputs:
             v = graph.values.get(name)
             if v is not None and v.const is None and np.dtype(v.dtype) not in SUPPORTED_DTYPES:
