@@ -8,10 +8,11 @@ from functools import lru_cache
 
 import numpy as np
 import pytest
+from hypothesis import given, strategies as st
 
 from isa import arch
 from isa.instructions import Barrier, DmaLoad, DmaStore, MatMul, NocMove, VBinary, VReduce, VUnary
-from dlegion_cc.lower.rowblocks import FEWEST_ROWS, split
+from dlegion_cc.lower.rowblocks import FEWEST_ROWS, _apart, _insert, _Touched, _union, split
 from dlegion_cc.lower.tails import with_tails
 from dlegion_cc.pipeline import Options, compile_model
 from models.bitnet import BitLinear, build_bitnet, preset, save
@@ -532,3 +533,29 @@ def test_a_chain_of_short_blocks_loads_ahead_and_computes_the_same(tmp):
     want = run(behind, EIGHT, x, races=True).outputs
     for name in want:
         np.testing.assert_array_equal(got[name], want[name])
+
+
+@given(st.lists(st.tuples(st.integers(0, 64), st.integers(0, 16)), max_size=24))
+def test_windows_added_one_at_a_time_make_the_union_made_at_once(windows):
+    spans = [(lo, lo + n) for lo, n in windows]
+    union = ([], [])
+    for lo, hi in spans:
+        _insert(union, lo, hi)
+    assert union == _union(spans)
+
+
+def test_what_instructions_touch_grown_one_at_a_time_answers_as_apart(tmp):
+    """``_Touched`` against ``_apart`` on a chain's instructions: random sets checked against
+    random sets, and grown one instruction at a time."""
+    program = _compiled(tmp, True)
+    rng, n = np.random.default_rng(0), len(program.instrs)
+    answers = set()
+    for _ in range(60):
+        behind = sorted(rng.choice(n, size=int(rng.integers(1, 40)), replace=False).tolist())
+        touched = _Touched(program, behind[:1])
+        for j, k in enumerate(behind[1:], 1):
+            touched.add([k])
+            probe = [int(rng.integers(n))]
+            answers.add(_apart(program, probe, behind[:j + 1]))
+            assert touched.apart(probe) == _apart(program, probe, behind[:j + 1])
+    assert answers == {True, False}
