@@ -1,6 +1,8 @@
 """Compiler errors: each names the model and the culprit node, and exits with status 2."""
 from __future__ import annotations
 
+from dlegion_cc.ort_schemas import MS
+
 
 class CompileError(Exception):
     """A model that cannot be compiled; the message is complete and user-facing."""
@@ -22,7 +24,6 @@ class UnsupportedNodes(CompileError):
 # onnxruntime's QOperator format (quantize_static(quant_format=QuantFormat.QOperator)) writes these
 # contrib operators; its QDQ format writes the same computation in standard ops, which compile.
 QOPERATOR_HINT = "onnxruntime's QOperator format: quantize with quant_format=QuantFormat.QDQ, which compiles"
-MS = "com.microsoft"
 
 
 def not_supported(op: str, domain: str = "") -> str:

@@ -15,6 +15,7 @@ from onnx import AttributeProto
 from onnx.defs import OpSchema
 
 DEFAULT_DOMAINS = ("", "ai.onnx")
+MS = "com.microsoft"        # onnxruntime's contrib operators
 
 
 def default_opset(model: onnx.ModelProto) -> int:

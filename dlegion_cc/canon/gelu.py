@@ -15,8 +15,8 @@ import math
 
 from dlegion_cc.canon import expands
 from dlegion_cc.canon.builder import Builder, io
+from dlegion_cc.ort_schemas import MS
 
-MS = "com.microsoft"
 B = math.sqrt(2 / math.pi)
 C = 0.044715 * B
 

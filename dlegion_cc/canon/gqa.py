@@ -24,8 +24,8 @@ import onnx
 from dlegion_cc.canon import expands
 from dlegion_cc.canon.builder import Builder, attr, io
 from dlegion_cc.canon.rotary import rotate
+from dlegion_cc.ort_schemas import MS
 
-MS = "com.microsoft"
 LOWEST = float(np.finfo(np.float32).min)
 REFUSED = {"local_window_size": -1, "softcap": 0.0, "smooth_softmax": 0, "qk_output": 0}
 

@@ -12,8 +12,8 @@ import onnx
 
 from dlegion_cc.canon import expands
 from dlegion_cc.canon.builder import Builder, attr, io
+from dlegion_cc.ort_schemas import MS
 
-MS = "com.microsoft"
 EPSILON = 1e-5      # onnxruntime's default for every one of them
 
 

@@ -14,8 +14,7 @@ import numpy as np
 
 from dlegion_cc.canon import expands
 from dlegion_cc.canon.builder import Builder, attr
-
-MS = "com.microsoft"
+from dlegion_cc.ort_schemas import MS
 
 
 def positions(b: Builder, pos: str, batch: int, seq: int) -> str:

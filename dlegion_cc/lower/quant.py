@@ -20,8 +20,8 @@ from dlegion_cc.lower.rowwise import Arg, rowwise
 from dlegion_cc.passes.dynamic_int8 import integer_weights
 from dlegion_cc.passes.matmul_nbits import nbits_weights
 from dlegion_cc.passes.qdq import dequantize_constant
+from dlegion_cc.ort_schemas import MS
 
-MS = "com.microsoft"
 QRANGE = {"int8": (-128, 127), "uint8": (0, 255), "int4": (-8, 7), "uint4": (0, 15),
           "int16": (-32768, 32767), "uint16": (0, 65535)}
 INT_DRAM = {"int8": "i8", "uint8": "u8", "int32": "i32"}

@@ -25,8 +25,8 @@ import numpy as np
 
 from dlegion_cc.ir import DLEGION, Graph, Node, Value
 from dlegion_cc.lower.qmatmul import Weights, mode_for
+from dlegion_cc.ort_schemas import MS
 
-MS = "com.microsoft"
 APPROXIMATION = "int8_activations"      # recorded in the program for dlegion-run --check
 
 
