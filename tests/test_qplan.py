@@ -338,3 +338,17 @@ def test_mix_is_the_cheapest_convex_combination(options, allowance):
         assert found <= best + 5 * len(options) + 1e-6
     else:
         assert best == math.inf or best >= min(p[1] for o in options for p in o)
+
+
+def test_tiles_fit_a_vector_room_the_fewest_row_blocks_overflow():
+    """Many rows, few columns a Legion, a small part of ``vec`` (a causal QK^T's at 4096 in the
+    head groups' room): the accumulators take 2048 rows of 16 columns, so the fewest row blocks
+    are tiles of 820 rows and more, whose results overflow 12,288 elements; smaller tiles fit."""
+    eight = arch.load("dlegion-8x8")
+    _, p, _, _ = problem(eight, 4096, 128, 256, mode="w8")
+    tight = dataclasses.replace(p, vec_room=12_288)
+    plans = candidates(eight, tight, Switches())
+    assert plans and all(plan.rows * plan.cols <= 12_288 for plan in plans)
+    assert choose(eight, tight).rows < 820
+    roomy = {(plan.rows, plan.cols) for plan in candidates(eight, p, Switches())}
+    assert (820, 16) in roomy            # where they fit, the fewest row blocks are still there

@@ -559,3 +559,20 @@ def test_what_instructions_touch_grown_one_at_a_time_answers_as_apart(tmp):
             answers.add(_apart(program, probe, behind[:j + 1]))
             assert touched.apart(probe) == _apart(program, probe, behind[:j + 1])
     assert answers == {True, False}
+
+
+def test_a_chain_after_a_node_that_failed_reports_that_failure(tmp, monkeypatch):
+    """The attention's products fail (as the 2B4T's did at 4096, no tiling fitting): the chain
+    after them reads their output and stops, and the error names the products' failure, not
+    the chain's missing input with a traceback."""
+    from dlegion_cc.errors import CompileError
+    from dlegion_cc.lower import heads
+
+    def no_room(*args, **kwargs):
+        raise ValueError("no tiling fits")
+    monkeypatch.setattr(heads, "lower_attention", no_room)
+    path = f"{tmp}/failing.onnx"
+    save(build_bitnet(preset("tiny", layers=1, seq=SEQ)), path, external_data=False)
+    with pytest.raises(CompileError) as failed:
+        compile_model(path, Options(EIGHT))
+    assert str(failed.value).splitlines() == [f"{path}: node 'model.layers.0.self_attn/MatMul_51' (AttnMatMul): no tiling fits"]

@@ -46,10 +46,7 @@ def lower_graph(graph: Graph, arch: Arch, data_file: str | None, switches: Switc
                 chain = [*ahead, attention["qk"], attention["softmax"], attention["pv"],
                          *attention["between"]["before"], *attention["between"]["after"]]
             elif chain:               # matmuls and row kernels pipelined by row blocks
-                rowblocks.lower_chain(low, chain, ranges, regions, region_name, _lower_node)
-                em.barrier()
-                for node in chain:
-                    _record_approximations(em, node)
+                _lower_chain(low, chain, ranges, problems, regions)
             else:
                 _lower_node(low, graph.nodes[at], problems, regions)
             lowered = len(chain) or 1
@@ -113,6 +110,22 @@ def _lower_attention(low: Lowering, attention: dict, groups: list, problems: lis
         problems.append((attention["qk"].name, attention["qk"].op, str(e)))
         return
     low.em.barrier()
+
+
+def _lower_chain(low: Lowering, chain: list[Node], ranges: list[range], problems: list, regions: list) -> None:
+    """``rowblocks.lower_chain``, its failures reported as ``_lower_node`` reports a node's."""
+    try:
+        rowblocks.lower_chain(low, chain, ranges, regions, region_name, _lower_node)
+    except KeyError:
+        if not problems:
+            raise     # not a failed producer: a bug, which must not pass for a program
+        return        # an input whose producer already failed (2B4T attention at 4096): that failure is reported
+    except (ValueError, MemoryError) as e:
+        problems.append((chain[0].name, chain[0].op, str(e)))
+        return
+    low.em.barrier()
+    for node in chain:
+        _record_approximations(low.em, node)
 
 
 def _record_approximations(em: Emitter, node: Node) -> None:

@@ -684,6 +684,10 @@ def candidates(arch: Arch, p: Problem, switches: Switches) -> list[Plan]:
         # Exact results are stored straight from the accumulators: tiles of half of them let
         # one slot's store overlap the other's passes.
         most = [cap["acc"] // cols] + ([cap["acc"] // cols // 2] if p.exact else [])
+        # The fewest row blocks under the accumulators' bound may leave a tile's results more than
+        # the vector scratchpad's room (the head groups' part of it): parts under that bound too
+        # (2B4T attention's QK^T at 4096 on dlegion-8x8: 820 rows of 16 columns, room 12,288).
+        most.append(max(1, room(arch, p)["vec"] // cols))
         for rows in tile_rows(arch, p, most):
             # With one row block or one column tile per Legion the two orders are the same
             # schedule, and so are both activation slot shapes when one chunk is all of K.
