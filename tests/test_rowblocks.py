@@ -12,7 +12,7 @@ from hypothesis import given, strategies as st
 
 from isa import arch
 from isa.instructions import Barrier, DmaLoad, DmaStore, MatMul, NocMove, VBinary, VReduce, VUnary
-from dlegion_cc.lower.rowblocks import FEWEST_ROWS, _apart, _insert, _Touched, _union, split
+from dlegion_cc.lower.rowblocks import FEWEST_ROWS, _apart, _insert, _spans, _Touched, _union, split
 from dlegion_cc.lower.tails import with_tails
 from dlegion_cc.pipeline import Options, compile_model
 from models.bitnet import BitLinear, build_bitnet, preset, save
@@ -552,12 +552,12 @@ def test_what_instructions_touch_grown_one_at_a_time_answers_as_apart(tmp):
     answers = set()
     for _ in range(60):
         behind = sorted(rng.choice(n, size=int(rng.integers(1, 40)), replace=False).tolist())
-        touched = _Touched(program, behind[:1])
+        touched = _Touched(_spans(program, behind[:1]))
         for j, k in enumerate(behind[1:], 1):
-            touched.add([k])
+            touched.add(_spans(program, [k]))
             probe = [int(rng.integers(n))]
             answers.add(_apart(program, probe, behind[:j + 1]))
-            assert touched.apart(probe) == _apart(program, probe, behind[:j + 1])
+            assert touched.apart(_spans(program, probe)) == _apart(program, probe, behind[:j + 1])
     assert answers == {True, False}
 
 

@@ -81,14 +81,7 @@ def _lower_node(low: Lowering, node: Node, problems: list, regions: list) -> Non
     waiting = carry.pending(low, node)
     if waiting and not carry.reads_by_loads(node) and carry.settle(low, waiting):
         em.barrier()                # it reads a concat output a matmul's loads were to finish
-    try:
-        fn(low, node)
-    except KeyError:
-        if not problems:
-            raise     # not a failed producer: a bug, which must not pass for a program
-        return        # an input whose producer already failed; that failure is reported
-    except (ValueError, MemoryError) as e:
-        problems.append((node.name, node.op, str(e)))
+    if not _reported(problems, node, lambda: fn(low, node)):
         return
     if waiting and node.op == "MatMul" and not node.domain:
         carry.settle(low, waiting)  # what its loads did not carry (blocks a causal mask skips)
@@ -99,33 +92,35 @@ def _lower_node(low: Lowering, node: Node, problems: list, regions: list) -> Non
 
 
 def _lower_attention(low: Lowering, attention: dict, groups: list, problems: list, regions: list) -> None:
-    """``heads.lower_attention``, its failures reported as ``_lower_node`` reports a node's."""
-    try:
-        heads.lower_attention(low, attention, groups, _lower_node, regions, region_name)
-    except KeyError:
-        if not problems:
-            raise     # not a failed producer: a bug, which must not pass for a program
-        return        # an input whose producer already failed; that failure is reported
-    except (ValueError, MemoryError) as e:
-        problems.append((attention["qk"].name, attention["qk"].op, str(e)))
-        return
-    low.em.barrier()
+    """``heads.lower_attention``, its failures reported as a node's (its QK^T's)."""
+    if _reported(problems, attention["qk"],
+                 lambda: heads.lower_attention(low, attention, groups, _lower_node, regions, region_name)):
+        low.em.barrier()
 
 
 def _lower_chain(low: Lowering, chain: list[Node], ranges: list[range], problems: list, regions: list) -> None:
-    """``rowblocks.lower_chain``, its failures reported as ``_lower_node`` reports a node's."""
+    """``rowblocks.lower_chain``, its failures reported as a node's (its first's)."""
+    if _reported(problems, chain[0], lambda: rowblocks.lower_chain(low, chain, ranges, regions, region_name, _lower_node)):
+        low.em.barrier()
+        for node in chain:
+            _record_approximations(low.em, node)
+
+
+def _reported(problems: list, node: Node, lower) -> bool:
+    """Whether ``lower()`` lowered; if not, its failure is among ``problems``, named by ``node``.
+    A KeyError is a value not computed: an input whose producer already failed, whose failure
+    is reported (a chain after the 2B4T attention that found no tiling at 4096), or else a bug,
+    which must not pass for a program."""
     try:
-        rowblocks.lower_chain(low, chain, ranges, regions, region_name, _lower_node)
+        lower()
     except KeyError:
         if not problems:
-            raise     # not a failed producer: a bug, which must not pass for a program
-        return        # an input whose producer already failed (2B4T attention at 4096): that failure is reported
+            raise
+        return False
     except (ValueError, MemoryError) as e:
-        problems.append((chain[0].name, chain[0].op, str(e)))
-        return
-    low.em.barrier()
-    for node in chain:
-        _record_approximations(low.em, node)
+        problems.append((node.name, node.op, str(e)))
+        return False
+    return True
 
 
 def _record_approximations(em: Emitter, node: Node) -> None:

@@ -676,6 +676,7 @@ def candidates(arch: Arch, p: Problem, switches: Switches) -> list[Plan]:
     per_legion = columns_per_legion(arch, p)
     group = min(p.block, p.K)
     depths = {d for d in _multiples(na * arch.cores, group) if d <= group} | {group}
+    vec_room = room(arch, p)["vec"]
     out = []
     for cols in _multiples(window if window <= per_legion else na, per_legion):
         cols = min(cols, per_legion)
@@ -687,7 +688,7 @@ def candidates(arch: Arch, p: Problem, switches: Switches) -> list[Plan]:
         # The fewest row blocks under the accumulators' bound may leave a tile's results more than
         # the vector scratchpad's room (the head groups' part of it): parts under that bound too
         # (2B4T attention's QK^T at 4096 on dlegion-8x8: 820 rows of 16 columns, room 12,288).
-        most.append(max(1, room(arch, p)["vec"] // cols))
+        most.append(max(1, vec_room // cols))
         for rows in tile_rows(arch, p, most):
             # With one row block or one column tile per Legion the two orders are the same
             # schedule, and so are both activation slot shapes when one chunk is all of K.

@@ -606,16 +606,17 @@ def _hoisted(program: Program, arch: Arch, steps: list[list[int]], ahead: set[in
         if not passes or not first:
             continue
         over, moved, kept = before[passes[-1]:], [], []
-        behind, staying = _Touched(program, over), set(over)       # what stays behind: over and kept
+        behind, staying = _Touched(_spans(program, over)), set(over)       # what stays behind: over and kept
         for k in step[:first]:
             after = {t[2] for t in (targets.get((k, l)) for l in range(arch.legions)) if t}
+            mine = _spans(program, [k])
             free = (not is_pass(k) and (at not in ahead or isinstance(program.instrs[k], DmaLoad))
-                    and not after & staying and behind.apart([k]))
+                    and not after & staying and behind.apart(mine))
             if free:
                 moved.append(k)
             else:
                 kept.append(k)
-                behind.add([k])
+                behind.add(mine)
                 staying.add(k)
         before[passes[-1]:passes[-1]] = moved
         step[:first] = kept
@@ -638,11 +639,12 @@ def _stores_after(program: Program, arch: Arch, before: list[int], step: list[in
         return
     at = next((n for n, k in enumerate(step) if not isinstance(program.instrs[k], quiet)), len(step))
     named = {t[2] for k in before[tail:] + step for t in (targets.get((k, l)) for l in range(arch.legions)) if t}
-    stores, behind = [], _Touched(program, step[:at])     # from the last: what is behind each
+    stores, behind = [], _Touched(_spans(program, step[:at]))     # from the last: what is behind each
     for k in reversed(before[tail:]):
-        if isinstance(program.instrs[k], DmaStore) and k not in named and behind.apart([k]):
+        mine = _spans(program, [k])
+        if isinstance(program.instrs[k], DmaStore) and k not in named and behind.apart(mine):
             stores.append(k)
-        behind.add([k])
+        behind.add(mine)
     stores.reverse()
     if stores:
         moved = set(stores)
@@ -729,26 +731,27 @@ def _apart(program: Program, a: list[int], b: list[int], sb: dict | None = None)
 
 
 class _Touched:
-    """What some instructions touch, space by space: the sorted union of their windows and of
-    those they write, grown as instructions are added. ``apart`` is ``_apart`` against all of
-    them, each window checked in log time: checking each instruction of a step against those
-    before it one ``_apart`` at a time made the unions again for each, which took most of a
-    compile at long sequences (2B4T layer at 2048 on dlegion-8x8)."""
+    """What some instructions touch, space by space, given their ``_spans``: the sorted union of
+    their windows and of those they write, grown as instructions are added. ``apart`` is
+    ``_apart`` against all of them, each window checked in log time: checking each instruction
+    of a step against those before it one ``_apart`` at a time made the unions again for each,
+    which took most of a compile at long sequences (2B4T layer at 2048 on dlegion-8x8)."""
 
-    def __init__(self, program: Program, ks: list[int]):
-        self.program, self.touched, self.written = program, {}, {}
-        self.add(ks)
+    def __init__(self, spans: dict):
+        self.touched, self.written = {}, {}
+        self.add(spans)
 
-    def add(self, ks: list[int]) -> None:
-        for space, found in _spans(self.program, ks).items():
+    def add(self, spans: dict) -> None:
+        for space, found in spans.items():
             for lo, hi, write in found:
                 _insert(self.touched.setdefault(space, ([], [])), lo, hi)
                 if write:
                     _insert(self.written.setdefault(space, ([], [])), lo, hi)
 
-    def apart(self, ks: list[int]) -> bool:
-        """Whether no element is touched by ``ks`` and by these, one of them writing."""
-        for space, found in _spans(self.program, ks).items():
+    def apart(self, spans: dict) -> bool:
+        """Whether no element is touched by the instructions of ``spans`` and by these, one of
+        them writing."""
+        for space, found in spans.items():
             for lo, hi, write in found:
                 union = (self.touched if write else self.written).get(space)
                 if union and _meets(union, lo, hi):
